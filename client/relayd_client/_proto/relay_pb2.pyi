@@ -1,0 +1,533 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ProtocolVersion(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PROTOCOL_VERSION_UNSPECIFIED: _ClassVar[ProtocolVersion]
+    PROTOCOL_VERSION_CURRENT: _ClassVar[ProtocolVersion]
+
+class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ERROR_CODE_UNSPECIFIED: _ClassVar[ErrorCode]
+    ERROR_CODE_INTERNAL: _ClassVar[ErrorCode]
+    ERROR_CODE_INVALID_ARGUMENT: _ClassVar[ErrorCode]
+    ERROR_CODE_VERSION_MISMATCH: _ClassVar[ErrorCode]
+    ERROR_CODE_DAEMON_UNAVAILABLE: _ClassVar[ErrorCode]
+    ERROR_CODE_RESOURCE_EXHAUSTED: _ClassVar[ErrorCode]
+    ERROR_CODE_PERMISSION_DENIED: _ClassVar[ErrorCode]
+    ERROR_CODE_NOT_FOUND: _ClassVar[ErrorCode]
+    ERROR_CODE_STALE_REF: _ClassVar[ErrorCode]
+    ERROR_CODE_STALE_EPOCH: _ClassVar[ErrorCode]
+    ERROR_CODE_CORRUPT_REF: _ClassVar[ErrorCode]
+    ERROR_CODE_ABORTED: _ClassVar[ErrorCode]
+    ERROR_CODE_DRAINING: _ClassVar[ErrorCode]
+    ERROR_CODE_TIMEOUT: _ClassVar[ErrorCode]
+    ERROR_CODE_UNSAFE_PAYLOAD: _ClassVar[ErrorCode]
+    ERROR_CODE_SESSION_CLOSED: _ClassVar[ErrorCode]
+    ERROR_CODE_PEER_UNAVAILABLE: _ClassVar[ErrorCode]
+    ERROR_CODE_STREAM_ERROR: _ClassVar[ErrorCode]
+
+class Transport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TRANSPORT_UNSPECIFIED: _ClassVar[Transport]
+    TRANSPORT_INLINE: _ClassVar[Transport]
+    TRANSPORT_LOCAL_OBJECT: _ClassVar[Transport]
+    TRANSPORT_CUDA_IPC_DIRECT: _ClassVar[Transport]
+    TRANSPORT_CUDA_IPC_POOL: _ClassVar[Transport]
+    TRANSPORT_SHM: _ClassVar[Transport]
+    TRANSPORT_MOONCAKE: _ClassVar[Transport]
+    TRANSPORT_SOCKET: _ClassVar[Transport]
+
+class LeaseState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LEASE_STATE_UNSPECIFIED: _ClassVar[LeaseState]
+    LEASE_STATE_RESERVED: _ClassVar[LeaseState]
+    LEASE_STATE_PUBLISHED: _ClassVar[LeaseState]
+    LEASE_STATE_CLAIMED: _ClassVar[LeaseState]
+
+class HeaderCodec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    HEADER_CODEC_UNSPECIFIED: _ClassVar[HeaderCodec]
+    HEADER_CODEC_SAFE: _ClassVar[HeaderCodec]
+    HEADER_CODEC_PICKLE: _ClassVar[HeaderCodec]
+PROTOCOL_VERSION_UNSPECIFIED: ProtocolVersion
+PROTOCOL_VERSION_CURRENT: ProtocolVersion
+ERROR_CODE_UNSPECIFIED: ErrorCode
+ERROR_CODE_INTERNAL: ErrorCode
+ERROR_CODE_INVALID_ARGUMENT: ErrorCode
+ERROR_CODE_VERSION_MISMATCH: ErrorCode
+ERROR_CODE_DAEMON_UNAVAILABLE: ErrorCode
+ERROR_CODE_RESOURCE_EXHAUSTED: ErrorCode
+ERROR_CODE_PERMISSION_DENIED: ErrorCode
+ERROR_CODE_NOT_FOUND: ErrorCode
+ERROR_CODE_STALE_REF: ErrorCode
+ERROR_CODE_STALE_EPOCH: ErrorCode
+ERROR_CODE_CORRUPT_REF: ErrorCode
+ERROR_CODE_ABORTED: ErrorCode
+ERROR_CODE_DRAINING: ErrorCode
+ERROR_CODE_TIMEOUT: ErrorCode
+ERROR_CODE_UNSAFE_PAYLOAD: ErrorCode
+ERROR_CODE_SESSION_CLOSED: ErrorCode
+ERROR_CODE_PEER_UNAVAILABLE: ErrorCode
+ERROR_CODE_STREAM_ERROR: ErrorCode
+TRANSPORT_UNSPECIFIED: Transport
+TRANSPORT_INLINE: Transport
+TRANSPORT_LOCAL_OBJECT: Transport
+TRANSPORT_CUDA_IPC_DIRECT: Transport
+TRANSPORT_CUDA_IPC_POOL: Transport
+TRANSPORT_SHM: Transport
+TRANSPORT_MOONCAKE: Transport
+TRANSPORT_SOCKET: Transport
+LEASE_STATE_UNSPECIFIED: LeaseState
+LEASE_STATE_RESERVED: LeaseState
+LEASE_STATE_PUBLISHED: LeaseState
+LEASE_STATE_CLAIMED: LeaseState
+HEADER_CODEC_UNSPECIFIED: HeaderCodec
+HEADER_CODEC_SAFE: HeaderCodec
+HEADER_CODEC_PICKLE: HeaderCodec
+
+class TensorLayout(_message.Message):
+    __slots__ = ("index", "shape", "dtype", "offset", "nbytes", "device")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    offset: int
+    nbytes: int
+    device: str
+    def __init__(self, index: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
+
+class Origin(_message.Message):
+    __slots__ = ("node_id", "daemon_epoch", "peer_address", "mooncake_session", "stage")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    DAEMON_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MOONCAKE_SESSION_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    daemon_epoch: str
+    peer_address: str
+    mooncake_session: str
+    stage: str
+    def __init__(self, node_id: _Optional[str] = ..., daemon_epoch: _Optional[str] = ..., peer_address: _Optional[str] = ..., mooncake_session: _Optional[str] = ..., stage: _Optional[str] = ...) -> None: ...
+
+class LeaseRef(_message.Message):
+    __slots__ = ("pool", "segment", "slot", "nslots", "offset", "length", "generation", "lease_id")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    NSLOTS_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    segment: int
+    slot: int
+    nslots: int
+    offset: int
+    length: int
+    generation: int
+    lease_id: int
+    def __init__(self, pool: _Optional[str] = ..., segment: _Optional[int] = ..., slot: _Optional[int] = ..., nslots: _Optional[int] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., generation: _Optional[int] = ..., lease_id: _Optional[int] = ...) -> None: ...
+
+class DataRef(_message.Message):
+    __slots__ = ("version", "object_id", "request_id", "chunk_id", "transport", "origin", "lease", "tensors", "header_codec", "header", "inline_data", "to_stage", "kind", "message")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    OBJECT_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    ORIGIN_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    HEADER_CODEC_FIELD_NUMBER: _ClassVar[int]
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    INLINE_DATA_FIELD_NUMBER: _ClassVar[int]
+    TO_STAGE_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    object_id: str
+    request_id: str
+    chunk_id: int
+    transport: Transport
+    origin: Origin
+    lease: LeaseRef
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorLayout]
+    header_codec: HeaderCodec
+    header: bytes
+    inline_data: bytes
+    to_stage: str
+    kind: int
+    message: str
+    def __init__(self, version: _Optional[int] = ..., object_id: _Optional[str] = ..., request_id: _Optional[str] = ..., chunk_id: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., origin: _Optional[_Union[Origin, _Mapping]] = ..., lease: _Optional[_Union[LeaseRef, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[TensorLayout, _Mapping]]] = ..., header_codec: _Optional[_Union[HeaderCodec, str]] = ..., header: _Optional[bytes] = ..., inline_data: _Optional[bytes] = ..., to_stage: _Optional[str] = ..., kind: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class AttachRequest(_message.Message):
+    __slots__ = ("protocol_version", "stages", "pid", "node_hint", "namespaces", "gpu_uuids")
+    class NamespacesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    NODE_HINT_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    GPU_UUIDS_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    stages: _containers.RepeatedScalarFieldContainer[str]
+    pid: int
+    node_hint: str
+    namespaces: _containers.ScalarMap[str, str]
+    gpu_uuids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, protocol_version: _Optional[int] = ..., stages: _Optional[_Iterable[str]] = ..., pid: _Optional[int] = ..., node_hint: _Optional[str] = ..., namespaces: _Optional[_Mapping[str, str]] = ..., gpu_uuids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Segment(_message.Message):
+    __slots__ = ("name", "size", "index")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    size: int
+    index: int
+    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., index: _Optional[int] = ...) -> None: ...
+
+class AttachResponse(_message.Message):
+    __slots__ = ("protocol_version", "session_id", "session_token", "session_socket", "node_id", "daemon_epoch", "slot_size", "header_offset", "header_stride", "data_offset", "segments", "default_grant_bytes", "lease_ttl_seconds", "peer_address", "mooncake_session")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    SESSION_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    DAEMON_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SLOT_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HEADER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    HEADER_STRIDE_FIELD_NUMBER: _ClassVar[int]
+    DATA_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_GRANT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MOONCAKE_SESSION_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    session_id: str
+    session_token: bytes
+    session_socket: str
+    node_id: str
+    daemon_epoch: str
+    slot_size: int
+    header_offset: int
+    header_stride: int
+    data_offset: int
+    segments: _containers.RepeatedCompositeFieldContainer[Segment]
+    default_grant_bytes: int
+    lease_ttl_seconds: float
+    peer_address: str
+    mooncake_session: str
+    def __init__(self, protocol_version: _Optional[int] = ..., session_id: _Optional[str] = ..., session_token: _Optional[bytes] = ..., session_socket: _Optional[str] = ..., node_id: _Optional[str] = ..., daemon_epoch: _Optional[str] = ..., slot_size: _Optional[int] = ..., header_offset: _Optional[int] = ..., header_stride: _Optional[int] = ..., data_offset: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., default_grant_bytes: _Optional[int] = ..., lease_ttl_seconds: _Optional[float] = ..., peer_address: _Optional[str] = ..., mooncake_session: _Optional[str] = ...) -> None: ...
+
+class GrantRequest(_message.Message):
+    __slots__ = ("session_id", "session_token", "min_bytes", "timeout_seconds")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    MIN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    session_token: bytes
+    min_bytes: int
+    timeout_seconds: float
+    def __init__(self, session_id: _Optional[str] = ..., session_token: _Optional[bytes] = ..., min_bytes: _Optional[int] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class GrantResponse(_message.Message):
+    __slots__ = ("grant_id", "segment", "slot", "nslots", "generation_base")
+    GRANT_ID_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    NSLOTS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_BASE_FIELD_NUMBER: _ClassVar[int]
+    grant_id: int
+    segment: int
+    slot: int
+    nslots: int
+    generation_base: int
+    def __init__(self, grant_id: _Optional[int] = ..., segment: _Optional[int] = ..., slot: _Optional[int] = ..., nslots: _Optional[int] = ..., generation_base: _Optional[int] = ...) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("session_id", "session_token", "request_id")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    session_token: bytes
+    request_id: str
+    def __init__(self, session_id: _Optional[str] = ..., session_token: _Optional[bytes] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class AbortResponse(_message.Message):
+    __slots__ = ("leases_freed", "bytes_freed")
+    LEASES_FREED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FREED_FIELD_NUMBER: _ClassVar[int]
+    leases_freed: int
+    bytes_freed: int
+    def __init__(self, leases_freed: _Optional[int] = ..., bytes_freed: _Optional[int] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PoolStatus(_message.Message):
+    __slots__ = ("name", "capacity_bytes", "used_bytes", "granted_bytes", "largest_free_run_bytes", "slot_size", "slots", "free_slots")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    GRANTED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LARGEST_FREE_RUN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SLOT_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    FREE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    capacity_bytes: int
+    used_bytes: int
+    granted_bytes: int
+    largest_free_run_bytes: int
+    slot_size: int
+    slots: int
+    free_slots: int
+    def __init__(self, name: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., granted_bytes: _Optional[int] = ..., largest_free_run_bytes: _Optional[int] = ..., slot_size: _Optional[int] = ..., slots: _Optional[int] = ..., free_slots: _Optional[int] = ...) -> None: ...
+
+class LeaseStatus(_message.Message):
+    __slots__ = ("lease_id", "state", "pool", "bytes", "request_id", "from_stage", "to_stage", "age_seconds", "session_id")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FROM_STAGE_FIELD_NUMBER: _ClassVar[int]
+    TO_STAGE_FIELD_NUMBER: _ClassVar[int]
+    AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    state: LeaseState
+    pool: str
+    bytes: int
+    request_id: str
+    from_stage: str
+    to_stage: str
+    age_seconds: float
+    session_id: str
+    def __init__(self, lease_id: _Optional[int] = ..., state: _Optional[_Union[LeaseState, str]] = ..., pool: _Optional[str] = ..., bytes: _Optional[int] = ..., request_id: _Optional[str] = ..., from_stage: _Optional[str] = ..., to_stage: _Optional[str] = ..., age_seconds: _Optional[float] = ..., session_id: _Optional[str] = ...) -> None: ...
+
+class SessionStatus(_message.Message):
+    __slots__ = ("session_id", "pid", "stages", "granted_bytes", "leases", "age_seconds", "uid")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    GRANTED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    UID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    pid: int
+    stages: _containers.RepeatedScalarFieldContainer[str]
+    granted_bytes: int
+    leases: int
+    age_seconds: float
+    uid: int
+    def __init__(self, session_id: _Optional[str] = ..., pid: _Optional[int] = ..., stages: _Optional[_Iterable[str]] = ..., granted_bytes: _Optional[int] = ..., leases: _Optional[int] = ..., age_seconds: _Optional[float] = ..., uid: _Optional[int] = ...) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("node_id", "daemon_epoch", "state", "uptime_seconds", "pools", "leases", "sessions", "leases_by_state", "transfers_by_transport", "reclaimed_by_reason", "version")
+    class LeasesByStateEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class TransfersByTransportEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class ReclaimedByReasonEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    DAEMON_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    LEASES_BY_STATE_FIELD_NUMBER: _ClassVar[int]
+    TRANSFERS_BY_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    RECLAIMED_BY_REASON_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    daemon_epoch: str
+    state: str
+    uptime_seconds: float
+    pools: _containers.RepeatedCompositeFieldContainer[PoolStatus]
+    leases: _containers.RepeatedCompositeFieldContainer[LeaseStatus]
+    sessions: _containers.RepeatedCompositeFieldContainer[SessionStatus]
+    leases_by_state: _containers.ScalarMap[str, int]
+    transfers_by_transport: _containers.ScalarMap[str, int]
+    reclaimed_by_reason: _containers.ScalarMap[str, int]
+    version: str
+    def __init__(self, node_id: _Optional[str] = ..., daemon_epoch: _Optional[str] = ..., state: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., leases: _Optional[_Iterable[_Union[LeaseStatus, _Mapping]]] = ..., sessions: _Optional[_Iterable[_Union[SessionStatus, _Mapping]]] = ..., leases_by_state: _Optional[_Mapping[str, int]] = ..., transfers_by_transport: _Optional[_Mapping[str, int]] = ..., reclaimed_by_reason: _Optional[_Mapping[str, int]] = ..., version: _Optional[str] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ("grace_seconds",)
+    GRACE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    grace_seconds: float
+    def __init__(self, grace_seconds: _Optional[float] = ...) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("accepted",)
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    def __init__(self, accepted: _Optional[bool] = ...) -> None: ...
+
+class Bind(_message.Message):
+    __slots__ = ("session_id", "session_token")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    session_token: bytes
+    def __init__(self, session_id: _Optional[str] = ..., session_token: _Optional[bytes] = ...) -> None: ...
+
+class Reserve(_message.Message):
+    __slots__ = ("lease_id", "grant_id", "slot", "nslots", "generation", "request_id", "to_stage", "from_stage")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    GRANT_ID_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    NSLOTS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TO_STAGE_FIELD_NUMBER: _ClassVar[int]
+    FROM_STAGE_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    grant_id: int
+    slot: int
+    nslots: int
+    generation: int
+    request_id: str
+    to_stage: str
+    from_stage: str
+    def __init__(self, lease_id: _Optional[int] = ..., grant_id: _Optional[int] = ..., slot: _Optional[int] = ..., nslots: _Optional[int] = ..., generation: _Optional[int] = ..., request_id: _Optional[str] = ..., to_stage: _Optional[str] = ..., from_stage: _Optional[str] = ...) -> None: ...
+
+class Publish(_message.Message):
+    __slots__ = ("lease_id", "nbytes", "transport")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    nbytes: int
+    transport: Transport
+    def __init__(self, lease_id: _Optional[int] = ..., nbytes: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ...) -> None: ...
+
+class Claim(_message.Message):
+    __slots__ = ("lease_id", "generation")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    generation: int
+    def __init__(self, lease_id: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class Release(_message.Message):
+    __slots__ = ("lease_id", "generation")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    generation: int
+    def __init__(self, lease_id: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class Cancel(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    def __init__(self, lease_id: _Optional[int] = ...) -> None: ...
+
+class ReturnGrant(_message.Message):
+    __slots__ = ("grant_id",)
+    GRANT_ID_FIELD_NUMBER: _ClassVar[int]
+    grant_id: int
+    def __init__(self, grant_id: _Optional[int] = ...) -> None: ...
+
+class TransferReport(_message.Message):
+    __slots__ = ("transport", "count", "bytes")
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    transport: Transport
+    count: int
+    bytes: int
+    def __init__(self, transport: _Optional[_Union[Transport, str]] = ..., count: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class Freed(_message.Message):
+    __slots__ = ("lease_ids",)
+    LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    lease_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lease_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Aborted(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class Event(_message.Message):
+    __slots__ = ("kind", "code", "message")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    code: ErrorCode
+    message: str
+    def __init__(self, kind: _Optional[str] = ..., code: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ...) -> None: ...
+
+class SessionFrame(_message.Message):
+    __slots__ = ("bind", "reserve", "publish", "claim", "release", "cancel", "return_grant", "report", "freed", "aborted", "event")
+    BIND_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_FIELD_NUMBER: _ClassVar[int]
+    PUBLISH_FIELD_NUMBER: _ClassVar[int]
+    CLAIM_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    RETURN_GRANT_FIELD_NUMBER: _ClassVar[int]
+    REPORT_FIELD_NUMBER: _ClassVar[int]
+    FREED_FIELD_NUMBER: _ClassVar[int]
+    ABORTED_FIELD_NUMBER: _ClassVar[int]
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    bind: Bind
+    reserve: _containers.RepeatedCompositeFieldContainer[Reserve]
+    publish: _containers.RepeatedCompositeFieldContainer[Publish]
+    claim: _containers.RepeatedCompositeFieldContainer[Claim]
+    release: _containers.RepeatedCompositeFieldContainer[Release]
+    cancel: _containers.RepeatedCompositeFieldContainer[Cancel]
+    return_grant: _containers.RepeatedCompositeFieldContainer[ReturnGrant]
+    report: _containers.RepeatedCompositeFieldContainer[TransferReport]
+    freed: Freed
+    aborted: _containers.RepeatedCompositeFieldContainer[Aborted]
+    event: _containers.RepeatedCompositeFieldContainer[Event]
+    def __init__(self, bind: _Optional[_Union[Bind, _Mapping]] = ..., reserve: _Optional[_Iterable[_Union[Reserve, _Mapping]]] = ..., publish: _Optional[_Iterable[_Union[Publish, _Mapping]]] = ..., claim: _Optional[_Iterable[_Union[Claim, _Mapping]]] = ..., release: _Optional[_Iterable[_Union[Release, _Mapping]]] = ..., cancel: _Optional[_Iterable[_Union[Cancel, _Mapping]]] = ..., return_grant: _Optional[_Iterable[_Union[ReturnGrant, _Mapping]]] = ..., report: _Optional[_Iterable[_Union[TransferReport, _Mapping]]] = ..., freed: _Optional[_Union[Freed, _Mapping]] = ..., aborted: _Optional[_Iterable[_Union[Aborted, _Mapping]]] = ..., event: _Optional[_Iterable[_Union[Event, _Mapping]]] = ...) -> None: ...

@@ -1,0 +1,3 @@
+from relayd.cli import main
+
+raise SystemExit(main())

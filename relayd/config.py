@@ -1,0 +1,258 @@
+"""Daemon settings, declared once.
+
+Every setting is a field of :class:`Settings` with its help text, and from that
+one declaration come the ``relayd serve`` flag (``--shm-pool-size``), the
+environment variable (``RELAYD_SHM_POOL_SIZE``) and the config-file key
+(``shm_pool_size``). Precedence: config file < environment < flags.
+
+The environment is read here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import pathlib
+import re
+import socket
+import tempfile
+import tomllib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+ENV_PREFIX = "RELAYD_"
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "ki": 1024, "kib": 1024,
+    "m": 1000**2, "mb": 1000**2, "mi": 1024**2, "mib": 1024**2,
+    "g": 1000**3, "gb": 1000**3, "gi": 1024**3, "gib": 1024**3,
+    "t": 1000**4, "tb": 1000**4, "ti": 1024**4, "tib": 1024**4,
+}  # fmt: skip
+
+
+class ConfigError(ValueError):
+    """A setting has a value relayd cannot use; the message says which and why."""
+
+
+def parse_size(text: str | int) -> int:
+    """``"256MiB"`` -> 268435456. Bare numbers are bytes; K/M/G are decimal, Ki/Mi/Gi binary."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE_RE.match(text)
+    if not m:
+        raise ConfigError(f"not a size: {text!r} (examples: 65536, 64KiB, 256MiB, 2GiB)")
+    unit = (m.group(2) or "").lower()
+    if unit not in _UNITS:
+        raise ConfigError(f"unknown size unit in {text!r}")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def _parse_list(text: str | Sequence[str]) -> tuple[str, ...]:
+    if isinstance(text, str):
+        return tuple(p.strip() for p in text.split(",") if p.strip())
+    return tuple(str(p) for p in text)
+
+
+def _parse_ints(text: str | Sequence[int]) -> tuple[int, ...]:
+    if isinstance(text, str):
+        return tuple(int(p) for p in _parse_list(text))
+    return tuple(int(p) for p in text)
+
+
+def _parse_bool(text: str | bool) -> bool:
+    if isinstance(text, bool):
+        return text
+    low = text.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off", ""):
+        return False
+    raise ConfigError(f"not a boolean: {text!r}")
+
+
+def default_runtime_dir() -> pathlib.Path:
+    """Where the socket goes on the embedded default: systemd's runtime dir, else a temp dir."""
+    for var in ("RUNTIME_DIRECTORY", "XDG_RUNTIME_DIR"):
+        value = os.environ.get(var)
+        if value:
+            first = value.split(":")[0]
+            if os.path.isdir(first) and os.access(first, os.W_OK):
+                return pathlib.Path(first) / ("" if var == "RUNTIME_DIRECTORY" else "relayd")
+    return pathlib.Path(tempfile.gettempdir()) / f"relayd-{os.getuid()}"
+
+
+def default_socket_path() -> str:
+    return str(default_runtime_dir() / "relayd.sock")
+
+
+def default_shm_pool_size() -> int:
+    """1/16 of RAM and half of /dev/shm's free space, between 64 MiB and 4 GiB."""
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        ram = 4 << 30
+    try:
+        st = os.statvfs("/dev/shm")
+        shm_free = st.f_bavail * st.f_frsize
+    except OSError:
+        shm_free = ram
+    size = min(ram // 16, shm_free // 2, 4 << 30)
+    return max(64 << 20, size - size % (1 << 20))
+
+
+def default_node_id() -> str:
+    """Stable per host: /etc/machine-id's prefix when present, else the hostname."""
+    try:
+        mid = pathlib.Path("/etc/machine-id").read_text().strip()
+        if mid:
+            return f"{socket.gethostname()}-{mid[:8]}"
+    except OSError:
+        pass
+    return socket.gethostname()
+
+
+def _field(default: Any = dataclasses.MISSING, *, factory: Any = None, help: str,
+           parse: Any = str, metavar: str | None = None) -> Any:
+    meta = {"help": help, "parse": parse, "metavar": metavar}
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Everything ``relayd serve`` can be told. Field name == config key."""
+
+    socket: str = _field(factory=default_socket_path, metavar="PATH",
+                         help="gRPC Unix socket; the session socket is PATH.session")
+    socket_mode: int = _field(0o660, parse=lambda v: int(v, 8) if isinstance(v, str) else int(v),
+                              metavar="OCTAL", help="permissions of the socket files")
+    shm_pool_size: int = _field(factory=default_shm_pool_size, parse=parse_size, metavar="SIZE",
+                                help="SHM arena size (e.g. 256MiB); default sized to the machine")
+    shm_segment_size: int = _field(1 << 30, parse=parse_size, metavar="SIZE",
+                                   help="largest single SHM segment; the arena is cut into these")
+    slot_size: int = _field(64 << 10, parse=parse_size, metavar="SIZE",
+                            help="allocation granule of every pool")
+    grant_size: int = _field(8 << 20, parse=parse_size, metavar="SIZE",
+                             help="default slot run granted to a writer session at a time")
+    lease_ttl: float = _field(60.0, parse=float, metavar="SECONDS",
+                              help="published data nobody reads is reclaimed after this")
+    reserve_timeout: float = _field(10.0, parse=float, metavar="SECONDS",
+                                    help="longest a grant waits for space before RESOURCE_EXHAUSTED")
+    drain_grace: float = _field(10.0, parse=float, metavar="SECONDS",
+                                help="how long a drain waits for in-flight leases")
+    metrics_address: str = _field("", metavar="HOST:PORT",
+                                  help="Prometheus endpoint; empty disables it")
+    health_address: str = _field("", metavar="HOST:PORT",
+                                 help="extra TCP address for gRPC health (probes); empty: off")
+    node_id: str = _field(factory=default_node_id, metavar="ID", help="this node's identity")
+    peer_address: str = _field("", metavar="HOST:PORT",
+                               help="TCP address of the Peer service (cross-node); empty: off")
+    peers: tuple[str, ...] = _field((), parse=_parse_list, metavar="HOST:PORT,...",
+                                    help="static peer daemons (or a DNS name resolving to several)")
+    peer_token_file: str = _field("", metavar="FILE",
+                                  help="shared secret peers authenticate with")
+    peer_credits: int = _field(32, parse=int, metavar="N",
+                               help="in-flight Mooncake pulls per peer")
+    peer_timeout: float = _field(5.0, parse=float, metavar="SECONDS",
+                                 help="a peer transfer or call fails after this")
+    mooncake_protocol: str = _field("tcp", metavar="PROTO", help="Mooncake protocol: tcp or rdma")
+    mooncake_device: str = _field("", metavar="NICS", help="RDMA NIC allow-list for Mooncake")
+    gpu_pool_size: int = _field(0, parse=parse_size, metavar="SIZE",
+                                help="per-GPU slot pool size; 0 disables GPU pools")
+    pin_host_memory: str = _field("auto", metavar="auto|on|off",
+                                  help="clients page-lock the arena for DMA (auto: where CUDA is)")
+    allow_uid: tuple[int, ...] = _field((), parse=_parse_ints, metavar="UID,...",
+                                        help="uids admitted on the sockets (default: the daemon's)")
+    allow_gid: tuple[int, ...] = _field((), parse=_parse_ints, metavar="GID,...",
+                                        help="gids admitted on the sockets (default: the daemon's)")
+    max_sessions: int = _field(1024, parse=int, metavar="N", help="sessions at once")
+    max_stage_bytes: int = _field(0, parse=parse_size, metavar="SIZE",
+                                  help="arena bytes one stage may hold; 0: half the arena")
+    loop: str = _field("auto", metavar="auto|asyncio|uvloop", help="event loop implementation")
+    log_format: str = _field("text", metavar="text|json|logfmt", help="log line format")
+    log_level: str = _field("info", metavar="LEVEL", help="debug, info, warning or error")
+
+    def __post_init__(self) -> None:
+        if self.slot_size < 4096 or self.slot_size & (self.slot_size - 1):
+            raise ConfigError(f"slot_size must be a power of two >= 4096, got {self.slot_size}")
+        if self.shm_pool_size < self.slot_size:
+            raise ConfigError("shm_pool_size must hold at least one slot")
+        if self.grant_size < self.slot_size:
+            raise ConfigError("grant_size must be at least one slot")
+        if self.loop not in ("auto", "asyncio", "uvloop"):
+            raise ConfigError(f"loop must be auto, asyncio or uvloop, not {self.loop!r}")
+        if self.log_format not in ("text", "json", "logfmt"):
+            raise ConfigError(f"log_format must be text, json or logfmt, not {self.log_format!r}")
+        if self.pin_host_memory not in ("auto", "on", "off"):
+            raise ConfigError(f"pin_host_memory must be auto, on or off, not {self.pin_host_memory!r}")
+        if self.mooncake_protocol not in ("tcp", "rdma"):
+            raise ConfigError(f"mooncake_protocol must be tcp or rdma, not {self.mooncake_protocol!r}")
+        if self.lease_ttl <= 0 or self.reserve_timeout <= 0 or self.peer_credits <= 0:
+            raise ConfigError("lease_ttl, reserve_timeout and peer_credits must be positive")
+
+    @property
+    def session_socket(self) -> str:
+        return self.socket + ".session"
+
+    @property
+    def stage_quota_bytes(self) -> int:
+        return self.max_stage_bytes or max(self.shm_pool_size // 2, self.slot_size)
+
+
+def _fields() -> list[dataclasses.Field[Any]]:
+    return list(dataclasses.fields(Settings))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One ``--flag`` per setting; unset flags stay None so lower layers show through."""
+    parser.add_argument("--config", metavar="FILE", help="TOML config file (keys = setting names)")
+    for f in _fields():
+        parser.add_argument(
+            "--" + f.name.replace("_", "-"), dest=f.name, default=None,
+            metavar=f.metadata["metavar"], help=f.metadata["help"],
+        )
+
+
+def _coerce(name: str, value: Any) -> Any:
+    f = next((f for f in _fields() if f.name == name), None)
+    if f is None:
+        raise ConfigError(f"unknown setting {name!r}")
+    try:
+        return f.metadata["parse"](value)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"bad value for {name}: {value!r} ({exc})") from exc
+
+
+def load(
+    flags: Mapping[str, Any] | None = None,
+    *,
+    config_file: str | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Settings:
+    """Build :class:`Settings` from file < environment < flags."""
+    env = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    path = config_file or env.get(ENV_PREFIX + "CONFIG")
+    if path:
+        try:
+            with open(path, "rb") as fh:
+                data = tomllib.load(fh)
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc}") from exc
+        section = data.get("relayd", data)
+        for key, value in section.items():
+            values[key.replace("-", "_")] = _coerce(key.replace("-", "_"), value)
+    for f in _fields():
+        raw = env.get(ENV_PREFIX + f.name.upper())
+        if raw is not None:
+            values[f.name] = _coerce(f.name, raw)
+    for key, value in (flags or {}).items():
+        if value is not None and key != "config":
+            values[key] = _coerce(key, value)
+    return Settings(**values)
