@@ -1,0 +1,55 @@
+"""The transports an edge can take, mirroring ``relayd.v1.Transport`` one to one.
+
+The router (daemon side) picks one from the topology; the client writes it into
+every DataRef, and the reader dispatches on it. Values are the lower-case names
+shown in ``relayd status`` and used as metric label values.
+
+The proto numbers are spelled out here instead of imported from the generated
+stubs so that this module stays importable without protobuf; a unit test checks
+them against ``relay_pb2.Transport``.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class Transport(enum.Enum):
+    """How one put's bytes travel from writer to reader (see DESIGN.md, "Transports")."""
+
+    INLINE = "inline"
+    LOCAL_OBJECT = "local_object"
+    CUDA_IPC_DIRECT = "cuda_ipc_direct"
+    CUDA_IPC_POOL = "cuda_ipc_pool"
+    SHM = "shm"
+    MOONCAKE = "mooncake"
+    SOCKET = "socket"
+
+    def to_proto(self) -> int:
+        """The ``relayd.v1.Transport`` number (never 0, TRANSPORT_UNSPECIFIED)."""
+        return _TO_PROTO[self]
+
+    @classmethod
+    def from_proto(cls, number: int) -> Transport:
+        """The member for a ``relayd.v1.Transport`` number.
+
+        Raises ValueError for TRANSPORT_UNSPECIFIED (0) and numbers this version
+        does not know: a DataRef without a transport cannot be read, and guessing
+        one would read the wrong memory. Decoders turn this into CorruptRefError.
+        """
+        try:
+            return _FROM_PROTO[number]
+        except KeyError:
+            raise ValueError(f"unknown relayd.v1.Transport number: {number!r}") from None
+
+
+_TO_PROTO: dict[Transport, int] = {
+    Transport.INLINE: 1,
+    Transport.LOCAL_OBJECT: 2,
+    Transport.CUDA_IPC_DIRECT: 3,
+    Transport.CUDA_IPC_POOL: 4,
+    Transport.SHM: 5,
+    Transport.MOONCAKE: 6,
+    Transport.SOCKET: 7,
+}
+_FROM_PROTO: dict[int, Transport] = {number: member for member, number in _TO_PROTO.items()}
