@@ -1,0 +1,71 @@
+# syntax=docker/dockerfile:1
+#
+# relayd daemon image.
+#
+#   docker build -t relayd:0.1.0 .
+#
+# torch: a base image that already has torch keeps it (pass one as BASE_IMAGE; it
+# must be Debian-based with python3.11 and pip). On the default base, pip takes
+# torch from the index: PyPI's default Linux build is the CUDA one, which bundles
+# the CUDA runtime (the driver comes from the host through the NVIDIA container
+# runtime). For a CPU-only image add the CPU constraints and the CPU wheel index;
+# pip reads both from the environment, so the install line stays the README's:
+#
+#   docker build -t relayd:0.1.0-cpu \
+#     --build-arg PIP_CONSTRAINT=constraints/cpu.txt \
+#     --build-arg PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu .
+
+# Pinned by tag. Pin by digest as well (python:3.11-slim-bookworm@sha256:...)
+# where your registry mirror lets you resolve it; tags are moved by rebuilds.
+ARG BASE_IMAGE=python:3.11-slim-bookworm
+FROM ${BASE_IMAGE}
+
+# Optional pip settings for the install step (see above); unset by default.
+ARG PIP_CONSTRAINT
+ARG PIP_EXTRA_INDEX_URL
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    RELAYD_SOCKET=/run/relayd/relayd.sock
+
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+
+# Shared libraries the Mooncake transfer engine links against and does not bundle
+# (RDMA verbs, NUMA, HTTP metadata), plus the verbs providers (mlx5, efa, ...)
+# without which libibverbs finds no RDMA device (mooncake_protocol = "rdma").
+# DL3008 (apt versions): the Debian release is fixed by the base tag; pinning
+# package versions would break the build at every Debian security update, which
+# removes the previous version from the mirror.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends libibverbs1 ibverbs-providers libnuma1 libcurl4 \
+    && rm -rf /var/lib/apt/lists/*
+
+# The daemon's user; uid/gid 10001 match deploy/k8s (runAsUser, allow_gid).
+RUN groupadd --system --gid 10001 relayd \
+    && useradd --system --uid 10001 --gid relayd --home-dir /nonexistent \
+        --no-create-home --shell /usr/sbin/nologin relayd \
+    && install -d -o relayd -g relayd -m 0750 /run/relayd
+
+WORKDIR /src
+COPY . .
+# Same command as README.md's install section (tests/deploy checks they match).
+# DL3013 (pip versions): these are the local packages, whose dependencies are
+# bounded in pyproject.toml; PIP_CONSTRAINT pins further where wanted.
+# hadolint ignore=DL3013
+RUN pip install --no-cache-dir ./client '.[mooncake]'
+
+WORKDIR /
+USER 10001:10001
+
+# metrics, gRPC health, peer service
+EXPOSE 9090 9091 9092
+
+# Exits 0 when the daemon's gRPC health says SERVING. Kubernetes ignores this and
+# uses the probes in deploy/k8s/daemonset.yaml.
+HEALTHCHECK --interval=15s --timeout=5s --start-period=120s --retries=3 \
+    CMD ["relayd", "health"]
+
+STOPSIGNAL SIGTERM
+ENTRYPOINT ["relayd", "serve"]
