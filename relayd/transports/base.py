@@ -1,0 +1,253 @@
+"""The contract between the daemon and a cross-node transport backend.
+
+A backend moves bytes between this daemon's registered memory and a peer
+daemon's registered memory. It knows nothing about leases, slots, requests or
+DataRefs: the router above it decides *what* to move and *where*; the backend
+only moves it and reports, without ambiguity, whether the local bytes may still
+change.
+
+Who calls what, when, how often, on which thread
+-------------------------------------------------
+
+Every method is called from the daemon's event-loop thread. A backend is not
+thread-safe and must never block that thread: anything that can block (native
+initialisation, memory registration, handshakes, busy-waits) runs on the
+backend's own bounded worker threads.
+
+``capabilities()``
+    By the daemon at start-up, before ``start()``, to decide whether this
+    backend can serve the configured topology (and which memory kinds it may be
+    handed). Once. Cheap, no I/O, must not import the native library.
+
+``start()``
+    By the daemon lifecycle, once, during start-up (after preflight). Loads
+    the native library, creates the engine and makes the local endpoint
+    reachable. Raises a :class:`~relayd_client._errors.RelayError` whose
+    message says what to fix.
+
+``register(region)``
+    By the pool layer, right after ``start()``, once per memory region it will
+    pull into or serve from (e.g. each SHM arena segment). Regions stay
+    registered until ``close()``; there is no per-transfer registration.
+
+``session_id``
+    By the daemon after ``start()``, to advertise this endpoint to peers (it
+    goes into ``DataRef.origin.mooncake_session`` and the Peer handshake).
+    Stable for the life of this object; a restarted daemon has a new one.
+
+``pull(peer_session, ops, timeout=...)``
+    By the router, on the reader's node, once per cross-node transfer (one
+    logical transfer = one call, all of its ops batched), typically tens of
+    times per second per request stream. The caller holds a credit of that peer
+    (:class:`relayd.transports.credits.CreditPool`) for as long as the pull is
+    in flight, which bounds concurrent pulls per peer.
+
+``wait_settled(ops)``
+    By the pool layer before it reuses a local run whose pull was cancelled
+    (``abort``, drain). Rare.
+
+``close()``
+    By the daemon lifecycle, once, at shutdown (idempotent). Unregisters the
+    regions and tears the engine down. After ``close()`` nothing the backend
+    started can write into local memory any more.
+
+The in-flight rule
+------------------
+
+A pull that ends in an error may have left bytes in flight: the backend cannot
+always cancel a transfer it has handed to the native engine, and a late
+completion would write into the local run. So every pull ends in one of:
+
+* it returns: every op reached a terminal state and succeeded;
+* it raises :class:`PullFailedError` or :class:`PullTimeoutError` with
+  ``in_flight=False``: nothing can write into the local ranges any more, the
+  run may be reused at once;
+* it raises one of them with ``in_flight=True``: the local ranges are
+  *quarantined* until ``error.settled`` is done (it never fails). Keep the
+  local run (and the peer's credit, see ``Credit.release_when``) until then.
+
+If ``pull()`` itself is cancelled, its ops may be in flight too; the caller
+uses ``await transport.wait_settled(ops)`` before reusing those ranges. A pull
+that ``close()`` interrupts raises PullFailedError, by the same rule; ``close()``
+lifts every quarantine once the engine is gone.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import dataclasses
+import enum
+from collections.abc import Sequence
+from types import TracebackType
+from typing import NamedTuple
+
+from relayd_client._errors import (
+    InternalError,
+    PeerUnavailableError,
+    RelayError,
+    RelayTimeoutError,
+)
+
+
+class MemoryKind(enum.Enum):
+    """Kinds of memory a backend can register and move."""
+
+    HOST = "host"
+    CUDA = "cuda"
+
+
+class TransferState(enum.Enum):
+    """State of one op handed to a backend.
+
+    ``DONE`` and ``FAILED`` are terminal: nothing more will be written. ``PENDING``
+    and ``TIMEOUT`` are not: a ``TIMEOUT`` is the engine saying "slow", the bytes
+    may still land, so the op is still in flight.
+    """
+
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"
+    TIMEOUT = "timeout"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (TransferState.DONE, TransferState.FAILED)
+
+
+class TransportState(enum.Enum):
+    """Lifecycle of a backend; a closed backend cannot be reopened."""
+
+    UNOPENED = "unopened"
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do, known before ``start()``."""
+
+    remote: bool
+    """Moves bytes to and from another node."""
+    local: bool
+    """Moves bytes within this node (relayd uses SHM / CUDA IPC for that instead)."""
+    memory_kinds: frozenset[MemoryKind]
+    """Memory kinds ``register()`` accepts."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryRegion:
+    """A range of this process's address space, registered once for transfers."""
+
+    name: str
+    base: int
+    length: int
+
+    def __post_init__(self) -> None:
+        if self.base <= 0 or self.length <= 0:
+            raise ValueError(f"memory region {self.name!r} needs base > 0 and length > 0")
+
+    @property
+    def end(self) -> int:
+        return self.base + self.length
+
+    def contains(self, addr: int, length: int) -> bool:
+        return self.base <= addr and addr + length <= self.end
+
+
+class PullOp(NamedTuple):
+    """Copy ``length`` bytes from the peer's ``remote_addr`` to our ``local_addr``."""
+
+    local_addr: int
+    remote_addr: int
+    length: int
+
+
+class PullError(RelayError):
+    """A pull that did not succeed, and what it says about its local ranges.
+
+    Never raised itself: catch it to handle both subclasses (see "The in-flight rule").
+    """
+
+    in_flight: bool
+    """True: bytes may still land in the local ranges until ``settled`` is done."""
+    settled: asyncio.Future[None]
+    """Done (never with an error) once nothing can write into the local ranges.
+    Each error has its own future, so cancelling a wait on it harms nobody."""
+    peer_session: str
+
+    def __init__(
+        self, message: str, *, peer_session: str, in_flight: bool, settled: asyncio.Future[None]
+    ) -> None:
+        super().__init__(message)
+        self.peer_session = peer_session
+        self.in_flight = in_flight
+        self.settled = settled
+
+
+class PullFailedError(PullError, PeerUnavailableError):
+    """The peer failed the transfer: it is gone, refused us, or the remote range is not
+    registered there."""
+
+
+class PullTimeoutError(PullError, RelayTimeoutError):
+    """The pull did not reach a terminal state before its deadline."""
+
+
+class TransportUnavailableError(InternalError):
+    """A transport backend cannot run on this host (package or system library missing,
+    requested hardware absent); the message says what to install or change."""
+
+
+class RemoteTransport(abc.ABC):
+    """A cross-node transport backend; see the module docstring for the contract."""
+
+    @abc.abstractmethod
+    def capabilities(self) -> Capabilities:
+        """What this backend supports; callable before ``start()``."""
+
+    @property
+    @abc.abstractmethod
+    def state(self) -> TransportState: ...
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Load the engine and open the local endpoint. Once."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Unregister everything and tear the engine down. Idempotent."""
+
+    @abc.abstractmethod
+    async def register(self, region: MemoryRegion) -> None:
+        """Make ``region`` usable as a pull destination and as a source for peers."""
+
+    @property
+    @abc.abstractmethod
+    def session_id(self) -> str:
+        """What peers pass as ``peer_session`` to reach this endpoint."""
+
+    @abc.abstractmethod
+    async def pull(self, peer_session: str, ops: Sequence[PullOp], *, timeout: float) -> None:
+        """Copy every op's remote range from ``peer_session`` into local memory.
+
+        Raises PullFailedError, PullTimeoutError (both with ``in_flight``),
+        InvalidArgumentError (an op is malformed or outside the registered
+        regions; nothing was submitted).
+        """
+
+    @abc.abstractmethod
+    async def wait_settled(self, ops: Sequence[PullOp]) -> None:
+        """Return once no earlier pull can write into any of ``ops``' local ranges."""
+
+    async def __aenter__(self) -> RemoteTransport:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
