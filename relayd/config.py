@@ -114,8 +114,14 @@ def default_node_id() -> str:
     return socket.gethostname()
 
 
-def _field(default: Any = dataclasses.MISSING, *, factory: Any = None, help: str,
-           parse: Any = str, metavar: str | None = None) -> Any:
+def _field(
+    default: Any = dataclasses.MISSING,
+    *,
+    factory: Any = None,
+    help: str,
+    parse: Any = str,
+    metavar: str | None = None,
+) -> Any:
     meta = {"help": help, "parse": parse, "metavar": metavar}
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=meta)
@@ -126,52 +132,103 @@ def _field(default: Any = dataclasses.MISSING, *, factory: Any = None, help: str
 class Settings:
     """Everything ``relayd serve`` can be told. Field name == config key."""
 
-    socket: str = _field(factory=default_socket_path, metavar="PATH",
-                         help="gRPC Unix socket; the session socket is PATH.session")
-    socket_mode: int = _field(0o660, parse=lambda v: int(v, 8) if isinstance(v, str) else int(v),
-                              metavar="OCTAL", help="permissions of the socket files")
-    shm_pool_size: int = _field(factory=default_shm_pool_size, parse=parse_size, metavar="SIZE",
-                                help="SHM arena size (e.g. 256MiB); default sized to the machine")
-    shm_segment_size: int = _field(1 << 30, parse=parse_size, metavar="SIZE",
-                                   help="largest single SHM segment; the arena is cut into these")
-    slot_size: int = _field(64 << 10, parse=parse_size, metavar="SIZE",
-                            help="allocation granule of every pool")
-    grant_size: int = _field(8 << 20, parse=parse_size, metavar="SIZE",
-                             help="default slot run granted to a writer session at a time")
-    lease_ttl: float = _field(60.0, parse=float, metavar="SECONDS",
-                              help="published data nobody reads is reclaimed after this")
-    reserve_timeout: float = _field(10.0, parse=float, metavar="SECONDS",
-                                    help="longest a grant waits for space before RESOURCE_EXHAUSTED")
-    drain_grace: float = _field(10.0, parse=float, metavar="SECONDS",
-                                help="how long a drain waits for in-flight leases")
-    metrics_address: str = _field("", metavar="HOST:PORT",
-                                  help="Prometheus endpoint; empty disables it")
-    health_address: str = _field("", metavar="HOST:PORT",
-                                 help="extra TCP address for gRPC health (probes); empty: off")
+    socket: str = _field(
+        factory=default_socket_path,
+        metavar="PATH",
+        help="gRPC Unix socket; the session socket is PATH.session",
+    )
+    socket_mode: int = _field(
+        0o660,
+        parse=lambda v: int(v, 8) if isinstance(v, str) else int(v),
+        metavar="OCTAL",
+        help="permissions of the socket files",
+    )
+    shm_pool_size: int = _field(
+        factory=default_shm_pool_size,
+        parse=parse_size,
+        metavar="SIZE",
+        help="SHM arena size (e.g. 256MiB); default sized to the machine",
+    )
+    shm_segment_size: int = _field(
+        1 << 30,
+        parse=parse_size,
+        metavar="SIZE",
+        help="largest single SHM segment; the arena is cut into these",
+    )
+    slot_size: int = _field(
+        64 << 10, parse=parse_size, metavar="SIZE", help="allocation granule of every pool"
+    )
+    grant_size: int = _field(
+        8 << 20,
+        parse=parse_size,
+        metavar="SIZE",
+        help="default slot run granted to a writer session at a time",
+    )
+    lease_ttl: float = _field(
+        60.0,
+        parse=float,
+        metavar="SECONDS",
+        help="published data nobody reads is reclaimed after this",
+    )
+    reserve_timeout: float = _field(
+        10.0,
+        parse=float,
+        metavar="SECONDS",
+        help="longest a grant waits for space before RESOURCE_EXHAUSTED",
+    )
+    drain_grace: float = _field(
+        10.0, parse=float, metavar="SECONDS", help="how long a drain waits for in-flight leases"
+    )
+    metrics_address: str = _field(
+        "", metavar="HOST:PORT", help="Prometheus endpoint; empty disables it"
+    )
+    health_address: str = _field(
+        "", metavar="HOST:PORT", help="extra TCP address for gRPC health (probes); empty: off"
+    )
     node_id: str = _field(factory=default_node_id, metavar="ID", help="this node's identity")
-    peer_address: str = _field("", metavar="HOST:PORT",
-                               help="TCP address of the Peer service (cross-node); empty: off")
-    peers: tuple[str, ...] = _field((), parse=_parse_list, metavar="HOST:PORT,...",
-                                    help="static peer daemons (or a DNS name resolving to several)")
-    peer_token_file: str = _field("", metavar="FILE",
-                                  help="shared secret peers authenticate with")
-    peer_credits: int = _field(32, parse=int, metavar="N",
-                               help="in-flight Mooncake pulls per peer")
-    peer_timeout: float = _field(5.0, parse=float, metavar="SECONDS",
-                                 help="a peer transfer or call fails after this")
+    peer_address: str = _field(
+        "", metavar="HOST:PORT", help="TCP address of the Peer service (cross-node); empty: off"
+    )
+    peers: tuple[str, ...] = _field(
+        (),
+        parse=_parse_list,
+        metavar="HOST:PORT,...",
+        help="static peer daemons (or a DNS name resolving to several)",
+    )
+    peer_token_file: str = _field("", metavar="FILE", help="shared secret peers authenticate with")
+    peer_credits: int = _field(32, parse=int, metavar="N", help="in-flight Mooncake pulls per peer")
+    peer_timeout: float = _field(
+        5.0, parse=float, metavar="SECONDS", help="a peer transfer or call fails after this"
+    )
     mooncake_protocol: str = _field("tcp", metavar="PROTO", help="Mooncake protocol: tcp or rdma")
     mooncake_device: str = _field("", metavar="NICS", help="RDMA NIC allow-list for Mooncake")
-    gpu_pool_size: int = _field(0, parse=parse_size, metavar="SIZE",
-                                help="per-GPU slot pool size; 0 disables GPU pools")
-    pin_host_memory: str = _field("auto", metavar="auto|on|off",
-                                  help="clients page-lock the arena for DMA (auto: where CUDA is)")
-    allow_uid: tuple[int, ...] = _field((), parse=_parse_ints, metavar="UID,...",
-                                        help="uids admitted on the sockets (default: the daemon's)")
-    allow_gid: tuple[int, ...] = _field((), parse=_parse_ints, metavar="GID,...",
-                                        help="gids admitted on the sockets (default: the daemon's)")
+    gpu_pool_size: int = _field(
+        0, parse=parse_size, metavar="SIZE", help="per-GPU slot pool size; 0 disables GPU pools"
+    )
+    pin_host_memory: str = _field(
+        "auto",
+        metavar="auto|on|off",
+        help="clients page-lock the arena for DMA (auto: where CUDA is)",
+    )
+    allow_uid: tuple[int, ...] = _field(
+        (),
+        parse=_parse_ints,
+        metavar="UID,...",
+        help="uids admitted on the sockets (default: the daemon's)",
+    )
+    allow_gid: tuple[int, ...] = _field(
+        (),
+        parse=_parse_ints,
+        metavar="GID,...",
+        help="gids admitted on the sockets (default: the daemon's)",
+    )
     max_sessions: int = _field(1024, parse=int, metavar="N", help="sessions at once")
-    max_stage_bytes: int = _field(0, parse=parse_size, metavar="SIZE",
-                                  help="arena bytes one stage may hold; 0: half the arena")
+    max_stage_bytes: int = _field(
+        0,
+        parse=parse_size,
+        metavar="SIZE",
+        help="arena bytes one stage may hold; 0: half the arena",
+    )
     loop: str = _field("auto", metavar="auto|asyncio|uvloop", help="event loop implementation")
     log_format: str = _field("text", metavar="text|json|logfmt", help="log line format")
     log_level: str = _field("info", metavar="LEVEL", help="debug, info, warning or error")
@@ -188,9 +245,17 @@ class Settings:
         if self.log_format not in ("text", "json", "logfmt"):
             raise ConfigError(f"log_format must be text, json or logfmt, not {self.log_format!r}")
         if self.pin_host_memory not in ("auto", "on", "off"):
-            raise ConfigError(f"pin_host_memory must be auto, on or off, not {self.pin_host_memory!r}")
+            raise ConfigError(
+                f"pin_host_memory must be auto, on or off, not {self.pin_host_memory!r}"
+            )
+        if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
+            raise ConfigError(
+                f"log_level must be debug, info, warning or error, not {self.log_level!r}"
+            )
         if self.mooncake_protocol not in ("tcp", "rdma"):
-            raise ConfigError(f"mooncake_protocol must be tcp or rdma, not {self.mooncake_protocol!r}")
+            raise ConfigError(
+                f"mooncake_protocol must be tcp or rdma, not {self.mooncake_protocol!r}"
+            )
         if self.lease_ttl <= 0 or self.reserve_timeout <= 0 or self.peer_credits <= 0:
             raise ConfigError("lease_ttl, reserve_timeout and peer_credits must be positive")
 
@@ -212,8 +277,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE", help="TOML config file (keys = setting names)")
     for f in _fields():
         parser.add_argument(
-            "--" + f.name.replace("_", "-"), dest=f.name, default=None,
-            metavar=f.metadata["metavar"], help=f.metadata["help"],
+            "--" + f.name.replace("_", "-"),
+            dest=f.name,
+            default=None,
+            metavar=f.metadata["metavar"],
+            help=f.metadata["help"],
         )
 
 

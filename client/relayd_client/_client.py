@@ -1,0 +1,674 @@
+"""RelayClient: the thin client a stage process links.
+
+A put packs the payload's tensors into one contiguous slot run - a lease cut
+from a grant this session already holds - stamps the run's header with a
+fresh generation, sends one batched notice and returns the DataRef. A get
+checks that generation in shared memory, copies out (or hands out views)
+and sends a release notice. Neither waits for a daemon round trip; gRPC is
+used to attach, to get more grants (a few times per session) and to abort.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import enum
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import grpc
+
+from . import _codec, _packing
+from ._dataref import KIND_DATA, VERSION, DataRef
+from ._errors import (
+    AbortedError,
+    CorruptRefError,
+    DaemonUnavailableError,
+    DrainingError,
+    InvalidArgumentError,
+    PeerUnavailableError,
+    PermissionDeniedError,
+    RelayError,
+    ResourceExhaustedError,
+    SessionClosedError,
+    StaleEpochError,
+    StaleRefError,
+)
+from ._proto import relay_pb2 as pb
+from ._proto import relay_pb2_grpc as pb_grpc
+from ._session import SessionChannel
+from ._shm import MappedSegment
+from ._slots import SlotAllocator
+from ._status import from_rpc_error
+from ._transport import Transport
+
+log = logging.getLogger(__name__)
+
+PROTOCOL_VERSION = pb.PROTOCOL_VERSION_CURRENT
+INLINE_LIMIT = 16 * 1024
+ALIGNMENT = 64
+# Copies this large run on a worker thread so the event loop keeps serving
+# other streams; below it the thread hop costs more than the copy.
+OFFLOAD_BYTES = 8 << 20
+_ABORTED_MEMORY = 4096
+
+
+class ClientState(enum.Enum):
+    UNOPENED = "unopened"
+    OPENED = "opened"
+    CLOSED = "closed"
+
+
+def default_socket() -> str:
+    """Where ``relayd serve`` listens on its embedded default (kept in step with relayd.config)."""
+    env = os.environ.get("RELAYD_SOCKET")
+    if env:
+        return env
+    for var in ("RUNTIME_DIRECTORY", "XDG_RUNTIME_DIR"):
+        value = os.environ.get(var)
+        if value:
+            first = value.split(":")[0]
+            if os.path.isdir(first) and os.access(first, os.W_OK):
+                sub = "" if var == "RUNTIME_DIRECTORY" else "relayd"
+                return os.path.join(first, sub, "relayd.sock")
+    import tempfile
+
+    return os.path.join(tempfile.gettempdir(), f"relayd-{os.getuid()}", "relayd.sock")
+
+
+class _Grant:
+    __slots__ = ("alloc", "base", "gen_base", "id", "live", "next_seq", "nslots", "segment")
+
+    def __init__(self, resp: pb.GrantResponse) -> None:
+        self.id = resp.grant_id
+        self.segment = resp.segment
+        self.base = resp.slot
+        self.nslots = resp.nslots
+        self.gen_base = resp.generation_base
+        self.alloc = SlotAllocator(resp.nslots)
+        self.next_seq = 1
+        self.live = 0
+
+
+class _Lease:
+    __slots__ = ("grant", "id", "local", "nslots")
+
+    def __init__(self, grant: _Grant, local: int, nslots: int, lease_id: int) -> None:
+        self.grant = grant
+        self.local = local
+        self.nslots = nslots
+        self.id = lease_id
+
+    @property
+    def slot(self) -> int:
+        return self.grant.base + self.local
+
+
+class RelayClient:
+    """Async client of the node's relayd.
+
+    ``stage`` names the stage(s) this process serves; a DataRef addressed to
+    another stage is refused. Use as ``async with RelayClient(...) as c:``;
+    a closed client cannot be reopened.
+    """
+
+    def __init__(
+        self,
+        stage: str | Sequence[str],
+        socket: str | None = None,
+        *,
+        timeout: float = 10.0,
+        allow_pickle: bool = False,
+    ) -> None:
+        self.stages = (stage,) if isinstance(stage, str) else tuple(stage)
+        if not self.stages or not all(isinstance(s, str) and s for s in self.stages):
+            raise InvalidArgumentError("stage must be a non-empty name or list of names")
+        self.socket = socket or default_socket()
+        self.timeout = timeout
+        self.allow_pickle = allow_pickle
+        self.state = ClientState.UNOPENED
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: pb_grpc.RelayStub | None = None
+        self._session = SessionChannel(self._on_frame, self._on_lost)
+        self._attach: pb.AttachResponse | None = None
+        self._segments: list[MappedSegment] = []
+        self._views: list[Any] = []
+        self._grants: dict[int, _Grant] = {}
+        self._leases: dict[int, _Lease] = {}
+        self._space = asyncio.Event()
+        self._grant_task: asyncio.Task[pb.GrantResponse] | None = None
+        self._aborted: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._draining = False
+        self._lost = False
+        self._held: set[int] = set()
+        self._reports: dict[pb.Transport, list[int]] = {}
+
+    # -- lifecycle ------------------------------------------------------------------
+
+    async def __aenter__(self) -> RelayClient:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def open(self) -> None:
+        if self.state is ClientState.OPENED:
+            return
+        if self.state is ClientState.CLOSED:
+            raise SessionClosedError("a closed RelayClient cannot be reopened; make a new one")
+        if not os.path.exists(self.socket):
+            raise DaemonUnavailableError(
+                f"no relayd socket at {self.socket}; is `relayd serve` running?"
+            )
+        self._channel = grpc.aio.insecure_channel(f"unix:{self.socket}")
+        self._stub = pb_grpc.RelayStub(self._channel)
+        try:
+            self._attach = await self._stub.Attach(
+                pb.AttachRequest(
+                    protocol_version=PROTOCOL_VERSION,
+                    stages=list(self.stages),
+                    pid=os.getpid(),
+                    namespaces=_namespaces(),
+                ),
+                timeout=self.timeout,
+            )
+            self._map_segments(self._attach)
+            await self._session.connect(
+                self._attach.session_socket,
+                self._attach.session_id,
+                self._attach.session_token,
+                self.timeout,
+            )
+        except grpc.RpcError as exc:
+            await self._teardown()
+            raise from_rpc_error(exc) from None
+        except BaseException:
+            await self._teardown()
+            raise
+        self.state = ClientState.OPENED
+
+    def _map_segments(self, a: pb.AttachResponse) -> None:
+        import torch
+
+        for seg in sorted(a.segments, key=lambda s: s.index):
+            mapped = MappedSegment(seg.name, seg.size, seg.index, a.slot_size)
+            self._segments.append(mapped)
+            self._views.append(torch.frombuffer(mapped.mm, dtype=torch.uint8))
+
+    async def close(self) -> None:
+        if self.state is ClientState.CLOSED:
+            return
+        self.state = ClientState.CLOSED
+        self._flush_reports()
+        await self._teardown()
+
+    async def _teardown(self) -> None:
+        if self._grant_task is not None:
+            self._grant_task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._grant_task
+        await self._session.close()
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
+        self._views.clear()
+        for seg in self._segments:
+            seg.close()
+        self._segments.clear()
+
+    # -- facts ----------------------------------------------------------------------
+
+    @property
+    def node_id(self) -> str:
+        return self._attach.node_id if self._attach else ""
+
+    @property
+    def daemon_epoch(self) -> str:
+        return self._attach.daemon_epoch if self._attach else ""
+
+    @property
+    def session_id(self) -> str:
+        return self._attach.session_id if self._attach else ""
+
+    def _require_open(self) -> pb.AttachResponse:
+        if self.state is not ClientState.OPENED or self._attach is None:
+            raise SessionClosedError(f"RelayClient is {self.state.value}; use `async with`")
+        if self._lost:
+            raise DaemonUnavailableError("the relayd daemon went away; reconnect with a new client")
+        return self._attach
+
+    # -- put ------------------------------------------------------------------------
+
+    async def put(
+        self,
+        obj: Any,
+        *,
+        to_stage: str,
+        request_id: str,
+        chunk_id: int | None = None,
+        timeout: float | None = None,
+        pickle: bool = False,
+    ) -> DataRef:
+        """Publish ``obj`` for ``to_stage``; returns the DataRef to hand to the reader."""
+        a = self._require_open()
+        _check_names(to_stage, request_id)
+        if chunk_id is not None and chunk_id < 0:
+            raise InvalidArgumentError("chunk_id must be >= 0")
+        tree, tensors = _packing.flatten(obj)
+        if pickle:
+            header, codec = _codec.encode_pickle(tree), pb.HEADER_CODEC_PICKLE
+        else:
+            header, codec = _codec.encode(tree), pb.HEADER_CODEC_SAFE
+        specs, total = _packing.plan_layout(tensors, alignment=ALIGNMENT)
+        msg = pb.DataRef(
+            version=VERSION,
+            object_id=uuid.uuid4().hex,
+            request_id=request_id,
+            chunk_id=-1 if chunk_id is None else chunk_id,
+            to_stage=to_stage,
+            header_codec=codec,
+            header=header,
+            kind=KIND_DATA,
+            origin=pb.Origin(
+                node_id=a.node_id,
+                daemon_epoch=a.daemon_epoch,
+                stage=self.stages[0],
+                peer_address=a.peer_address,
+            ),
+        )
+        for spec in specs:
+            msg.tensors.append(
+                pb.TensorLayout(
+                    index=spec.index,
+                    shape=spec.shape,
+                    dtype=spec.dtype,
+                    offset=spec.offset,
+                    nbytes=spec.nbytes,
+                    device=spec.device,
+                )
+            )
+        if len(header) + total + 64 * len(specs) <= INLINE_LIMIT and not (
+            chunk_id is not None and tensors
+        ):
+            buf = bytearray(total)
+            if total:
+                import torch
+
+                _packing.pack_into(torch.frombuffer(buf, dtype=torch.uint8), tensors, specs)
+            msg.transport = pb.TRANSPORT_INLINE
+            msg.inline_data = bytes(buf)
+            self._report(pb.TRANSPORT_INLINE, total)
+            return DataRef(msg)
+        if request_id in self._aborted:
+            raise AbortedError(f"request {request_id!r} was aborted")
+        if self._draining:
+            raise DrainingError("relayd is draining; no new transfers")
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        lease = await self._reserve(total, deadline)
+        grant = lease.grant
+        seg = self._segments[grant.segment]
+        gen = lease.id
+        frame = self._session.pending
+        frame.reserve.append(
+            pb.Reserve(
+                lease_id=lease.id,
+                grant_id=grant.id,
+                slot=lease.slot,
+                nslots=lease.nslots,
+                generation=gen,
+                request_id=request_id,
+                to_stage=to_stage,
+                from_stage=self.stages[0],
+            )
+        )
+        try:
+            start = seg.slot_offset(lease.slot)
+            region = self._views[grant.segment][start : start + total]
+            if total >= OFFLOAD_BYTES:
+                await asyncio.to_thread(_packing.pack_into, region, tensors, specs)
+            elif total:
+                _packing.pack_into(region, tensors, specs)
+            if request_id in self._aborted:
+                raise AbortedError(f"request {request_id!r} was aborted")
+        except BaseException:
+            frame = self._session.pending
+            frame.cancel.append(pb.Cancel(lease_id=lease.id))
+            self._free_local(lease)
+            self._session.mark()
+            raise
+        seg.write_header(lease.slot, gen, total)
+        msg.transport = pb.TRANSPORT_SHM
+        msg.lease.CopyFrom(
+            pb.LeaseRef(
+                pool="shm",
+                segment=grant.segment,
+                slot=lease.slot,
+                nslots=lease.nslots,
+                offset=seg.slot_offset(lease.slot),
+                length=total,
+                generation=gen,
+                lease_id=lease.id,
+            )
+        )
+        frame = self._session.pending
+        frame.publish.append(
+            pb.Publish(lease_id=lease.id, nbytes=total, transport=pb.TRANSPORT_SHM)
+        )
+        # The daemon must know of the lease before the DataRef can reach a reader.
+        self._session.mark(flush=True)
+        return DataRef(msg)
+
+    async def _reserve(self, nbytes: int, deadline: float) -> _Lease:
+        a = self._require_open()
+        nslots = max(1, -(-nbytes // a.slot_size))
+        while True:
+            lease = self._alloc_local(nslots)
+            if lease is not None:
+                return lease
+            self._require_open()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise ResourceExhaustedError(
+                    f"no space for {nbytes} bytes before the deadline (readers may be slow)"
+                )
+            if self._grant_task is None or self._grant_task.done():
+                self._grant_task = asyncio.get_running_loop().create_task(
+                    self._request_grant(nslots * a.slot_size, remaining)
+                )
+            task = self._grant_task
+            self._space.clear()
+            space = asyncio.ensure_future(self._space.wait())
+            try:
+                done, _ = await asyncio.wait(
+                    {task, space}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED
+                )
+            finally:
+                space.cancel()
+            if task in done:
+                if self._grant_task is task:
+                    self._grant_task = None
+                exc = task.exception()
+                # A grant that failed for a put with a shorter deadline is
+                # retried; only a failure within our own deadline is ours.
+                if exc is not None and (
+                    not isinstance(exc, ResourceExhaustedError)
+                    or time.monotonic() >= deadline - 0.01
+                ):
+                    lease = self._alloc_local(nslots)
+                    if lease is not None:
+                        return lease
+                    raise exc
+
+    async def _request_grant(self, min_bytes: int, timeout: float) -> pb.GrantResponse:
+        a = self._require_open()
+        assert self._stub is not None
+        try:
+            resp: pb.GrantResponse = await self._stub.Grant(
+                pb.GrantRequest(
+                    session_id=a.session_id,
+                    session_token=a.session_token,
+                    min_bytes=min_bytes,
+                    timeout_seconds=timeout,
+                ),
+                timeout=timeout + 1.0,
+            )
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+        # Registered here, once, however many puts were waiting on this task.
+        self._add_grant(resp)
+        return resp
+
+    def _add_grant(self, resp: pb.GrantResponse) -> None:
+        if (
+            resp.segment >= len(self._segments)
+            or resp.slot + resp.nslots > self._segments[resp.segment].nslots
+        ):
+            raise RelayError("daemon granted a run outside its arena")
+        if resp.grant_id in self._grants:
+            raise RelayError(f"daemon granted run {resp.grant_id} twice")
+        self._grants[resp.grant_id] = _Grant(resp)
+        self._space.set()
+
+    def _alloc_local(self, nslots: int) -> _Lease | None:
+        for grant in self._grants.values():
+            local = grant.alloc.allocate(nslots)
+            if local is not None:
+                lease_id = grant.gen_base + grant.next_seq
+                grant.next_seq += 1
+                grant.live += 1
+                lease = _Lease(grant, local, nslots, lease_id)
+                self._leases[lease_id] = lease
+                return lease
+        return None
+
+    def _free_local(self, lease: _Lease) -> None:
+        if self._leases.pop(lease.id, None) is None:
+            return
+        grant = lease.grant
+        grant.alloc.free(lease.local, lease.nslots)
+        grant.live -= 1
+        self._space.set()
+        a = self._attach
+        if grant.live == 0 and a is not None:
+            default_slots = max(1, a.default_grant_bytes // a.slot_size)
+            idle_defaults = sum(1 for g in self._grants.values() if g.live == 0 and g is not grant)
+            # Keep one idle default-size grant for the next put; give back
+            # oversized ones and extras so other sessions can use the space.
+            if grant.nslots > default_slots or idle_defaults >= 1:
+                del self._grants[grant.id]
+                self._session.pending.return_grant.append(pb.ReturnGrant(grant_id=grant.id))
+                self._session.mark()
+
+    # -- get ------------------------------------------------------------------------
+
+    async def get(self, ref: DataRef | bytes, *, copy: bool = True) -> Any:
+        """The payload ``ref`` stands for. ``copy=False`` returns views into the arena,
+        valid until :meth:`release` (prefer :meth:`view`)."""
+        ref = ref if isinstance(ref, DataRef) else DataRef.from_bytes(ref)
+        m = ref.proto
+        if m.to_stage not in self.stages:
+            raise PermissionDeniedError(
+                f"DataRef is addressed to stage {m.to_stage!r}; this client serves {self.stages}"
+            )
+        transport = ref.transport
+        tree = self._decode_header(m)
+        if transport is Transport.INLINE:
+            import torch
+
+            data = bytearray(m.inline_data)
+            specs = _specs(m)
+            _packing.validate_layout(specs, len(data))
+            src = (
+                torch.frombuffer(data, dtype=torch.uint8)
+                if data
+                else torch.empty(0, dtype=torch.uint8)
+            )
+            return _packing.rebuild(tree, _packing.unpack(src, specs, copy=False))
+        if transport is not Transport.SHM:
+            raise PeerUnavailableError(
+                f"{transport.value} DataRefs are not served by this client yet"
+            )
+        seg, region, specs = self._lease_region(m)
+        lease = m.lease
+        if lease.length >= OFFLOAD_BYTES:
+            self._claim(m)
+            tensors = await asyncio.to_thread(_packing.unpack, region, specs, copy=copy)
+        else:
+            self._claim(m, flush=lease.length >= (1 << 20))
+            tensors = _packing.unpack(region, specs, copy=copy)
+        if seg.read_header(lease.slot)[0] != lease.generation:
+            raise StaleRefError("the lease was reclaimed while it was being read; data discarded")
+        if copy:
+            self._release(m)
+        else:
+            self._held.add(lease.lease_id)
+        return _packing.rebuild(tree, tensors)
+
+    def release(self, ref: DataRef) -> None:
+        """Release a ``get(copy=False)``; the views must not be used afterwards."""
+        m = ref.proto
+        if m.lease.lease_id not in self._held:
+            raise StaleRefError("this DataRef is not held by a zero-copy get (released twice?)")
+        self._held.discard(m.lease.lease_id)
+        self._release(m)
+
+    @contextlib.asynccontextmanager
+    async def view(self, ref: DataRef | bytes) -> AsyncIterator[Any]:
+        """``async with client.view(ref) as obj``: zero-copy tensors valid inside the block."""
+        ref = ref if isinstance(ref, DataRef) else DataRef.from_bytes(ref)
+        obj = await self.get(ref, copy=False)
+        try:
+            yield obj
+        finally:
+            if ref.transport is Transport.SHM:
+                self.release(ref)
+
+    def _decode_header(self, m: pb.DataRef) -> Any:
+        if m.header_codec == pb.HEADER_CODEC_PICKLE:
+            return _codec.decode_pickle(m.header, self.allow_pickle)
+        return _codec.decode(m.header)
+
+    def _lease_region(self, m: pb.DataRef) -> tuple[MappedSegment, Any, list[_packing.TensorSpec]]:
+        a = self._require_open()
+        origin = m.origin
+        if origin.daemon_epoch != a.daemon_epoch:
+            if origin.node_id == a.node_id:
+                raise StaleEpochError(
+                    f"DataRef comes from daemon epoch {origin.daemon_epoch!r}; the daemon restarted "
+                    f"(now {a.daemon_epoch!r}) and its data is gone"
+                )
+            raise PeerUnavailableError(
+                f"DataRef comes from node {origin.node_id!r}; cross-node "
+                "reads need the Mooncake transport"
+            )
+        lease = m.lease
+        if lease.segment >= len(self._segments):
+            raise CorruptRefError(f"DataRef names segment {lease.segment} of {len(self._segments)}")
+        seg = self._segments[lease.segment]
+        if lease.slot + lease.nslots > seg.nslots or lease.length > lease.nslots * seg.slot_size:
+            raise CorruptRefError("DataRef lease lies outside the arena")
+        if lease.offset != seg.slot_offset(lease.slot):
+            raise CorruptRefError("DataRef lease offset does not match its slot")
+        specs = _specs(m)
+        _packing.validate_layout(specs, lease.length)
+        gen, length = seg.read_header(lease.slot)
+        if gen != lease.generation or length != lease.length:
+            if m.request_id in self._aborted:
+                raise AbortedError(f"request {m.request_id!r} was aborted")
+            raise StaleRefError(
+                "DataRef's lease was already read, reclaimed (TTL) or aborted; it cannot be read again"
+            )
+        start = seg.slot_offset(lease.slot)
+        return seg, self._views[lease.segment][start : start + lease.length], specs
+
+    def _claim(self, m: pb.DataRef, flush: bool = True) -> None:
+        self._session.pending.claim.append(
+            pb.Claim(lease_id=m.lease.lease_id, generation=m.lease.generation)
+        )
+        self._session.mark(flush=flush)
+
+    def _release(self, m: pb.DataRef) -> None:
+        self._session.pending.release.append(
+            pb.Release(lease_id=m.lease.lease_id, generation=m.lease.generation)
+        )
+        self._session.mark()
+
+    # -- abort ----------------------------------------------------------------------
+
+    async def abort(self, request_id: str) -> int:
+        """Free every lease of ``request_id`` on this node; returns how many were freed."""
+        a = self._require_open()
+        assert self._stub is not None
+        self._remember_aborted(request_id)
+        try:
+            resp = await self._stub.Abort(
+                pb.AbortRequest(
+                    session_id=a.session_id, session_token=a.session_token, request_id=request_id
+                ),
+                timeout=self.timeout,
+            )
+        except grpc.RpcError as exc:
+            self._aborted.pop(request_id, None)
+            raise from_rpc_error(exc) from None
+        return int(resp.leases_freed)
+
+    def _remember_aborted(self, request_id: str) -> None:
+        self._aborted[request_id] = None
+        while len(self._aborted) > _ABORTED_MEMORY:
+            self._aborted.popitem(last=False)
+
+    # -- session events ---------------------------------------------------------------
+
+    def _on_frame(self, frame: pb.SessionFrame) -> None:
+        if frame.HasField("freed"):
+            for lease_id in frame.freed.lease_ids:
+                lease = self._leases.get(lease_id)
+                if lease is not None:
+                    self._free_local(lease)
+        for ab in frame.aborted:
+            self._remember_aborted(ab.request_id)
+        for ev in frame.event:
+            if ev.kind == "draining":
+                self._draining = True
+            elif ev.kind == "error":
+                log.warning("relayd: %s", ev.message)
+
+    def _on_lost(self) -> None:
+        if self.state is ClientState.OPENED:
+            log.warning("relayd session lost (daemon stopped or restarted)")
+        self._lost = True
+        self._space.set()
+
+    def _report(self, transport: pb.Transport, nbytes: int, count: int = 1) -> None:
+        if not count:
+            return
+        entry = self._reports.setdefault(transport, [0, 0])
+        entry[0] += count
+        entry[1] += nbytes
+        if entry[0] == count:  # first since the last flush
+            asyncio.get_running_loop().call_later(0.2, self._flush_reports)
+
+    def _flush_reports(self) -> None:
+        if not self._reports or self._session.closed:
+            return
+        reports, self._reports = self._reports, {}
+        for transport, (count, nbytes) in reports.items():
+            self._session.pending.report.append(
+                pb.TransferReport(transport=transport, count=count, bytes=nbytes)
+            )
+        self._session.mark(flush=True)
+
+
+def _specs(m: pb.DataRef) -> list[_packing.TensorSpec]:
+    return [
+        _packing.TensorSpec(
+            index=t.index,
+            shape=tuple(t.shape),
+            dtype=t.dtype,
+            offset=t.offset,
+            nbytes=t.nbytes,
+            device=t.device,
+        )
+        for t in m.tensors
+    ]
+
+
+def _check_names(to_stage: str, request_id: str) -> None:
+    if not to_stage or len(to_stage) > 128:
+        raise InvalidArgumentError("to_stage must be 1-128 characters")
+    if not request_id or len(request_id) > 256:
+        raise InvalidArgumentError("request_id must be 1-256 characters")
+
+
+def _namespaces() -> dict[str, str]:
+    out = {}
+    for ns in ("pid", "ipc", "mnt"):
+        with contextlib.suppress(OSError):
+            out[ns] = os.readlink(f"/proc/self/ns/{ns}")
+    return out

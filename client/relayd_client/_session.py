@@ -1,0 +1,133 @@
+"""The client's end of the session socket: batched notices out, events in.
+
+Notices (reserve, publish, claim, release, …) are appended to one pending
+``SessionFrame`` and written together: either at once (``flush=True``, for
+a publish that must reach the daemon before the DataRef leaves this process,
+or a claim before a long copy) or at the end of the current event-loop turn.
+Writing never waits: it is a non-blocking send into the socket buffer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import struct
+from collections.abc import Callable
+
+from ._errors import DaemonUnavailableError, RelayError, error_from_code
+from ._proto import relay_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+_LEN = struct.Struct("<I")
+MAX_FRAME = 4 << 20
+
+
+class SessionChannel:
+    def __init__(
+        self, on_frame: Callable[[pb.SessionFrame], None], on_lost: Callable[[], None]
+    ) -> None:
+        self._on_frame = on_frame
+        self._on_lost = on_lost
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._pending = pb.SessionFrame()
+        self._dirty = False
+        self._scheduled = False
+        self._task: asyncio.Task[None] | None = None
+        self._bound: asyncio.Future[None] | None = None
+        self.closed = False
+
+    async def connect(self, path: str, session_id: str, token: bytes, timeout: float) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            self._reader, self._writer = await asyncio.wait_for(
+                asyncio.open_unix_connection(path), timeout
+            )
+        except (OSError, TimeoutError) as exc:
+            raise DaemonUnavailableError(f"cannot open session socket {path}: {exc}") from None
+        self._bound = loop.create_future()
+        self._task = loop.create_task(self._read_loop(), name="relayd-session-reader")
+        self._write(pb.SessionFrame(bind=pb.Bind(session_id=session_id, session_token=token)))
+        try:
+            await asyncio.wait_for(asyncio.shield(self._bound), timeout)
+        except TimeoutError:
+            raise DaemonUnavailableError("daemon did not confirm the session in time") from None
+
+    # -- out ------------------------------------------------------------------------
+
+    @property
+    def pending(self) -> pb.SessionFrame:
+        """The frame being collected; callers append notices, then call :meth:`mark`."""
+        return self._pending
+
+    def mark(self, *, flush: bool = False) -> None:
+        self._dirty = True
+        if flush:
+            self.flush()
+        elif not self._scheduled:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self.flush)
+
+    def flush(self) -> None:
+        self._scheduled = False
+        if not self._dirty:
+            return
+        frame, self._pending, self._dirty = self._pending, pb.SessionFrame(), False
+        self._write(frame)
+
+    def _write(self, frame: pb.SessionFrame) -> None:
+        if self._writer is None or self.closed:
+            return
+        body = frame.SerializeToString()
+        try:
+            self._writer.write(_LEN.pack(len(body)) + body)
+        except (ConnectionError, RuntimeError) as exc:
+            log.debug("session write failed: %s", exc)
+
+    # -- in -------------------------------------------------------------------------
+
+    async def _read_loop(self) -> None:
+        assert self._reader is not None
+        try:
+            while True:
+                head = await self._reader.readexactly(4)
+                (n,) = _LEN.unpack(head)
+                if n > MAX_FRAME:
+                    raise DaemonUnavailableError(f"daemon sent a {n}-byte frame")
+                frame = pb.SessionFrame.FromString(await self._reader.readexactly(n))
+                for ev in frame.event:
+                    if ev.kind == "bound" and self._bound is not None and not self._bound.done():
+                        self._bound.set_result(None)
+                    elif ev.kind == "error" and self._bound is not None and not self._bound.done():
+                        self._bound.set_exception(error_from_code(ev.code, ev.message))
+                self._on_frame(frame)
+        except (asyncio.IncompleteReadError, ConnectionError, OSError):
+            pass
+        except asyncio.CancelledError:
+            raise
+        except RelayError as exc:
+            log.warning("session protocol error: %s", exc)
+        except Exception:
+            log.exception("session reader failed")
+        finally:
+            if self._bound is not None and not self._bound.done():
+                self._bound.set_exception(DaemonUnavailableError("daemon closed the session"))
+            if not self.closed:
+                self.closed = True
+                self._on_lost()
+
+    async def close(self) -> None:
+        if self._writer is not None and not self.closed:
+            self.flush()
+        self.closed = True
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+        if self._writer is not None:
+            self._writer.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._writer.wait_closed(), 2)
+        self._writer = None

@@ -1,0 +1,122 @@
+"""Shared-memory segments of the daemon's arena, as both sides map them.
+
+Layout of one segment (all offsets are announced by the daemon in Attach)::
+
+    [ slot headers: nslots x 16 bytes ][ pad to 4 KiB ][ slot data: nslots x slot_size ]
+
+A slot header holds ``(generation: u64, lease_id: u64)``; only the first slot
+of a lease's run is used. The writer stamps it before publishing, the daemon
+zeroes it when it frees the lease, and a reader compares it with the
+DataRef's generation before and after copying (a seqlock): a stale DataRef
+can never deliver reused memory. Each mapping is made once per process with
+MAP_POPULATE so no page faults land on the hot path.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+
+SHM_DIR = "/dev/shm"
+HEADER_STRIDE = 16
+_HEADER = struct.Struct("<QQ")
+
+
+def round_up(value: int, granule: int) -> int:
+    return -(-value // granule) * granule
+
+
+def data_offset_for(nslots: int) -> int:
+    return round_up(nslots * HEADER_STRIDE, 4096)
+
+
+def segment_nslots(segment_bytes: int, slot_size: int) -> int:
+    """How many slots fit in a segment of ``segment_bytes`` with their headers."""
+    n = segment_bytes // (slot_size + HEADER_STRIDE)
+    while n and data_offset_for(n) + n * slot_size > segment_bytes:
+        n -= 1
+    return n
+
+
+def _map_flags() -> int:
+    return mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+
+
+class MappedSegment:
+    """One arena segment mapped into this process (created by the daemon, opened by clients)."""
+
+    __slots__ = ("_fd", "data_offset", "index", "mm", "name", "nslots", "size", "slot_size")
+
+    def __init__(
+        self,
+        name: str,
+        size: int,
+        index: int,
+        slot_size: int,
+        *,
+        create: bool = False,
+        mode: int = 0o600,
+    ) -> None:
+        if "/" in name or name.startswith("."):
+            raise ValueError(f"bad segment name {name!r}")
+        self.name = name
+        self.size = size
+        self.index = index
+        self.slot_size = slot_size
+        self.nslots = segment_nslots(size, slot_size)
+        self.data_offset = data_offset_for(self.nslots)
+        path = os.path.join(SHM_DIR, name)
+        if create:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+            try:
+                os.fchmod(fd, mode)  # umask must not narrow what clients need
+                os.ftruncate(fd, size)
+                # Allocate the tmpfs pages now: a full /dev/shm fails here, at
+                # start, instead of as SIGBUS in a client mid-copy.
+                os.posix_fallocate(fd, 0, size)
+            except BaseException:
+                os.close(fd)
+                os.unlink(path)
+                raise
+        else:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+            actual = os.fstat(fd).st_size
+            if actual != size:
+                os.close(fd)
+                raise ValueError(f"segment {name} is {actual} bytes, daemon announced {size}")
+        self._fd = fd
+        try:
+            self.mm = mmap.mmap(fd, size, flags=_map_flags(), prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    # -- slot headers -------------------------------------------------------------
+
+    def read_header(self, slot: int) -> tuple[int, int]:
+        gen, lease_id = _HEADER.unpack_from(self.mm, slot * HEADER_STRIDE)
+        return int(gen), int(lease_id)
+
+    def write_header(self, slot: int, generation: int, lease_id: int) -> None:
+        _HEADER.pack_into(self.mm, slot * HEADER_STRIDE, generation, lease_id)
+
+    def slot_offset(self, slot: int) -> int:
+        return self.data_offset + slot * self.slot_size
+
+    def close(self) -> None:
+        try:
+            self.mm.close()
+        except BufferError:
+            # A caller still holds a zero-copy view; the mapping lives on until
+            # that view is garbage, and the kernel drops it at exit.
+            pass
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def unlink(self) -> None:
+        try:
+            os.unlink(os.path.join(SHM_DIR, self.name))
+        except FileNotFoundError:
+            pass

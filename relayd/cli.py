@@ -1,0 +1,255 @@
+"""``relayd`` command line: serve, status, leases, top, drain, health, demo, bench.
+
+Only this module configures logging; library modules just log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from . import __version__, config
+
+EXIT_CONFIG = 2
+
+
+def _client_socket(args: argparse.Namespace) -> str:
+    return str(args.socket or config.load({}, environ=None).socket)
+
+
+def _status_dict(socket_path: str, timeout: float = 5.0) -> dict[str, Any]:
+    import grpc
+    from google.protobuf.json_format import MessageToDict
+    from relayd_client._proto import relay_pb2 as pb
+    from relayd_client._proto import relay_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(f"unix:{socket_path}") as channel:
+        stub = pb_grpc.RelayStub(channel)
+        resp = stub.Status(pb.StatusRequest(), timeout=timeout)
+    return MessageToDict(
+        resp, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
+
+
+def _fail_unreachable(socket_path: str, exc: Exception) -> int:
+    print(f"relayd: cannot reach the daemon on {socket_path}: {exc}", file=sys.stderr)
+    return 1
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from . import _logging, preflight
+    from ._systemd import SystemdNotifier
+    from .loops import loop_factory
+    from .server import Daemon, SocketInUseError
+
+    flags = {
+        k: v
+        for k, v in vars(args).items()
+        if k in {f for f in config.Settings.__dataclass_fields__}
+    }
+    try:
+        settings = config.load(flags, config_file=args.config)
+    except config.ConfigError as exc:
+        print(f"relayd: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    _logging.configure(settings.log_format, settings.log_level)
+    from .pools.arena import remove_stale_segments
+
+    # A dead daemon's segments are free space for the /dev/shm check.
+    remove_stale_segments()
+    try:
+        preflight.check_all(settings)
+    except preflight.PreflightError as exc:
+        print(f"relayd: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    import os
+
+    daemon = Daemon(settings, notifier=SystemdNotifier.from_environ(os.environ))
+    try:
+        with asyncio.Runner(loop_factory=loop_factory(settings.loop)) as runner:
+            rc = runner.run(daemon.run())
+        # Drained and unlinked: a late signal must not turn exit 0 into a kill.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        return rc
+    except SocketInUseError as exc:
+        print(f"relayd: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    except OSError as exc:
+        logging.getLogger("relayd").debug("start failed", exc_info=True)
+        print(f"relayd: cannot start: {exc!r}", file=sys.stderr)
+        return 1
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    path = _client_socket(args)
+    try:
+        data = _status_dict(path)
+    except Exception as exc:
+        return _fail_unreachable(path, exc)
+    if args.json:
+        print(json.dumps(data, indent=2, sort_keys=True))
+    else:
+        from .inspect import render_status
+
+        print(render_status(data))
+    return 0
+
+
+def cmd_leases(args: argparse.Namespace) -> int:
+    path = _client_socket(args)
+    try:
+        data = _status_dict(path)
+    except Exception as exc:
+        return _fail_unreachable(path, exc)
+    leases = sorted(data.get("leases", []), key=lambda d: -float(d.get("age_seconds", 0)))
+    if args.stage:
+        leases = [d for d in leases if args.stage in (d.get("from_stage"), d.get("to_stage"))]
+    if args.request:
+        leases = [d for d in leases if d.get("request_id") == args.request]
+    if args.json:
+        print(json.dumps(leases, indent=2, sort_keys=True))
+    else:
+        from .inspect import render_leases
+
+        print(render_leases(data, args.stage, args.request))
+    return 0
+
+
+def cmd_top(args: argparse.Namespace) -> int:
+    from .inspect import render_top
+
+    path = _client_socket(args)
+    previous: dict[str, Any] | None = None
+    count = 0
+    try:
+        while args.iterations <= 0 or count < args.iterations:
+            try:
+                data = _status_dict(path)
+            except Exception as exc:
+                return _fail_unreachable(path, exc)
+            if args.json:
+                print(json.dumps(data, sort_keys=True), flush=True)
+            else:
+                if sys.stdout.isatty():
+                    sys.stdout.write("\x1b[H\x1b[2J")
+                print(render_top(data, previous, args.interval), flush=True)
+            previous = data
+            count += 1
+            if args.iterations <= 0 or count < args.iterations:
+                time.sleep(args.interval)
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def cmd_drain(args: argparse.Namespace) -> int:
+    import grpc
+    from relayd_client._proto import relay_pb2 as pb
+    from relayd_client._proto import relay_pb2_grpc as pb_grpc
+
+    path = _client_socket(args)
+    try:
+        with grpc.insecure_channel(f"unix:{path}") as channel:
+            pb_grpc.RelayStub(channel).Drain(
+                pb.DrainRequest(grace_seconds=args.grace or 0), timeout=5
+            )
+    except Exception as exc:
+        return _fail_unreachable(path, exc)
+    print(f"relayd on {path}: draining")
+    return 0
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    target = args.address or f"unix:{_client_socket(args)}"
+    try:
+        with grpc.insecure_channel(target) as channel:
+            resp = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=args.timeout
+            )
+    except Exception as exc:
+        print(f"relayd: health check on {target} failed: {exc}", file=sys.stderr)
+        return 1
+    name = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+    print(name)
+    return 0 if resp.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(
+        socket=args.socket, chunks=args.chunks, chunk_bytes=config.parse_size(args.chunk_size)
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="relayd", description="Per-node tensor relay daemon")
+    parser.add_argument("--version", action="version", version=f"relayd {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the daemon (embedded default with no flags)")
+    config.add_arguments(serve)
+    serve.set_defaults(func=cmd_serve)
+
+    def client_cmd(name: str, help_: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_)
+        p.add_argument(
+            "--socket", metavar="PATH", help="daemon socket (default: the embedded default)"
+        )
+        return p
+
+    st = client_cmd("status", "pools, leases, sessions, peers")
+    st.add_argument("--json", action="store_true")
+    st.set_defaults(func=cmd_status)
+
+    ls = client_cmd("leases", "leases, oldest first")
+    ls.add_argument("--stage")
+    ls.add_argument("--request")
+    ls.add_argument("--json", action="store_true")
+    ls.set_defaults(func=cmd_leases)
+
+    top = client_cmd("top", "live view, refreshed every second")
+    top.add_argument("--interval", type=float, default=1.0)
+    top.add_argument("--iterations", type=int, default=0, help="stop after N refreshes (0: never)")
+    top.add_argument("--json", action="store_true")
+    top.set_defaults(func=cmd_top)
+
+    dr = client_cmd("drain", "drain and stop the daemon (same as SIGTERM)")
+    dr.add_argument("--grace", type=float, default=0.0, help="override the drain grace period")
+    dr.set_defaults(func=cmd_drain)
+
+    he = client_cmd("health", "exit 0 when the daemon is SERVING")
+    he.add_argument("--address", help="TCP health address instead of the socket (HOST:PORT)")
+    he.add_argument("--timeout", type=float, default=3.0)
+    he.set_defaults(func=cmd_health)
+
+    de = client_cmd("demo", "start a daemon and stream thinker -> talker through it")
+    de.add_argument("--chunks", type=int, default=50)
+    de.add_argument("--chunk-size", default="1MiB")
+    de.set_defaults(func=cmd_demo)
+
+    be = sub.add_parser("bench", help="benchmark against the copy floor", add_help=False)
+    be.set_defaults(func=None)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "bench":
+        from .bench import main as bench_main
+
+        return bench_main(argv[1:])
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return int(args.func(args))

@@ -1,0 +1,126 @@
+"""Prometheus metrics: counters on events, occupancy read at scrape time.
+
+Everything lives in the daemon's own ``CollectorRegistry`` (never the global
+one), so tests build a fresh registry per daemon and read it with
+``get_sample_value``. Pool occupancy, lease counts and sessions are computed
+by :class:`StateCollector` when Prometheus scrapes, not maintained on the hot
+path. Base units, no id labels (lease, request and session ids would explode
+cardinality; they go in logs and ``relayd status``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+_WAIT_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0)
+
+
+class StateCollector(Collector):
+    """Reads the daemon's state through a snapshot callable at scrape time."""
+
+    def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        snap = self._snapshot()
+        cap = GaugeMetricFamily("relayd_pool_capacity_bytes", "Bytes in the pool", labels=["pool"])
+        used = GaugeMetricFamily("relayd_pool_used_bytes", "Bytes held by leases", labels=["pool"])
+        granted = GaugeMetricFamily(
+            "relayd_pool_granted_bytes", "Bytes granted to writer sessions", labels=["pool"]
+        )
+        largest = GaugeMetricFamily(
+            "relayd_pool_largest_free_run_bytes", "Largest contiguous free run", labels=["pool"]
+        )
+        for pool in snap["pools"]:
+            cap.add_metric([pool["name"]], pool["capacity_bytes"])
+            used.add_metric([pool["name"]], pool["used_bytes"])
+            granted.add_metric([pool["name"]], pool["granted_bytes"])
+            largest.add_metric([pool["name"]], pool["largest_free_run_bytes"])
+        yield from (cap, used, granted, largest)
+        leases = GaugeMetricFamily("relayd_leases", "Leases by state", labels=["pool", "state"])
+        for (pool, state), n in sorted(snap["leases"].items()):
+            leases.add_metric([pool, state], n)
+        yield leases
+        yield GaugeMetricFamily(
+            "relayd_sessions", "Attached client sessions", value=snap["sessions"]
+        )
+        yield GaugeMetricFamily(
+            "relayd_up", "1 while serving, 0 while starting or draining", value=snap["serving"]
+        )
+        for name, help_, key in (
+            ("relayd_mooncake_credits_in_use", "Mooncake pulls in flight", "credits_in_use"),
+            ("relayd_mooncake_credits_capacity", "Mooncake pull credits", "credits_capacity"),
+            ("relayd_peer_up", "1 when the peer daemon answers heartbeats", "peer_up"),
+        ):
+            fam = GaugeMetricFamily(name, help_, labels=["peer"])
+            for peer, value in sorted(snap.get(key, {}).items()):
+                fam.add_metric([peer], value)
+            yield fam
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.transfers = Counter(
+            "relayd_transfers", "Transfers by transport", ["transport"], registry=r
+        )
+        self.transfer_bytes = Counter(
+            "relayd_transfer_bytes", "Tensor bytes moved by transport", ["transport"], registry=r
+        )
+        self.reclaimed = Counter(
+            "relayd_leases_reclaimed",
+            "Leases freed by the daemon, not by their reader",
+            ["reason"],
+            registry=r,
+        )
+        self.reserve_wait = Histogram(
+            "relayd_reserve_wait_seconds",
+            "Time a grant waited for space",
+            buckets=_WAIT_BUCKETS,
+            registry=r,
+        )
+        self.refused = Counter(
+            "relayd_connections_refused", "Session connections refused", ["reason"], registry=r
+        )
+        self.pull_seconds = Histogram(
+            "relayd_mooncake_pull_seconds",
+            "Cross-node pull latency",
+            buckets=_WAIT_BUCKETS,
+            registry=r,
+        )
+        self.socket_fallback = Counter(
+            "relayd_socket_fallback_sessions", "Sessions that cannot map the arena", registry=r
+        )
+        for t in ("inline", "local_object", "cuda_ipc_direct", "cuda_ipc_pool", "shm", "mooncake",
+                  "socket"):  # fmt: skip
+            self.transfers.labels(t)
+            self.transfer_bytes.labels(t)
+        self._server: Any = None
+        self._thread: threading.Thread | None = None
+
+    def attach_state(self, snapshot: Callable[[], dict[str, Any]]) -> None:
+        self.registry.register(StateCollector(snapshot))
+
+    def serve(self, address: str) -> int:
+        """Start the HTTP endpoint (its own thread, off the event loop); returns the port."""
+        host, _, port = address.rpartition(":")
+        host = host.strip("[]") or "0.0.0.0"
+        server, thread = start_http_server(int(port), addr=host, registry=self.registry)
+        self._server, self._thread = server, thread
+        return int(server.server_address[1])
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None

@@ -1,0 +1,651 @@
+"""Sessions, grants and leases: the daemon's single source of truth for who holds what.
+
+Who calls what, and when (all on the daemon's event loop, never from threads):
+
+* ``open_session`` - once per client, from the gRPC ``Attach`` handler.
+* ``bind``/``close_session`` - when the client's session socket connects /
+  hits EOF. EOF is how session death is detected: a SIGKILLed client's socket
+  closes at once, no timeout involved.
+* ``grant`` - from the gRPC ``Grant`` handler, a few times per session (a grant
+  serves many leases); it may wait, fairly, for space.
+* ``on_reserve``/``on_publish``/``on_claim``/``on_release``/``on_cancel`` - per
+  transfer, from session frames; O(1) each, no allocation in the arena.
+* ``abort`` - from the gRPC ``Abort`` handler.
+* ``reap`` - once a second from the daemon's housekeeping task (TTL).
+
+A writer sub-allocates leases inside its grants without asking the daemon;
+the daemon learns of each lease from the ``Reserve``/``Publish`` notices and
+tells the writer, in a ``Freed`` notice, when a lease's slots may be reused.
+When the writer's session ends its grants become *orphans*: unpublished
+leases are dropped, the unused parts go back to the arena at once, and each
+published lease returns its own run to the arena when it is read, expires or
+is aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import enum
+import logging
+import secrets
+import time
+from collections.abc import Callable, Iterable
+
+from relayd_client._errors import (
+    DrainingError,
+    InvalidArgumentError,
+    PermissionDeniedError,
+    ResourceExhaustedError,
+    SessionClosedError,
+)
+from relayd_client._proto import relay_pb2 as pb
+
+from .arena import Arena, Run
+
+log = logging.getLogger(__name__)
+
+GEN_SHIFT = 32
+BIND_DEADLINE = 10.0
+REQUEST_MEMORY = 300.0
+
+
+class LeaseState(enum.Enum):
+    RESERVED = pb.LEASE_STATE_RESERVED
+    PUBLISHED = pb.LEASE_STATE_PUBLISHED
+    CLAIMED = pb.LEASE_STATE_CLAIMED
+
+
+class ReclaimReason(enum.Enum):
+    WRITER_DIED = "writer_died"
+    READER_DIED = "reader_died"
+    TTL = "ttl"
+    ABORT = "abort"
+    DRAIN = "drain"
+
+
+class SessionState(enum.Enum):
+    PENDING = "pending"
+    BOUND = "bound"
+    CLOSED = "closed"
+
+
+Sink = Callable[[pb.SessionFrame], None]
+
+
+@dataclasses.dataclass(eq=False)
+class Session:
+    id: str
+    token: bytes
+    pid: int
+    stages: tuple[str, ...]
+    created: float
+    namespaces: dict[str, str] = dataclasses.field(default_factory=dict)
+    gpu_uuids: tuple[str, ...] = ()
+    uid: int = -1
+    gid: int = -1
+    state: SessionState = SessionState.PENDING
+    sink: Sink | None = None
+    grants: dict[int, Grant] = dataclasses.field(default_factory=dict)
+    claimed: set[int] = dataclasses.field(default_factory=set)
+    granted_slots: int = 0
+
+
+@dataclasses.dataclass(eq=False)
+class Grant:
+    id: int
+    session_id: str
+    run: Run
+    leases: dict[int, Lease] = dataclasses.field(default_factory=dict)
+    orphan: bool = False
+
+
+@dataclasses.dataclass(eq=False)
+class Lease:
+    id: int
+    generation: int
+    grant: Grant
+    run: Run
+    state: LeaseState
+    request_id: str
+    from_stage: str
+    to_stage: str
+    writer: str
+    created: float
+    published_at: float = 0.0
+    nbytes: int = 0
+    claimer: str = ""
+
+
+@dataclasses.dataclass(eq=False)
+class RequestInfo:
+    writers: set[str] = dataclasses.field(default_factory=set)
+    readers: set[str] = dataclasses.field(default_factory=set)
+    leases: set[int] = dataclasses.field(default_factory=set)
+    aborted: bool = False
+    touched: float = 0.0
+
+
+@dataclasses.dataclass
+class Hooks:
+    """Metric callbacks, so this module needs no Prometheus import."""
+
+    reclaimed: Callable[[ReclaimReason, int], None] = lambda reason, n: None
+    transfer: Callable[[str, int, int], None] = lambda transport, count, nbytes: None
+    reserve_wait: Callable[[float], None] = lambda seconds: None
+
+
+@dataclasses.dataclass(eq=False)
+class _Waiter:
+    session: Session
+    nslots: int
+    future: asyncio.Future[Grant]
+    since: float
+
+
+_TRANSPORT_NAMES: dict[int, str] = {
+    pb.TRANSPORT_INLINE: "inline", pb.TRANSPORT_LOCAL_OBJECT: "local_object",
+    pb.TRANSPORT_CUDA_IPC_DIRECT: "cuda_ipc_direct", pb.TRANSPORT_CUDA_IPC_POOL: "cuda_ipc_pool",
+    pb.TRANSPORT_SHM: "shm", pb.TRANSPORT_MOONCAKE: "mooncake", pb.TRANSPORT_SOCKET: "socket",
+}  # fmt: skip
+
+
+def transport_name(value: int) -> str:
+    return _TRANSPORT_NAMES.get(value, "shm")
+
+
+class LeaseManager:
+    def __init__(
+        self,
+        arena: Arena,
+        *,
+        grant_bytes: int,
+        lease_ttl: float,
+        stage_quota_bytes: int,
+        max_sessions: int,
+        hooks: Hooks | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.arena = arena
+        self.slot_size = arena.slot_size
+        self.grant_slots = max(1, -(-grant_bytes // self.slot_size))
+        self.lease_ttl = lease_ttl
+        self.quota_slots = max(1, stage_quota_bytes // self.slot_size)
+        self.max_sessions = max_sessions
+        self.hooks = hooks or Hooks()
+        self.clock = clock
+        self.sessions: dict[str, Session] = {}
+        self.grants: dict[int, Grant] = {}
+        self.leases: dict[int, Lease] = {}
+        self.requests: dict[str, RequestInfo] = {}
+        self.draining = False
+        self._next_grant = 1
+        self._next_session = 1
+        self._waiters: collections.deque[_Waiter] = collections.deque()
+        # Claims/releases that overtook their Publish (two sockets, no global order).
+        self._early: dict[int, list[tuple[str, str, int, float]]] = {}
+        self._freed_out: dict[str, list[int]] = {}
+
+    # -- sessions -----------------------------------------------------------------
+
+    def open_session(
+        self,
+        *,
+        pid: int,
+        stages: Iterable[str],
+        namespaces: dict[str, str] | None = None,
+        gpu_uuids: Iterable[str] = (),
+    ) -> Session:
+        if self.draining:
+            raise DrainingError("daemon is draining; attach to another daemon or retry later")
+        live = sum(1 for s in self.sessions.values() if s.state is not SessionState.CLOSED)
+        if live >= self.max_sessions:
+            raise ResourceExhaustedError(f"session limit reached ({self.max_sessions})")
+        sid = f"s{self._next_session}-{secrets.token_hex(4)}"
+        self._next_session += 1
+        session = Session(
+            id=sid,
+            token=secrets.token_bytes(16),
+            pid=pid,
+            stages=tuple(stages),
+            created=self.clock(),
+            namespaces=dict(namespaces or {}),
+            gpu_uuids=tuple(gpu_uuids),
+        )
+        self.sessions[sid] = session
+        return session
+
+    def authenticate(self, session_id: str, token: bytes) -> Session:
+        session = self.sessions.get(session_id)
+        if session is None or not secrets.compare_digest(session.token, token):
+            raise PermissionDeniedError("unknown session or wrong session token")
+        if session.state is SessionState.CLOSED:
+            raise SessionClosedError("session is closed")
+        return session
+
+    def bind(
+        self, session_id: str, token: bytes, sink: Sink, *, pid: int, uid: int, gid: int
+    ) -> Session:
+        session = self.authenticate(session_id, token)
+        if session.state is not SessionState.PENDING:
+            raise PermissionDeniedError("session is already bound to a connection")
+        session.state = SessionState.BOUND
+        session.sink = sink
+        session.pid, session.uid, session.gid = pid, uid, gid
+        return session
+
+    def close_session(self, session_id: str) -> None:
+        """The session's connection is gone: reclaim what only it could finish."""
+        session = self.sessions.pop(session_id, None)
+        if session is None or session.state is SessionState.CLOSED:
+            return
+        session.state = SessionState.CLOSED
+        session.sink = None
+        self._freed_out.pop(session_id, None)
+        for lease_id in list(session.claimed):
+            lease = self.leases.get(lease_id)
+            if lease is not None and lease.state is LeaseState.CLAIMED:
+                self._free_lease(lease, ReclaimReason.READER_DIED)
+        for grant in list(session.grants.values()):
+            self._orphan(grant)
+        session.grants.clear()
+        session.granted_slots = 0
+        for w in self._waiters:
+            if w.session is session and not w.future.done():
+                w.future.set_exception(SessionClosedError("session closed while waiting"))
+        self._wake()
+
+    def _orphan(self, grant: Grant) -> None:
+        dropped = 0
+        for lease in list(grant.leases.values()):
+            if lease.state is LeaseState.RESERVED:
+                self._forget(lease)
+                dropped += 1
+        if dropped:
+            self.hooks.reclaimed(ReclaimReason.WRITER_DIED, dropped)
+        grant.orphan = True
+        # Give back every part of the run no published lease sits on.
+        kept = sorted((lease.run.slot, lease.run.nslots) for lease in grant.leases.values())
+        cursor = grant.run.slot
+        end = grant.run.slot + grant.run.nslots
+        for slot, n in [*kept, (end, 0)]:
+            if slot > cursor:
+                self.arena.free(Run(grant.run.segment, cursor, slot - cursor))
+            cursor = max(cursor, slot + n)
+        if not grant.leases:
+            self.grants.pop(grant.id, None)
+
+    # -- grants ---------------------------------------------------------------------
+
+    async def grant(self, session: Session, min_bytes: int, timeout: float) -> Grant:
+        if self.draining:
+            raise DrainingError("daemon is draining; no new reservations")
+        if min_bytes < 0:
+            raise InvalidArgumentError("min_bytes must be >= 0")
+        need = max(1, -(-min_bytes // self.slot_size))
+        if need > self.arena.max_run_slots():
+            raise ResourceExhaustedError(
+                f"{min_bytes} bytes exceed the largest possible run "
+                f"({self.arena.max_run_slots() * self.slot_size} bytes); raise --shm-segment-size"
+            )
+        if need > self.quota_slots:
+            raise ResourceExhaustedError(
+                f"{min_bytes} bytes exceed the per-stage quota of {self.quota_slots * self.slot_size}"
+            )
+        nslots = max(need, self.grant_slots) if need <= self.grant_slots else need
+        # Shrink the default grant when the pool is tight rather than wait for it.
+        if nslots > need and self.arena.largest_free_run() < nslots:
+            nslots = need
+        start = self.clock()
+        granted = self._try_grant(session, nslots)
+        if granted is not None and not self._waiters:
+            self.hooks.reserve_wait(0.0)
+            return granted
+        if granted is not None:  # someone waits already: fairness first
+            self._ungrant(granted)
+        loop = asyncio.get_running_loop()
+        waiter = _Waiter(session, nslots, loop.create_future(), start)
+        self._waiters.append(waiter)
+        self._wake()
+        try:
+            grant = await asyncio.wait_for(asyncio.shield(waiter.future), timeout=max(timeout, 0.0))
+        except TimeoutError:
+            if (
+                waiter.future.done()
+                and not waiter.future.cancelled()
+                and not waiter.future.exception()
+            ):
+                grant = waiter.future.result()  # granted in the same tick as the timeout
+            else:
+                waiter.future.cancel()
+                self._drop_waiter(waiter)
+                raise ResourceExhaustedError(
+                    f"no {nslots * self.slot_size} byte run became free within {timeout:.3g}s "
+                    f"(arena {self.arena.used_bytes}/{self.arena.capacity_bytes} bytes in use)"
+                ) from None
+        except asyncio.CancelledError:
+            if (
+                waiter.future.done()
+                and not waiter.future.cancelled()
+                and not waiter.future.exception()
+            ):
+                self._ungrant(waiter.future.result())
+            waiter.future.cancel()
+            self._drop_waiter(waiter)
+            raise
+        self.hooks.reserve_wait(self.clock() - start)
+        return grant
+
+    def _drop_waiter(self, waiter: _Waiter) -> None:
+        try:
+            self._waiters.remove(waiter)
+        except ValueError:
+            pass
+        self._wake()
+
+    def _try_grant(self, session: Session, nslots: int) -> Grant | None:
+        if session.state is SessionState.CLOSED:
+            raise SessionClosedError("session closed")
+        if session.granted_slots + nslots > self.quota_slots:
+            return None
+        run = self.arena.allocate(nslots)
+        if run is None:
+            return None
+        grant = Grant(self._next_grant, session.id, run)
+        self._next_grant += 1
+        self.grants[grant.id] = grant
+        session.grants[grant.id] = grant
+        session.granted_slots += nslots
+        return grant
+
+    def _ungrant(self, grant: Grant) -> None:
+        session = self.sessions.get(grant.session_id)
+        if session is not None:
+            session.grants.pop(grant.id, None)
+            session.granted_slots -= grant.run.nslots
+        self.grants.pop(grant.id, None)
+        self.arena.free(grant.run)
+
+    def _wake(self) -> None:
+        """Serve waiters in arrival order; one blocked on its own quota doesn't block others."""
+        while self._waiters and self._waiters[0].future.done():
+            self._waiters.popleft()
+        for waiter in list(self._waiters):
+            if waiter.future.done():
+                continue
+            s = waiter.session
+            if s.granted_slots + waiter.nslots > self.quota_slots:
+                continue
+            grant = self._try_grant(s, waiter.nslots)
+            if grant is None:
+                break  # the arena is full for the oldest waiter: nobody overtakes it
+            waiter.future.set_result(grant)
+            self._waiters.remove(waiter)
+
+    def return_grant(self, session: Session, grant_id: int) -> None:
+        grant = session.grants.get(grant_id)
+        if grant is None:
+            return
+        if grant.leases:
+            self._event(
+                session,
+                pb.ERROR_CODE_INVALID_ARGUMENT,
+                f"grant {grant_id} returned with {len(grant.leases)} leases in it",
+            )
+            return
+        self._ungrant(grant)
+        self._wake()
+
+    # -- notices (hot path) ---------------------------------------------------------
+
+    def on_reserve(self, session: Session, r: pb.Reserve) -> None:
+        grant = session.grants.get(r.grant_id)
+        if grant is None or r.nslots == 0 or r.lease_id in self.leases:
+            self._event(
+                session, pb.ERROR_CODE_INVALID_ARGUMENT, f"bad reserve of lease {r.lease_id}"
+            )
+            return
+        if not (
+            grant.run.slot <= r.slot
+            and r.slot + r.nslots <= grant.run.slot + grant.run.nslots
+            and r.generation >> GEN_SHIFT == grant.id
+        ):
+            self._event(
+                session,
+                pb.ERROR_CODE_INVALID_ARGUMENT,
+                f"lease {r.lease_id} lies outside grant {grant.id}",
+            )
+            return
+        lease = Lease(
+            id=r.lease_id,
+            generation=r.generation,
+            grant=grant,
+            run=Run(grant.run.segment, r.slot, r.nslots),
+            state=LeaseState.RESERVED,
+            request_id=r.request_id[:256],
+            from_stage=r.from_stage[:256],
+            to_stage=r.to_stage[:256],
+            writer=session.id,
+            created=self.clock(),
+        )
+        grant.leases[lease.id] = lease
+        self.leases[lease.id] = lease
+        req = self.requests.setdefault(lease.request_id, RequestInfo())
+        req.writers.add(lease.from_stage)
+        req.readers.add(lease.to_stage)
+        req.leases.add(lease.id)
+        req.touched = lease.created
+
+    def on_publish(self, session: Session, p: pb.Publish) -> None:
+        lease = self.leases.get(p.lease_id)
+        if lease is None or lease.writer != session.id or lease.state is not LeaseState.RESERVED:
+            self._event(
+                session, pb.ERROR_CODE_INVALID_ARGUMENT, f"bad publish of lease {p.lease_id}"
+            )
+            return
+        lease.state = LeaseState.PUBLISHED
+        lease.published_at = self.clock()
+        lease.nbytes = min(p.nbytes, lease.run.nslots * self.slot_size)
+        self.hooks.transfer(transport_name(p.transport), 1, lease.nbytes)
+        req = self.requests.get(lease.request_id)
+        if req is not None and req.aborted:
+            self._free_lease(lease, ReclaimReason.ABORT)
+            return
+        for kind, sid, gen, _t in self._early.pop(lease.id, ()):
+            early = self.sessions.get(sid)
+            if early is None:
+                continue
+            if kind == "claim":
+                self.on_claim(early, pb.Claim(lease_id=lease.id, generation=gen))
+            else:
+                self.on_release(early, pb.Release(lease_id=lease.id, generation=gen))
+
+    def on_cancel(self, session: Session, c: pb.Cancel) -> None:
+        lease = self.leases.get(c.lease_id)
+        if lease is not None and lease.writer == session.id and lease.state is LeaseState.RESERVED:
+            self._forget(lease)
+
+    def _reader_lease(
+        self, session: Session, lease_id: int, generation: int, kind: str
+    ) -> Lease | None:
+        lease = self.leases.get(lease_id)
+        if lease is None or lease.state is LeaseState.RESERVED:
+            if len(self._early) < 65536:
+                self._early.setdefault(lease_id, []).append(
+                    (kind, session.id, generation, self.clock())
+                )
+            return None
+        if lease.generation != generation:
+            return None  # stale: the reader already saw that in the slot header
+        if lease.to_stage not in session.stages and lease.claimer != session.id:
+            self._event(
+                session,
+                pb.ERROR_CODE_PERMISSION_DENIED,
+                f"lease {lease_id} is addressed to stage {lease.to_stage!r}",
+            )
+            return None
+        return lease
+
+    def on_claim(self, session: Session, c: pb.Claim) -> None:
+        lease = self._reader_lease(session, c.lease_id, c.generation, "claim")
+        if lease is None or lease.state is not LeaseState.PUBLISHED:
+            return
+        lease.state = LeaseState.CLAIMED
+        lease.claimer = session.id
+        session.claimed.add(lease.id)
+
+    def on_release(self, session: Session, r: pb.Release) -> None:
+        lease = self._reader_lease(session, r.lease_id, r.generation, "release")
+        if lease is None:
+            return
+        if lease.state is LeaseState.CLAIMED and lease.claimer != session.id:
+            self._event(
+                session,
+                pb.ERROR_CODE_PERMISSION_DENIED,
+                f"lease {r.lease_id} is claimed by another session",
+            )
+            return
+        self._free_lease(lease, None)
+
+    # -- freeing --------------------------------------------------------------------
+
+    def _forget(self, lease: Lease) -> None:
+        """Drop a lease record; the slots go back to whoever owns the grant."""
+        self.leases.pop(lease.id, None)
+        lease.grant.leases.pop(lease.id, None)
+        req = self.requests.get(lease.request_id)
+        if req is not None:
+            req.leases.discard(lease.id)
+        if lease.claimer:
+            claimer = self.sessions.get(lease.claimer)
+            if claimer is not None:
+                claimer.claimed.discard(lease.id)
+        self.arena.clear_header(lease.run.segment, lease.run.slot)
+        grant = lease.grant
+        if grant.orphan:
+            self.arena.free(lease.run)
+            if not grant.leases:
+                self.grants.pop(grant.id, None)
+            self._wake()
+        else:
+            self._freed_out.setdefault(grant.session_id, []).append(lease.id)
+
+    def _free_lease(self, lease: Lease, reason: ReclaimReason | None) -> None:
+        self._forget(lease)
+        if reason is not None:
+            self.hooks.reclaimed(reason, 1)
+            log.info(
+                "reclaimed lease",
+                extra={
+                    "lease_id": lease.id,
+                    "request_id": lease.request_id,
+                    "reason": reason.value,
+                    "session_id": lease.writer,
+                },
+            )
+
+    def flush(self) -> None:
+        """Send the Freed notices this turn produced, one frame per writer session."""
+        if not self._freed_out:
+            return
+        out, self._freed_out = self._freed_out, {}
+        for sid, ids in out.items():
+            session = self.sessions.get(sid)
+            if session is not None and session.sink is not None:
+                session.sink(pb.SessionFrame(freed=pb.Freed(lease_ids=ids)))
+
+    def _event(self, session: Session, code: pb.ErrorCode, message: str) -> None:
+        log.warning("session %s: %s", session.id, message, extra={"session_id": session.id})
+        if session.sink is not None:
+            session.sink(
+                pb.SessionFrame(event=[pb.Event(kind="error", code=code, message=message)])
+            )
+
+    # -- abort, TTL, drain ----------------------------------------------------------
+
+    def abort(self, session: Session, request_id: str) -> tuple[int, int]:
+        req = self.requests.get(request_id)
+        if req is None:
+            req = self.requests[request_id] = RequestInfo(touched=self.clock())
+        elif not (set(session.stages) & (req.writers | req.readers)):
+            raise PermissionDeniedError(
+                f"stage(s) {', '.join(session.stages)} neither wrote nor read request {request_id!r}"
+            )
+        req.aborted = True
+        req.touched = self.clock()
+        n = nbytes = 0
+        for lease_id in list(req.leases):
+            lease = self.leases.get(lease_id)
+            if lease is not None and lease.state is not LeaseState.RESERVED:
+                n += 1
+                nbytes += lease.nbytes
+                self._free_lease(lease, ReclaimReason.ABORT)
+        frame = pb.SessionFrame(aborted=[pb.Aborted(request_id=request_id)])
+        for s in self.sessions.values():
+            if s.sink is not None:
+                s.sink(frame)
+        self.flush()
+        return n, nbytes
+
+    def reap(self) -> int:
+        """Expire unread leases, unbound sessions and old request records."""
+        now = self.clock()
+        expired = [
+            lease for lease in self.leases.values()
+            if lease.state is LeaseState.PUBLISHED and now - lease.published_at > self.lease_ttl
+        ]  # fmt: skip
+        for lease in expired:
+            self._free_lease(lease, ReclaimReason.TTL)
+        for s in [s for s in self.sessions.values() if s.state is SessionState.PENDING]:
+            if now - s.created > BIND_DEADLINE:
+                self.close_session(s.id)
+        for lid in [k for k, v in self._early.items() if now - v[0][3] > BIND_DEADLINE]:
+            del self._early[lid]
+        for rid in [
+            r for r, v in self.requests.items() if not v.leases and now - v.touched > REQUEST_MEMORY
+        ]:
+            del self.requests[rid]
+        self.flush()
+        return len(expired)
+
+    def start_drain(self) -> None:
+        self.draining = True
+        for w in self._waiters:
+            if not w.future.done():
+                w.future.set_exception(DrainingError("daemon is draining"))
+        self._waiters.clear()
+        frame = pb.SessionFrame(
+            event=[
+                pb.Event(kind="draining", code=pb.ERROR_CODE_DRAINING, message="daemon is draining")
+            ]
+        )
+        for s in self.sessions.values():
+            if s.sink is not None:
+                s.sink(frame)
+
+    def drop_all(self) -> None:
+        """End of drain: whatever is left is reclaimed (and counted)."""
+        for lease in list(self.leases.values()):
+            self._free_lease(lease, ReclaimReason.DRAIN)
+
+    # -- views for status and metrics -----------------------------------------------
+
+    @property
+    def in_flight(self) -> int:
+        return sum(1 for lease in self.leases.values() if lease.state is not LeaseState.RESERVED)
+
+    def lease_slots(self) -> int:
+        return sum(lease.run.nslots for lease in self.leases.values())
+
+    def granted_slots(self) -> int:
+        return sum(g.run.nslots for g in self.grants.values() if not g.orphan)
+
+    def leases_by_state(self) -> dict[LeaseState, int]:
+        counts = dict.fromkeys(LeaseState, 0)
+        for lease in self.leases.values():
+            counts[lease.state] += 1
+        return counts
+
+    def new_generation_base(self, grant: Grant) -> int:
+        return grant.id << GEN_SHIFT

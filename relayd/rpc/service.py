@@ -1,0 +1,121 @@
+"""The ``relayd.v1.Relay`` gRPC service: attach, grants, abort, status, drain."""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+from relayd_client._errors import (
+    InvalidArgumentError,
+    SessionClosedError,
+    VersionMismatchError,
+)
+from relayd_client._proto import relay_pb2 as pb
+from relayd_client._proto import relay_pb2_grpc as pb_grpc
+
+from ..pools.leases import SessionState
+from .errors import mapped
+
+if TYPE_CHECKING:
+    from ..server import Daemon
+
+PROTOCOL_VERSION = pb.PROTOCOL_VERSION_CURRENT
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.:/@-]{1,128}$")
+MAX_GRANT_BYTES = 1 << 40
+
+# grpc ships no type stubs; the servicer context is untyped.
+Ctx: TypeAlias = Any
+
+
+def check_name(kind: str, value: str) -> str:
+    if not _NAME_RE.match(value):
+        raise InvalidArgumentError(
+            f"{kind} {value[:64]!r} must be 1-128 characters of letters, digits and _.:/@-"
+        )
+    return value
+
+
+class RelayService(pb_grpc.RelayServicer):
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+
+    @mapped
+    async def Attach(self, request: pb.AttachRequest, context: Ctx) -> pb.AttachResponse:
+        if request.protocol_version != PROTOCOL_VERSION:
+            raise VersionMismatchError(
+                f"client speaks relayd protocol {request.protocol_version}, this daemon speaks "
+                f"{PROTOCOL_VERSION}; upgrade the older side"
+            )
+        if not request.stages or len(request.stages) > 16:
+            raise InvalidArgumentError("attach needs 1 to 16 stage names")
+        stages = [check_name("stage", s) for s in request.stages]
+        if len(request.gpu_uuids) > 64 or len(request.namespaces) > 8:
+            raise InvalidArgumentError("too many GPUs or namespaces in attach")
+        d = self.daemon
+        session = d.manager.open_session(
+            pid=request.pid,
+            stages=stages,
+            namespaces={k[:16]: v[:64] for k, v in request.namespaces.items()},
+            gpu_uuids=[u[:64] for u in request.gpu_uuids],
+        )
+        arena = d.arena
+        return pb.AttachResponse(
+            protocol_version=PROTOCOL_VERSION,
+            session_id=session.id,
+            session_token=session.token,
+            session_socket=d.settings.session_socket,
+            node_id=d.settings.node_id,
+            daemon_epoch=d.epoch,
+            slot_size=arena.slot_size,
+            header_offset=0,
+            header_stride=16,
+            data_offset=arena.segments[0].data_offset,
+            segments=[pb.Segment(name=s.name, size=s.size, index=s.index) for s in arena.segments],
+            default_grant_bytes=d.manager.grant_slots * arena.slot_size,
+            lease_ttl_seconds=d.settings.lease_ttl,
+            peer_address=d.settings.peer_address,
+        )
+
+    @mapped
+    async def Grant(self, request: pb.GrantRequest, context: Ctx) -> pb.GrantResponse:
+        m = self.daemon.manager
+        session = m.authenticate(request.session_id, request.session_token)
+        if session.state is not SessionState.BOUND:
+            raise SessionClosedError("bind the session socket before asking for grants")
+        if request.min_bytes > MAX_GRANT_BYTES:
+            raise InvalidArgumentError(f"min_bytes {request.min_bytes} is absurd")
+        timeout = (
+            request.timeout_seconds
+            if request.timeout_seconds > 0
+            else self.daemon.settings.reserve_timeout
+        )
+        remaining = context.time_remaining()
+        if remaining is not None:
+            timeout = min(timeout, max(remaining - 0.05, 0.0))
+        grant = await m.grant(session, request.min_bytes, timeout)
+        return pb.GrantResponse(
+            grant_id=grant.id,
+            segment=grant.run.segment,
+            slot=grant.run.slot,
+            nslots=grant.run.nslots,
+            generation_base=m.new_generation_base(grant),
+        )
+
+    @mapped
+    async def Abort(self, request: pb.AbortRequest, context: Ctx) -> pb.AbortResponse:
+        m = self.daemon.manager
+        session = m.authenticate(request.session_id, request.session_token)
+        if not request.request_id or len(request.request_id) > 256:
+            raise InvalidArgumentError("request_id must be 1-256 characters")
+        n, nbytes = m.abort(session, request.request_id)
+        return pb.AbortResponse(leases_freed=n, bytes_freed=nbytes)
+
+    @mapped
+    async def Status(self, request: pb.StatusRequest, context: Ctx) -> pb.StatusResponse:
+        return self.daemon.status()
+
+    @mapped
+    async def Drain(self, request: pb.DrainRequest, context: Ctx) -> pb.DrainResponse:
+        grace = request.grace_seconds if request.grace_seconds > 0 else None
+        self.daemon.request_stop(grace=grace)
+        return pb.DrainResponse(accepted=True)

@@ -1,0 +1,185 @@
+"""The session socket: one connection per client session, framed protobuf both ways.
+
+Frame = 4-byte little-endian length + one ``relayd.v1.SessionFrame``. The
+first frame must bind the connection to a session created by ``Attach``
+(session id + token). The kernel tells us who is on the other end
+(SO_PEERCRED), which gRPC cannot, and EOF tells us the client is gone,
+however it died.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import struct
+from collections.abc import Callable, Collection
+from typing import Any, cast
+
+from relayd_client._errors import RelayError
+from relayd_client._proto import relay_pb2 as pb
+
+from ..pools.leases import LeaseManager, Session, transport_name
+
+log = logging.getLogger(__name__)
+
+MAX_FRAME = 4 << 20
+_LEN = struct.Struct("<I")
+_CREDS = struct.Struct("3i")
+
+
+def encode_frame(frame: pb.SessionFrame) -> bytes:
+    body = frame.SerializeToString()
+    return _LEN.pack(len(body)) + body
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process on the other end of a Unix socket."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDS.size)
+    pid, uid, gid = _CREDS.unpack(raw)
+    return pid, uid, gid
+
+
+class Admission:
+    """Which uids/gids may connect (default: the daemon's own uid and group, and root)."""
+
+    def __init__(self, uids: Collection[int], gids: Collection[int]) -> None:
+        self.uids = frozenset(uids)
+        self.gids = frozenset(gids)
+
+    def admits(self, uid: int, gid: int) -> bool:
+        return uid == 0 or uid in self.uids or gid in self.gids
+
+
+class SessionProtocol(asyncio.Protocol):
+    def __init__(
+        self,
+        manager: LeaseManager,
+        admission: Admission,
+        on_refused: Callable[[str], None],
+        on_report: Callable[[str, int, int], None],
+    ) -> None:
+        self.manager = manager
+        self.admission = admission
+        self.on_refused = on_refused
+        self.on_report = on_report
+        self.transport: asyncio.Transport | None = None
+        self.session: Session | None = None
+        self.creds = (0, -1, -1)
+        self._buf = bytearray()
+
+    # -- asyncio.Protocol -----------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports implement the interface without subclassing it.
+        self.transport = cast(asyncio.Transport, transport)
+        sock = transport.get_extra_info("socket")
+        try:
+            self.creds = peer_credentials(sock)
+        except OSError:
+            self._refuse("no_credentials", "cannot read peer credentials")
+            return
+        pid, uid, gid = self.creds
+        if not self.admission.admits(uid, gid):
+            self._refuse(
+                "uid", f"pid {pid} uid {uid} gid {gid} is not allowed (--allow-uid/--allow-gid)"
+            )
+
+    def data_received(self, data: bytes) -> None:
+        self._buf += data
+        buf = self._buf
+        pos = 0
+        try:
+            while len(buf) - pos >= 4:
+                (n,) = _LEN.unpack_from(buf, pos)
+                if n > MAX_FRAME:
+                    self._refuse("protocol", f"frame of {n} bytes exceeds {MAX_FRAME}")
+                    return
+                if len(buf) - pos - 4 < n:
+                    break
+                frame = pb.SessionFrame.FromString(bytes(buf[pos + 4 : pos + 4 + n]))
+                pos += 4 + n
+                self._handle(frame)
+                if self.transport is None:
+                    return
+        except Exception as exc:  # a malformed frame ends only this session
+            self._refuse("protocol", f"bad frame: {type(exc).__name__}: {exc}")
+            return
+        finally:
+            del buf[:pos]
+        self.manager.flush()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        if self.session is not None:
+            log.info("session closed", extra={"session_id": self.session.id, "pid": self.creds[0]})
+            self.manager.close_session(self.session.id)
+            self.manager.flush()
+            self.session = None
+
+    # -- frames ---------------------------------------------------------------------
+
+    def send(self, frame: pb.SessionFrame) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(encode_frame(frame))
+
+    def _refuse(self, reason: str, message: str) -> None:
+        log.warning("session connection refused: %s", message, extra={"pid": self.creds[0]})
+        self.on_refused(reason)
+        if self.transport is not None:
+            self.send(
+                pb.SessionFrame(
+                    event=[
+                        pb.Event(
+                            kind="error",
+                            code=pb.ERROR_CODE_PERMISSION_DENIED
+                            if reason == "uid"
+                            else pb.ERROR_CODE_INVALID_ARGUMENT,
+                            message=message,
+                        )
+                    ]
+                )
+            )
+            self.transport.close()
+            self.transport = None
+
+    def _handle(self, f: pb.SessionFrame) -> None:
+        m = self.manager
+        session = self.session
+        if session is None:
+            if not f.HasField("bind"):
+                self._refuse("protocol", "first frame must bind a session")
+                return
+            pid, uid, gid = self.creds
+            try:
+                session = m.bind(
+                    f.bind.session_id, f.bind.session_token, self.send, pid=pid, uid=uid, gid=gid
+                )
+            except RelayError as err:
+                self._refuse("token", str(err))
+                return
+            self.session = session
+            log.info(
+                "session bound",
+                extra={"session_id": session.id, "pid": pid, "stage": ",".join(session.stages)},
+            )
+            self.send(pb.SessionFrame(event=[pb.Event(kind="bound")]))
+        for r in f.reserve:
+            m.on_reserve(session, r)
+        for p in f.publish:
+            m.on_publish(session, p)
+        for c in f.claim:
+            m.on_claim(session, c)
+        for rel in f.release:
+            m.on_release(session, rel)
+        for x in f.cancel:
+            m.on_cancel(session, x)
+        for g in f.return_grant:
+            m.return_grant(session, g.grant_id)
+        for rep in f.report:
+            if rep.count < (1 << 32) and rep.bytes < (1 << 50):
+                self.on_report(transport_name(rep.transport), rep.count, rep.bytes)
+
+
+def protocol_factory(**kwargs: Any) -> Callable[[], SessionProtocol]:
+    return lambda: SessionProtocol(**kwargs)

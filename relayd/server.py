@@ -1,0 +1,384 @@
+"""Daemon lifecycle: ``startup()`` -> ``main_loop()`` -> ``shutdown()``.
+
+The shape follows uvicorn's ``Server``: signals only set flags; the main loop
+runs housekeeping until a stop is requested; shutdown drains (health goes
+NOT_SERVING, new reservations are refused, in-flight leases get a grace
+period) and then releases everything it created. A second SIGTERM/SIGINT
+cuts the grace period short.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import logging
+import os
+import secrets
+import signal
+import time
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from relayd_client._proto import relay_pb2 as pb
+from relayd_client._proto import relay_pb2_grpc as pb_grpc
+
+from . import __version__
+from ._systemd import SystemdNotifier
+from .config import Settings
+from .metrics import Metrics
+from .pools.arena import Arena, remove_stale_segments
+from .pools.leases import Hooks, LeaseManager, LeaseState, ReclaimReason
+from .rpc.service import RelayService
+from .rpc.session import Admission, SessionProtocol
+
+log = logging.getLogger(__name__)
+
+HOUSEKEEPING_INTERVAL = 0.5
+
+
+class DaemonState:
+    STARTING = "starting"
+    SERVING = "serving"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+
+
+class SocketInUseError(RuntimeError):
+    """Another live daemon serves on the requested socket."""
+
+
+class Daemon:
+    def __init__(self, settings: Settings, *, notifier: SystemdNotifier | None = None) -> None:
+        self.settings = settings
+        self.epoch = secrets.token_hex(5)
+        self.state = DaemonState.STARTING
+        self.started = time.monotonic()
+        self.notifier = notifier or SystemdNotifier(None, None)
+        self.metrics = Metrics()
+        self.arena: Arena
+        self.manager: LeaseManager
+        self.health = health.aio.HealthServicer()
+        self._servers: list[grpc.aio.Server] = []
+        self._session_server: asyncio.AbstractServer | None = None
+        self._stop = asyncio.Event()
+        self._force = asyncio.Event()
+        self._grace = settings.drain_grace
+        self._lock_fd = -1
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._protocols: set[SessionProtocol] = set()
+
+    # -- lifecycle ----------------------------------------------------------------
+
+    async def run(self) -> int:
+        self._loop = asyncio.get_running_loop()
+        self._install_signals()
+        try:
+            await self.startup()
+            await self.main_loop()
+        finally:
+            await self.shutdown()
+        return 0
+
+    async def startup(self) -> None:
+        s = self.settings
+        self._take_socket_lock()
+        remove_stale_segments()
+        self.arena = Arena(
+            node_id=s.node_id,
+            epoch=self.epoch,
+            total_bytes=s.shm_pool_size,
+            segment_bytes=s.shm_segment_size,
+            slot_size=s.slot_size,
+            mode=s.socket_mode & 0o666,
+        )
+        m = self.metrics
+        self.manager = LeaseManager(
+            self.arena,
+            grant_bytes=s.grant_size,
+            lease_ttl=s.lease_ttl,
+            stage_quota_bytes=s.stage_quota_bytes,
+            max_sessions=s.max_sessions,
+            hooks=Hooks(
+                reclaimed=lambda reason, n: m.reclaimed.labels(reason.value).inc(n),
+                transfer=self._count_transfer,
+                reserve_wait=m.reserve_wait.observe,
+            ),
+        )
+        for reason in ReclaimReason:
+            m.reclaimed.labels(reason.value)
+        m.attach_state(self._snapshot_threadsafe)
+        await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.health.set("relayd.v1.Relay", health_pb2.HealthCheckResponse.NOT_SERVING)
+
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        pb_grpc.add_RelayServicer_to_server(RelayService(self), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        with self._umask():
+            server.add_insecure_port(f"unix:{s.socket}")
+            await server.start()
+        os.chmod(s.socket, s.socket_mode)
+        self._servers.append(server)
+
+        admission = Admission(s.allow_uid or (os.getuid(),), s.allow_gid or (os.getgid(),))
+        loop = asyncio.get_running_loop()
+        with self._umask():
+            self._session_server = await loop.create_unix_server(
+                lambda: self._track(
+                    SessionProtocol(
+                        self.manager,
+                        admission,
+                        on_refused=lambda r: m.refused.labels(r).inc(),
+                        on_report=self._count_transfer,
+                    )
+                ),
+                path=s.session_socket,
+            )
+        os.chmod(s.session_socket, s.socket_mode)
+
+        if s.health_address:
+            hs = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, hs)
+            hs.add_insecure_port(s.health_address)
+            await hs.start()
+            self._servers.append(hs)
+        if s.metrics_address:
+            port = m.serve(s.metrics_address)
+            log.info("metrics on %s (port %d)", s.metrics_address, port)
+
+        self.state = DaemonState.SERVING
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set("relayd.v1.Relay", health_pb2.HealthCheckResponse.SERVING)
+        log.info(
+            "relayd %s serving on %s: arena %d bytes in %d segments, slot %d, epoch %s",
+            __version__,
+            s.socket,
+            self.arena.capacity_bytes,
+            len(self.arena.segments),
+            s.slot_size,
+            self.epoch,
+        )
+        self.notifier.ready(f"serving on {s.socket}")
+
+    async def main_loop(self) -> None:
+        interval = HOUSEKEEPING_INTERVAL
+        wd = self.notifier.watchdog_interval()
+        if wd is not None:
+            interval = min(interval, wd)
+        while not self._stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), timeout=interval)
+            self.manager.reap()
+            self.notifier.watchdog()
+
+    async def shutdown(self) -> None:
+        if self.state == DaemonState.STOPPED:
+            return
+        was_serving = hasattr(self, "manager")
+        self.state = DaemonState.DRAINING
+        if was_serving:
+            self.notifier.stopping()
+            await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+            await self.health.set("relayd.v1.Relay", health_pb2.HealthCheckResponse.NOT_SERVING)
+            self.manager.start_drain()
+            deadline = time.monotonic() + self._grace
+            # In-flight leases get the grace period to be read; polling keeps the
+            # hot path free of drain bookkeeping.
+            while (
+                self.manager.in_flight and time.monotonic() < deadline and not self._force.is_set()
+            ):
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._force.wait(), timeout=0.05)
+                self.manager.reap()
+            left = self.manager.in_flight
+            if left:
+                log.warning("drain grace over with %d leases in flight; reclaiming them", left)
+            self.manager.drop_all()
+            self.manager.flush()
+        for server in self._servers:
+            await server.stop(grace=0.5)
+        if self._session_server is not None:
+            self._session_server.close()
+            for proto in list(self._protocols):
+                if proto.transport is not None:
+                    proto.transport.close()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._session_server.wait_closed(), timeout=2)
+        self.metrics.close()
+        if hasattr(self, "arena"):
+            self.arena.close()
+        for path in (self.settings.socket, self.settings.session_socket):
+            with contextlib.suppress(FileNotFoundError):
+                if self._lock_fd >= 0:
+                    os.unlink(path)
+        self._release_socket_lock()
+        self.state = DaemonState.STOPPED
+        log.info("relayd stopped")
+
+    def request_stop(self, *, grace: float | None = None) -> None:
+        if grace is not None:
+            self._grace = grace
+        if self._stop.is_set():
+            self._force.set()
+        self._stop.set()
+
+    # -- signals --------------------------------------------------------------------
+
+    def _install_signals(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+
+    def _on_signal(self, sig: int) -> None:
+        if self._stop.is_set():
+            log.warning("second %s: cutting the drain short", signal.Signals(sig).name)
+            self._force.set()
+        else:
+            log.info("%s: draining", signal.Signals(sig).name)
+            self._stop.set()
+
+    # -- socket ownership -----------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _umask(self) -> Any:
+        old = os.umask(0o777 & ~self.settings.socket_mode)
+        try:
+            yield
+        finally:
+            os.umask(old)
+
+    def _take_socket_lock(self) -> None:
+        """One daemon per socket: an flock beside it, released by the kernel if we die."""
+        path = self.settings.socket
+        directory = os.path.dirname(path) or "."
+        os.makedirs(directory, mode=0o755, exist_ok=True)
+        fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            os.close(fd)
+            raise SocketInUseError(
+                f"another relayd (pid {owner or '?'}) is serving on {path}; stop it or pick "
+                "another --socket"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock_fd = fd
+        # Whatever socket files exist belong to a dead daemon: replace them.
+        for stale in (path, self.settings.session_socket):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(stale)
+
+    def _release_socket_lock(self) -> None:
+        if self._lock_fd >= 0:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.settings.socket + ".lock")
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+
+    # -- sessions & metrics helpers ---------------------------------------------------
+
+    def _track(self, proto: SessionProtocol) -> SessionProtocol:
+        self._protocols.add(proto)
+        original = proto.connection_lost
+
+        def lost(exc: Exception | None) -> None:
+            self._protocols.discard(proto)
+            original(exc)
+
+        proto.connection_lost = lost  # type: ignore[method-assign]
+        return proto
+
+    def _count_transfer(self, transport: str, count: int, nbytes: int) -> None:
+        self.metrics.transfers.labels(transport).inc(count)
+        self.metrics.transfer_bytes.labels(transport).inc(nbytes)
+
+    def _snapshot_threadsafe(self) -> dict[str, Any]:
+        """Scrapes run on the HTTP thread; the state belongs to the loop."""
+        loop = self._loop
+        if loop is None or not hasattr(self, "manager"):
+            return {"pools": [], "leases": {}, "sessions": 0, "serving": 0}
+        with contextlib.suppress(RuntimeError):
+            if asyncio.get_running_loop() is loop:
+                return self.snapshot()
+
+        async def snap() -> dict[str, Any]:
+            return self.snapshot()
+
+        return asyncio.run_coroutine_threadsafe(snap(), loop).result(timeout=5)
+
+    def snapshot(self) -> dict[str, Any]:
+        m, a = self.manager, self.arena
+        by_state = m.leases_by_state()
+        return {
+            "pools": [
+                {
+                    "name": "shm",
+                    "capacity_bytes": a.capacity_bytes,
+                    "used_bytes": m.lease_slots() * a.slot_size,
+                    "granted_bytes": m.granted_slots() * a.slot_size,
+                    "largest_free_run_bytes": a.largest_free_run() * a.slot_size,
+                    "slot_size": a.slot_size,
+                    "slots": a.capacity_slots,
+                    "free_slots": a.free_slots,
+                }
+            ],
+            "leases": {("shm", st.name.lower()): n for st, n in by_state.items()},
+            "sessions": len(m.sessions),
+            "serving": 1 if self.state == DaemonState.SERVING else 0,
+        }
+
+    def status(self) -> pb.StatusResponse:
+        m = self.manager
+        now = time.monotonic()
+        snap = self.snapshot()
+        resp = pb.StatusResponse(
+            node_id=self.settings.node_id,
+            daemon_epoch=self.epoch,
+            state=self.state,
+            uptime_seconds=now - self.started,
+            version=__version__,
+        )
+        for p in snap["pools"]:
+            resp.pools.append(pb.PoolStatus(**p))
+        for (_pool, state), n in snap["leases"].items():
+            resp.leases_by_state[state] = n
+        leases = sorted(m.leases.values(), key=lambda lease: lease.created)
+        for lease in leases[:1000]:
+            resp.leases.append(
+                pb.LeaseStatus(
+                    lease_id=lease.id,
+                    state=lease.state.value,
+                    pool="shm",
+                    bytes=lease.nbytes or lease.run.nslots * self.arena.slot_size,
+                    request_id=lease.request_id,
+                    from_stage=lease.from_stage,
+                    to_stage=lease.to_stage,
+                    age_seconds=now - lease.created,
+                    session_id=lease.writer,
+                )
+            )
+        for s in m.sessions.values():
+            resp.sessions.append(
+                pb.SessionStatus(
+                    session_id=s.id,
+                    pid=s.pid,
+                    stages=list(s.stages),
+                    granted_bytes=s.granted_slots * self.arena.slot_size,
+                    leases=sum(len(g.leases) for g in s.grants.values()),
+                    age_seconds=now - s.created,
+                    uid=max(s.uid, 0),
+                )
+            )
+        for sample in next(iter(self.metrics.transfers.collect())).samples:
+            if sample.name.endswith("_total") and sample.value:
+                resp.transfers_by_transport[sample.labels["transport"]] = int(sample.value)
+        for sample in next(iter(self.metrics.reclaimed.collect())).samples:
+            if sample.name.endswith("_total") and sample.value:
+                resp.reclaimed_by_reason[sample.labels["reason"]] = int(sample.value)
+        return resp
+
+
+__all__ = ["Daemon", "DaemonState", "LeaseState", "SocketInUseError"]

@@ -1,0 +1,206 @@
+"""The real daemon as a subprocess, for integration, fault and bench-smoke tests."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+READY_TIMEOUT = 30.0
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until(predicate: Any, timeout: float, what: str, interval: float = 0.02) -> Any:
+    """Poll ``predicate`` until truthy; fail with ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+class Daemon:
+    def __init__(
+        self,
+        tmp: str,
+        *args: str,
+        pool: str = "64MiB",
+        metrics: bool = False,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.dir = tmp
+        self.socket = os.path.join(tmp, "relayd.sock")
+        self.metrics_port = free_port() if metrics else 0
+        self.args = [
+            sys.executable,
+            "-m",
+            "relayd",
+            "serve",
+            "--socket",
+            self.socket,
+            "--shm-pool-size",
+            pool,
+            "--node-id",
+            "testnode",
+            *args,
+        ]
+        if metrics:
+            self.args += ["--metrics-address", f"127.0.0.1:{self.metrics_port}"]
+        self.env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.epoch = ""
+        self.log_path = os.path.join(tmp, "daemon.log")
+
+    def start(self) -> Daemon:
+        with open(self.log_path, "ab") as log:  # the child keeps its own descriptor
+            self.proc = subprocess.Popen(
+                self.args, stdout=log, stderr=subprocess.STDOUT, env=self.env
+            )
+        _DAEMONS.append(self.proc)
+        wait_until(self._serving, READY_TIMEOUT, f"relayd to serve on {self.socket}\n{self.log()}")
+        self.epoch = str(self.status()["daemon_epoch"])
+        return self
+
+    def _serving(self) -> bool:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"relayd exited with {self.proc.returncode}:\n{self.log()}")
+        if not os.path.exists(self.socket):
+            return False
+        try:
+            with grpc.insecure_channel(f"unix:{self.socket}") as ch:
+                resp = health_pb2_grpc.HealthStub(ch).Check(
+                    health_pb2.HealthCheckRequest(), timeout=1
+                )
+            return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)
+        except grpc.RpcError:
+            return False
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def log(self) -> str:
+        with contextlib.suppress(OSError), open(self.log_path, errors="replace") as fh:
+            return fh.read()[-8000:]
+        return ""
+
+    def status(self) -> dict[str, Any]:
+        from relayd.cli import _status_dict
+
+        return _status_dict(self.socket)
+
+    def pool(self) -> dict[str, int]:
+        p = self.status()["pools"][0]
+        return {k: int(v) for k, v in p.items() if k != "name"}
+
+    def scrape(self) -> str:
+        with urllib.request.urlopen(
+            f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5
+        ) as r:
+            return str(r.read().decode())
+
+    def segments(self) -> list[str]:
+        """This daemon's own segments (other tests' daemons may share /dev/shm)."""
+        prefix = f"relayd.testnode.{self.epoch}."
+        return [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            rc = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+            raise AssertionError(f"relayd did not stop within {timeout}s:\n{self.log()}") from None
+        return rc
+
+
+@contextlib.contextmanager
+def running_daemon(tmp: str, *args: str, **kw: Any) -> Iterator[Daemon]:
+    d = Daemon(tmp, *args, **kw).start()
+    try:
+        yield d
+    finally:
+        if d.proc is not None and d.proc.poll() is None:
+            d.stop()
+
+
+def run_worker(
+    args: Sequence[str], *, input: bytes | None = None, timeout: float = 60.0, check: bool = True
+) -> subprocess.CompletedProcess[bytes]:
+    """Run ``python -m tests._workers ARGS`` in its own process."""
+    cp = subprocess.run(
+        [sys.executable, "-m", "tests._workers", *args],
+        input=input,
+        capture_output=True,
+        timeout=timeout,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+    if check and cp.returncode != 0:
+        raise AssertionError(
+            f"worker {args} failed ({cp.returncode}):\n{cp.stderr.decode()[-4000:]}"
+        )
+    return cp
+
+
+_SPAWNED: list[subprocess.Popen[bytes]] = []
+_DAEMONS: list[subprocess.Popen[bytes]] = []
+
+
+def reap_workers() -> None:
+    """Kill whatever a test left running and close its pipes (called after every test)."""
+    while _DAEMONS:
+        proc = _DAEMONS.pop()
+        if proc.poll() is None:  # a test failed before stopping it
+            proc.kill()
+            proc.wait(timeout=10)
+    while _SPAWNED:
+        proc = _SPAWNED.pop()
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=10)
+        for pipe in (proc.stdin, proc.stdout, proc.stderr):
+            if pipe is not None:
+                with contextlib.suppress(OSError):
+                    pipe.close()
+
+
+def spawn_worker(args: Sequence[str]) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests._workers", *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+    _SPAWNED.append(proc)
+    return proc
+
+
+def kill9(proc: subprocess.Popen[bytes]) -> None:
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=10)

@@ -1,0 +1,177 @@
+"""Stage processes for integration tests: ``python -m tests._workers CMD ...``.
+
+Writers print one hex DataRef per line on stdout (the "app channel"); readers
+take them on stdin and print one payload digest per line. Payloads are made
+deterministically from (seed, size), so both sides agree on the digest
+without sharing anything but the DataRef.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import sys
+import time
+from typing import Any
+
+import torch
+from relayd_client import DataRef, RelayClient, RelayError
+from relayd_client._proto import relay_pb2 as pb
+
+
+def make_payload(seed: int, nbytes: int) -> dict[str, Any]:
+    """A nested payload with about ``nbytes`` tensor bytes and several dtypes/shapes."""
+    g = torch.Generator().manual_seed(seed)
+    main = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+    return {
+        "seed": seed,
+        "hidden": main,
+        "meta": {"shape": (2, 3), "name": f"p{seed}", "scale": 0.5},
+        "extras": [
+            torch.arange(6, dtype=torch.bfloat16).reshape(2, 3),
+            torch.tensor(seed % 2 == 0),
+            torch.empty(0, 4, dtype=torch.float32),
+            torch.arange(12, dtype=torch.int64).reshape(3, 4).t(),  # non-contiguous
+        ],
+    }
+
+
+def digest(obj: Any) -> str:
+    h = hashlib.sha256()
+
+    def walk(o: Any) -> None:
+        if isinstance(o, torch.Tensor):
+            t = o.detach().cpu().contiguous()
+            h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        elif isinstance(o, dict):
+            h.update(b"{")
+            for k, v in o.items():
+                h.update(repr(k).encode())
+                walk(v)
+            h.update(b"}")
+        elif isinstance(o, (list, tuple)):
+            h.update(b"[" if isinstance(o, list) else b"(")
+            for v in o:
+                walk(v)
+            h.update(b"]")
+        else:
+            h.update(repr(o).encode())
+
+    walk(obj)
+    return h.hexdigest()
+
+
+def out(line: str) -> None:
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+async def cmd_write(a: argparse.Namespace) -> None:
+    sizes = [a.sizes[i % len(a.sizes)] for i in range(max(a.count, len(a.sizes)))]
+    async with RelayClient(a.stage, a.socket) as c:
+
+        async def one(i: int, size: int) -> None:
+            payload = make_payload(a.seed + i, size)
+            rid = f"{a.request}-{i}" if a.split else a.request
+            try:
+                ref = await c.put(payload, to_stage=a.to, request_id=rid, timeout=a.timeout)
+            except RelayError as exc:
+                out(f"ERR {type(exc).__name__} {exc}")
+                return
+            out(f"{ref.to_bytes().hex()} {digest(payload)} {ref.transport.value}")
+
+        if a.concurrent:
+            await asyncio.gather(*(one(i, s) for i, s in enumerate(sizes)))
+        else:
+            for i, s in enumerate(sizes):
+                await one(i, s)
+        if a.hold:
+            out("HOLDING")
+            await asyncio.sleep(3600)
+
+
+async def cmd_read(a: argparse.Namespace) -> None:
+    async with RelayClient(a.stage, a.socket) as c:
+        out("READY")
+        loop = asyncio.get_running_loop()
+
+        async def one(line: str) -> None:
+            try:
+                obj = await c.get(DataRef.from_bytes(bytes.fromhex(line.split()[0])))
+            except RelayError as exc:
+                out(f"ERR {type(exc).__name__} {exc}")
+                return
+            out(digest(obj))
+
+        tasks = []
+        while True:
+            line = await loop.run_in_executor(None, sys.stdin.readline)
+            if not line.strip():
+                break
+            if a.concurrent:
+                tasks.append(asyncio.ensure_future(one(line)))
+            else:
+                await one(line)
+        await asyncio.gather(*tasks)
+
+
+async def cmd_hold_reserved(a: argparse.Namespace) -> None:
+    """Reserve a lease and never publish it (killed by the test)."""
+    async with RelayClient(a.stage, a.socket) as c:
+        lease = await c._reserve(a.sizes[0], time.monotonic() + 10)
+        c._session.pending.reserve.append(
+            pb.Reserve(
+                lease_id=lease.id,
+                grant_id=lease.grant.id,
+                slot=lease.slot,
+                nslots=lease.nslots,
+                generation=lease.id,
+                request_id=a.request,
+                to_stage=a.to,
+                from_stage=a.stage,
+            )
+        )
+        c._session.mark(flush=True)
+        out("RESERVED")
+        await asyncio.sleep(3600)
+
+
+async def cmd_hold_claimed(a: argparse.Namespace) -> None:
+    """Claim a DataRef with a zero-copy get and never release it (killed by the test)."""
+    async with RelayClient(a.stage, a.socket) as c:
+        line = await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+        obj = await c.get(DataRef.from_bytes(bytes.fromhex(line.split()[0])), copy=False)
+        out(f"CLAIMED {digest(obj)}")
+        await asyncio.sleep(3600)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("cmd", choices=["write", "read", "hold-reserved", "hold-claimed"])
+    p.add_argument("--socket", required=True)
+    p.add_argument("--stage", default=None, help="default: thinker for writers, talker for readers")
+    p.add_argument("--to", default="talker")
+    p.add_argument("--request", default="r")
+    p.add_argument("--split", action="store_true", help="one request id per payload")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=10.0)
+    p.add_argument("--count", type=int, default=0, help="payloads to write (sizes cycle)")
+    p.add_argument("--concurrent", action="store_true")
+    p.add_argument("--hold", action="store_true", help="stay alive after writing")
+    p.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1 << 20])
+    a = p.parse_args()
+    if a.stage is None:
+        a.stage = "talker" if a.cmd in ("read", "hold-claimed") else "thinker"
+    fn = {
+        "write": cmd_write,
+        "read": cmd_read,
+        "hold-reserved": cmd_hold_reserved,
+        "hold-claimed": cmd_hold_claimed,
+    }[a.cmd]
+    asyncio.run(fn(a))
+
+
+if __name__ == "__main__":
+    main()
