@@ -350,7 +350,7 @@ class SessionStatus(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., pid: _Optional[int] = ..., stages: _Optional[_Iterable[str]] = ..., granted_bytes: _Optional[int] = ..., leases: _Optional[int] = ..., age_seconds: _Optional[float] = ..., uid: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("node_id", "daemon_epoch", "state", "uptime_seconds", "pools", "leases", "sessions", "leases_by_state", "transfers_by_transport", "reclaimed_by_reason", "version")
+    __slots__ = ("node_id", "daemon_epoch", "state", "uptime_seconds", "pools", "leases", "sessions", "leases_by_state", "transfers_by_transport", "reclaimed_by_reason", "version", "peers")
     class LeasesByStateEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -383,6 +383,7 @@ class StatusResponse(_message.Message):
     TRANSFERS_BY_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     RECLAIMED_BY_REASON_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     daemon_epoch: str
     state: str
@@ -394,7 +395,54 @@ class StatusResponse(_message.Message):
     transfers_by_transport: _containers.ScalarMap[str, int]
     reclaimed_by_reason: _containers.ScalarMap[str, int]
     version: str
-    def __init__(self, node_id: _Optional[str] = ..., daemon_epoch: _Optional[str] = ..., state: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., leases: _Optional[_Iterable[_Union[LeaseStatus, _Mapping]]] = ..., sessions: _Optional[_Iterable[_Union[SessionStatus, _Mapping]]] = ..., leases_by_state: _Optional[_Mapping[str, int]] = ..., transfers_by_transport: _Optional[_Mapping[str, int]] = ..., reclaimed_by_reason: _Optional[_Mapping[str, int]] = ..., version: _Optional[str] = ...) -> None: ...
+    peers: _containers.RepeatedCompositeFieldContainer[PeerStatus]
+    def __init__(self, node_id: _Optional[str] = ..., daemon_epoch: _Optional[str] = ..., state: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., leases: _Optional[_Iterable[_Union[LeaseStatus, _Mapping]]] = ..., sessions: _Optional[_Iterable[_Union[SessionStatus, _Mapping]]] = ..., leases_by_state: _Optional[_Mapping[str, int]] = ..., transfers_by_transport: _Optional[_Mapping[str, int]] = ..., reclaimed_by_reason: _Optional[_Mapping[str, int]] = ..., version: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ...) -> None: ...
+
+class PeerStatus(_message.Message):
+    __slots__ = ("address", "node_id", "up", "daemon_epoch", "mooncake_session", "credits_in_use", "credits_capacity", "pulls_in_flight_max", "last_error", "stages")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    UP_FIELD_NUMBER: _ClassVar[int]
+    DAEMON_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    MOONCAKE_SESSION_FIELD_NUMBER: _ClassVar[int]
+    CREDITS_IN_USE_FIELD_NUMBER: _ClassVar[int]
+    CREDITS_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    PULLS_IN_FLIGHT_MAX_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    node_id: str
+    up: bool
+    daemon_epoch: str
+    mooncake_session: str
+    credits_in_use: int
+    credits_capacity: int
+    pulls_in_flight_max: int
+    last_error: str
+    stages: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, address: _Optional[str] = ..., node_id: _Optional[str] = ..., up: _Optional[bool] = ..., daemon_epoch: _Optional[str] = ..., mooncake_session: _Optional[str] = ..., credits_in_use: _Optional[int] = ..., credits_capacity: _Optional[int] = ..., pulls_in_flight_max: _Optional[int] = ..., last_error: _Optional[str] = ..., stages: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class FetchRequest(_message.Message):
+    __slots__ = ("session_id", "session_token", "data_ref", "timeout_seconds")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DATA_REF_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    session_token: bytes
+    data_ref: bytes
+    timeout_seconds: float
+    def __init__(self, session_id: _Optional[str] = ..., session_token: _Optional[bytes] = ..., data_ref: _Optional[bytes] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class FetchResponse(_message.Message):
+    __slots__ = ("lease", "node_id", "daemon_epoch")
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    DAEMON_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    lease: LeaseRef
+    node_id: str
+    daemon_epoch: str
+    def __init__(self, lease: _Optional[_Union[LeaseRef, _Mapping]] = ..., node_id: _Optional[str] = ..., daemon_epoch: _Optional[str] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("grace_seconds",)
@@ -531,3 +579,87 @@ class SessionFrame(_message.Message):
     aborted: _containers.RepeatedCompositeFieldContainer[Aborted]
     event: _containers.RepeatedCompositeFieldContainer[Event]
     def __init__(self, bind: _Optional[_Union[Bind, _Mapping]] = ..., reserve: _Optional[_Iterable[_Union[Reserve, _Mapping]]] = ..., publish: _Optional[_Iterable[_Union[Publish, _Mapping]]] = ..., claim: _Optional[_Iterable[_Union[Claim, _Mapping]]] = ..., release: _Optional[_Iterable[_Union[Release, _Mapping]]] = ..., cancel: _Optional[_Iterable[_Union[Cancel, _Mapping]]] = ..., return_grant: _Optional[_Iterable[_Union[ReturnGrant, _Mapping]]] = ..., report: _Optional[_Iterable[_Union[TransferReport, _Mapping]]] = ..., freed: _Optional[_Union[Freed, _Mapping]] = ..., aborted: _Optional[_Iterable[_Union[Aborted, _Mapping]]] = ..., event: _Optional[_Iterable[_Union[Event, _Mapping]]] = ...) -> None: ...
+
+class ArenaSegment(_message.Message):
+    __slots__ = ("index", "base", "size", "data_offset", "nslots")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    BASE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    DATA_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NSLOTS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    base: int
+    size: int
+    data_offset: int
+    nslots: int
+    def __init__(self, index: _Optional[int] = ..., base: _Optional[int] = ..., size: _Optional[int] = ..., data_offset: _Optional[int] = ..., nslots: _Optional[int] = ...) -> None: ...
+
+class PeerHello(_message.Message):
+    __slots__ = ("protocol_version", "node_id", "daemon_epoch", "peer_address", "mooncake_session", "slot_size", "segments", "stages")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    DAEMON_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MOONCAKE_SESSION_FIELD_NUMBER: _ClassVar[int]
+    SLOT_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    node_id: str
+    daemon_epoch: str
+    peer_address: str
+    mooncake_session: str
+    slot_size: int
+    segments: _containers.RepeatedCompositeFieldContainer[ArenaSegment]
+    stages: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, protocol_version: _Optional[int] = ..., node_id: _Optional[str] = ..., daemon_epoch: _Optional[str] = ..., peer_address: _Optional[str] = ..., mooncake_session: _Optional[str] = ..., slot_size: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[ArenaSegment, _Mapping]]] = ..., stages: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("node_id", "daemon_epoch", "stages")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    DAEMON_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    daemon_epoch: str
+    stages: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, node_id: _Optional[str] = ..., daemon_epoch: _Optional[str] = ..., stages: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("node_id", "daemon_epoch", "stages")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    DAEMON_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    daemon_epoch: str
+    stages: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, node_id: _Optional[str] = ..., daemon_epoch: _Optional[str] = ..., stages: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReleaseRemoteRequest(_message.Message):
+    __slots__ = ("lease_id", "generation", "node_id")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    generation: int
+    node_id: str
+    def __init__(self, lease_id: _Optional[int] = ..., generation: _Optional[int] = ..., node_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseRemoteResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    def __init__(self, released: _Optional[bool] = ...) -> None: ...
+
+class AbortRemoteRequest(_message.Message):
+    __slots__ = ("request_id", "node_id")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    node_id: str
+    def __init__(self, request_id: _Optional[str] = ..., node_id: _Optional[str] = ...) -> None: ...
+
+class AbortRemoteResponse(_message.Message):
+    __slots__ = ("leases_freed",)
+    LEASES_FREED_FIELD_NUMBER: _ClassVar[int]
+    leases_freed: int
+    def __init__(self, leases_freed: _Optional[int] = ...) -> None: ...

@@ -59,6 +59,11 @@ class RelayStub:
                 request_serializer=relayd_dot_v1_dot_relay__pb2.DrainRequest.SerializeToString,
                 response_deserializer=relayd_dot_v1_dot_relay__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.Fetch = channel.unary_unary(
+                '/relayd.v1.Relay/Fetch',
+                request_serializer=relayd_dot_v1_dot_relay__pb2.FetchRequest.SerializeToString,
+                response_deserializer=relayd_dot_v1_dot_relay__pb2.FetchResponse.FromString,
+                _registered_method=True)
 
 
 class RelayServicer:
@@ -100,6 +105,14 @@ class RelayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Fetch(self, request, context):
+        """Pulls a DataRef written on another node into this node's arena and
+        returns a local lease addressed to the caller; released like any other.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RelayServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -127,6 +140,11 @@ def add_RelayServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=relayd_dot_v1_dot_relay__pb2.DrainRequest.FromString,
                     response_serializer=relayd_dot_v1_dot_relay__pb2.DrainResponse.SerializeToString,
+            ),
+            'Fetch': grpc.unary_unary_rpc_method_handler(
+                    servicer.Fetch,
+                    request_deserializer=relayd_dot_v1_dot_relay__pb2.FetchRequest.FromString,
+                    response_serializer=relayd_dot_v1_dot_relay__pb2.FetchResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -264,6 +282,234 @@ class Relay:
             '/relayd.v1.Relay/Drain',
             relayd_dot_v1_dot_relay__pb2.DrainRequest.SerializeToString,
             relayd_dot_v1_dot_relay__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Fetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/relayd.v1.Relay/Fetch',
+            relayd_dot_v1_dot_relay__pb2.FetchRequest.SerializeToString,
+            relayd_dot_v1_dot_relay__pb2.FetchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class PeerStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Handshake = channel.unary_unary(
+                '/relayd.v1.Peer/Handshake',
+                request_serializer=relayd_dot_v1_dot_relay__pb2.PeerHello.SerializeToString,
+                response_deserializer=relayd_dot_v1_dot_relay__pb2.PeerHello.FromString,
+                _registered_method=True)
+        self.Heartbeat = channel.unary_unary(
+                '/relayd.v1.Peer/Heartbeat',
+                request_serializer=relayd_dot_v1_dot_relay__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=relayd_dot_v1_dot_relay__pb2.HeartbeatResponse.FromString,
+                _registered_method=True)
+        self.ReleaseRemote = channel.unary_unary(
+                '/relayd.v1.Peer/ReleaseRemote',
+                request_serializer=relayd_dot_v1_dot_relay__pb2.ReleaseRemoteRequest.SerializeToString,
+                response_deserializer=relayd_dot_v1_dot_relay__pb2.ReleaseRemoteResponse.FromString,
+                _registered_method=True)
+        self.AbortRemote = channel.unary_unary(
+                '/relayd.v1.Peer/AbortRemote',
+                request_serializer=relayd_dot_v1_dot_relay__pb2.AbortRemoteRequest.SerializeToString,
+                response_deserializer=relayd_dot_v1_dot_relay__pb2.AbortRemoteResponse.FromString,
+                _registered_method=True)
+
+
+class PeerServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Handshake(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Heartbeat(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseRemote(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AbortRemote(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_PeerServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Handshake': grpc.unary_unary_rpc_method_handler(
+                    servicer.Handshake,
+                    request_deserializer=relayd_dot_v1_dot_relay__pb2.PeerHello.FromString,
+                    response_serializer=relayd_dot_v1_dot_relay__pb2.PeerHello.SerializeToString,
+            ),
+            'Heartbeat': grpc.unary_unary_rpc_method_handler(
+                    servicer.Heartbeat,
+                    request_deserializer=relayd_dot_v1_dot_relay__pb2.HeartbeatRequest.FromString,
+                    response_serializer=relayd_dot_v1_dot_relay__pb2.HeartbeatResponse.SerializeToString,
+            ),
+            'ReleaseRemote': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseRemote,
+                    request_deserializer=relayd_dot_v1_dot_relay__pb2.ReleaseRemoteRequest.FromString,
+                    response_serializer=relayd_dot_v1_dot_relay__pb2.ReleaseRemoteResponse.SerializeToString,
+            ),
+            'AbortRemote': grpc.unary_unary_rpc_method_handler(
+                    servicer.AbortRemote,
+                    request_deserializer=relayd_dot_v1_dot_relay__pb2.AbortRemoteRequest.FromString,
+                    response_serializer=relayd_dot_v1_dot_relay__pb2.AbortRemoteResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'relayd.v1.Peer', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('relayd.v1.Peer', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Peer:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Handshake(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/relayd.v1.Peer/Handshake',
+            relayd_dot_v1_dot_relay__pb2.PeerHello.SerializeToString,
+            relayd_dot_v1_dot_relay__pb2.PeerHello.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Heartbeat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/relayd.v1.Peer/Heartbeat',
+            relayd_dot_v1_dot_relay__pb2.HeartbeatRequest.SerializeToString,
+            relayd_dot_v1_dot_relay__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseRemote(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/relayd.v1.Peer/ReleaseRemote',
+            relayd_dot_v1_dot_relay__pb2.ReleaseRemoteRequest.SerializeToString,
+            relayd_dot_v1_dot_relay__pb2.ReleaseRemoteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AbortRemote(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/relayd.v1.Peer/AbortRemote',
+            relayd_dot_v1_dot_relay__pb2.AbortRemoteRequest.SerializeToString,
+            relayd_dot_v1_dot_relay__pb2.AbortRemoteResponse.FromString,
             options,
             channel_credentials,
             insecure,
