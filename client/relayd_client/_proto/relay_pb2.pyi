@@ -93,20 +93,44 @@ HEADER_CODEC_SAFE: HeaderCodec
 HEADER_CODEC_PICKLE: HeaderCodec
 
 class TensorLayout(_message.Message):
-    __slots__ = ("index", "shape", "dtype", "offset", "nbytes", "device")
+    __slots__ = ("index", "shape", "dtype", "offset", "nbytes", "device", "cuda_ipc")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
     index: int
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: str
     offset: int
     nbytes: int
     device: str
-    def __init__(self, index: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
+    cuda_ipc: CudaIpcHandle
+    def __init__(self, index: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., device: _Optional[str] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ...) -> None: ...
+
+class CudaIpcHandle(_message.Message):
+    __slots__ = ("handle", "storage_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "stride", "storage_offset")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    STRIDE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    handle: bytes
+    storage_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    stride: _containers.RepeatedScalarFieldContainer[int]
+    storage_offset: int
+    def __init__(self, handle: _Optional[bytes] = ..., storage_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., stride: _Optional[_Iterable[int]] = ..., storage_offset: _Optional[int] = ...) -> None: ...
 
 class Origin(_message.Message):
     __slots__ = ("node_id", "daemon_epoch", "peer_address", "mooncake_session", "stage")
@@ -143,7 +167,7 @@ class LeaseRef(_message.Message):
     def __init__(self, pool: _Optional[str] = ..., segment: _Optional[int] = ..., slot: _Optional[int] = ..., nslots: _Optional[int] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., generation: _Optional[int] = ..., lease_id: _Optional[int] = ...) -> None: ...
 
 class DataRef(_message.Message):
-    __slots__ = ("version", "object_id", "request_id", "chunk_id", "transport", "origin", "lease", "tensors", "header_codec", "header", "inline_data", "to_stage", "kind", "message")
+    __slots__ = ("version", "object_id", "request_id", "chunk_id", "transport", "origin", "lease", "tensors", "header_codec", "header", "inline_data", "to_stage", "kind", "message", "cuda_event")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     OBJECT_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +182,7 @@ class DataRef(_message.Message):
     TO_STAGE_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    CUDA_EVENT_FIELD_NUMBER: _ClassVar[int]
     version: int
     object_id: str
     request_id: str
@@ -172,7 +197,8 @@ class DataRef(_message.Message):
     to_stage: str
     kind: int
     message: str
-    def __init__(self, version: _Optional[int] = ..., object_id: _Optional[str] = ..., request_id: _Optional[str] = ..., chunk_id: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., origin: _Optional[_Union[Origin, _Mapping]] = ..., lease: _Optional[_Union[LeaseRef, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[TensorLayout, _Mapping]]] = ..., header_codec: _Optional[_Union[HeaderCodec, str]] = ..., header: _Optional[bytes] = ..., inline_data: _Optional[bytes] = ..., to_stage: _Optional[str] = ..., kind: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    cuda_event: bytes
+    def __init__(self, version: _Optional[int] = ..., object_id: _Optional[str] = ..., request_id: _Optional[str] = ..., chunk_id: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., origin: _Optional[_Union[Origin, _Mapping]] = ..., lease: _Optional[_Union[LeaseRef, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[TensorLayout, _Mapping]]] = ..., header_codec: _Optional[_Union[HeaderCodec, str]] = ..., header: _Optional[bytes] = ..., inline_data: _Optional[bytes] = ..., to_stage: _Optional[str] = ..., kind: _Optional[int] = ..., message: _Optional[str] = ..., cuda_event: _Optional[bytes] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
     __slots__ = ("protocol_version", "stages", "pid", "node_hint", "namespaces", "gpu_uuids")
@@ -208,7 +234,7 @@ class Segment(_message.Message):
     def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., index: _Optional[int] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
-    __slots__ = ("protocol_version", "session_id", "session_token", "session_socket", "node_id", "daemon_epoch", "slot_size", "header_offset", "header_stride", "data_offset", "segments", "default_grant_bytes", "lease_ttl_seconds", "peer_address", "mooncake_session")
+    __slots__ = ("protocol_version", "session_id", "session_token", "session_socket", "node_id", "daemon_epoch", "slot_size", "header_offset", "header_stride", "data_offset", "segments", "default_grant_bytes", "lease_ttl_seconds", "peer_address", "mooncake_session", "cuda_pools")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -224,6 +250,7 @@ class AttachResponse(_message.Message):
     LEASE_TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MOONCAKE_SESSION_FIELD_NUMBER: _ClassVar[int]
+    CUDA_POOLS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     session_id: str
     session_token: bytes
@@ -239,33 +266,54 @@ class AttachResponse(_message.Message):
     lease_ttl_seconds: float
     peer_address: str
     mooncake_session: str
-    def __init__(self, protocol_version: _Optional[int] = ..., session_id: _Optional[str] = ..., session_token: _Optional[bytes] = ..., session_socket: _Optional[str] = ..., node_id: _Optional[str] = ..., daemon_epoch: _Optional[str] = ..., slot_size: _Optional[int] = ..., header_offset: _Optional[int] = ..., header_stride: _Optional[int] = ..., data_offset: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., default_grant_bytes: _Optional[int] = ..., lease_ttl_seconds: _Optional[float] = ..., peer_address: _Optional[str] = ..., mooncake_session: _Optional[str] = ...) -> None: ...
+    cuda_pools: _containers.RepeatedCompositeFieldContainer[CudaPool]
+    def __init__(self, protocol_version: _Optional[int] = ..., session_id: _Optional[str] = ..., session_token: _Optional[bytes] = ..., session_socket: _Optional[str] = ..., node_id: _Optional[str] = ..., daemon_epoch: _Optional[str] = ..., slot_size: _Optional[int] = ..., header_offset: _Optional[int] = ..., header_stride: _Optional[int] = ..., data_offset: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., default_grant_bytes: _Optional[int] = ..., lease_ttl_seconds: _Optional[float] = ..., peer_address: _Optional[str] = ..., mooncake_session: _Optional[str] = ..., cuda_pools: _Optional[_Iterable[_Union[CudaPool, _Mapping]]] = ...) -> None: ...
+
+class CudaPool(_message.Message):
+    __slots__ = ("name", "gpu_uuid", "nslots", "slot_size", "storage", "headers")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    GPU_UUID_FIELD_NUMBER: _ClassVar[int]
+    NSLOTS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_SIZE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_FIELD_NUMBER: _ClassVar[int]
+    HEADERS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    gpu_uuid: str
+    nslots: int
+    slot_size: int
+    storage: CudaIpcHandle
+    headers: Segment
+    def __init__(self, name: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., nslots: _Optional[int] = ..., slot_size: _Optional[int] = ..., storage: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., headers: _Optional[_Union[Segment, _Mapping]] = ...) -> None: ...
 
 class GrantRequest(_message.Message):
-    __slots__ = ("session_id", "session_token", "min_bytes", "timeout_seconds")
+    __slots__ = ("session_id", "session_token", "min_bytes", "timeout_seconds", "pool")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
     MIN_BYTES_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     session_token: bytes
     min_bytes: int
     timeout_seconds: float
-    def __init__(self, session_id: _Optional[str] = ..., session_token: _Optional[bytes] = ..., min_bytes: _Optional[int] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+    pool: str
+    def __init__(self, session_id: _Optional[str] = ..., session_token: _Optional[bytes] = ..., min_bytes: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., pool: _Optional[str] = ...) -> None: ...
 
 class GrantResponse(_message.Message):
-    __slots__ = ("grant_id", "segment", "slot", "nslots", "generation_base")
+    __slots__ = ("grant_id", "segment", "slot", "nslots", "generation_base", "pool")
     GRANT_ID_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
     NSLOTS_FIELD_NUMBER: _ClassVar[int]
     GENERATION_BASE_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
     grant_id: int
     segment: int
     slot: int
     nslots: int
     generation_base: int
-    def __init__(self, grant_id: _Optional[int] = ..., segment: _Optional[int] = ..., slot: _Optional[int] = ..., nslots: _Optional[int] = ..., generation_base: _Optional[int] = ...) -> None: ...
+    pool: str
+    def __init__(self, grant_id: _Optional[int] = ..., segment: _Optional[int] = ..., slot: _Optional[int] = ..., nslots: _Optional[int] = ..., generation_base: _Optional[int] = ..., pool: _Optional[str] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("session_id", "session_token", "request_id")
