@@ -167,7 +167,7 @@ class LeaseRef(_message.Message):
     def __init__(self, pool: _Optional[str] = ..., segment: _Optional[int] = ..., slot: _Optional[int] = ..., nslots: _Optional[int] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., generation: _Optional[int] = ..., lease_id: _Optional[int] = ...) -> None: ...
 
 class DataRef(_message.Message):
-    __slots__ = ("version", "object_id", "request_id", "chunk_id", "transport", "origin", "lease", "tensors", "header_codec", "header", "inline_data", "to_stage", "kind", "message", "cuda_event")
+    __slots__ = ("version", "object_id", "request_id", "chunk_id", "transport", "origin", "lease", "tensors", "header_codec", "header", "inline_data", "to_stage", "kind", "message", "cuda_event", "refs")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     OBJECT_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -183,6 +183,7 @@ class DataRef(_message.Message):
     KIND_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     CUDA_EVENT_FIELD_NUMBER: _ClassVar[int]
+    REFS_FIELD_NUMBER: _ClassVar[int]
     version: int
     object_id: str
     request_id: str
@@ -198,7 +199,8 @@ class DataRef(_message.Message):
     kind: int
     message: str
     cuda_event: bytes
-    def __init__(self, version: _Optional[int] = ..., object_id: _Optional[str] = ..., request_id: _Optional[str] = ..., chunk_id: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., origin: _Optional[_Union[Origin, _Mapping]] = ..., lease: _Optional[_Union[LeaseRef, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[TensorLayout, _Mapping]]] = ..., header_codec: _Optional[_Union[HeaderCodec, str]] = ..., header: _Optional[bytes] = ..., inline_data: _Optional[bytes] = ..., to_stage: _Optional[str] = ..., kind: _Optional[int] = ..., message: _Optional[str] = ..., cuda_event: _Optional[bytes] = ...) -> None: ...
+    refs: _containers.RepeatedCompositeFieldContainer[DataRef]
+    def __init__(self, version: _Optional[int] = ..., object_id: _Optional[str] = ..., request_id: _Optional[str] = ..., chunk_id: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., origin: _Optional[_Union[Origin, _Mapping]] = ..., lease: _Optional[_Union[LeaseRef, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[TensorLayout, _Mapping]]] = ..., header_codec: _Optional[_Union[HeaderCodec, str]] = ..., header: _Optional[bytes] = ..., inline_data: _Optional[bytes] = ..., to_stage: _Optional[str] = ..., kind: _Optional[int] = ..., message: _Optional[str] = ..., cuda_event: _Optional[bytes] = ..., refs: _Optional[_Iterable[_Union[DataRef, _Mapping]]] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
     __slots__ = ("protocol_version", "stages", "pid", "node_hint", "namespaces", "gpu_uuids")
@@ -234,7 +236,7 @@ class Segment(_message.Message):
     def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., index: _Optional[int] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
-    __slots__ = ("protocol_version", "session_id", "session_token", "session_socket", "node_id", "daemon_epoch", "slot_size", "header_offset", "header_stride", "data_offset", "segments", "default_grant_bytes", "lease_ttl_seconds", "peer_address", "mooncake_session", "cuda_pools", "pin_host_memory")
+    __slots__ = ("protocol_version", "session_id", "session_token", "session_socket", "node_id", "daemon_epoch", "slot_size", "header_offset", "header_stride", "data_offset", "segments", "default_grant_bytes", "lease_ttl_seconds", "peer_address", "mooncake_session", "cuda_pools", "pin_host_memory", "probe_offset")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -252,6 +254,7 @@ class AttachResponse(_message.Message):
     MOONCAKE_SESSION_FIELD_NUMBER: _ClassVar[int]
     CUDA_POOLS_FIELD_NUMBER: _ClassVar[int]
     PIN_HOST_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    PROBE_OFFSET_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     session_id: str
     session_token: bytes
@@ -269,7 +272,8 @@ class AttachResponse(_message.Message):
     mooncake_session: str
     cuda_pools: _containers.RepeatedCompositeFieldContainer[CudaPool]
     pin_host_memory: str
-    def __init__(self, protocol_version: _Optional[int] = ..., session_id: _Optional[str] = ..., session_token: _Optional[bytes] = ..., session_socket: _Optional[str] = ..., node_id: _Optional[str] = ..., daemon_epoch: _Optional[str] = ..., slot_size: _Optional[int] = ..., header_offset: _Optional[int] = ..., header_stride: _Optional[int] = ..., data_offset: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., default_grant_bytes: _Optional[int] = ..., lease_ttl_seconds: _Optional[float] = ..., peer_address: _Optional[str] = ..., mooncake_session: _Optional[str] = ..., cuda_pools: _Optional[_Iterable[_Union[CudaPool, _Mapping]]] = ..., pin_host_memory: _Optional[str] = ...) -> None: ...
+    probe_offset: int
+    def __init__(self, protocol_version: _Optional[int] = ..., session_id: _Optional[str] = ..., session_token: _Optional[bytes] = ..., session_socket: _Optional[str] = ..., node_id: _Optional[str] = ..., daemon_epoch: _Optional[str] = ..., slot_size: _Optional[int] = ..., header_offset: _Optional[int] = ..., header_stride: _Optional[int] = ..., data_offset: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., default_grant_bytes: _Optional[int] = ..., lease_ttl_seconds: _Optional[float] = ..., peer_address: _Optional[str] = ..., mooncake_session: _Optional[str] = ..., cuda_pools: _Optional[_Iterable[_Union[CudaPool, _Mapping]]] = ..., pin_host_memory: _Optional[str] = ..., probe_offset: _Optional[int] = ...) -> None: ...
 
 class CudaPool(_message.Message):
     __slots__ = ("name", "gpu_uuid", "nslots", "slot_size", "storage", "headers")
@@ -382,7 +386,7 @@ class LeaseStatus(_message.Message):
     def __init__(self, lease_id: _Optional[int] = ..., state: _Optional[_Union[LeaseState, str]] = ..., pool: _Optional[str] = ..., bytes: _Optional[int] = ..., request_id: _Optional[str] = ..., from_stage: _Optional[str] = ..., to_stage: _Optional[str] = ..., age_seconds: _Optional[float] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class SessionStatus(_message.Message):
-    __slots__ = ("session_id", "pid", "stages", "granted_bytes", "leases", "age_seconds", "uid")
+    __slots__ = ("session_id", "pid", "stages", "granted_bytes", "leases", "age_seconds", "uid", "data_path")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
@@ -390,6 +394,7 @@ class SessionStatus(_message.Message):
     LEASES_FIELD_NUMBER: _ClassVar[int]
     AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     UID_FIELD_NUMBER: _ClassVar[int]
+    DATA_PATH_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     pid: int
     stages: _containers.RepeatedScalarFieldContainer[str]
@@ -397,10 +402,11 @@ class SessionStatus(_message.Message):
     leases: int
     age_seconds: float
     uid: int
-    def __init__(self, session_id: _Optional[str] = ..., pid: _Optional[int] = ..., stages: _Optional[_Iterable[str]] = ..., granted_bytes: _Optional[int] = ..., leases: _Optional[int] = ..., age_seconds: _Optional[float] = ..., uid: _Optional[int] = ...) -> None: ...
+    data_path: str
+    def __init__(self, session_id: _Optional[str] = ..., pid: _Optional[int] = ..., stages: _Optional[_Iterable[str]] = ..., granted_bytes: _Optional[int] = ..., leases: _Optional[int] = ..., age_seconds: _Optional[float] = ..., uid: _Optional[int] = ..., data_path: _Optional[str] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("node_id", "daemon_epoch", "state", "uptime_seconds", "pools", "leases", "sessions", "leases_by_state", "transfers_by_transport", "reclaimed_by_reason", "version", "peers")
+    __slots__ = ("node_id", "daemon_epoch", "state", "uptime_seconds", "pools", "leases", "sessions", "leases_by_state", "transfers_by_transport", "reclaimed_by_reason", "version", "peers", "registry_version", "stages", "edges")
     class LeasesByStateEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -434,6 +440,9 @@ class StatusResponse(_message.Message):
     RECLAIMED_BY_REASON_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
+    REGISTRY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    EDGES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     daemon_epoch: str
     state: str
@@ -446,7 +455,120 @@ class StatusResponse(_message.Message):
     reclaimed_by_reason: _containers.ScalarMap[str, int]
     version: str
     peers: _containers.RepeatedCompositeFieldContainer[PeerStatus]
-    def __init__(self, node_id: _Optional[str] = ..., daemon_epoch: _Optional[str] = ..., state: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., leases: _Optional[_Iterable[_Union[LeaseStatus, _Mapping]]] = ..., sessions: _Optional[_Iterable[_Union[SessionStatus, _Mapping]]] = ..., leases_by_state: _Optional[_Mapping[str, int]] = ..., transfers_by_transport: _Optional[_Mapping[str, int]] = ..., reclaimed_by_reason: _Optional[_Mapping[str, int]] = ..., version: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ...) -> None: ...
+    registry_version: int
+    stages: _containers.RepeatedCompositeFieldContainer[StageStatus]
+    edges: _containers.RepeatedCompositeFieldContainer[EdgeStatus]
+    def __init__(self, node_id: _Optional[str] = ..., daemon_epoch: _Optional[str] = ..., state: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., leases: _Optional[_Iterable[_Union[LeaseStatus, _Mapping]]] = ..., sessions: _Optional[_Iterable[_Union[SessionStatus, _Mapping]]] = ..., leases_by_state: _Optional[_Mapping[str, int]] = ..., transfers_by_transport: _Optional[_Mapping[str, int]] = ..., reclaimed_by_reason: _Optional[_Mapping[str, int]] = ..., version: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., registry_version: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., edges: _Optional[_Iterable[_Union[EdgeStatus, _Mapping]]] = ...) -> None: ...
+
+class StageStatus(_message.Message):
+    __slots__ = ("stage", "session_id", "node_id", "process_key", "can_map_shm", "gpu_uuids", "pid")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_KEY_FIELD_NUMBER: _ClassVar[int]
+    CAN_MAP_SHM_FIELD_NUMBER: _ClassVar[int]
+    GPU_UUIDS_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    stage: str
+    session_id: str
+    node_id: str
+    process_key: str
+    can_map_shm: bool
+    gpu_uuids: _containers.RepeatedScalarFieldContainer[str]
+    pid: int
+    def __init__(self, stage: _Optional[str] = ..., session_id: _Optional[str] = ..., node_id: _Optional[str] = ..., process_key: _Optional[str] = ..., can_map_shm: _Optional[bool] = ..., gpu_uuids: _Optional[_Iterable[str]] = ..., pid: _Optional[int] = ...) -> None: ...
+
+class EdgeStatus(_message.Message):
+    __slots__ = ("from_stage", "to_stage", "transport", "reason", "count")
+    FROM_STAGE_FIELD_NUMBER: _ClassVar[int]
+    TO_STAGE_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    from_stage: str
+    to_stage: str
+    transport: Transport
+    reason: str
+    count: int
+    def __init__(self, from_stage: _Optional[str] = ..., to_stage: _Optional[str] = ..., transport: _Optional[_Union[Transport, str]] = ..., reason: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
+
+class RouteRequest(_message.Message):
+    __slots__ = ("session_id", "session_token", "from_stage", "to_stage", "encoded_bytes", "inline_meta_bytes", "cuda_uuids", "has_cpu_tensors", "is_chunk", "chunk_meta_has_tensor")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    FROM_STAGE_FIELD_NUMBER: _ClassVar[int]
+    TO_STAGE_FIELD_NUMBER: _ClassVar[int]
+    ENCODED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    INLINE_META_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CUDA_UUIDS_FIELD_NUMBER: _ClassVar[int]
+    HAS_CPU_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    IS_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_META_HAS_TENSOR_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    session_token: bytes
+    from_stage: str
+    to_stage: str
+    encoded_bytes: int
+    inline_meta_bytes: int
+    cuda_uuids: _containers.RepeatedScalarFieldContainer[str]
+    has_cpu_tensors: bool
+    is_chunk: bool
+    chunk_meta_has_tensor: bool
+    def __init__(self, session_id: _Optional[str] = ..., session_token: _Optional[bytes] = ..., from_stage: _Optional[str] = ..., to_stage: _Optional[str] = ..., encoded_bytes: _Optional[int] = ..., inline_meta_bytes: _Optional[int] = ..., cuda_uuids: _Optional[_Iterable[str]] = ..., has_cpu_tensors: _Optional[bool] = ..., is_chunk: _Optional[bool] = ..., chunk_meta_has_tensor: _Optional[bool] = ...) -> None: ...
+
+class RouteResponse(_message.Message):
+    __slots__ = ("transport", "reason", "registry_version")
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    REGISTRY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    transport: Transport
+    reason: str
+    registry_version: int
+    def __init__(self, transport: _Optional[_Union[Transport, str]] = ..., reason: _Optional[str] = ..., registry_version: _Optional[int] = ...) -> None: ...
+
+class PutBytesRequest(_message.Message):
+    __slots__ = ("session_id", "session_token", "request_id", "to_stage", "from_stage", "data", "timeout_seconds", "ref")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TO_STAGE_FIELD_NUMBER: _ClassVar[int]
+    FROM_STAGE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REF_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    session_token: bytes
+    request_id: str
+    to_stage: str
+    from_stage: str
+    data: bytes
+    timeout_seconds: float
+    ref: bool
+    def __init__(self, session_id: _Optional[str] = ..., session_token: _Optional[bytes] = ..., request_id: _Optional[str] = ..., to_stage: _Optional[str] = ..., from_stage: _Optional[str] = ..., data: _Optional[bytes] = ..., timeout_seconds: _Optional[float] = ..., ref: _Optional[bool] = ...) -> None: ...
+
+class PutBytesResponse(_message.Message):
+    __slots__ = ("lease",)
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    lease: LeaseRef
+    def __init__(self, lease: _Optional[_Union[LeaseRef, _Mapping]] = ...) -> None: ...
+
+class GetBytesRequest(_message.Message):
+    __slots__ = ("session_id", "session_token", "lease", "request_id")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    session_token: bytes
+    lease: LeaseRef
+    request_id: str
+    def __init__(self, session_id: _Optional[str] = ..., session_token: _Optional[bytes] = ..., lease: _Optional[_Union[LeaseRef, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class GetBytesResponse(_message.Message):
+    __slots__ = ("data",)
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    def __init__(self, data: _Optional[bytes] = ...) -> None: ...
 
 class PeerStatus(_message.Message):
     __slots__ = ("address", "node_id", "up", "daemon_epoch", "mooncake_session", "credits_in_use", "credits_capacity", "pulls_in_flight_max", "last_error", "stages")
@@ -507,12 +629,14 @@ class DrainResponse(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ...) -> None: ...
 
 class Bind(_message.Message):
-    __slots__ = ("session_id", "session_token")
+    __slots__ = ("session_id", "session_token", "shm_nonce")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    SHM_NONCE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     session_token: bytes
-    def __init__(self, session_id: _Optional[str] = ..., session_token: _Optional[bytes] = ...) -> None: ...
+    shm_nonce: bytes
+    def __init__(self, session_id: _Optional[str] = ..., session_token: _Optional[bytes] = ..., shm_nonce: _Optional[bytes] = ...) -> None: ...
 
 class Reserve(_message.Message):
     __slots__ = ("lease_id", "grant_id", "slot", "nslots", "generation", "request_id", "to_stage", "from_stage")
@@ -535,14 +659,16 @@ class Reserve(_message.Message):
     def __init__(self, lease_id: _Optional[int] = ..., grant_id: _Optional[int] = ..., slot: _Optional[int] = ..., nslots: _Optional[int] = ..., generation: _Optional[int] = ..., request_id: _Optional[str] = ..., to_stage: _Optional[str] = ..., from_stage: _Optional[str] = ...) -> None: ...
 
 class Publish(_message.Message):
-    __slots__ = ("lease_id", "nbytes", "transport")
+    __slots__ = ("lease_id", "nbytes", "transport", "ref")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    REF_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     nbytes: int
     transport: Transport
-    def __init__(self, lease_id: _Optional[int] = ..., nbytes: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ...) -> None: ...
+    ref: bool
+    def __init__(self, lease_id: _Optional[int] = ..., nbytes: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., ref: _Optional[bool] = ...) -> None: ...
 
 class Claim(_message.Message):
     __slots__ = ("lease_id", "generation")
@@ -595,14 +721,16 @@ class Aborted(_message.Message):
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
 class Event(_message.Message):
-    __slots__ = ("kind", "code", "message")
+    __slots__ = ("kind", "code", "message", "registry_version")
     KIND_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    REGISTRY_VERSION_FIELD_NUMBER: _ClassVar[int]
     kind: str
     code: ErrorCode
     message: str
-    def __init__(self, kind: _Optional[str] = ..., code: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ...) -> None: ...
+    registry_version: int
+    def __init__(self, kind: _Optional[str] = ..., code: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ..., registry_version: _Optional[int] = ...) -> None: ...
 
 class SessionFrame(_message.Message):
     __slots__ = ("bind", "reserve", "publish", "claim", "release", "cancel", "return_grant", "report", "freed", "aborted", "event")

@@ -64,6 +64,21 @@ class RelayStub:
                 request_serializer=relayd_dot_v1_dot_relay__pb2.FetchRequest.SerializeToString,
                 response_deserializer=relayd_dot_v1_dot_relay__pb2.FetchResponse.FromString,
                 _registered_method=True)
+        self.Route = channel.unary_unary(
+                '/relayd.v1.Relay/Route',
+                request_serializer=relayd_dot_v1_dot_relay__pb2.RouteRequest.SerializeToString,
+                response_deserializer=relayd_dot_v1_dot_relay__pb2.RouteResponse.FromString,
+                _registered_method=True)
+        self.PutBytes = channel.unary_unary(
+                '/relayd.v1.Relay/PutBytes',
+                request_serializer=relayd_dot_v1_dot_relay__pb2.PutBytesRequest.SerializeToString,
+                response_deserializer=relayd_dot_v1_dot_relay__pb2.PutBytesResponse.FromString,
+                _registered_method=True)
+        self.GetBytes = channel.unary_unary(
+                '/relayd.v1.Relay/GetBytes',
+                request_serializer=relayd_dot_v1_dot_relay__pb2.GetBytesRequest.SerializeToString,
+                response_deserializer=relayd_dot_v1_dot_relay__pb2.GetBytesResponse.FromString,
+                _registered_method=True)
 
 
 class RelayServicer:
@@ -113,6 +128,26 @@ class RelayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Route(self, request, context):
+        """The transport for one edge, from the stage registry (see relayd.router).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PutBytes(self, request, context):
+        """Socket fallback for sessions that cannot map the arena.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetBytes(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RelayServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -145,6 +180,21 @@ def add_RelayServicer_to_server(servicer, server):
                     servicer.Fetch,
                     request_deserializer=relayd_dot_v1_dot_relay__pb2.FetchRequest.FromString,
                     response_serializer=relayd_dot_v1_dot_relay__pb2.FetchResponse.SerializeToString,
+            ),
+            'Route': grpc.unary_unary_rpc_method_handler(
+                    servicer.Route,
+                    request_deserializer=relayd_dot_v1_dot_relay__pb2.RouteRequest.FromString,
+                    response_serializer=relayd_dot_v1_dot_relay__pb2.RouteResponse.SerializeToString,
+            ),
+            'PutBytes': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutBytes,
+                    request_deserializer=relayd_dot_v1_dot_relay__pb2.PutBytesRequest.FromString,
+                    response_serializer=relayd_dot_v1_dot_relay__pb2.PutBytesResponse.SerializeToString,
+            ),
+            'GetBytes': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetBytes,
+                    request_deserializer=relayd_dot_v1_dot_relay__pb2.GetBytesRequest.FromString,
+                    response_serializer=relayd_dot_v1_dot_relay__pb2.GetBytesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -309,6 +359,87 @@ class Relay:
             '/relayd.v1.Relay/Fetch',
             relayd_dot_v1_dot_relay__pb2.FetchRequest.SerializeToString,
             relayd_dot_v1_dot_relay__pb2.FetchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Route(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/relayd.v1.Relay/Route',
+            relayd_dot_v1_dot_relay__pb2.RouteRequest.SerializeToString,
+            relayd_dot_v1_dot_relay__pb2.RouteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutBytes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/relayd.v1.Relay/PutBytes',
+            relayd_dot_v1_dot_relay__pb2.PutBytesRequest.SerializeToString,
+            relayd_dot_v1_dot_relay__pb2.PutBytesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetBytes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/relayd.v1.Relay/GetBytes',
+            relayd_dot_v1_dot_relay__pb2.GetBytesRequest.SerializeToString,
+            relayd_dot_v1_dot_relay__pb2.GetBytesResponse.FromString,
             options,
             channel_credentials,
             insecure,
