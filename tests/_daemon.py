@@ -46,8 +46,10 @@ class Daemon:
         pool: str = "64MiB",
         metrics: bool = False,
         env: dict[str, str] | None = None,
+        node_id: str = "testnode",
     ) -> None:
         self.dir = tmp
+        self.node_id = node_id
         self.socket = os.path.join(tmp, "relayd.sock")
         self.metrics_port = free_port() if metrics else 0
         self.args = [
@@ -60,7 +62,10 @@ class Daemon:
             "--shm-pool-size",
             pool,
             "--node-id",
-            "testnode",
+            node_id,
+            # Unread test data should not hold a stopping daemon for the 10 s default.
+            "--drain-grace",
+            "5",
             *args,
         ]
         if metrics:
@@ -122,7 +127,7 @@ class Daemon:
 
     def segments(self) -> list[str]:
         """This daemon's own segments (other tests' daemons may share /dev/shm)."""
-        prefix = f"relayd.testnode.{self.epoch}."
+        prefix = f"relayd.{self.node_id}.{self.epoch}."
         return [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:

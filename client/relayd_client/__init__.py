@@ -12,7 +12,8 @@ Importing this package never imports the daemon's dependencies (uvloop,
 prometheus-client, Mooncake).
 """
 
-from ._client import ClientState, RelayClient
+from typing import TYPE_CHECKING, Any
+
 from ._dataref import DataRef
 from ._errors import (
     AbortedError,
@@ -37,7 +38,21 @@ from ._errors import (
 )
 from ._transport import Transport
 
+if TYPE_CHECKING:
+    from ._client import ClientState, RelayClient
+
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    # RelayClient pulls in torch (~2 s); tools that only need the wire types
+    # (the daemon, `relayd status`) import this package without paying for it.
+    if name in ("RelayClient", "ClientState"):
+        from . import _client
+
+        return getattr(_client, name)
+    raise AttributeError(f"module 'relayd_client' has no attribute {name!r}")
+
 
 __all__ = [
     "AbortedError",

@@ -1,0 +1,154 @@
+"""LeaseManager rules on a real (small) arena: states, death, TTL, abort, fairness."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Iterator
+
+import pytest
+from relayd_client import PermissionDeniedError, ResourceExhaustedError
+from relayd_client._proto import relay_pb2 as pb
+
+from relayd.pools.arena import Arena
+from relayd.pools.leases import Hooks, LeaseManager, LeaseState, ReclaimReason
+
+SLOT = 64 << 10
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def arena() -> Iterator[Arena]:
+    a = Arena(node_id="unit", epoch=os.urandom(4).hex(), total_bytes=32 * SLOT + 4096 * 2,
+              segment_bytes=1 << 30, slot_size=SLOT)  # fmt: skip
+    yield a
+    a.close()
+
+
+def _manager(arena: Arena, clock: Clock, reclaimed: list[str]) -> LeaseManager:
+    return LeaseManager(
+        arena, grant_bytes=8 * SLOT, lease_ttl=10.0, stage_quota_bytes=24 * SLOT,
+        max_sessions=8, clock=clock,
+        hooks=Hooks(reclaimed=lambda reason, n: reclaimed.extend([reason.value] * n)),
+    )  # fmt: skip
+
+
+def _session(m: LeaseManager, stage: str, frames: list[pb.SessionFrame]):  # type: ignore[no-untyped-def]
+    s = m.open_session(pid=1, stages=[stage])
+    return m.bind(s.id, s.token, frames.append, pid=1, uid=0, gid=0)
+
+
+def _publish(m, s, grant, slot: int, n: int, rid: str = "r", to: str = "talker") -> int:  # type: ignore[no-untyped-def]
+    lease_id = m.new_generation_base(grant) + slot + 1
+    m.on_reserve(s, pb.Reserve(lease_id=lease_id, grant_id=grant.id, slot=grant.run.slot + slot,
+                               nslots=n, generation=lease_id, request_id=rid, to_stage=to,
+                               from_stage=s.stages[0]))  # fmt: skip
+    m.on_publish(s, pb.Publish(lease_id=lease_id, nbytes=n * SLOT, transport=pb.TRANSPORT_SHM))
+    return lease_id
+
+
+def test_lifecycle_reserved_published_claimed_freed(arena: Arena) -> None:
+    clock, reclaimed, wf, rf = Clock(), [], [], []  # type: ignore[var-annotated]
+    m = _manager(arena, clock, reclaimed)
+    w, r = _session(m, "thinker", wf), _session(m, "talker", rf)
+    grant = asyncio.run(m.grant(w, SLOT, 1.0))
+    assert grant.run.nslots == 8
+    lid = _publish(m, w, grant, 0, 2)
+    assert m.leases[lid].state is LeaseState.PUBLISHED
+    m.on_claim(r, pb.Claim(lease_id=lid, generation=lid))
+    assert m.leases[lid].state is LeaseState.CLAIMED
+    m.on_release(r, pb.Release(lease_id=lid, generation=lid))
+    m.flush()
+    assert lid not in m.leases and reclaimed == []
+    assert [f.freed.lease_ids for f in wf if f.HasField("freed")] == [[lid]]
+    assert arena.header(grant.run.segment, grant.run.slot) == (0, 0)
+
+
+def test_writer_death_drops_reservations_keeps_published(arena: Arena) -> None:
+    clock, reclaimed, wf, rf = Clock(), [], [], []  # type: ignore[var-annotated]
+    m = _manager(arena, clock, reclaimed)
+    w, r = _session(m, "thinker", wf), _session(m, "talker", rf)
+    grant = asyncio.run(m.grant(w, SLOT, 1.0))
+    kept = _publish(m, w, grant, 0, 2)
+    m.on_reserve(w, pb.Reserve(lease_id=grant.id << 32 | 99, grant_id=grant.id,
+                               slot=grant.run.slot + 4, nslots=1, generation=grant.id << 32 | 99,
+                               request_id="r", to_stage="talker", from_stage="thinker"))  # fmt: skip
+    m.close_session(w.id)
+    assert reclaimed == ["writer_died"]
+    assert arena.used_bytes == 2 * SLOT  # only the published run survives
+    m.on_release(r, pb.Release(lease_id=kept, generation=kept))
+    assert arena.used_bytes == 0 and not m.grants
+
+
+def test_reader_death_while_claimed_frees(arena: Arena) -> None:
+    clock, reclaimed, wf, rf = Clock(), [], [], []  # type: ignore[var-annotated]
+    m = _manager(arena, clock, reclaimed)
+    w, r = _session(m, "thinker", wf), _session(m, "talker", rf)
+    grant = asyncio.run(m.grant(w, SLOT, 1.0))
+    lid = _publish(m, w, grant, 0, 1)
+    m.on_claim(r, pb.Claim(lease_id=lid, generation=lid))
+    m.close_session(r.id)
+    assert reclaimed == ["reader_died"] and lid not in m.leases
+
+
+def test_ttl_reclaims_unread_and_stale_generation_is_ignored(arena: Arena) -> None:
+    clock, reclaimed, wf, rf = Clock(), [], [], []  # type: ignore[var-annotated]
+    m = _manager(arena, clock, reclaimed)
+    w, r = _session(m, "thinker", wf), _session(m, "talker", rf)
+    grant = asyncio.run(m.grant(w, SLOT, 1.0))
+    lid = _publish(m, w, grant, 0, 1)
+    m.on_release(r, pb.Release(lease_id=lid, generation=lid + 1))  # forged generation
+    assert lid in m.leases
+    clock.now = 11.0
+    assert m.reap() == 1 and reclaimed == [ReclaimReason.TTL.value]
+
+
+def test_release_and_abort_need_the_right_stage(arena: Arena) -> None:
+    clock, reclaimed, wf, rf, bf = Clock(), [], [], [], []  # type: ignore[var-annotated]
+    m = _manager(arena, clock, reclaimed)
+    w, r, b = _session(m, "thinker", wf), _session(m, "talker", rf), _session(m, "other", bf)
+    grant = asyncio.run(m.grant(w, SLOT, 1.0))
+    lid = _publish(m, w, grant, 0, 1, rid="req")
+    m.on_release(b, pb.Release(lease_id=lid, generation=lid))
+    assert lid in m.leases
+    assert any(e.code == pb.ERROR_CODE_PERMISSION_DENIED for f in bf for e in f.event)
+    with pytest.raises(PermissionDeniedError):
+        m.abort(b, "req")
+    assert lid in m.leases
+    assert m.abort(r, "req") == (1, SLOT)
+    assert m.abort(r, "req") == (0, 0)
+    assert any(a.request_id == "req" for f in wf for a in f.aborted)
+
+
+def test_full_arena_waits_fairly_then_times_out(arena: Arena) -> None:
+    clock, reclaimed = Clock(), []  # type: ignore[var-annotated]
+    m = _manager(arena, clock, reclaimed)
+    a, b = _session(m, "a", []), _session(m, "b", [])
+
+    async def scenario() -> None:
+        g1 = await m.grant(a, 20 * SLOT, 1.0)
+        with pytest.raises(ResourceExhaustedError):
+            await m.grant(b, 20 * SLOT, 0.05)
+        first = asyncio.ensure_future(m.grant(b, 16 * SLOT, 5.0))
+        second = asyncio.ensure_future(m.grant(a, SLOT, 5.0))
+        await asyncio.sleep(0)
+        assert not first.done() and not second.done()  # the small one does not overtake
+        m.return_grant(a, g1.id)
+        assert (await first).run.nslots == 16
+        assert (await second).run.nslots >= 1
+
+    asyncio.run(asyncio.wait_for(scenario(), 10))
+
+
+def test_quota_bounds_one_stage(arena: Arena) -> None:
+    m = _manager(arena, Clock(), [])
+    a = _session(m, "a", [])
+    with pytest.raises(ResourceExhaustedError, match="quota"):
+        asyncio.run(m.grant(a, 25 * SLOT, 0.05))
