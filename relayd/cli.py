@@ -44,6 +44,8 @@ def _fail_unreachable(socket_path: str, exc: Exception) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from relayd_client._errors import RelayError
+
     from . import _logging, preflight
     from ._systemd import SystemdNotifier
     from .loops import loop_factory
@@ -81,6 +83,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return rc
     except SocketInUseError as exc:
         print(f"relayd: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    except RelayError as exc:  # peer settings, Mooncake start-up: the message says what to fix
+        print(f"relayd: cannot start: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     except OSError as exc:
         logging.getLogger("relayd").debug("start failed", exc_info=True)

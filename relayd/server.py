@@ -28,6 +28,7 @@ from . import __version__
 from ._systemd import SystemdNotifier
 from .config import Settings
 from .metrics import Metrics
+from .peers import PeerConfigError, PeerManager
 from .pools.arena import Arena, remove_stale_segments
 from .pools.leases import Hooks, LeaseManager, LeaseState, ReclaimReason
 from .rpc.service import RelayService
@@ -68,6 +69,8 @@ class Daemon:
         self._lock_fd = -1
         self._loop: asyncio.AbstractEventLoop | None = None
         self._protocols: set[SessionProtocol] = set()
+        # Cross-node peers and Mooncake; None unless --peer-address is set.
+        self.peers: PeerManager | None = None
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -147,6 +150,16 @@ class Daemon:
             port = m.serve(s.metrics_address)
             log.info("metrics on %s (port %d)", s.metrics_address, port)
 
+        # -- peers (cross-node pulls through Mooncake): only with --peer-address --------
+        if s.peers and not s.peer_address:
+            raise PeerConfigError(
+                "--peers needs --peer-address: peers pull from this node through it"
+            )
+        if s.peer_address:
+            self.peers = PeerManager(self)
+            await self.peers.start()
+        # -- end peers ----------------------------------------------------------------
+
         self.state = DaemonState.SERVING
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set("relayd.v1.Relay", health_pb2.HealthCheckResponse.SERVING)
@@ -205,6 +218,9 @@ class Daemon:
                     proto.transport.close()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._session_server.wait_closed(), timeout=2)
+        # Mooncake must stop writing into the arena before it is unmapped.
+        if self.peers is not None:
+            await self.peers.close()
         self.metrics.close()
         if hasattr(self, "arena"):
             self.arena.close()
@@ -328,6 +344,7 @@ class Daemon:
             "leases": {("shm", st.name.lower()): n for st, n in by_state.items()},
             "sessions": len(m.sessions),
             "serving": 1 if self.state == DaemonState.SERVING else 0,
+            **(self.peers.snapshot() if self.peers is not None else {}),
         }
 
     def status(self) -> pb.StatusResponse:
@@ -375,6 +392,8 @@ class Daemon:
         for sample in next(iter(self.metrics.transfers.collect())).samples:
             if sample.name.endswith("_total") and sample.value:
                 resp.transfers_by_transport[sample.labels["transport"]] = int(sample.value)
+        if self.peers is not None:
+            resp.peers.extend(self.peers.status())
         for sample in next(iter(self.metrics.reclaimed.collect())).samples:
             if sample.name.endswith("_total") and sample.value:
                 resp.reclaimed_by_reason[sample.labels["reason"]] = int(sample.value)

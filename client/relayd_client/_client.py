@@ -23,7 +23,7 @@ from typing import Any
 
 import grpc
 
-from . import _codec, _packing
+from . import _codec, _packing, _remote
 from ._dataref import KIND_DATA, VERSION, DataRef
 from ._errors import (
     AbortedError,
@@ -146,6 +146,8 @@ class RelayClient:
         self._draining = False
         self._lost = False
         self._held: set[int] = set()
+        # cross-node: object id -> the local DataRef a zero-copy get fetched it into
+        self._fetched: dict[str, pb.DataRef] = {}
         self._reports: dict[pb.Transport, list[int]] = {}
 
     # -- lifecycle ------------------------------------------------------------------
@@ -280,6 +282,7 @@ class RelayClient:
                 daemon_epoch=a.daemon_epoch,
                 stage=self.stages[0],
                 peer_address=a.peer_address,
+                mooncake_session=a.mooncake_session,
             ),
         )
         for spec in specs:
@@ -490,6 +493,13 @@ class RelayClient:
                 else torch.empty(0, dtype=torch.uint8)
             )
             return _packing.rebuild(tree, _packing.unpack(src, specs, copy=False))
+        # -- cross-node: the local daemon pulls the lease into its arena first --------
+        if transport is Transport.SHM and _remote.is_foreign(ref, self._require_open().node_id):
+            assert self._stub is not None
+            m = await _remote.fetch(self._stub, self._require_open(), ref, self.timeout)
+            if not copy:
+                self._fetched[m.object_id] = m
+        # -- end cross-node -----------------------------------------------------------
         if transport is not Transport.SHM:
             raise PeerUnavailableError(
                 f"{transport.value} DataRefs are not served by this client yet"
@@ -512,7 +522,7 @@ class RelayClient:
 
     def release(self, ref: DataRef) -> None:
         """Release a ``get(copy=False)``; the views must not be used afterwards."""
-        m = ref.proto
+        m = self._fetched.pop(ref.proto.object_id, ref.proto)  # cross-node: the local lease
         if m.lease.lease_id not in self._held:
             raise StaleRefError("this DataRef is not held by a zero-copy get (released twice?)")
         self._held.discard(m.lease.lease_id)

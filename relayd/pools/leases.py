@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from relayd_client._errors import (
+    AbortedError,
     DrainingError,
     InvalidArgumentError,
     PermissionDeniedError,
@@ -297,6 +298,9 @@ class LeaseManager:
         # Shrink the default grant when the pool is tight rather than wait for it.
         if nslots > need and self.arena.largest_free_run() < nslots:
             nslots = need
+        return await self._grant_slots(session, nslots, timeout)
+
+    async def _grant_slots(self, session: Session, nslots: int, timeout: float) -> Grant:
         start = self.clock()
         granted = self._try_grant(session, nslots)
         if granted is not None and not self._waiters:
@@ -382,6 +386,100 @@ class LeaseManager:
                 break  # the arena is full for the oldest waiter: nobody overtakes it
             waiter.future.set_result(grant)
             self._waiters.remove(waiter)
+
+    # -- cross-node pulls (the reader's side) ------------------------------------------
+    #
+    # A pull lands in a run the daemon itself owns: an orphan grant holding exactly
+    # one lease, so the normal rules free it (the reader's Release, TTL, abort,
+    # drain) and the slots go straight back to the arena. The lease stays RESERVED
+    # (invisible to readers, untouched by TTL and abort) while bytes may still land.
+
+    async def reserve_for_pull(
+        self,
+        session: Session,
+        nbytes: int,
+        timeout: float,
+        *,
+        request_id: str,
+        from_stage: str,
+        to_stage: str,
+    ) -> Lease:
+        """A RESERVED lease of ``nbytes`` for ``session`` to read once the pull is in."""
+        if self.draining:
+            raise DrainingError("daemon is draining; no new reservations")
+        need = max(1, -(-nbytes // self.slot_size))
+        if need > self.arena.max_run_slots() or need > self.quota_slots:
+            raise ResourceExhaustedError(
+                f"{nbytes} bytes exceed the largest run this daemon can hold for one reader"
+            )
+        # Waits fairly with the writers, counted against the reader's quota while
+        # it waits; once granted the daemon owns the run, not the session.
+        grant = await self._grant_slots(session, need, timeout)
+        session.grants.pop(grant.id, None)
+        session.granted_slots -= grant.run.nslots
+        grant.session_id = ""
+        grant.orphan = True
+        lease_id = (grant.id << GEN_SHIFT) | 1
+        lease = Lease(
+            id=lease_id,
+            generation=lease_id,
+            grant=grant,
+            run=grant.run,
+            state=LeaseState.RESERVED,
+            request_id=request_id[:256],
+            from_stage=from_stage[:256],
+            to_stage=to_stage[:256],
+            writer="",
+            created=self.clock(),
+        )
+        grant.leases[lease.id] = lease
+        self.leases[lease.id] = lease
+        req = self.requests.setdefault(lease.request_id, RequestInfo())
+        req.writers.add(lease.from_stage)
+        req.readers.add(lease.to_stage)
+        req.leases.add(lease.id)
+        req.touched = lease.created
+        return lease
+
+    def publish_pull(self, lease: Lease, nbytes: int) -> None:
+        """The pulled bytes are in and verified: stamp the header, let the reader read."""
+        if self.leases.get(lease.id) is not lease:
+            raise DrainingError("the pulled lease was reclaimed (drain) before it was published")
+        req = self.requests.get(lease.request_id)
+        if req is not None and req.aborted:
+            self._free_lease(lease, ReclaimReason.ABORT)
+            self._wake()
+            raise AbortedError(f"request {lease.request_id!r} was aborted")
+        self.arena.segments[lease.run.segment].write_header(
+            lease.run.slot, lease.generation, nbytes
+        )
+        lease.state = LeaseState.PUBLISHED
+        lease.published_at = self.clock()
+        lease.nbytes = nbytes
+        self.hooks.transfer("mooncake", 1, nbytes)
+
+    def drop_pull(self, lease: Lease) -> None:
+        """Give back a pull's run (failed, or settled after a failure). Idempotent."""
+        if self.leases.get(lease.id) is lease:
+            self._forget(lease)
+
+    # -- cross-node pulls (the writer's side) -------------------------------------------
+
+    def release_from_peer(self, lease_id: int, generation: int) -> bool:
+        """A peer pulled this lease: free it as its reader would. False: it was gone
+        (read, expired, aborted) or never published, so the peer's copy is void."""
+        lease = self.leases.get(lease_id)
+        if lease is None or lease.generation != generation:
+            return False
+        if lease.state is not LeaseState.PUBLISHED:
+            return False
+        self._free_lease(lease, None)
+        self.flush()
+        return True
+
+    def abort_from_peer(self, request_id: str) -> int:
+        """A peer aborted ``request_id``: free it here too (the peer was authenticated)."""
+        return self._abort(request_id)[0]
 
     def return_grant(self, session: Session, grant_id: int) -> None:
         grant = session.grants.get(grant_id)
@@ -572,6 +670,10 @@ class LeaseManager:
             raise PermissionDeniedError(
                 f"stage(s) {', '.join(session.stages)} neither wrote nor read request {request_id!r}"
             )
+        return self._abort(request_id)
+
+    def _abort(self, request_id: str) -> tuple[int, int]:
+        req = self.requests.setdefault(request_id, RequestInfo(touched=self.clock()))
         req.aborted = True
         req.touched = self.clock()
         n = nbytes = 0

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 from relayd_client._errors import (
     InvalidArgumentError,
+    PeerUnavailableError,
     SessionClosedError,
     VersionMismatchError,
 )
@@ -74,6 +75,7 @@ class RelayService(pb_grpc.RelayServicer):
             default_grant_bytes=d.manager.grant_slots * arena.slot_size,
             lease_ttl_seconds=d.settings.lease_ttl,
             peer_address=d.settings.peer_address,
+            mooncake_session=d.peers.transport.session_id if d.peers is not None else "",
         )
 
     @mapped
@@ -108,7 +110,31 @@ class RelayService(pb_grpc.RelayServicer):
         if not request.request_id or len(request.request_id) > 256:
             raise InvalidArgumentError("request_id must be 1-256 characters")
         n, nbytes = m.abort(session, request.request_id)
+        if self.daemon.peers is not None:
+            # abort frees the request on every node; peers never propagate it further.
+            n += await self.daemon.peers.abort_remote(request.request_id)
         return pb.AbortResponse(leases_freed=n, bytes_freed=nbytes)
+
+    @mapped
+    async def Fetch(self, request: pb.FetchRequest, context: Ctx) -> pb.FetchResponse:
+        """Cross-node read: pull a foreign DataRef into this arena (see relayd.peers)."""
+        d = self.daemon
+        session = d.manager.authenticate(request.session_id, request.session_token)
+        if session.state is not SessionState.BOUND:
+            raise SessionClosedError("bind the session socket before fetching")
+        if d.peers is None:
+            raise PeerUnavailableError(
+                "this daemon has no peers (--peer-address is not set); cross-node DataRefs "
+                "cannot be read here"
+            )
+        timeout = (
+            request.timeout_seconds if request.timeout_seconds > 0 else d.settings.reserve_timeout
+        )
+        remaining = context.time_remaining()
+        if remaining is not None:
+            timeout = min(timeout, max(remaining - 0.05, 0.0))
+        lease = await d.peers.fetch(session, request.data_ref, timeout)
+        return pb.FetchResponse(lease=lease, node_id=d.settings.node_id, daemon_epoch=d.epoch)
 
     @mapped
     async def Status(self, request: pb.StatusRequest, context: Ctx) -> pb.StatusResponse:

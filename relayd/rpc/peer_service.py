@@ -1,0 +1,57 @@
+"""The ``relayd.v1.Peer`` gRPC service: what other daemons may ask of this one.
+
+Served on ``--peer-address`` (TCP). Every call is authenticated first (the
+shared peer token, see :mod:`relayd.peers`); the work itself is the
+PeerManager's (handshake, heartbeat) or the LeaseManager's (release a lease a
+peer pulled, abort a request), with the same rules as for local readers.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+from relayd_client._errors import InvalidArgumentError
+from relayd_client._proto import relay_pb2 as pb
+from relayd_client._proto import relay_pb2_grpc as pb_grpc
+
+from .errors import mapped
+
+if TYPE_CHECKING:
+    from ..peers import PeerManager
+
+# grpc ships no type stubs; the servicer context is untyped.
+Ctx: TypeAlias = Any
+
+
+class PeerService(pb_grpc.PeerServicer):
+    def __init__(self, peers: PeerManager) -> None:
+        self.peers = peers
+
+    @mapped
+    async def Handshake(self, request: pb.PeerHello, context: Ctx) -> pb.PeerHello:
+        self.peers.authenticate(context, "handshake")
+        return self.peers.on_hello(request, str(context.peer()))
+
+    @mapped
+    async def Heartbeat(self, request: pb.HeartbeatRequest, context: Ctx) -> pb.HeartbeatResponse:
+        self.peers.authenticate(context, "heartbeat")
+        return self.peers.on_heartbeat(request)
+
+    @mapped
+    async def ReleaseRemote(
+        self, request: pb.ReleaseRemoteRequest, context: Ctx
+    ) -> pb.ReleaseRemoteResponse:
+        self.peers.authenticate(context, "release")
+        manager = self.peers.daemon.manager
+        released = manager.release_from_peer(request.lease_id, request.generation)
+        return pb.ReleaseRemoteResponse(released=released)
+
+    @mapped
+    async def AbortRemote(
+        self, request: pb.AbortRemoteRequest, context: Ctx
+    ) -> pb.AbortRemoteResponse:
+        self.peers.authenticate(context, "abort")
+        if not request.request_id or len(request.request_id) > 256:
+            raise InvalidArgumentError("request_id must be 1-256 characters")
+        freed = self.peers.daemon.manager.abort_from_peer(request.request_id)
+        return pb.AbortRemoteResponse(leases_freed=freed)

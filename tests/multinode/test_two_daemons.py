@@ -1,0 +1,311 @@
+"""Two real daemons on loopback, real Mooncake over TCP, real client processes.
+
+Node A and node B are two ``relayd serve`` processes with distinct node ids,
+sockets, Peer-service ports and Mooncake ports, sharing a peer token file. A
+writer stage attaches to A, a reader stage to B; the reader's daemon pulls
+every non-inline payload from A's arena into B's through Mooncake.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pathlib
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from relayd_client import AbortedError, RelayClient, StaleRefError
+from relayd_client._proto import relay_pb2 as pb
+from relayd_client._proto import relay_pb2_grpc as pb_grpc
+
+from tests._daemon import Daemon, free_port, run_worker, spawn_worker, wait_until
+
+try:
+    import mooncake.engine  # noqa: F401
+
+    _NO_MOONCAKE = ""
+except ImportError as exc:
+    _NO_MOONCAKE = f"mooncake.engine cannot be imported ({exc})"
+
+pytestmark = [
+    pytest.mark.multinode,
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(bool(_NO_MOONCAKE), reason=_NO_MOONCAKE),
+]
+
+MiB = 1 << 20
+PEER_TIMEOUT = 2.0
+CREDITS = 4
+
+
+def _token(tmp: pathlib.Path, name: str, value: str) -> str:
+    path = tmp / name
+    path.write_text(value + "\n")
+    return str(path)
+
+
+class Node:
+    """One daemon of the pair, with its fixed Peer-service port (kept across restarts)."""
+
+    def __init__(
+        self, tmp: pathlib.Path, name: str, port: int, peer_port: int, token: str, **kw: Any
+    ) -> None:
+        d = tmp / name
+        d.mkdir(exist_ok=True)
+        self.name = name
+        self.address = f"127.0.0.1:{port}"
+        self.daemon = Daemon(
+            str(d),
+            "--peer-address",
+            self.address,
+            "--peers",
+            f"127.0.0.1:{peer_port}",
+            "--peer-token-file",
+            token,
+            "--peer-timeout",
+            str(PEER_TIMEOUT),
+            "--peer-credits",
+            str(CREDITS),
+            node_id=name,
+            **kw,
+        )
+
+    def peer(self, address: str) -> dict[str, Any]:
+        for p in self.daemon.status().get("peers", []):
+            if p["address"] == address:
+                return dict(p)
+        return {}
+
+    def sees(self, other: Node) -> bool:
+        return bool(self.peer(other.address).get("up"))
+
+    def used(self) -> int:
+        p = self.daemon.pool()
+        return p.get("used_bytes", 0) + p.get("granted_bytes", 0)
+
+
+@pytest.fixture
+def pair(tmp_path: pathlib.Path) -> Iterator[tuple[Node, Node]]:
+    token = _token(tmp_path, "token", "0123456789abcdef-shared-peer-token")
+    pa, pb_ = free_port(), free_port()
+    a = Node(tmp_path, "node-a", pa, pb_, token, pool="192MiB")
+    b = Node(tmp_path, "node-b", pb_, pa, token, pool="192MiB", metrics=True)
+    a.daemon.start()
+    b.daemon.start()
+    try:
+        wait_until(lambda: a.sees(b) and b.sees(a), 15, "the two daemons to handshake")
+        yield a, b
+    finally:
+        for n in (b, a):
+            proc = n.daemon.proc
+            if proc is not None and proc.poll() is None:
+                n.daemon.stop()
+
+
+def _lines(cp: subprocess.CompletedProcess[bytes]) -> list[str]:
+    return cp.stdout.decode().splitlines()
+
+
+def _metric(text: str, name: str, **labels: str) -> float | None:
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return float(s.value)
+    return None
+
+
+def _readline(proc: subprocess.Popen[bytes], timeout: float) -> str:
+    """One line of a worker's stdout, or fail after ``timeout`` seconds."""
+    import select
+
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    if not ready:
+        raise TimeoutError(f"no output from worker within {timeout}s")
+    return proc.stdout.readline().decode().strip()
+
+
+def _send(proc: subprocess.Popen[bytes], line: str) -> None:
+    assert proc.stdin is not None
+    proc.stdin.write(line.encode() + b"\n")
+    proc.stdin.flush()
+
+
+def test_round_trips_1b_to_64mib(pair: tuple[Node, Node]) -> None:
+    a, b = pair
+    sizes = [1, 100, 20_000, MiB, 4 * MiB + 3, 16 * MiB, 64 * MiB]
+    w = run_worker(
+        ["write", "--socket", a.daemon.socket, "--split", "--sizes", ",".join(map(str, sizes))]
+    )
+    refs = _lines(w)
+    assert [line.split()[2] for line in refs] == ["inline"] * 2 + ["shm"] * 5
+    r = run_worker(["read", "--socket", b.daemon.socket], input="\n".join(refs).encode() + b"\n\n")
+    assert _lines(r)[1:] == [line.split()[1] for line in refs]
+    wait_until(lambda: a.used() == 0 and b.used() == 0, 10, "both arenas back to zero")
+    # Inline payloads never touch the peers; every other one was one Mooncake pull.
+    assert b.daemon.status()["transfers_by_transport"]["mooncake"] == "5"
+    text = b.daemon.scrape()
+    assert _metric(text, "relayd_peer_up", peer=a.address) == 1
+    assert _metric(text, "relayd_mooncake_credits_capacity", peer=a.address) == CREDITS
+    assert _metric(text, "relayd_mooncake_credits_in_use", peer=a.address) == 0
+    assert _metric(text, "relayd_transfers_total", transport="mooncake") == 5
+    assert _metric(text, "relayd_mooncake_pull_seconds_count") == 5
+
+
+def test_200_concurrent_transfers_respect_credits(pair: tuple[Node, Node]) -> None:
+    a, b = pair
+    w = run_worker(
+        [
+            "write",
+            "--socket",
+            a.daemon.socket,
+            "--split",
+            "--concurrent",
+            "--count",
+            "200",
+            "--sizes",
+            "65536,300000",
+        ],
+        timeout=90,
+    )
+    refs = _lines(w)
+    assert len(refs) == 200 and all(line.split()[2] == "shm" for line in refs)
+    r = run_worker(
+        ["read", "--socket", b.daemon.socket, "--concurrent"],
+        input="\n".join(refs).encode() + b"\n\n",
+        timeout=90,
+    )
+    got = _lines(r)[1:]
+    assert sorted(got) == sorted(line.split()[1] for line in refs)
+    peer = b.peer(a.address)
+    # Never more pulls in flight than credits, and the credits were actually contended.
+    assert 1 < int(peer["pulls_in_flight_max"]) <= CREDITS
+    assert int(peer["credits_in_use"]) == 0
+    wait_until(lambda: a.used() == 0 and b.used() == 0, 10, "both arenas back to zero")
+
+
+def test_unauthenticated_peer_is_refused(pair: tuple[Node, Node], tmp_path: pathlib.Path) -> None:
+    a, _b = pair
+    bad = _token(tmp_path, "bad-token", "not-the-token-everyone-else-has")
+    c = Node(tmp_path, "node-c", free_port(), int(a.address.rsplit(":", 1)[1]), bad, metrics=True)
+    c.daemon.start()
+    try:
+        wait_until(
+            lambda: "token" in c.peer(a.address).get("last_error", ""),
+            10,
+            "node-c to be refused",
+        )
+        assert not c.sees(a)
+        assert _metric(c.daemon.scrape(), "relayd_peer_up", peer=a.address) == 0
+        assert "wrong peer token" in a.daemon.log()
+        assert not a.peer(c.address)  # node-a never dialled back an unauthenticated daemon
+    finally:
+        c.daemon.stop()
+
+
+def test_wrong_token_and_wrong_version_are_refused_with_clear_errors(
+    pair: tuple[Node, Node],
+) -> None:
+    a, _b = pair
+    token = pathlib.Path(a.daemon.args[a.daemon.args.index("--peer-token-file") + 1]).read_bytes()
+    with grpc.insecure_channel(a.address) as ch:
+        stub = pb_grpc.PeerStub(ch)
+        hello = pb.PeerHello(protocol_version=pb.PROTOCOL_VERSION_CURRENT, node_id="intruder")
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Handshake(hello, timeout=5)
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        with pytest.raises(grpc.RpcError) as info:
+            stub.ReleaseRemote(pb.ReleaseRemoteRequest(lease_id=1, generation=1), timeout=5)
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        hello.protocol_version = 99
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Handshake(hello, timeout=5, metadata=(("relayd-peer-token-bin", token.strip()),))
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "protocol 99" in (info.value.details() or "")
+
+
+def test_killed_origin_daemon_fails_fast_then_transfers_resume(pair: tuple[Node, Node]) -> None:
+    a, b = pair
+    writer = spawn_worker(
+        [
+            "write",
+            "--socket",
+            a.daemon.socket,
+            "--split",
+            "--count",
+            "6",
+            "--sizes",
+            str(MiB),
+            "--hold",
+        ]
+    )
+    refs = [_readline(writer, 30) for _ in range(6)]
+    assert _readline(writer, 10) == "HOLDING"
+    reader = spawn_worker(["read", "--socket", b.daemon.socket])
+    assert _readline(reader, 30) == "READY"
+    for line in refs[:3]:  # mid-stream: the first half arrives
+        _send(reader, line)
+        assert _readline(reader, 10) == line.split()[1]
+    assert a.daemon.proc is not None
+    a.daemon.proc.send_signal(signal.SIGKILL)
+    a.daemon.proc.wait(timeout=10)
+    for line in refs[3:]:
+        start = time.monotonic()
+        _send(reader, line)
+        got = _readline(reader, PEER_TIMEOUT + 5)
+        elapsed = time.monotonic() - start
+        assert got.startswith("ERR PeerUnavailableError"), got
+        assert elapsed < PEER_TIMEOUT + 1.0, f"error took {elapsed:.2f}s"
+    wait_until(lambda: b.used() == 0, 10, "the reader's arena back to zero")
+    wait_until(lambda: not b.sees(a), 10, "node-b to mark node-a down")
+    assert _metric(b.daemon.scrape(), "relayd_peer_up", peer=a.address) == 0
+    assert int(b.peer(a.address)["credits_in_use"]) == 0
+
+    a.daemon.start()  # same ports, new epoch and Mooncake session
+    wait_until(lambda: b.sees(a), 15, "node-b to reconnect to the restarted node-a")
+    w = run_worker(
+        ["write", "--socket", a.daemon.socket, "--split", "--count", "3", "--sizes", str(MiB)]
+    )
+    fresh = _lines(w)
+    for line in fresh:
+        _send(reader, line)
+        assert _readline(reader, 10) == line.split()[1]
+    _send(reader, "")
+    assert reader.wait(timeout=10) == 0
+    wait_until(lambda: a.used() == 0 and b.used() == 0, 10, "both arenas back to zero")
+
+
+def test_abort_on_reader_node_frees_the_request_on_the_origin(pair: tuple[Node, Node]) -> None:
+    a, b = pair
+    w = run_worker(
+        [
+            "write",
+            "--socket",
+            a.daemon.socket,
+            "--request",
+            "rab",
+            "--count",
+            "3",
+            "--sizes",
+            "300000",
+        ]
+    )
+    refs = _lines(w)
+    assert a.daemon.pool()["used_bytes"] > 0
+
+    async def abort_then_read() -> None:
+        from relayd_client import DataRef
+
+        async with RelayClient("talker", b.daemon.socket) as c:
+            await c.abort("rab")
+            with pytest.raises((AbortedError, StaleRefError)):
+                await c.get(DataRef.from_bytes(bytes.fromhex(refs[0].split()[0])))
+
+    asyncio.run(abort_then_read())
+    wait_until(lambda: a.daemon.pool()["used_bytes"] == 0, 10, "the origin to free the request")
+    wait_until(lambda: a.used() == 0 and b.used() == 0, 10, "both arenas back to zero")
