@@ -1,0 +1,242 @@
+"""The contract between the harness and a benchmarked method.
+
+A method is one class. The harness builds an instance in each process that runs
+it (with the :class:`BenchContext`) and drives it through the hooks below over
+the planned sizes; which hooks run depends on the base class:
+
+``PairMethod`` / ``AsyncPairMethod`` (a writer process and a reader process)
+    writer: ``setup_writer(size, source) -> blob`` once per size; the harness hands
+            ``blob`` to the reader. Then per transfer ``send(i) -> notify`` inside the
+            timed region: copy ``source`` wherever the method moves data and return
+            the small message the reader needs (for relayd: the DataRef bytes). The
+            harness frames it over the Unix socketpair and waits for the ack before
+            the next transfer. ``teardown_writer()`` after the last ack of a size.
+    reader: ``setup_reader(size, blob)`` once per size, before the first transfer.
+            Per transfer ``recv(notify) -> tensor``: the timed region ends when it
+            returns, so return once the payload is usable as a tensor in this
+            process. ``notify`` is only valid during the call. Then ``cleanup()``
+            (release a view, unlink a segment: untimed, but before the ack, so a
+            writer waiting on free space sees it), then the ack.
+            ``teardown_reader()`` after the last transfer of a size.
+
+``LocalMethod`` / ``AsyncLocalMethod`` (one process: memcpy, same-process relayd)
+    ``setup(size, source)``, per transfer ``transfer(i) -> tensor`` (timed),
+    ``cleanup()``, and ``teardown()``.
+
+Returned tensors must be contiguous ``torch.uint8`` of exactly ``size`` elements:
+the harness checks their first 8 bytes carry the transfer number it stamped into
+``source`` (so a stale slot or a skipped copy fails loudly) and the last byte the
+payload pattern. Async hooks run on an event loop that the harness keeps running
+while it waits on the socket, so a client's background tasks (notices, releases)
+progress as they would in an application. If a transfer fails, the teardown hook
+still runs (its own errors are ignored) before the process reports the failure.
+
+Put a method's own state on ``self``; use ``self.ctx.segment_name()`` for any
+/dev/shm name so the harness can sweep leftovers; put what the method observed
+(e.g. the transport relayd picked) in ``self.extra``, it ends up in the results.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import itertools
+import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+_SEGMENT_COUNTER = itertools.count()
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchContext:
+    """What every method instance may need; picklable, crosses the spawn boundary."""
+
+    run_id: str
+    shm_prefix: str
+    socket: str | None = None
+    reader_socket: str | None = None
+    daemon_pid: int | None = None
+    stream_index: int = 0
+
+    def segment_name(self, tag: str) -> str:
+        """A /dev/shm name unique to this run, process and call; swept by the harness."""
+        return f"{self.shm_prefix}{tag}-{os.getpid()}-{next(_SEGMENT_COUNTER)}"
+
+    def request_id(self, size: int, i: int) -> str:
+        return f"bench-{self.run_id}-{self.stream_index}-{size}-{i}"
+
+
+class _Base:
+    def __init__(self, ctx: BenchContext) -> None:
+        self.ctx = ctx
+        self.extra: dict[str, str] = {}
+
+
+class PairMethod(_Base, abc.ABC):
+    """Writer and reader in two processes, blocking hooks."""
+
+    def setup_writer(self, size: int, source: torch.Tensor) -> bytes:
+        return b""
+
+    @abc.abstractmethod
+    def send(self, i: int) -> bytes | bytearray | memoryview: ...
+
+    def teardown_writer(self) -> None:
+        return None
+
+    def setup_reader(self, size: int, blob: bytes) -> None:
+        return None
+
+    @abc.abstractmethod
+    def recv(self, notify: memoryview) -> torch.Tensor: ...
+
+    def cleanup(self) -> None:
+        return None
+
+    def teardown_reader(self) -> None:
+        return None
+
+
+class AsyncPairMethod(_Base, abc.ABC):
+    """Writer and reader in two processes, coroutine hooks on one loop per process."""
+
+    async def setup_writer(self, size: int, source: torch.Tensor) -> bytes:
+        return b""
+
+    @abc.abstractmethod
+    async def send(self, i: int) -> bytes | bytearray | memoryview: ...
+
+    async def teardown_writer(self) -> None:
+        return None
+
+    async def setup_reader(self, size: int, blob: bytes) -> None:
+        return None
+
+    @abc.abstractmethod
+    async def recv(self, notify: memoryview) -> torch.Tensor: ...
+
+    async def cleanup(self) -> None:
+        return None
+
+    async def teardown_reader(self) -> None:
+        return None
+
+
+class LocalMethod(_Base, abc.ABC):
+    """Both halves in one process, blocking hooks."""
+
+    def setup(self, size: int, source: torch.Tensor) -> None:
+        return None
+
+    @abc.abstractmethod
+    def transfer(self, i: int) -> torch.Tensor: ...
+
+    def cleanup(self) -> None:
+        return None
+
+    def teardown(self) -> None:
+        return None
+
+
+class AsyncLocalMethod(_Base, abc.ABC):
+    """Both halves in one process, coroutine hooks."""
+
+    async def setup(self, size: int, source: torch.Tensor) -> None:
+        return None
+
+    @abc.abstractmethod
+    async def transfer(self, i: int) -> torch.Tensor: ...
+
+    async def cleanup(self) -> None:
+        return None
+
+    async def teardown(self) -> None:
+        return None
+
+
+AnyMethod = PairMethod | AsyncPairMethod | LocalMethod | AsyncLocalMethod
+METHOD_BASES = (PairMethod, AsyncPairMethod, LocalMethod, AsyncLocalMethod)
+
+
+# -- what crosses the process boundary ---------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class SizePlan:
+    size: int
+    warmup: int
+    iterations: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Pace:
+    """Open-loop schedule for the stream workload: transfer i is due at start+offset+i*period."""
+
+    period_ns: int
+    offset_ns: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One method over some sizes, in order."""
+
+    method: str
+    target: str  # "module:Class", imported in the child only (it imports torch)
+    sizes: tuple[SizePlan, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class JobSpec:
+    """One process pair (or one process) running its steps in order.
+
+    A full run gives every (method, size) its own job; ``--quick`` puts many steps
+    in one job, because each fresh process pays seconds of imports.
+    """
+
+    steps: tuple[Step, ...]
+    ctx: BenchContext
+    pace: Pace | None = None
+    measure_daemon: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Usage:
+    """CPU and minor faults of one process over the measured transfers of one size."""
+
+    cpu_ns: int
+    minflt: int
+
+
+@dataclasses.dataclass(frozen=True)
+class WriterReport:
+    method: str
+    size: int
+    usage: Usage
+    cycles_ns: tuple[int, ...]  # t0 -> ack, measured transfers
+    daemon_cpu_ns: int | None
+    start_ns: int  # first measured transfer's t0 (scheduled time when paced)
+    end_ns: int  # after the last measured ack
+    extra: dict[str, str]
+
+
+@dataclasses.dataclass(frozen=True)
+class ReaderReport:
+    method: str
+    size: int
+    usage: Usage
+    samples_ns: tuple[int, ...]  # one-way t1 - t0 of each measured transfer
+
+
+@dataclasses.dataclass(frozen=True)
+class ChildError:
+    role: str
+    method: str | None
+    size: int | None
+    message: str
+    traceback: str
+
+
+ChildMessage = WriterReport | ReaderReport | ChildError

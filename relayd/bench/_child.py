@@ -1,0 +1,401 @@
+"""What runs inside a benchmark process: the stop-and-wait loops around a method's hooks.
+
+Timed region: the writer stamps ``t0 = perf_counter_ns()`` before ``send(i)``; the
+reader stamps ``t1`` when ``recv`` returns; ``t1 - t0`` is the one-way sample
+(CLOCK_MONOTONIC is the same clock in every process). A local method is timed
+around ``transfer(i)``. In a paced job (the stream workload) the writer sleeps
+until each transfer is due and stamps the real start, so sleep overshoot does not
+count; if it is already behind, ``t0`` is the due time, so queueing delay does.
+
+CPU time and minor faults come from ``getrusage`` over the measured transfers;
+the daemon's CPU from procfs, sampled by the writer (or local process).
+
+The parent imports this module only to name ``child_main``; torch is imported in
+the child, as it costs ~2 s of CPU per import here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import importlib
+import resource
+import signal
+import socket
+import time
+import traceback
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+from relayd.bench import _wire as wire
+from relayd.bench._api import (
+    METHOD_BASES,
+    AnyMethod,
+    AsyncLocalMethod,
+    AsyncPairMethod,
+    ChildError,
+    JobSpec,
+    LocalMethod,
+    Pace,
+    PairMethod,
+    ReaderReport,
+    SizePlan,
+    Step,
+    Usage,
+    WriterReport,
+)
+from relayd.bench._payload import MIN_SIZE, Stamp, check_tensor, make_source
+from relayd.bench._procstat import proc_cpu_ns
+from relayd.bench._wire import BenchFailure
+
+if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
+    from multiprocessing.synchronize import Barrier
+
+BARRIER_TIMEOUT_S = 120.0
+START_MARGIN_NS = 2_000_000  # after the barrier, time for every stream to reach its loop
+
+
+def load_target(target: str) -> type[AnyMethod]:
+    module, _, name = target.partition(":")
+    cls = getattr(importlib.import_module(module), name)
+    if not (isinstance(cls, type) and issubclass(cls, METHOD_BASES)):
+        raise TypeError(f"{target} is not a benchmark method class")
+    return cls
+
+
+def _usage() -> tuple[int, int]:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return round((ru.ru_utime + ru.ru_stime) * 1e9), ru.ru_minflt
+
+
+class _Meter:
+    """Per-size bookkeeping, all outside the timed region."""
+
+    def __init__(self, spec: JobSpec, step: Step, plan: SizePlan, *, daemon: bool) -> None:
+        self._step, self._plan = step, plan
+        self._pid = spec.ctx.daemon_pid if daemon and spec.measure_daemon else None
+        self.samples: list[int] = []
+        self.start_ns = 0
+        self._u0, self._d0 = _usage(), self._daemon()
+
+    def _daemon(self) -> int | None:
+        return None if self._pid is None else proc_cpu_ns(self._pid)
+
+    def at(self, i: int) -> None:
+        if i == self._plan.warmup:  # warm-up over: resources count from here
+            self._u0, self._d0 = _usage(), self._daemon()
+
+    def record(self, i: int, sample_ns: int, start_ns: int) -> None:
+        if i >= self._plan.warmup:
+            if i == self._plan.warmup:
+                self.start_ns = start_ns
+            self.samples.append(sample_ns)
+
+    def _delta(self) -> Usage:
+        cpu, flt = _usage()
+        return Usage(cpu - self._u0[0], flt - self._u0[1])
+
+    def writer_report(self, extra: dict[str, str]) -> WriterReport:
+        end_ns, usage, d1 = time.perf_counter_ns(), self._delta(), self._daemon()
+        daemon = d1 - self._d0 if d1 is not None and self._d0 is not None else None
+        return WriterReport(
+            self._step.method,
+            self._plan.size,
+            usage,
+            tuple(self.samples),
+            daemon,
+            self.start_ns,
+            end_ns,
+            dict(extra),
+        )
+
+    def reader_report(self, *, local: bool = False) -> ReaderReport:
+        usage = Usage(0, 0) if local else self._delta()  # a local process reports as writer
+        return ReaderReport(self._step.method, self._plan.size, usage, tuple(self.samples))
+
+
+class _Schedule:
+    def __init__(self, pace: Pace | None) -> None:
+        self._pace = pace
+        self._base = time.perf_counter_ns() + START_MARGIN_NS
+
+    def _due(self, i: int) -> int | None:
+        if self._pace is None:
+            return None
+        return self._base + self._pace.offset_ns + i * self._pace.period_ns
+
+    def wait(self, i: int) -> int | None:
+        """Sleep until transfer i is due; the due time if already late (it becomes t0)."""
+        due = self._due(i)
+        if due is None or time.perf_counter_ns() >= due:
+            return due
+        while (left := due - time.perf_counter_ns()) > 0:
+            time.sleep(left / 1e9)
+        return None
+
+    async def await_(self, i: int) -> int | None:
+        due = self._due(i)
+        if due is None or time.perf_counter_ns() >= due:
+            return due
+        while (left := due - time.perf_counter_ns()) > 0:
+            await asyncio.sleep(left / 1e9)
+        return None
+
+
+@dataclasses.dataclass
+class _Run:
+    """What every loop needs besides the method: where it is, and where reports go."""
+
+    spec: JobSpec
+    step: Step
+    conn: Connection
+    progress: Any  # RawArray("q", 4): step index, size index, done, total
+    barrier: Barrier | None
+    step_index: int = 0
+    size: int | None = None  # for the error report
+
+    def start(self, index: int, plan: SizePlan) -> None:
+        self.size = plan.size
+        p = self.progress
+        p[0], p[1], p[2], p[3] = self.step_index, index, 0, plan.warmup + plan.iterations
+
+    def done(self, n: int) -> None:
+        self.progress[2] = n
+
+
+# -- blocking hooks ----------------------------------------------------------------------
+
+
+def _writer(m: PairMethod, run: _Run, sock: socket.socket) -> None:
+    for index, plan in enumerate(run.step.sizes):
+        run.start(index, plan)
+        source = make_source(plan.size)
+        stamp = Stamp(source)
+        wire.send_frame(sock, 0, m.setup_writer(plan.size, source))
+        wire.expect(sock, wire.READY)
+        if run.barrier is not None:
+            run.barrier.wait(BARRIER_TIMEOUT_S)
+        sched, meter = _Schedule(run.spec.pace), _Meter(run.spec, run.step, plan, daemon=True)
+        for i in range(plan.warmup + plan.iterations):
+            meter.at(i)
+            late = sched.wait(i)
+            stamp(i)
+            t0 = time.perf_counter_ns()
+            wire.send_frame(sock, t0 if late is None else late, m.send(i))
+            wire.expect(sock, wire.ACK)
+            meter.record(i, time.perf_counter_ns() - t0, t0 if late is None else late)
+            run.done(i + 1)
+        report = meter.writer_report(m.extra)
+        m.teardown_writer()
+        run.conn.send(report)
+    wire.send_end(sock)
+
+
+def _reader(m: PairMethod, run: _Run, sock: socket.socket) -> None:
+    rx = wire.Receiver(sock)
+    for plan in run.step.sizes:
+        run.size = plan.size
+        m.setup_reader(plan.size, bytes(rx.frame()[2]))
+        sock.sendall(wire.READY)
+        meter = _Meter(run.spec, run.step, plan, daemon=False)
+        for i in range(plan.warmup + plan.iterations):
+            meter.at(i)
+            t0, _, notify = rx.frame()
+            tensor = m.recv(notify)
+            meter.record(i, time.perf_counter_ns() - t0, t0)
+            check_tensor(tensor, plan.size, i)
+            del tensor, notify  # a view must be gone before cleanup releases its memory
+            m.cleanup()
+            sock.sendall(wire.ACK)
+        report = meter.reader_report()
+        m.teardown_reader()
+        run.conn.send(report)
+    rx.expect_end()
+
+
+def _local(m: LocalMethod, run: _Run) -> None:
+    for index, plan in enumerate(run.step.sizes):
+        run.start(index, plan)
+        source = make_source(plan.size)
+        stamp = Stamp(source)
+        m.setup(plan.size, source)
+        meter = _Meter(run.spec, run.step, plan, daemon=True)
+        total = plan.warmup + plan.iterations
+        for i in range(total):
+            meter.at(i)
+            stamp(i)
+            t0 = time.perf_counter_ns()
+            tensor = m.transfer(i)
+            meter.record(i, time.perf_counter_ns() - t0, t0)
+            check_tensor(tensor, plan.size, i)
+            del tensor
+            m.cleanup()
+            if i % 64 == 0 or i == total - 1:
+                run.done(i + 1)  # a hot copy takes ~1 µs: keep even this off most iterations
+        reports = meter.writer_report(m.extra), meter.reader_report(local=True)
+        m.teardown()
+        for r in reports:
+            run.conn.send(r)
+
+
+# -- coroutine hooks: the same loops, on an event loop ---------------------------------------
+
+
+async def _awriter(m: AsyncPairMethod, run: _Run, sock: socket.socket) -> None:
+    loop = asyncio.get_running_loop()
+    for index, plan in enumerate(run.step.sizes):
+        run.start(index, plan)
+        source = make_source(plan.size)
+        stamp = Stamp(source)
+        await wire.asend_frame(sock, 0, await m.setup_writer(plan.size, source))
+        await wire.aexpect(sock, wire.READY)
+        if run.barrier is not None:
+            # in a thread, so the client's background tasks keep running meanwhile
+            await loop.run_in_executor(None, run.barrier.wait, BARRIER_TIMEOUT_S)
+        sched, meter = _Schedule(run.spec.pace), _Meter(run.spec, run.step, plan, daemon=True)
+        for i in range(plan.warmup + plan.iterations):
+            meter.at(i)
+            late = await sched.await_(i)
+            stamp(i)
+            t0 = time.perf_counter_ns()
+            await wire.asend_frame(sock, t0 if late is None else late, await m.send(i))
+            await wire.aexpect(sock, wire.ACK)
+            meter.record(i, time.perf_counter_ns() - t0, t0 if late is None else late)
+            run.done(i + 1)
+        report = meter.writer_report(m.extra)
+        await m.teardown_writer()
+        run.conn.send(report)
+    await wire.asend_end(sock)
+
+
+async def _areader(m: AsyncPairMethod, run: _Run, sock: socket.socket) -> None:
+    loop = asyncio.get_running_loop()
+    rx = wire.Receiver(sock)
+    for plan in run.step.sizes:
+        run.size = plan.size
+        await m.setup_reader(plan.size, bytes((await rx.aframe())[2]))
+        await loop.sock_sendall(sock, wire.READY)
+        meter = _Meter(run.spec, run.step, plan, daemon=False)
+        for i in range(plan.warmup + plan.iterations):
+            meter.at(i)
+            t0, _, notify = await rx.aframe()
+            tensor = await m.recv(notify)
+            meter.record(i, time.perf_counter_ns() - t0, t0)
+            check_tensor(tensor, plan.size, i)
+            del tensor, notify
+            await m.cleanup()
+            await loop.sock_sendall(sock, wire.ACK)
+        report = meter.reader_report()
+        await m.teardown_reader()
+        run.conn.send(report)
+    await rx.aexpect_end()
+
+
+async def _alocal(m: AsyncLocalMethod, run: _Run) -> None:
+    for index, plan in enumerate(run.step.sizes):
+        run.start(index, plan)
+        source = make_source(plan.size)
+        stamp = Stamp(source)
+        await m.setup(plan.size, source)
+        meter = _Meter(run.spec, run.step, plan, daemon=True)
+        for i in range(plan.warmup + plan.iterations):
+            meter.at(i)
+            stamp(i)
+            t0 = time.perf_counter_ns()
+            tensor = await m.transfer(i)
+            meter.record(i, time.perf_counter_ns() - t0, t0)
+            check_tensor(tensor, plan.size, i)
+            del tensor
+            await m.cleanup()
+            run.done(i + 1)
+        reports = meter.writer_report(m.extra), meter.reader_report(local=True)
+        await m.teardown()
+        for r in reports:
+            run.conn.send(r)
+
+
+# -- entry point ---------------------------------------------------------------------------
+
+
+def _dispatch(role: str, m: AnyMethod, run: _Run, sock: socket.socket | None) -> None:
+    if isinstance(m, LocalMethod) and role == "local":
+        _local(m, run)
+    elif isinstance(m, AsyncLocalMethod) and role == "local":
+        asyncio.run(_alocal(m, run))
+    elif isinstance(m, PairMethod) and sock is not None:
+        sock.setblocking(True)
+        if role == "writer":
+            _writer(m, run, sock)
+        else:
+            _reader(m, run, sock)
+    elif isinstance(m, AsyncPairMethod) and sock is not None:
+        sock.setblocking(False)  # the event loop's sock_* calls need it
+        if role == "writer":
+            asyncio.run(_awriter(m, run, sock))
+        else:
+            asyncio.run(_areader(m, run, sock))
+    else:
+        raise TypeError(f"{run.step.target} cannot run as {role}")
+
+
+def _teardown(role: str, m: AnyMethod) -> None:
+    """After a failure the loop's own teardown was skipped: still unlink what was made."""
+    if isinstance(m, LocalMethod):
+        m.teardown()
+    elif isinstance(m, AsyncLocalMethod):
+        asyncio.run(m.teardown())
+    elif isinstance(m, PairMethod):
+        if role == "writer":
+            m.teardown_writer()
+        else:
+            m.teardown_reader()
+    elif role == "writer":
+        asyncio.run(m.teardown_writer())
+    else:
+        asyncio.run(m.teardown_reader())
+
+
+def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)
+
+
+def child_main(
+    role: str,
+    spec: JobSpec,
+    sock: socket.socket | None,
+    conn: Connection,
+    progress: Any,
+    barrier: Barrier | None,
+) -> None:
+    """Entry point of every benchmark process (spawned: a clean interpreter each time)."""
+    # the parent ends a stuck job with SIGTERM: unwind, so teardown still runs
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    run: _Run | None = None
+    try:
+        import torch
+
+        torch.set_num_threads(1)  # as in the reference runs: one core per process
+        for step in spec.steps:
+            if any(p.size < MIN_SIZE or p.iterations < 1 for p in step.sizes):
+                raise BenchFailure(f"sizes must be >= {MIN_SIZE} with iterations >= 1: {step}")
+        for index, step in enumerate(spec.steps):
+            run = _Run(spec, step, conn, progress, barrier, index)
+            m = load_target(step.target)(spec.ctx)
+            try:
+                _dispatch(role, m, run, sock)
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    _teardown(role, m)
+                raise
+    except BaseException as exc:  # report everything, Ctrl-C included, to the parent
+        message = f"{type(exc).__name__}: {exc}"
+        method, size = (run.step.method, run.size) if run else (None, None)
+        with contextlib.suppress(OSError, ValueError):  # the parent may be gone already
+            conn.send(ChildError(role, method, size, message, traceback.format_exc()))
+        raise SystemExit(1) from None
+    finally:
+        conn.close()
+        if sock is not None:
+            sock.close()

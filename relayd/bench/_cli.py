@@ -1,0 +1,229 @@
+"""``relayd bench``: command line, then run, table, JSON and plot."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import signal
+import sys
+from collections.abc import Sequence
+from types import FrameType
+
+from relayd.bench import _plot, _registry
+from relayd.bench._progress import Progress
+from relayd.bench._run import Bench, Options, plan_for
+from relayd.bench._stats import (
+    Status,
+    add_ratios,
+    add_stream_ratios,
+    machine_info,
+    render_table,
+    to_json,
+)
+
+DEFAULT_SIZES = "4K,256K,1M,4M,16M"
+QUICK_SCALE = 0.1
+QUICK_STREAMS, QUICK_STREAM_SECONDS, QUICK_STREAM_WARMUP_S = 2, 1.0, 0.2
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmg]?)(?:i?b)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """Binary units, as payload sizes are quoted: 4K = 4KiB = 4096; a bare number is bytes."""
+    m = _SIZE_RE.match(text)
+    if not m:
+        raise ValueError(f"not a size: {text!r} (examples: 4K, 256KiB, 1M, 16MiB, 65536)")
+    shift = {"": 0, "k": 10, "m": 20, "g": 30}[m.group(2).lower()]
+    return int(float(m.group(1)) * (1 << shift))
+
+
+def parse_sizes(text: str) -> tuple[int, ...]:
+    sizes = tuple(parse_size(p) for p in text.split(",") if p.strip())
+    if not sizes:
+        raise ValueError("no sizes given")
+    return sizes
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="relayd bench",
+        description="Measure tensor hand-off between two processes: relayd against its baselines "
+        "(stop-and-wait one-way latency, as in the reference measurements).",
+    )
+    p.add_argument(
+        "--sizes", default=DEFAULT_SIZES, help=f"payload sizes (default {DEFAULT_SIZES})"
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="~1/10 of the iterations, one process "
+        "pair per method, short streams: a smoke run in well under a minute",
+    )
+    p.add_argument(
+        "--methods",
+        help="comma list of methods, 'baselines', 'relayd' or 'all' "
+        f"(default all): {', '.join(_registry.known_names())}",
+    )
+    p.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    p.add_argument("--plot", metavar="FILE.png", help="write a PNG (needs matplotlib)")
+    p.add_argument(
+        "--socket", metavar="PATH", help="use this running daemon instead of starting one"
+    )
+    p.add_argument(
+        "--reader-socket",
+        metavar="PATH",
+        help="relayd-mooncake: the reader's daemon on another node",
+    )
+    p.add_argument(
+        "--iterations-scale",
+        type=float,
+        metavar="FLOAT",
+        help=f"multiply warm-up and measured counts (default 1, {QUICK_SCALE} with --quick)",
+    )
+    p.add_argument(
+        "--reuse-processes",
+        action="store_true",
+        help="one process pair per method for all sizes (implied by --quick)",
+    )
+    p.add_argument("--streams", type=int, help="stream workload: concurrent streams (default 4)")
+    p.add_argument(
+        "--stream-rate",
+        type=float,
+        default=50.0,
+        metavar="HZ",
+        help="stream workload: 1 MiB chunks per second per stream (default 50)",
+    )
+    p.add_argument(
+        "--stream-seconds", type=float, help="stream workload: measured seconds (default 5)"
+    )
+    p.add_argument(
+        "--stream-methods",
+        default=",".join(_registry.DEFAULT_STREAM_METHODS),
+        help="methods the stream workload runs (default %(default)s)",
+    )
+    p.add_argument("--shm-pool-size", default="512MiB", help="arena of the daemon the bench starts")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="give up on one process pair after this long (default 600)",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress on stderr")
+    p.add_argument("--list", action="store_true", help="list the methods and exit")
+    p.add_argument("--gpu", action="store_true", help="run the GPU benchmarks instead")
+    return p
+
+
+def _options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Options:
+    try:
+        sizes = parse_sizes(args.sizes)
+        methods = tuple(_registry.select(args.methods))
+        stream_methods = tuple(_registry.select(args.stream_methods))
+    except ValueError as exc:
+        parser.error(str(exc))
+    if _registry.STREAM in stream_methods:
+        parser.error("--stream-methods takes methods, not the stream workload itself")
+    scale = args.iterations_scale
+    if scale is None:
+        scale = QUICK_SCALE if args.quick else 1.0
+    if scale <= 0:
+        parser.error("--iterations-scale must be > 0")
+    streams = args.streams if args.streams is not None else QUICK_STREAMS if args.quick else 4
+    seconds = args.stream_seconds
+    if seconds is None:
+        seconds = QUICK_STREAM_SECONDS if args.quick else 5.0
+    if streams < 1 or args.stream_rate <= 0 or seconds <= 0:
+        parser.error("--streams, --stream-rate and --stream-seconds must be positive")
+    return Options(
+        sizes=sizes,
+        methods=methods,
+        scale=scale,
+        reuse_processes=args.quick or args.reuse_processes,
+        socket=args.socket,
+        reader_socket=args.reader_socket,
+        shm_pool_size=args.shm_pool_size,
+        job_timeout_s=args.timeout,
+        streams=streams,
+        stream_rate=args.stream_rate,
+        stream_seconds=seconds,
+        stream_warmup_s=QUICK_STREAM_WARMUP_S if args.quick else 0.5,
+        stream_methods=stream_methods,
+    )
+
+
+def _list_methods() -> None:
+    for e in (*_registry.BASELINES, *_registry.RELAYD):
+        print(f"{e.name:<18}{e.summary}")
+    print(f"{_registry.STREAM:<18}N paced streams of 1 MiB chunks (see --stream-*)")
+
+
+def _run_gpu(args: argparse.Namespace) -> int:
+    try:
+        from relayd.bench import gpu
+    except ImportError as exc:
+        print(f"relayd bench --gpu: GPU benchmarks unavailable: {exc}", file=sys.stderr)
+        return 2
+    return gpu.run(args)
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)  # unwinds through Bench.close(): children, daemon, segments
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.list:
+        _list_methods()
+        return 0
+    if args.gpu:
+        return _run_gpu(args)
+    opts = _options(args, parser)
+    if args.plot:
+        try:
+            _plot.check_available()
+        except _plot.PlotUnavailable as exc:
+            print(f"relayd bench: {exc}", file=sys.stderr)
+            return 2
+    progress = Progress(enabled=not args.no_progress)
+    bench = Bench(opts, progress)
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        bench.run()
+    except KeyboardInterrupt:
+        print("\nrelayd bench: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        bench.close()
+    add_ratios(bench.results)
+    add_stream_ratios(bench.streams)
+    machine = machine_info()
+    sys.stdout.write(render_table(bench.results, bench.streams, machine))
+    if args.json:
+        run = {
+            "argv": list(argv) if argv is not None else sys.argv[1:],
+            "sizes": list(opts.sizes),
+            "methods": list(opts.methods),
+            "quick": args.quick,
+            "iterations_scale": opts.scale,
+            "reuse_processes": opts.reuse_processes,
+            "plan": [vars(plan_for(s, opts.scale)) for s in opts.sizes],
+            "stream": {
+                "streams": opts.streams,
+                "rate_hz": opts.stream_rate,
+                "seconds": opts.stream_seconds,
+                "methods": list(opts.stream_methods),
+            },
+            **bench.describe(),
+        }
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(to_json(bench.results, bench.streams, machine, run), f, indent=2)
+            f.write("\n")
+    if args.plot:
+        _plot.write_plot(args.plot, bench.results, machine)
+    failed = any(r.status is Status.FAILED for r in bench.results) or any(
+        s.status is Status.FAILED for s in bench.streams
+    )
+    return 1 if failed else 0

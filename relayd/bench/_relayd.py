@@ -1,0 +1,145 @@
+"""relayd itself, through its client, in the same harness as the baselines.
+
+Imported only inside benchmark processes. If ``relayd_client`` does not import,
+the registry reports these methods as skipped before any process starts.
+
+Every method attaches one ``RelayClient`` per process at setup (not timed) and,
+per transfer, does exactly what an application does: the writer ``put``s and
+sends ``ref.to_bytes()`` as its notify; the reader rebuilds the ``DataRef`` and
+``get``s (a copy) or enters ``view`` (zero-copy, released in ``cleanup`` before
+the ack). The transport relayd picked is recorded in the results (``extra``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from relayd_client import DataRef, RelayClient  # type: ignore[import-not-found, unused-ignore]
+
+from relayd.bench._api import AsyncLocalMethod, AsyncPairMethod
+
+WRITER_STAGE = "bench-writer"
+READER_STAGE = "bench-reader"
+
+
+def transport_name(ref: Any) -> str:
+    t = getattr(ref, "transport", None)  # relayd_client.Transport; its values are lower-case names
+    value = getattr(t, "value", t)
+    return str(value) if value is not None else "unknown"
+
+
+class RelaydShm(AsyncPairMethod):
+    """put() into the daemon's arena; the reader get()s a private copy (the default read)."""
+
+    reader_copy = True
+    expect_transport: str | None = None
+
+    def _stages(self) -> tuple[str, str]:
+        # one stage pair per stream, so concurrent streams never read each other's data
+        k = self.ctx.stream_index
+        return f"{WRITER_STAGE}-{k}", f"{READER_STAGE}-{k}"
+
+    def _reader_socket(self) -> str | None:
+        return self.ctx.socket
+
+    async def setup_writer(self, size: int, source: torch.Tensor) -> bytes:
+        self.size = size
+        self.source = source
+        self.stack = contextlib.AsyncExitStack()
+        self.client = await self.stack.enter_async_context(
+            RelayClient(stage=self._stages()[0], socket=self.ctx.socket)
+        )
+        return b""
+
+    async def send(self, i: int) -> bytes:
+        ref = await self.client.put(
+            {"t": self.source},
+            to_stage=self._stages()[1],
+            request_id=self.ctx.request_id(self.size, i),
+        )
+        if i == 0:
+            self.extra["transport"] = transport_name(ref)
+            if self.expect_transport and self.extra["transport"] != self.expect_transport:
+                raise RuntimeError(
+                    f"relayd moved a {self.size}-byte put over {self.extra['transport']},"
+                    f" not {self.expect_transport}"
+                )
+        wire: bytes = ref.to_bytes()
+        return wire
+
+    async def teardown_writer(self) -> None:
+        await self.stack.aclose()
+
+    async def setup_reader(self, size: int, blob: bytes) -> None:
+        self.stack = contextlib.AsyncExitStack()
+        self.client = await self.stack.enter_async_context(
+            RelayClient(stage=self._stages()[1], socket=self._reader_socket())
+        )
+        self.view: Any = None
+
+    async def recv(self, notify: memoryview) -> torch.Tensor:
+        ref = DataRef.from_bytes(bytes(notify))
+        if self.reader_copy:
+            obj = await self.client.get(ref)
+        else:
+            self.view = self.client.view(ref)
+            obj = await self.view.__aenter__()
+        tensor: torch.Tensor = obj["t"]
+        return tensor
+
+    async def cleanup(self) -> None:
+        view, self.view = self.view, None
+        if view is not None:
+            await view.__aexit__(None, None, None)
+
+    async def teardown_reader(self) -> None:
+        await self.stack.aclose()
+
+
+class RelaydShmView(RelaydShm):
+    """put() as above; the reader holds a zero-copy view until cleanup (one copy in all)."""
+
+    reader_copy = False
+
+
+class RelaydInline(RelaydShm):
+    """Small puts travel inside the DataRef itself; fails if relayd picks anything else."""
+
+    expect_transport = "inline"
+
+
+class RelaydMooncake(RelaydShm):
+    """Reader attached to another node's daemon: its daemon pulls the bytes over Mooncake TE."""
+
+    def _reader_socket(self) -> str | None:
+        return self.ctx.reader_socket
+
+
+class RelaydLocal(AsyncLocalMethod):
+    """Both stages in one process: relayd hands over a reference (local_object), no bytes move."""
+
+    async def setup(self, size: int, source: torch.Tensor) -> None:
+        self.size = size
+        self.source = source
+        self.stack = contextlib.AsyncExitStack()
+        self.writer = await self.stack.enter_async_context(
+            RelayClient(stage=WRITER_STAGE, socket=self.ctx.socket)
+        )
+        self.reader = await self.stack.enter_async_context(
+            RelayClient(stage=READER_STAGE, socket=self.ctx.socket)
+        )
+
+    async def transfer(self, i: int) -> torch.Tensor:
+        ref = await self.writer.put(
+            {"t": self.source}, to_stage=READER_STAGE, request_id=self.ctx.request_id(self.size, i)
+        )
+        if i == 0:
+            self.extra["transport"] = transport_name(ref)
+        obj = await self.reader.get(DataRef.from_bytes(ref.to_bytes()))
+        tensor: torch.Tensor = obj["t"]
+        return tensor
+
+    async def teardown(self) -> None:
+        await self.stack.aclose()

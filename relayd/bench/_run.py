@@ -1,0 +1,391 @@
+"""One benchmark run: the jobs in order, the daemon when a method needs it, and the cleanup.
+
+Order: the baselines first (no daemon running yet, so nothing else competes for
+the two cores), then the daemon is started and the relayd methods run, then the
+stream workload. A full run gives each (method, size) a fresh process pair, as
+the reference measurements did. With ``reuse_processes`` (implied by ``--quick``)
+one pair runs every method of a kind (baselines or relayd) and size in turn, and
+one set of stream pairs runs every stream method: spawning a process that imports
+torch (and grpc) costs 2-4 s of CPU here, which alone would blow the quick budget.
+A job that fails stops there; what it did not reach runs again in fresh processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import secrets
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from relayd.bench import _daemon
+from relayd.bench._api import BenchContext, JobSpec, Pace, SizePlan, Step
+from relayd.bench._harness import JobOutcome, run_jobs
+from relayd.bench._progress import Progress
+from relayd.bench._registry import ENTRIES, STREAM, Entry
+from relayd.bench._stats import (
+    Cpu,
+    Result,
+    Status,
+    StreamResult,
+    fmt_ns,
+    fmt_size,
+    median,
+    summarize,
+)
+
+# perf-baselines.md, "Iterations per payload size": (size, warm-up, measured)
+REFERENCE_PLAN = (
+    (4 << 10, 300, 3000),
+    (256 << 10, 100, 1500),
+    (1 << 20, 50, 800),
+    (4 << 20, 30, 400),
+    (16 << 20, 20, 250),
+)
+MIN_WARMUP = 2
+MIN_ITERATIONS = 20  # below this a p99 is just the maximum
+STREAM_CHUNK = 1 << 20
+
+
+def plan_for(size: int, scale: float) -> SizePlan:
+    """The reference counts of the largest reference size not above ``size``, scaled."""
+    warmup, iterations = REFERENCE_PLAN[0][1:]
+    for ref_size, w, n in REFERENCE_PLAN:
+        if size >= ref_size:
+            warmup, iterations = w, n
+    return SizePlan(
+        size, max(MIN_WARMUP, round(warmup * scale)), max(MIN_ITERATIONS, round(iterations * scale))
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    sizes: tuple[int, ...]
+    methods: tuple[str, ...]
+    scale: float = 1.0
+    reuse_processes: bool = False
+    socket: str | None = None
+    reader_socket: str | None = None
+    shm_pool_size: str = "512MiB"
+    daemon_timeout_s: float = 30.0
+    job_timeout_s: float = 600.0
+    streams: int = 4
+    stream_rate: float = 50.0
+    stream_seconds: float = 5.0
+    stream_warmup_s: float = 0.5
+    stream_methods: tuple[str, ...] = ("floor", "relayd-shm")
+
+
+class Bench:
+    def __init__(self, opts: Options, progress: Progress) -> None:
+        self.opts = opts
+        self.progress = progress
+        self.run_id = secrets.token_hex(4)
+        self.shm_prefix = f"relayd-bench-{self.run_id}-"
+        self.tmpdir = Path(tempfile.mkdtemp(prefix="relayd-bench-"))
+        self.daemon: _daemon.Daemon | None = None
+        self.daemon_error: str | None = None
+        self.leftover_segments: list[str] = []
+        self.warnings: list[str] = []
+        self.results: list[Result] = []
+        self.streams: list[StreamResult] = []
+        self.started = time.monotonic()
+        self.loadavg_at_start = [round(x, 2) for x in os.getloadavg()]
+
+    # -- lifecycle ------------------------------------------------------------------
+
+    def run(self) -> None:
+        self._run_methods([ENTRIES[n] for n in self.opts.methods if n != STREAM])
+        if STREAM in self.opts.methods:
+            self._run_streams([ENTRIES[n] for n in self.opts.stream_methods])
+
+    def close(self) -> None:
+        try:
+            if self.daemon is not None:
+                self.daemon.stop()
+                if self.daemon.leftover_segments:
+                    n = len(self.daemon.leftover_segments)
+                    self._warn(f"the daemon left {n} segment(s) in /dev/shm after SIGTERM")
+                if self.daemon.exit_code not in (0, None):
+                    self._warn(f"the daemon exited with code {self.daemon.exit_code} on SIGTERM")
+        finally:
+            self._sweep()
+            shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "run_id": self.run_id,
+            "shm_prefix": self.shm_prefix,
+            "duration_s": round(time.monotonic() - self.started, 1),
+            "loadavg_at_start": self.loadavg_at_start,
+            "leftover_segments": list(self.leftover_segments),
+            "warnings": list(self.warnings),
+            "daemon": self.daemon.describe() if self.daemon else None,
+            "daemon_error": self.daemon_error,
+        }
+
+    def _ctx(self, stream_index: int = 0) -> BenchContext:
+        d = self.daemon
+        return BenchContext(
+            run_id=self.run_id,
+            shm_prefix=self.shm_prefix,
+            socket=d.socket if d else self.opts.socket,
+            reader_socket=self.opts.reader_socket,
+            daemon_pid=d.pid if d else None,
+            stream_index=stream_index,
+        )
+
+    def _warn(self, text: str) -> None:
+        self.warnings.append(text)
+        self.progress.line(f"warning: {text}")
+
+    def _sweep(self) -> None:
+        """Remove this run's segments a method failed to clean up, and remember them."""
+        try:
+            names = [n for n in os.listdir("/dev/shm") if n.startswith(self.shm_prefix)]
+        except OSError:
+            return
+        for name in names:
+            try:
+                os.unlink(os.path.join("/dev/shm", name))
+            except FileNotFoundError:
+                continue
+            self.leftover_segments.append(name)
+        if names:
+            self._warn(f"removed {len(names)} leftover segment(s) of this run: {names[0]} …")
+
+    def _ensure_daemon(self) -> str | None:
+        if self.daemon is not None or self.daemon_error is not None:
+            return self.daemon_error
+        try:
+            if self.opts.socket:
+                self.daemon = _daemon.attach(self.opts.socket, self.opts.daemon_timeout_s)
+            else:
+                self.progress.line("starting relayd serve for the relayd methods")
+                self.daemon = _daemon.start(
+                    self.tmpdir, self.opts.shm_pool_size, self.opts.daemon_timeout_s
+                )
+        except _daemon.DaemonError as exc:
+            self.daemon_error = f"daemon unavailable: {exc}"
+        return self.daemon_error
+
+    # -- stop-and-wait --------------------------------------------------------------
+
+    def _run_methods(self, entries: list[Entry]) -> None:
+        """Each (method, size) in fresh processes, or with reuse one job per kind of process."""
+        results: dict[tuple[str, int], Result] = {}
+        jobs: list[tuple[bool, list[Step]]] = []
+        by_kind: dict[tuple[bool, bool], list[Step]] = {}
+        for entry in entries:
+            plans = self._plans(entry, results)
+            if not plans:
+                continue
+            if self.opts.reuse_processes:
+                # baselines before the daemon starts; pairs and single processes apart
+                by_kind.setdefault((entry.needs_daemon, entry.local), []).append(
+                    Step(entry.name, entry.target, tuple(plans))
+                )
+            else:
+                jobs += [(entry.local, [Step(entry.name, entry.target, (p,))]) for p in plans]
+        jobs += [(local, steps) for (_, local), steps in by_kind.items()]
+        jobs.sort(key=lambda job: ENTRIES[job[1][0].method].needs_daemon)  # stable
+        while jobs:
+            local, steps = jobs.pop(0)
+            if ENTRIES[steps[0].method].needs_daemon and (why := self._ensure_daemon()):
+                for step in steps:
+                    for p in step.sizes:
+                        results[step.method, p.size] = Result(
+                            step.method, p.size, Status.FAILED, why
+                        )
+                continue
+            [outcome] = run_jobs(
+                [JobSpec(tuple(steps), self._ctx())],
+                local=local,
+                timeout_s=self.opts.job_timeout_s,
+                progress=self.progress,
+                describe=_describe,
+            )
+            self._sweep()
+            rest = self._collect(steps, outcome, results)
+            if rest:
+                jobs.insert(0, (local, rest))  # what the failure cut short, in fresh processes
+        for entry in entries:
+            self.results += [results[entry.name, s] for s in self.opts.sizes]
+
+    def _plans(self, entry: Entry, results: dict[tuple[str, int], Result]) -> list[SizePlan]:
+        """The sizes to run; records skipped ones (and a method that cannot run here) in results."""
+        why = entry.unavailable(self.opts.reader_socket)
+        plans = []
+        for size in self.opts.sizes:
+            skip = why or entry.skip_size(size)
+            if skip:
+                results[entry.name, size] = Result(entry.name, size, Status.SKIPPED, skip)
+            else:
+                plans.append(plan_for(size, self.opts.scale))
+        return plans
+
+    def _collect(
+        self, steps: list[Step], outcome: JobOutcome, results: dict[tuple[str, int], Result]
+    ) -> list[Step]:
+        """Record what the job measured; return the steps it did not reach."""
+        pending = [(step, p) for step in steps for p in step.sizes]
+        done = [(step, p) for step, p in pending if outcome.complete(step.method, p.size)]
+        for step, p in done:
+            r = _result(ENTRIES[step.method], p, outcome)
+            results[step.method, p.size] = r
+            self._report(r)
+        todo = [(step, p) for step, p in pending if not outcome.complete(step.method, p.size)]
+        if not todo:
+            if outcome.error is not None:
+                # every size reported, then something broke (teardown, the end handshake)
+                self._warn(f"{outcome.error.role}: {outcome.error.message}")
+            return []
+        # steps and sizes run in order, so the first unfinished one is where it broke
+        step, p = todo[0]
+        err = outcome.error
+        reason = err.message if err else "no report from the benchmark processes"
+        results[step.method, p.size] = Result(step.method, p.size, Status.FAILED, reason)
+        self._report(results[step.method, p.size])
+        rest: list[Step] = []
+        for step, p in todo[1:]:
+            if rest and rest[-1].method == step.method:
+                rest[-1] = dataclasses.replace(rest[-1], sizes=(*rest[-1].sizes, p))
+            else:
+                rest.append(Step(step.method, step.target, (p,)))
+        return rest
+
+    def _report(self, r: Result) -> None:
+        head = f"{r.method:<18}{fmt_size(r.size):>8}  "
+        if r.latency is None:
+            self.progress.line(f"{head}{r.status.value}: {r.reason}")
+        else:
+            lat = r.latency
+            self.progress.line(f"{head}median {fmt_ns(lat.median_ns)}  p99 {fmt_ns(lat.p99_ns)}")
+
+    # -- stream workload ------------------------------------------------------------
+
+    def _run_streams(self, entries: list[Entry]) -> None:
+        o = self.opts
+        plan = SizePlan(
+            STREAM_CHUNK,
+            max(1, round(o.stream_rate * o.stream_warmup_s)),
+            max(1, round(o.stream_rate * o.stream_seconds)),
+        )
+        results: dict[str, StreamResult] = {}
+        runnable: list[Entry] = []
+        for entry in entries:
+            base = StreamResult(entry.name, o.streams, STREAM_CHUNK, o.stream_rate, Status.OK)
+            why = entry.unavailable(o.reader_socket) or (
+                "the stream workload needs a writer/reader pair" if entry.local else None
+            )
+            if why:
+                results[entry.name] = dataclasses.replace(base, status=Status.SKIPPED, reason=why)
+            elif entry.needs_daemon and (why := self._ensure_daemon()):
+                results[entry.name] = dataclasses.replace(base, status=Status.FAILED, reason=why)
+            else:
+                results[entry.name] = base
+                runnable.append(entry)
+        groups = [runnable] if o.reuse_processes else [[e] for e in runnable]
+        for group in groups:
+            if group:
+                self._stream_job(group, plan, results)
+        self.streams += [results[e.name] for e in entries]
+
+    def _stream_job(
+        self, group: list[Entry], plan: SizePlan, results: dict[str, StreamResult]
+    ) -> None:
+        o = self.opts
+        period = round(1e9 / o.stream_rate)
+        steps = tuple(Step(e.name, e.target, (plan,)) for e in group)
+        specs = [
+            JobSpec(
+                steps,
+                self._ctx(stream_index=k),
+                pace=Pace(period, k * period // o.streams),  # spread the streams over a period
+                measure_daemon=(k == 0),
+            )
+            for k in range(o.streams)
+        ]
+        outcomes = run_jobs(
+            specs,
+            local=False,
+            timeout_s=o.job_timeout_s + o.stream_seconds * len(group),
+            progress=self.progress,
+            describe=lambda s, i, _, d, t: (
+                f"stream {s.steps[i].method} x{o.streams}: {d}/{t} chunks"
+            ),
+        )
+        self._sweep()
+        for entry in group:
+            r = _stream_result(results[entry.name], plan, outcomes)
+            results[entry.name] = r
+            if r.latency is not None:
+                lat, rate = r.latency, r.aggregate_chunks_per_s or 0
+                self.progress.line(
+                    f"stream {entry.name} x{o.streams}: p50 {fmt_ns(lat.median_ns)}"
+                    f"  p99 {fmt_ns(lat.p99_ns)}  {rate:.0f} chunks/s"
+                )
+            else:
+                self.progress.line(f"stream {entry.name}: {r.status.value}: {r.reason}")
+
+
+def _describe(spec: JobSpec, step: int, index: int, done: int, total: int) -> str:
+    s = spec.steps[min(step, len(spec.steps) - 1)]
+    plan = s.sizes[min(index, len(s.sizes) - 1)]
+    phase = "warm-up" if done < plan.warmup else "measuring"
+    return f"{s.method} {fmt_size(plan.size)}: {phase} {done}/{total}"
+
+
+def _per(value: float | None, n: int) -> float | None:
+    return None if value is None or n <= 0 else value / n
+
+
+def _result(entry: Entry, plan: SizePlan, o: JobOutcome) -> Result:
+    w, r = o.writer[entry.name, plan.size], o.reader[entry.name, plan.size]
+    n = plan.iterations
+    cpu = Cpu(
+        writer_ns=_per(w.usage.cpu_ns, n),
+        reader_ns=None if entry.local else _per(r.usage.cpu_ns, n),
+        daemon_ns=_per(w.daemon_cpu_ns, n),
+        writer_minflt=_per(w.usage.minflt, n),
+        reader_minflt=None if entry.local else _per(r.usage.minflt, n),
+    )
+    return Result(
+        entry.name,
+        plan.size,
+        Status.OK,
+        warmup=plan.warmup,
+        iterations=n,
+        latency=summarize(r.samples_ns),
+        cycle_median_ns=None if entry.local else median(w.cycles_ns),
+        cpu=cpu,
+        extra=dict(w.extra),
+    )
+
+
+def _stream_result(base: StreamResult, plan: SizePlan, outcomes: list[JobOutcome]) -> StreamResult:
+    key = (base.method, plan.size)
+    for o in outcomes:
+        if not o.complete(*key):
+            msg = o.error.message if o.error else "no report from the benchmark processes"
+            return dataclasses.replace(base, status=Status.FAILED, reason=msg)
+    writers = [o.writer[key] for o in outcomes]
+    readers = [o.reader[key] for o in outcomes]
+    samples = [s for r in readers for s in r.samples_ns]
+    chunks = len(samples)
+    window_ns = max(w.end_ns for w in writers) - min(w.start_ns for w in writers)
+    return dataclasses.replace(
+        base,
+        chunks=chunks,
+        latency=summarize(samples),
+        aggregate_chunks_per_s=chunks / (window_ns / 1e9) if window_ns > 0 else None,
+        cpu=Cpu(
+            writer_ns=_per(sum(w.usage.cpu_ns for w in writers), chunks),
+            reader_ns=_per(sum(r.usage.cpu_ns for r in readers), chunks),
+            # stream 0 samples the daemon over (about) everyone's window
+            daemon_ns=_per(writers[0].daemon_cpu_ns, chunks),
+        ),
+        extra=dict(writers[0].extra),
+    )

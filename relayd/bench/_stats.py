@@ -1,0 +1,478 @@
+"""Results of a benchmark run: summaries, ratios, the text table and the JSON document.
+
+Pure functions over plain data: nothing here imports torch or starts processes, so
+the unit tests can check every number exactly.
+
+Conventions:
+
+- times are integer nanoseconds from ``time.perf_counter_ns()`` (CLOCK_MONOTONIC);
+- the median of an even count is the mean of the two middle samples;
+- p99 is nearest-rank: the ``ceil(0.99 * n)``-th smallest sample, always a real sample;
+- GB/s is decimal (1e9 bytes per second): ``size / median``;
+- "x floor" is this method's median over the ``floor`` median at the same size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import enum
+import importlib.metadata
+import os
+import platform
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+SCHEMA = "relayd-bench/1"
+REFERENCE_METHOD = "floor"
+TABLE_WIDTH = 100
+
+
+class Status(enum.StrEnum):
+    OK = "ok"
+    SKIPPED = "skipped"
+    FAILED = "failed"
+
+
+@dataclasses.dataclass(frozen=True)
+class Summary:
+    n: int
+    median_ns: float
+    p99_ns: int
+    min_ns: int
+    max_ns: int
+    mean_ns: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Cpu:
+    """CPU time (user + system) and minor page faults per transfer, by process role.
+
+    ``None`` where a role was not measured (no daemon, or an in-process method).
+    """
+
+    writer_ns: float | None = None
+    reader_ns: float | None = None
+    daemon_ns: float | None = None
+    writer_minflt: float | None = None
+    reader_minflt: float | None = None
+
+
+@dataclasses.dataclass
+class Result:
+    """One (method, size) cell of the stop-and-wait benchmark."""
+
+    method: str
+    size: int
+    status: Status
+    reason: str = ""
+    warmup: int = 0
+    iterations: int = 0
+    latency: Summary | None = None
+    cycle_median_ns: float | None = None
+    cpu: Cpu = dataclasses.field(default_factory=Cpu)
+    extra: dict[str, str] = dataclasses.field(default_factory=dict)
+    ratio_vs_floor: float | None = None
+
+    @property
+    def gbps(self) -> float | None:
+        if self.latency is None:
+            return None
+        return throughput_gbps(self.size, self.latency.median_ns)
+
+
+@dataclasses.dataclass
+class StreamResult:
+    """N concurrent paced streams of one method; latency counts from the scheduled send time."""
+
+    method: str
+    streams: int
+    chunk_size: int
+    rate_hz: float
+    status: Status
+    reason: str = ""
+    chunks: int = 0
+    latency: Summary | None = None
+    aggregate_chunks_per_s: float | None = None
+    cpu: Cpu = dataclasses.field(default_factory=Cpu)
+    extra: dict[str, str] = dataclasses.field(default_factory=dict)
+    ratio_vs_floor: float | None = None
+
+    @property
+    def target_chunks_per_s(self) -> float:
+        return self.streams * self.rate_hz
+
+    @property
+    def aggregate_gbps(self) -> float | None:
+        if self.aggregate_chunks_per_s is None:
+            return None
+        return self.aggregate_chunks_per_s * self.chunk_size / 1e9
+
+
+# -- numbers -------------------------------------------------------------------
+
+
+def median(samples: Sequence[int] | Sequence[float]) -> float:
+    if not samples:
+        raise ValueError("median of no samples")
+    s = sorted(samples)
+    mid = len(s) // 2
+    if len(s) % 2:
+        return float(s[mid])
+    return (s[mid - 1] + s[mid]) / 2
+
+
+def percentile_nearest_rank(samples: Sequence[int], q: int) -> int:
+    """The ``ceil(q/100 * n)``-th smallest sample (1-based); integer maths, no interpolation."""
+    if not samples:
+        raise ValueError("percentile of no samples")
+    if not 0 < q <= 100:
+        raise ValueError("q must be in (0, 100]")
+    s = sorted(samples)
+    rank = -(-q * len(s) // 100)  # ceil without floats, so p99 of 100 samples is the 99th
+    return s[max(rank, 1) - 1]
+
+
+def p99(samples: Sequence[int]) -> int:
+    return percentile_nearest_rank(samples, 99)
+
+
+def summarize(samples: Sequence[int]) -> Summary:
+    return Summary(
+        n=len(samples),
+        median_ns=median(samples),
+        p99_ns=p99(samples),
+        min_ns=min(samples),
+        max_ns=max(samples),
+        mean_ns=sum(samples) / len(samples),
+    )
+
+
+def throughput_gbps(size: int, median_ns: float) -> float:
+    # bytes per nanosecond is exactly decimal GB/s
+    return size / median_ns if median_ns > 0 else float("inf")
+
+
+def add_ratios(results: Iterable[Result], reference: str = REFERENCE_METHOD) -> None:
+    """Fill ``ratio_vs_floor`` from the reference method's median at the same size."""
+    results = list(results)
+    base = {
+        r.size: r.latency.median_ns
+        for r in results
+        if r.method == reference and r.latency is not None and r.latency.median_ns > 0
+    }
+    for r in results:
+        if r.latency is not None and r.size in base:
+            r.ratio_vs_floor = r.latency.median_ns / base[r.size]
+
+
+def add_stream_ratios(results: Iterable[StreamResult], reference: str = REFERENCE_METHOD) -> None:
+    results = list(results)
+    base = {
+        (r.streams, r.chunk_size, r.rate_hz): r.latency.median_ns
+        for r in results
+        if r.method == reference and r.latency is not None and r.latency.median_ns > 0
+    }
+    for r in results:
+        key = (r.streams, r.chunk_size, r.rate_hz)
+        if r.latency is not None and key in base:
+            r.ratio_vs_floor = r.latency.median_ns / base[key]
+
+
+# -- formatting ----------------------------------------------------------------
+
+
+def fmt_ns(ns: float | None) -> str:
+    """Three significant figures, like the reference tables: 0.9 µs, 44.3 µs, 307 µs, 1.23 ms."""
+    if ns is None:
+        return "-"
+    if ns < 1e6:
+        us = ns / 1e3
+        return f"{us:.1f} µs" if us < 100 else f"{us:.0f} µs"
+    v, unit = (ns / 1e6, "ms") if ns < 1e9 else (ns / 1e9, "s")
+    digits = 2 if v < 10 else 1 if v < 100 else 0
+    return f"{v:.{digits}f} {unit}"
+
+
+def fmt_size(size: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if size >= scale and size % scale == 0:
+            return f"{size // scale}{unit}"
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if size >= scale:
+            return f"{size / scale:.1f}{unit}"
+    return f"{size}B"
+
+
+def _fmt_ratio(r: float | None) -> str:
+    if r is None:
+        return "-"
+    return f"x{r:.2f}" if r < 10 else f"x{r:.1f}" if r < 100 else f"x{r:.0f}"
+
+
+def _fmt_us(ns: float | None) -> str:
+    return "-" if ns is None else f"{ns / 1e3:.0f}" if ns >= 1e4 else f"{ns / 1e3:.1f}"
+
+
+def _fmt_flt(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0f}" if v >= 10 or v < 0.05 else f"{v:.1f}"
+
+
+def _clip(line: str, width: int) -> str:
+    return line if len(line) <= width else line[: width - 1] + "…"
+
+
+def _note(extra: dict[str, str]) -> str:
+    """What the method observed; the transport is the common case, so it goes bare."""
+    items = sorted(extra.items(), key=lambda kv: kv[0] != "transport")
+    return " ".join(v if k == "transport" else f"{k}={v}" for k, v in items)
+
+
+def _cpu_cell(cpu: Cpu) -> str:
+    return f"{_fmt_us(cpu.writer_ns)}/{_fmt_us(cpu.reader_ns)}/{_fmt_us(cpu.daemon_ns)}"
+
+
+def _flt_cell(cpu: Cpu) -> str:
+    return f"{_fmt_flt(cpu.writer_minflt)}/{_fmt_flt(cpu.reader_minflt)}"
+
+
+def render_table(
+    results: Sequence[Result],
+    streams: Sequence[StreamResult] = (),
+    machine: dict[str, Any] | None = None,
+    width: int = TABLE_WIDTH,
+) -> str:
+    """Fixed-width text: a method x size overview, per-cell details, then the stream workload.
+
+    Every line fits in ``width`` columns (long reasons are clipped with "…").
+    """
+    out: list[str] = []
+    if machine:
+        out.append(_clip(_machine_line(machine), width))
+        out.append("")
+    if results:
+        out += _render_matrix(results, width)
+        out.append("")
+        out += _render_details(results, width)
+    if streams:
+        if results:
+            out.append("")
+        out += _render_streams(streams, width)
+    return "\n".join(_clip(line.rstrip(), width) for line in out) + "\n"
+
+
+def _machine_line(m: dict[str, Any]) -> str:
+    load = m.get("loadavg") or []
+    return (
+        f"{m.get('cpu_model', '?')} · {m.get('cores', '?')} cores · Linux {m.get('kernel', '?')}"
+        f" · Python {m.get('python', '?')} · torch {m.get('torch', '?')}"
+        + (f" · load {load[0]:.1f}/{load[1]:.1f}" if len(load) >= 2 else "")
+    )
+
+
+def _ordered(values: Iterable[str]) -> list[str]:
+    return list(dict.fromkeys(values))
+
+
+def _render_matrix(results: Sequence[Result], width: int) -> list[str]:
+    methods = _ordered(r.method for r in results)
+    sizes = sorted({r.size for r in results})
+    cells = {(r.method, r.size): r for r in results}
+    name_w = min(max(len(m) for m in methods) + 2, 22)
+    cell_w = 16
+    per_block = max(1, (width - name_w) // cell_w)
+    out = ["one-way latency, stop-and-wait: median and ratio to floor at the same size"]
+    for start in range(0, len(sizes), per_block):
+        block = sizes[start : start + per_block]
+        out.append("method".ljust(name_w) + "".join(fmt_size(s).ljust(cell_w) for s in block))
+        for m in methods:
+            row = m[: name_w - 1].ljust(name_w)
+            for s in block:
+                r = cells.get((m, s))
+                if r is None:
+                    text = ""
+                elif r.status is not Status.OK or r.latency is None:
+                    text = r.status.value
+                else:
+                    text = f"{fmt_ns(r.latency.median_ns)} {_fmt_ratio(r.ratio_vs_floor)}"
+                row += text[: cell_w - 1].ljust(cell_w)
+            out.append(row.rstrip())
+    return out
+
+
+_DETAIL_HEAD = (
+    f"{'size':<7}{'method':<17}{'median':>9}{'p99':>9}{'GB/s':>7}{'xfloor':>7}"
+    f"  {'CPU µs w/r/d':<17}{'flt w/r':<10}via"
+)
+
+
+def _render_details(results: Sequence[Result], width: int) -> list[str]:
+    out = [_DETAIL_HEAD]
+    # a method that did not run at any size, for one reason, gets one line instead of one per size
+    whole: dict[str, Result] = {}
+    for m in _ordered(r.method for r in results):
+        rows = [r for r in results if r.method == m]
+        if len({(r.status, r.reason) for r in rows}) == 1 and rows[0].status is not Status.OK:
+            whole[m] = rows[0]
+    for size in sorted({r.size for r in results}):
+        first = True
+        for r in results:
+            if r.size != size or r.method in whole:
+                continue
+            lead = f"{fmt_size(size) if first else '':<7}{r.method[:16]:<17}"
+            first = False
+            if r.status is not Status.OK or r.latency is None:
+                out.append(_clip(f"{lead}{r.status.value}: {r.reason}", width))
+                continue
+            gbps = r.gbps
+            out.append(
+                _clip(
+                    f"{lead}{fmt_ns(r.latency.median_ns):>9}{fmt_ns(r.latency.p99_ns):>9}"
+                    f"{(f'{gbps:.2f}' if gbps is not None else '-'):>7}"
+                    f"{_fmt_ratio(r.ratio_vs_floor):>7}  {_cpu_cell(r.cpu):<17}"
+                    f"{_flt_cell(r.cpu):<10}{_note(r.extra)}",
+                    width,
+                )
+            )
+    for m, r in whole.items():
+        out.append(_clip(f"{'all':<7}{m[:16]:<17}{r.status.value}: {r.reason}", width))
+    return out
+
+
+def _render_streams(streams: Sequence[StreamResult], width: int) -> list[str]:
+    s0 = streams[0]
+    out = [
+        f"stream: {s0.streams} streams x {fmt_size(s0.chunk_size)} at {s0.rate_hz:g}/s each;"
+        " latency from each chunk's scheduled send time",
+        f"{'method':<17}{'chunks':>7}{'p50':>8}{'p99':>8}{'max':>8}{'rate/s (target)':>16}"
+        f"{'GB/s':>6}{'xfloor':>7}  {'CPU µs w/r/d':<16}via",
+    ]
+    for r in streams:
+        lead = f"{r.method[:16]:<17}"
+        if r.status is not Status.OK or r.latency is None:
+            out.append(_clip(f"{lead}{r.status.value}: {r.reason}", width))
+            continue
+        rate = f"{r.aggregate_chunks_per_s or 0:.0f} ({r.target_chunks_per_s:.0f})"
+        gbps = r.aggregate_gbps
+        out.append(
+            _clip(
+                f"{lead}{r.chunks:>7}{fmt_ns(r.latency.median_ns):>8}"
+                f"{fmt_ns(r.latency.p99_ns):>8}{fmt_ns(r.latency.max_ns):>8}{rate:>16}"
+                f"{(f'{gbps:.2f}' if gbps is not None else '-'):>6}"
+                f"{_fmt_ratio(r.ratio_vs_floor):>7}  {_cpu_cell(r.cpu):<16}{_note(r.extra)}",
+                width,
+            )
+        )
+    return out
+
+
+# -- machine and JSON ----------------------------------------------------------
+
+
+def _dist_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info() -> dict[str, Any]:
+    """Describe the machine without importing torch (it costs seconds in the parent)."""
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        usable = os.cpu_count() or 0
+    try:
+        load = [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        load = []
+    return {
+        "cpu_model": _cpu_model(),
+        "cores": os.cpu_count(),
+        "usable_cores": usable,
+        "kernel": platform.release(),
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+        "torch": _dist_version("torch"),
+        "numpy": _dist_version("numpy"),
+        "grpcio": _dist_version("grpcio"),
+        "loadavg": load,  # 1/5/15 min when the run ended: other work skews every number
+    }
+
+
+def _summary_json(s: Summary | None) -> dict[str, Any] | None:
+    return None if s is None else dataclasses.asdict(s)
+
+
+def result_json(r: Result) -> dict[str, Any]:
+    return {
+        "method": r.method,
+        "size": r.size,
+        "status": r.status.value,
+        "reason": r.reason,
+        "warmup": r.warmup,
+        "iterations": r.iterations,
+        "latency_ns": _summary_json(r.latency),
+        "median_ns": r.latency.median_ns if r.latency else None,
+        "p99_ns": r.latency.p99_ns if r.latency else None,
+        "gbps": r.gbps,
+        "ratio_vs_floor": r.ratio_vs_floor,
+        "cycle_median_ns": r.cycle_median_ns,
+        "cpu_ns_per_transfer": {
+            "writer": r.cpu.writer_ns,
+            "reader": r.cpu.reader_ns,
+            "daemon": r.cpu.daemon_ns,
+        },
+        "minflt_per_transfer": {"writer": r.cpu.writer_minflt, "reader": r.cpu.reader_minflt},
+        "extra": dict(r.extra),
+    }
+
+
+def stream_json(r: StreamResult) -> dict[str, Any]:
+    return {
+        "method": r.method,
+        "status": r.status.value,
+        "reason": r.reason,
+        "streams": r.streams,
+        "chunk_size": r.chunk_size,
+        "rate_hz": r.rate_hz,
+        "chunks": r.chunks,
+        "latency_ns": _summary_json(r.latency),
+        "aggregate_chunks_per_s": r.aggregate_chunks_per_s,
+        "target_chunks_per_s": r.target_chunks_per_s,
+        "aggregate_gbps": r.aggregate_gbps,
+        "ratio_vs_floor": r.ratio_vs_floor,
+        "cpu_ns_per_chunk": {
+            "writer": r.cpu.writer_ns,
+            "reader": r.cpu.reader_ns,
+            "daemon": r.cpu.daemon_ns,
+        },
+        "extra": dict(r.extra),
+    }
+
+
+def to_json(
+    results: Sequence[Result],
+    streams: Sequence[StreamResult] = (),
+    machine: dict[str, Any] | None = None,
+    run: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    return {
+        "schema": SCHEMA,
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": machine if machine is not None else machine_info(),
+        "run": run or {},
+        "results": [result_json(r) for r in results],
+        "streams": [stream_json(s) for s in streams],
+    }

@@ -1,0 +1,312 @@
+"""The benchmark's arithmetic and output shapes: exact numbers on known samples, no timing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from relayd.bench._cli import parse_size, parse_sizes
+from relayd.bench._registry import ENTRIES, STREAM, select
+from relayd.bench._run import REFERENCE_PLAN, plan_for
+from relayd.bench._stats import (
+    TABLE_WIDTH,
+    Cpu,
+    Result,
+    Status,
+    StreamResult,
+    add_ratios,
+    add_stream_ratios,
+    fmt_ns,
+    fmt_size,
+    machine_info,
+    median,
+    p99,
+    percentile_nearest_rank,
+    render_table,
+    summarize,
+    throughput_gbps,
+    to_json,
+)
+
+KIB, MIB = 1 << 10, 1 << 20
+
+
+def ok(
+    method: str,
+    size: int,
+    samples: list[int],
+    cpu: Cpu | None = None,
+    extra: dict[str, str] | None = None,
+) -> Result:
+    return Result(
+        method,
+        size,
+        Status.OK,
+        warmup=1,
+        iterations=len(samples),
+        latency=summarize(samples),
+        cpu=cpu or Cpu(),
+        extra=extra or {},
+    )
+
+
+# -- median and p99 ------------------------------------------------------------------
+
+
+def test_median_odd_count_is_the_middle_sample() -> None:
+    assert median([5, 1, 3]) == 3
+
+
+def test_median_even_count_is_the_mean_of_the_two_middle_samples() -> None:
+    assert median([4, 1, 3, 2]) == 2.5
+
+
+@pytest.mark.parametrize(
+    ("samples", "want"),
+    [
+        (list(range(1, 101)), 99),  # ceil(0.99 * 100) = 99th smallest
+        (list(range(1, 1001)), 990),
+        (list(range(1, 11)), 10),  # ceil(9.9) = 10: with few samples p99 is the maximum
+        (list(range(1, 201)), 198),
+        ([7], 7),
+        (list(range(100, 0, -1)), 99),  # order of the input does not matter
+    ],
+)
+def test_p99_is_nearest_rank(samples: list[int], want: int) -> None:
+    assert p99(samples) == want
+
+
+def test_p99_is_always_a_real_sample() -> None:
+    samples = [10, 20, 30]
+    assert p99(samples) in samples
+
+
+def test_percentile_nearest_rank_edges() -> None:
+    assert percentile_nearest_rank([3, 1, 2], 100) == 3
+    assert percentile_nearest_rank([3, 1, 2], 1) == 1
+    assert percentile_nearest_rank(list(range(1, 101)), 50) == 50
+
+
+@pytest.mark.parametrize("bad", [0, 101, -5])
+def test_percentile_rejects_out_of_range_q(bad: int) -> None:
+    with pytest.raises(ValueError):
+        percentile_nearest_rank([1, 2, 3], bad)
+
+
+def test_empty_samples_are_an_error_not_a_zero() -> None:
+    with pytest.raises(ValueError):
+        median([])
+    with pytest.raises(ValueError):
+        p99([])
+
+
+def test_summarize() -> None:
+    s = summarize([4, 2, 8, 6])
+    assert (s.n, s.median_ns, s.p99_ns, s.min_ns, s.max_ns, s.mean_ns) == (4, 5.0, 8, 2, 8, 5.0)
+
+
+# -- throughput and ratios -------------------------------------------------------------
+
+
+def test_throughput_is_size_over_median_in_decimal_gb_per_s() -> None:
+    assert throughput_gbps(1_000_000, 1_000_000) == pytest.approx(1.0)  # 1 MB in 1 ms
+    assert throughput_gbps(MIB, 100_000) == pytest.approx(10.48576)
+    assert ok("floor", MIB, [100_000]).gbps == pytest.approx(10.48576)
+
+
+def test_ratios_are_against_floor_at_the_same_size() -> None:
+    rows = [
+        ok("floor", 4 * KIB, [10, 10, 10]),
+        ok("floor", MIB, [100, 100, 100]),
+        ok("relayd-shm", 4 * KIB, [25, 25, 25]),
+        ok("relayd-shm", MIB, [150, 150, 150]),
+        ok("memcpy", 16 * MIB, [5]),  # no floor at this size
+        Result("pickle-uds", MIB, Status.FAILED, "boom"),
+    ]
+    add_ratios(rows)
+    assert [r.ratio_vs_floor for r in rows] == [1.0, 1.0, 2.5, 1.5, None, None]
+
+
+def test_stream_ratios_match_on_streams_chunk_and_rate() -> None:
+    def s(method: str, samples: list[int], streams: int = 4) -> StreamResult:
+        return StreamResult(method, streams, MIB, 50.0, Status.OK, latency=summarize(samples))
+
+    rows = [s("floor", [100]), s("relayd-shm", [300]), s("relayd-shm", [300], streams=2)]
+    add_stream_ratios(rows)
+    assert [r.ratio_vs_floor for r in rows] == [1.0, 3.0, None]
+    assert rows[0].target_chunks_per_s == 200.0
+
+
+# -- formatting ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("ns", "text"),
+    [
+        (900, "0.9 µs"),
+        (44_300, "44.3 µs"),
+        (307_000, "307 µs"),
+        (1_230_000, "1.23 ms"),
+        (13_200_000, "13.2 ms"),
+        (2_500_000_000, "2.50 s"),
+        (None, "-"),
+    ],
+)
+def test_fmt_ns_three_significant_figures(ns: float | None, text: str) -> None:
+    assert fmt_ns(ns) == text
+
+
+@pytest.mark.parametrize(
+    ("size", "text"),
+    [
+        (4 * KIB, "4KiB"),
+        (256 * KIB, "256KiB"),
+        (16 * MIB, "16MiB"),
+        (1000, "1000B"),
+        (1536 * KIB, "1536KiB"),  # exact in KiB beats a rounded MiB
+        (1_500_000, "1.4MiB"),
+    ],
+)
+def test_fmt_size(size: int, text: str) -> None:
+    assert fmt_size(size) == text
+
+
+def _busy_results() -> tuple[list[Result], list[StreamResult]]:
+    sizes = [4 * KIB, 64 * KIB, 256 * KIB, MIB, 4 * MIB, 16 * MIB, 64 * MIB, 256 * MIB]
+    methods = ["memcpy", "floor", "a-very-long-method-name-that-goes-on", "relayd-shm-view"]
+    rows: list[Result] = []
+    for m in methods:
+        for i, size in enumerate(sizes):
+            rows.append(
+                ok(
+                    m,
+                    size,
+                    [1_000 * (i + 1), 90_000_000_000 * (i + 1)],
+                    cpu=Cpu(123456.0, 654321.0, 99999.0, 4096.0, 8160.0),
+                    extra={"transport": "shm", "note": "x" * 80},
+                )
+            )
+    rows.append(Result("relayd-mooncake", 4 * KIB, Status.SKIPPED, "needs " + "y" * 200))
+    rows.append(Result("relayd-shm", MIB, Status.FAILED, "z" * 300))
+    add_ratios(rows)
+    streams = [
+        StreamResult(
+            "floor",
+            16,
+            MIB,
+            1000.0,
+            Status.OK,
+            chunks=123456,
+            latency=summarize([1_000, 9_000_000_000]),
+            aggregate_chunks_per_s=15999.9,
+            cpu=Cpu(1e6, 1e6, 1e6),
+        ),
+        StreamResult("relayd-shm", 16, MIB, 1000.0, Status.FAILED, "q" * 300),
+    ]
+    return rows, streams
+
+
+def test_table_lines_fit_in_100_columns() -> None:
+    rows, streams = _busy_results()
+    machine = {"cpu_model": "C" * 150, "cores": 2, "kernel": "6.18", "python": "3.11.7"}
+    text = render_table(rows, streams, machine)
+    lines = text.splitlines()
+    assert len(lines) > 20
+    assert max(len(line) for line in lines) <= TABLE_WIDTH
+    assert all(line == line.rstrip() for line in lines)
+
+
+def test_table_names_every_method_and_size_and_status() -> None:
+    rows, streams = _busy_results()
+    text = render_table(rows, streams)
+    for name in ("memcpy", "floor", "relayd-shm-view", "relayd-mooncake", "relayd-shm"):
+        assert name in text
+    for size in ("4KiB", "256MiB"):
+        assert size in text
+    assert "skipped: needs" in text
+    assert "failed: zzz" in text
+
+
+def test_table_collapses_a_method_skipped_at_every_size_into_one_line() -> None:
+    rows = [ok("floor", s, [10]) for s in (4 * KIB, MIB)]
+    rows += [
+        Result("relayd-shm", s, Status.SKIPPED, "cannot import relayd_client")
+        for s in (4 * KIB, MIB)
+    ]
+    text = render_table(rows)
+    assert text.count("skipped: cannot import relayd_client") == 1
+
+
+# -- JSON ------------------------------------------------------------------------------
+
+
+def test_json_schema_keys() -> None:
+    rows, streams = _busy_results()
+    doc = json.loads(json.dumps(to_json(rows, streams, machine_info(), {"run_id": "r"})))
+    assert set(doc) >= {"schema", "created", "machine", "run", "results", "streams"}
+    assert doc["schema"] == "relayd-bench/1"
+    assert set(doc["machine"]) >= {"cpu_model", "cores", "kernel", "python", "torch"}
+    row = doc["results"][0]
+    assert set(row) >= {
+        "method",
+        "size",
+        "status",
+        "reason",
+        "warmup",
+        "iterations",
+        "median_ns",
+        "p99_ns",
+        "latency_ns",
+        "gbps",
+        "ratio_vs_floor",
+        "cycle_median_ns",
+        "cpu_ns_per_transfer",
+        "minflt_per_transfer",
+        "extra",
+    }
+    assert set(row["cpu_ns_per_transfer"]) == {"writer", "reader", "daemon"}
+    assert set(row["latency_ns"]) == {"n", "median_ns", "p99_ns", "min_ns", "max_ns", "mean_ns"}
+    skipped = next(r for r in doc["results"] if r["status"] == "skipped")
+    assert skipped["median_ns"] is None and skipped["latency_ns"] is None
+    stream = doc["streams"][0]
+    assert set(stream) >= {
+        "method",
+        "streams",
+        "chunk_size",
+        "rate_hz",
+        "chunks",
+        "latency_ns",
+        "aggregate_chunks_per_s",
+        "target_chunks_per_s",
+        "aggregate_gbps",
+        "cpu_ns_per_chunk",
+    }
+
+
+# -- plan and command line -------------------------------------------------------------
+
+
+def test_plan_uses_the_reference_counts_and_scales_them() -> None:
+    for size, warmup, iterations in REFERENCE_PLAN:
+        plan = plan_for(size, 1.0)
+        assert (plan.warmup, plan.iterations) == (warmup, iterations)
+    assert (plan_for(4 * KIB, 0.1).warmup, plan_for(4 * KIB, 0.1).iterations) == (30, 300)
+    assert plan_for(64 * KIB, 1.0).iterations == 3000  # between sizes: the smaller's counts
+    assert plan_for(16 * MIB, 0.001).iterations >= 20  # never too few for a p99
+
+
+def test_sizes_are_binary() -> None:
+    assert parse_sizes("4K,256K,1M,4M,16M") == (4 * KIB, 256 * KIB, MIB, 4 * MIB, 16 * MIB)
+    assert parse_size("16MiB") == 16 * MIB
+    assert parse_size("65536") == 65536
+    with pytest.raises(ValueError):
+        parse_size("lots")
+
+
+def test_method_selection_keeps_registry_order_and_rejects_unknown_names() -> None:
+    assert select("pickle-uds,floor") == ["floor", "pickle-uds"]
+    assert STREAM in select(None)
+    assert set(select("relayd")) == {n for n in ENTRIES if n.startswith("relayd-")}
+    with pytest.raises(ValueError, match="unknown method"):
+        select("floor,nope")
