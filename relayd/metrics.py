@@ -98,6 +98,15 @@ class Metrics:
         self.socket_fallback = Counter(
             "relayd_socket_fallback_sessions", "Sessions that cannot map the arena", registry=r
         )
+        self.refs = Counter("relayd_refs", "Forwarded tensor references published", registry=r)
+        self.ref_bytes = Counter(
+            "relayd_ref_bytes", "Tensor bytes published as forwarded references", registry=r
+        )
+        self.inline_tensor_bytes = Counter(
+            "relayd_inline_tensor_bytes",
+            "Tensor bytes that rode inline in DataRefs",
+            registry=r,
+        )
         for t in ("inline", "local_object", "cuda_ipc_direct", "cuda_ipc_pool", "shm", "mooncake",
                   "socket"):  # fmt: skip
             self.transfers.labels(t)

@@ -147,9 +147,93 @@ async def cmd_hold_claimed(a: argparse.Namespace) -> None:
         await asyncio.sleep(3600)
 
 
+def make_chunk(seed: int, nbytes: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    return {"i": seed, "x": torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)}
+
+
+async def _lines_in() -> Any:
+    loop = asyncio.get_running_loop()
+    while True:
+        line = await loop.run_in_executor(None, sys.stdin.readline)
+        if not line.strip():
+            return
+        yield line
+
+
+async def cmd_stream_write(a: argparse.Namespace) -> None:
+    """Put --count chunks of --sizes[0] bytes, then the done (or, with --error-at, error) signal."""
+    async with RelayClient(a.stage, a.socket) as c:
+        for i in range(a.count):
+            if a.error_at is not None and i == a.error_at:
+                out(c.put_error(a.to, a.request, "writer failed").to_bytes().hex() + " ERROR")
+                return
+            chunk = make_chunk(a.seed + i, a.sizes[0])
+            try:
+                ref = await c.put(
+                    chunk, to_stage=a.to, request_id=a.request, chunk_id=i, timeout=a.timeout
+                )
+            except RelayError as exc:
+                out(f"ERR {type(exc).__name__} {exc}")
+                return
+            out(f"{ref.to_bytes().hex()} {digest(chunk)} {ref.transport.value}")
+        out(c.put_done(a.to, a.request).to_bytes().hex() + " DONE")
+        if a.hold:
+            out("HOLDING")
+            await asyncio.sleep(3600)
+
+
+async def cmd_stream_read(a: argparse.Namespace) -> None:
+    """Feed DataRefs from stdin in any order; print each chunk's digest in stream order."""
+    async with RelayClient(a.stage, a.socket) as c:
+        out("READY")
+
+        async def feed() -> None:
+            async for line in _lines_in():
+                c.feed(DataRef.from_bytes(bytes.fromhex(line.split()[0])))
+
+        feeder = asyncio.ensure_future(feed())
+        try:
+            async for chunk in c.stream(a.request, from_stage=a.source, timeout=a.timeout):
+                out(digest(chunk))
+            out("END")
+        except RelayError as exc:
+            out(f"ERR {type(exc).__name__} {exc}")
+        feeder.cancel()
+
+
+async def cmd_ref_write(a: argparse.Namespace) -> None:
+    """Stage A: publish a tensor for stage --consumer once, send it to --to inside a payload."""
+    async with RelayClient(a.stage, a.socket) as c:
+        g = torch.Generator().manual_seed(a.seed)
+        big = torch.randint(0, 256, (a.sizes[0],), dtype=torch.uint8, generator=g)
+        tref = await c.ref(big, consumer_stage=a.consumer, request_id=a.request)
+        ref = await c.put({"step": 1, "big": tref}, to_stage=a.to, request_id=a.request)
+        out(f"{ref.to_bytes().hex()} {digest(big)} {ref.transport.value}")
+
+
+async def cmd_forward(a: argparse.Namespace) -> None:
+    """Stage B: get a payload, pass its TensorRef on to --to without reading it."""
+    from relayd_client._refs import TensorRef
+
+    async with RelayClient(a.stage, a.socket) as c:
+        async for line in _lines_in():
+            obj = await c.get(DataRef.from_bytes(bytes.fromhex(line.split()[0])))
+            big = obj["big"]
+            assert isinstance(big, TensorRef), type(big)
+            ref = await c.put({"step": 2, "big": big}, to_stage=a.to, request_id=a.request)
+            out(f"{ref.to_bytes().hex()} {type(big).__name__} {ref.transport.value}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("cmd", choices=["write", "read", "hold-reserved", "hold-claimed"])
+    p.add_argument(
+        "cmd",
+        choices=[
+            "write", "read", "hold-reserved", "hold-claimed", "stream-write", "stream-read",
+            "ref-write", "forward",
+        ],
+    )  # fmt: skip
     p.add_argument("--socket", required=True)
     p.add_argument("--stage", default=None, help="default: thinker for writers, talker for readers")
     p.add_argument("--to", default="talker")
@@ -161,14 +245,21 @@ def main() -> None:
     p.add_argument("--concurrent", action="store_true")
     p.add_argument("--hold", action="store_true", help="stay alive after writing")
     p.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1 << 20])
+    p.add_argument("--error-at", type=int, default=None, help="stream-write: fail at chunk N")
+    p.add_argument("--source", default="thinker", help="stream-read: the writer stage")
+    p.add_argument("--consumer", default="C", help="ref-write: the stage the tensor is for")
     a = p.parse_args()
     if a.stage is None:
-        a.stage = "talker" if a.cmd in ("read", "hold-claimed") else "thinker"
+        a.stage = "talker" if a.cmd in ("read", "hold-claimed", "stream-read") else "thinker"
     fn = {
         "write": cmd_write,
         "read": cmd_read,
         "hold-reserved": cmd_hold_reserved,
         "hold-claimed": cmd_hold_claimed,
+        "stream-write": cmd_stream_write,
+        "stream-read": cmd_stream_read,
+        "ref-write": cmd_ref_write,
+        "forward": cmd_forward,
     }[a.cmd]
     asyncio.run(fn(a))
 

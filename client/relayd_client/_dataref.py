@@ -28,6 +28,7 @@ MAGIC = b"RD"
 VERSION = 1
 MAX_REF_BYTES = 4 << 20
 MAX_TENSORS = 1 << 16
+MAX_REFS = 4096
 MAX_NAME = 256
 _PREFIX = struct.Struct("<2sBI")
 
@@ -156,6 +157,18 @@ def _validate(m: pb.DataRef) -> None:
     for i, t in enumerate(m.tensors):
         if t.index != i:
             raise CorruptRefError(f"DataRef tensor table entry {i} has index {t.index}")
+    if len(m.refs) > MAX_REFS:
+        raise CorruptRefError(f"DataRef forwards {len(m.refs)} refs (limit {MAX_REFS})")
+    for r in m.refs:
+        # A forwarded ref is one tensor in one lease; refs do not nest.
+        if (
+            r.refs
+            or len(r.tensors) != 1
+            or r.kind != KIND_DATA
+            or r.transport not in (pb.TRANSPORT_SHM, pb.TRANSPORT_SOCKET)
+        ):
+            raise CorruptRefError("DataRef forwards a malformed tensor reference")
+        _validate(r)
     if transport in (Transport.SHM, Transport.MOONCAKE, Transport.SOCKET):
         lease = m.lease
         if lease.nslots == 0 or lease.generation == 0:

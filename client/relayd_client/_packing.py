@@ -30,11 +30,13 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from relayd_client._codec import MAX_DEPTH, TensorSlot
+from relayd_client._codec import MAX_DEPTH, RefSlot, TensorSlot
 from relayd_client._errors import CorruptRefError, InvalidArgumentError, UnsafePayloadError
+from relayd_client._refs import TensorRef
 
 __all__ = [
     "TensorSpec",
@@ -138,8 +140,13 @@ def dtype_from_name(name: str) -> torch.dtype:
 # ---------------------------------------------------------------- flatten / rebuild
 
 
-def flatten(obj: object) -> tuple[object, list[torch.Tensor]]:
+def flatten(obj: object, refs: list[Any] | None = None) -> tuple[object, list[torch.Tensor]]:
     """Replace every tensor in ``obj`` by a :class:`TensorSlot`, in depth-first order.
+
+    With a ``refs`` list, every forwarded :class:`~relayd_client._refs.TensorRef`
+    is replaced by a :class:`RefSlot` and appended to ``refs`` (deduplicated by
+    identity, like tensors); without one a TensorRef stays in the tree and the
+    header codec refuses it.
 
     The same tensor object reached twice gets one slot (deduplicated by
     identity), so it is sent once and the reader gets one tensor back in
@@ -150,8 +157,8 @@ def flatten(obj: object) -> tuple[object, list[torch.Tensor]]:
     tensor used as (or inside) a dict key raises :class:`UnsafePayloadError`.
     """
     tensors: list[torch.Tensor] = []
-    slots: dict[int, TensorSlot] = {}
-    return _flatten(obj, tensors, slots, None, 0), tensors
+    slots: dict[int, TensorSlot | RefSlot] = {}
+    return _flatten(obj, tensors, slots, None, 0, refs), tensors
 
 
 # Types that are never tensors nor hold any: skipped before the isinstance
@@ -173,7 +180,12 @@ def _path_text(path: _Path) -> str:
 
 
 def _flatten(
-    obj: object, tensors: list[torch.Tensor], slots: dict[int, TensorSlot], path: _Path, depth: int
+    obj: object,
+    tensors: list[torch.Tensor],
+    slots: dict[int, TensorSlot | RefSlot],
+    path: _Path,
+    depth: int,
+    refs: list[Any] | None,
 ) -> object:
     t = type(obj)
     if t in _LEAVES:
@@ -193,7 +205,7 @@ def _flatten(
             if type(value) in _LEAVES:  # skip the call for the common plain values
                 out[key] = value
                 continue
-            new = _flatten(value, tensors, slots, (path, key), depth + 1)
+            new = _flatten(value, tensors, slots, (path, key), depth + 1, refs)
             changed = changed or new is not value
             out[key] = new
         return out if changed else obj
@@ -202,7 +214,8 @@ def _flatten(
             raise _too_deep(path)
         seq: list[object] | tuple[object, ...] = obj  # type: ignore[assignment]
         items = [
-            _flatten(value, tensors, slots, (path, i), depth + 1) for i, value in enumerate(seq)
+            _flatten(value, tensors, slots, (path, i), depth + 1, refs)
+            for i, value in enumerate(seq)
         ]
         if all(new is old for new, old in zip(items, seq, strict=True)):
             return obj
@@ -214,6 +227,12 @@ def _flatten(
             slot = slots[id(obj)] = TensorSlot(len(tensors))
             tensors.append(obj)
         return slot
+    if refs is not None and t is TensorRef:
+        ref_slot = slots.get(id(obj))
+        if ref_slot is None:
+            ref_slot = slots[id(obj)] = RefSlot(len(refs))
+            refs.append(obj)
+        return ref_slot
     return obj
 
 

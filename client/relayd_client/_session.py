@@ -39,7 +39,9 @@ class SessionChannel:
         self._bound: asyncio.Future[None] | None = None
         self.closed = False
 
-    async def connect(self, path: str, session_id: str, token: bytes, timeout: float) -> None:
+    async def connect(
+        self, path: str, session_id: str, token: bytes, timeout: float, shm_nonce: bytes = b""
+    ) -> None:
         loop = asyncio.get_running_loop()
         try:
             self._reader, self._writer = await asyncio.wait_for(
@@ -49,7 +51,11 @@ class SessionChannel:
             raise DaemonUnavailableError(f"cannot open session socket {path}: {exc}") from None
         self._bound = loop.create_future()
         self._task = loop.create_task(self._read_loop(), name="relayd-session-reader")
-        self._write(pb.SessionFrame(bind=pb.Bind(session_id=session_id, session_token=token)))
+        self._write(
+            pb.SessionFrame(
+                bind=pb.Bind(session_id=session_id, session_token=token, shm_nonce=shm_nonce)
+            )
+        )
         try:
             await asyncio.wait_for(asyncio.shield(self._bound), timeout)
         except TimeoutError:

@@ -2,13 +2,16 @@
 
 Layout of one segment (all offsets are announced by the daemon in Attach)::
 
-    [ slot headers: nslots x 16 bytes ][ pad to 4 KiB ][ slot data: nslots x slot_size ]
+    [ slot headers: nslots x 16 bytes ][ probe: 16 bytes ][ pad to 4 KiB ][ slot data ]
 
 A slot header holds ``(generation: u64, lease_id: u64)``; only the first slot
 of a lease's run is used. The writer stamps it before publishing, the daemon
 zeroes it when it frees the lease, and a reader compares it with the
 DataRef's generation before and after copying (a seqlock): a stale DataRef
-can never deliver reused memory. Each mapping is made once per process with
+can never deliver reused memory. The probe holds a random nonce the daemon
+writes at start; a client echoes what it reads there to prove it maps the
+daemon's memory (same IPC namespace), not a same-named file of its own.
+Each mapping is made once per process with
 MAP_POPULATE so no page faults land on the hot path.
 """
 
@@ -20,6 +23,7 @@ import struct
 
 SHM_DIR = "/dev/shm"
 HEADER_STRIDE = 16
+PROBE_BYTES = 16
 _HEADER = struct.Struct("<QQ")
 
 
@@ -27,8 +31,12 @@ def round_up(value: int, granule: int) -> int:
     return -(-value // granule) * granule
 
 
+def probe_offset_for(nslots: int) -> int:
+    return nslots * HEADER_STRIDE
+
+
 def data_offset_for(nslots: int) -> int:
-    return round_up(nslots * HEADER_STRIDE, 4096)
+    return round_up(nslots * HEADER_STRIDE + PROBE_BYTES, 4096)
 
 
 def segment_nslots(segment_bytes: int, slot_size: int) -> int:

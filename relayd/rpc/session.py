@@ -58,11 +58,19 @@ class SessionProtocol(asyncio.Protocol):
         admission: Admission,
         on_refused: Callable[[str], None],
         on_report: Callable[[str, int, int], None],
+        on_bound: Callable[[Session, bytes, int], tuple[str, int]] | None = None,
+        on_closed: Callable[[str], None] = lambda session_id: None,
+        on_ref: Callable[[int], None] = lambda nbytes: None,
     ) -> None:
         self.manager = manager
         self.admission = admission
         self.on_refused = on_refused
         self.on_report = on_report
+        # Topology hooks: place the session once bound (its data path and the
+        # registry version go back in the "bound" event), forget it on close.
+        self.on_bound = on_bound
+        self.on_closed = on_closed
+        self.on_ref = on_ref
         self.transport: asyncio.Transport | None = None
         self.session: Session | None = None
         self.creds = (0, -1, -1)
@@ -115,6 +123,7 @@ class SessionProtocol(asyncio.Protocol):
             log.info("session closed", extra={"session_id": self.session.id, "pid": self.creds[0]})
             self.manager.close_session(self.session.id)
             self.manager.flush()
+            self.on_closed(self.session.id)
             self.session = None
 
     # -- frames ---------------------------------------------------------------------
@@ -163,11 +172,20 @@ class SessionProtocol(asyncio.Protocol):
                 "session bound",
                 extra={"session_id": session.id, "pid": pid, "stage": ",".join(session.stages)},
             )
-            self.send(pb.SessionFrame(event=[pb.Event(kind="bound")]))
+            path, version = (
+                self.on_bound(session, f.bind.shm_nonce, pid) if self.on_bound else ("shm", 0)
+            )
+            self.send(
+                pb.SessionFrame(
+                    event=[pb.Event(kind="bound", message=path, registry_version=version)]
+                )
+            )
         for r in f.reserve:
             m.on_reserve(session, r)
         for p in f.publish:
             m.on_publish(session, p)
+            if p.ref:
+                self.on_ref(p.nbytes)
         for c in f.claim:
             m.on_claim(session, c)
         for rel in f.release:

@@ -1,0 +1,68 @@
+"""Reassembling a request's stream of chunks on the reader side.
+
+A writer sends chunks with ``put(..., chunk_id=k)`` and ends the stream with
+``put_done`` (or fails it with ``put_error``); every one of them is a DataRef
+the application carries over its own channel, in whatever order that channel
+delivers. The reader hands each DataRef to ``client.feed(ref)`` and consumes
+``async for chunk in client.stream(request_id, from_stage=...)``: chunks come
+out in chunk-id order, the done signal (which carries the number of chunks)
+ends the iteration once every chunk before it was yielded, and an error
+signal (which carries the number of chunks put before it) raises
+:class:`StreamError` once those chunks were yielded. ``abort(request_id)`` - here or anywhere on the node - wakes a
+blocked reader with :class:`AbortedError`.
+
+Only DataRefs are buffered here (a few hundred bytes each); a chunk's bytes
+stay in the arena until the reader reaches it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from ._dataref import DataRef
+
+MAX_BUFFERED = 1 << 16
+
+
+@dataclass(eq=False)
+class StreamState:
+    refs: dict[int, DataRef] = field(default_factory=dict)
+    next: int = 0
+    end: int | None = None  # chunk count, from the done signal
+    error: str | None = None
+    error_at: int = 0  # chunks put before the error signal
+    aborted: bool = False
+    consuming: bool = False
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class Streams:
+    """Per (request_id, from_stage) reassembly buffers of one client."""
+
+    def __init__(self) -> None:
+        self._by_key: dict[tuple[str, str], StreamState] = {}
+
+    def state(self, request_id: str, from_stage: str) -> StreamState:
+        key = (request_id, from_stage)
+        st = self._by_key.get(key)
+        if st is None:
+            st = self._by_key[key] = StreamState()
+        return st
+
+    def discard(self, request_id: str, from_stage: str) -> None:
+        self._by_key.pop((request_id, from_stage), None)
+
+    def has(self, request_id: str) -> bool:
+        return any(rid == request_id for rid, _ in self._by_key)
+
+    def abort(self, request_id: str) -> list[DataRef]:
+        """Wake every reader of ``request_id``; returns the refs it will never read."""
+        dropped: list[DataRef] = []
+        for (rid, _), st in self._by_key.items():
+            if rid == request_id:
+                st.aborted = True
+                dropped += st.refs.values()
+                st.refs.clear()
+                st.wake.set()
+        return dropped

@@ -1,0 +1,184 @@
+"""Where each session runs, the node's stage registry, and the route of every edge.
+
+Who calls what (all on the daemon's event loop):
+
+* ``bound`` - when a session's socket binds: the daemon places the session
+  (:class:`~relayd.router.Placement`) from facts it established itself - the
+  peer's pid from SO_PEERCRED, that process's start time and namespaces from
+  /proc, and whether the client echoed the nonce the daemon wrote into its
+  arena (it maps the daemon's memory) - and registers its stages.
+* ``closed`` - when the session's socket closes: its stages are unregistered.
+* ``route`` - from the ``Route`` RPC, once per edge and registry version on
+  each writer: :func:`relayd.router.route` on the registry's placements.
+
+Every change of the registry is pushed to every session as an Event of kind
+"registry" carrying the new version; clients drop their cached routes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+from collections.abc import Callable
+
+from relayd_client._proto import relay_pb2 as pb
+from relayd_client._shm import PROBE_BYTES, probe_offset_for
+
+from .pools.arena import Arena
+from .pools.leases import LeaseManager, Session
+from .registry import StageRegistry
+from .router import PayloadFacts, Placement, route
+
+log = logging.getLogger(__name__)
+
+
+def process_key(pid: int) -> str:
+    """Unique per OS process on this host, as the daemon sees it (pid reuse included)."""
+    start = "?"
+    ns = "?"
+    with contextlib.suppress(OSError, IndexError):
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read()
+        # The command name may hold spaces and parens; fields resume after the last ')'.
+        start = stat[stat.rindex(b")") + 2 :].split()[19].decode()
+    with contextlib.suppress(OSError):
+        ns = os.readlink(f"/proc/{pid}/ns/pid")
+    return f"{ns}:{pid}:{start}"
+
+
+class Topology:
+    def __init__(
+        self,
+        node_id: str,
+        arena: Arena,
+        manager: LeaseManager,
+        *,
+        on_socket_session: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.node_id = node_id
+        self.manager = manager
+        self.registry = StageRegistry(node_id)
+        self._on_socket_session = on_socket_session
+        self._can_map: dict[str, bool] = {}
+        self._placements: dict[str, Placement] = {}
+        self._pids: dict[str, int] = {}
+        # One nonce per daemon: it proves "maps this arena", which is all
+        # routing needs; it is never sent over any socket by the daemon.
+        self.nonce = secrets.token_bytes(PROBE_BYTES)
+        seg = arena.segments[0]
+        self.probe_offset = probe_offset_for(seg.nslots)
+        seg.mm[self.probe_offset : self.probe_offset + PROBE_BYTES] = self.nonce
+
+    # -- sessions -------------------------------------------------------------------
+
+    def bound(self, session: Session, shm_nonce: bytes, pid: int) -> tuple[str, int]:
+        """Place and register a freshly bound session; returns (data path, registry version)."""
+        can_map = len(shm_nonce) == PROBE_BYTES and secrets.compare_digest(shm_nonce, self.nonce)
+        try:
+            gpus = tuple(session.gpu_uuids)
+            placement = Placement(
+                node_id=self.node_id,
+                process_key=process_key(pid),
+                ipc_namespace=session.namespaces.get("ipc", ""),
+                can_map_shm=can_map,
+                gpu_uuids=gpus,
+                stages=session.stages,
+            )
+        except ValueError as exc:  # GPU ordinals instead of UUIDs: route as CPU-only
+            log.warning("session %s: %s; ignoring its GPUs for routing", session.id, exc)
+            placement = Placement(
+                self.node_id, process_key(pid), session.namespaces.get("ipc", ""), can_map,
+                (), session.stages,
+            )  # fmt: skip
+        self._can_map[session.id] = can_map
+        self._placements[session.id] = placement
+        self._pids[session.id] = pid
+        if not can_map:
+            log.warning(
+                "session %s (pid %d) cannot map the arena: socket fallback",
+                session.id,
+                pid,
+                extra={"session_id": session.id},
+            )
+            self._on_socket_session()
+        self.registry.register(session.id, placement)
+        self._broadcast(skip=session.id)
+        return ("shm" if can_map else "socket"), self.registry.version
+
+    def closed(self, session_id: str) -> None:
+        self._can_map.pop(session_id, None)
+        self._placements.pop(session_id, None)
+        self._pids.pop(session_id, None)
+        if self.registry.unregister(session_id):
+            self._broadcast()
+
+    def can_map(self, session_id: str) -> bool:
+        return self._can_map.get(session_id, True)
+
+    def _broadcast(self, skip: str = "") -> None:
+        frame = pb.SessionFrame(
+            event=[pb.Event(kind="registry", registry_version=self.registry.version)]
+        )
+        for s in self.manager.sessions.values():
+            if s.sink is not None and s.id != skip:
+                s.sink(frame)
+
+    # -- routing --------------------------------------------------------------------
+
+    def route(self, session: Session, req: pb.RouteRequest) -> pb.RouteResponse:
+        writer = self._placement(session)
+        facts = PayloadFacts(
+            encoded_bytes=req.encoded_bytes,
+            inline_meta_bytes=req.inline_meta_bytes,
+            has_cpu_tensors=req.has_cpu_tensors,
+            is_chunk=req.is_chunk,
+            chunk_meta_has_tensor=req.chunk_meta_has_tensor,
+        )
+        chosen = route(writer, self.registry.lookup(req.to_stage), facts)
+        from_stage = req.from_stage if req.from_stage in session.stages else session.stages[0]
+        self.registry.note_edge(from_stage, req.to_stage, chosen)
+        return pb.RouteResponse(
+            transport=pb.Transport.Name(chosen.transport.to_proto()),
+            reason=chosen.reason,
+            registry_version=self.registry.version,
+        )
+
+    def _placement(self, session: Session) -> Placement:
+        placement = self._placements.get(session.id)
+        if placement is None:  # not bound: callers check BOUND first
+            return Placement(self.node_id, f"session:{session.id}", "", True, (), session.stages)
+        return placement
+
+    # -- status ---------------------------------------------------------------------
+
+    def fill_status(self, resp: pb.StatusResponse) -> None:
+        snap = self.registry.snapshot()
+        resp.registry_version = self.registry.version
+        stages: dict[str, list[dict[str, object]]] = snap["stages"]  # type: ignore[assignment]
+        for stage, entries in stages.items():
+            for e in entries:
+                resp.stages.append(
+                    pb.StageStatus(
+                        stage=stage,
+                        session_id=str(e["session_id"]),
+                        node_id=str(e["node_id"]),
+                        process_key=str(e["process_key"]),
+                        can_map_shm=bool(e["can_map_shm"]),
+                        gpu_uuids=[str(u) for u in e["gpu_uuids"]],  # type: ignore[attr-defined]
+                        pid=self._pids.get(str(e["session_id"]), 0),
+                    )
+                )
+        for (src, dst), rec in sorted(self.registry.edges().items()):
+            resp.edges.append(
+                pb.EdgeStatus(
+                    from_stage=src,
+                    to_stage=dst,
+                    transport=pb.Transport.Name(rec.route.transport.to_proto()),
+                    reason=rec.route.reason,
+                    count=rec.count,
+                )
+            )
+        for s in resp.sessions:
+            s.data_path = "shm" if self.can_map(s.session_id) else "socket"
