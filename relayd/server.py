@@ -33,10 +33,12 @@ from .pools.arena import Arena, remove_stale_segments
 from .pools.leases import Hooks, LeaseManager, LeaseState, ReclaimReason
 from .rpc.service import RelayService
 from .rpc.session import Admission, SessionProtocol
+from .topology import Topology
 
 log = logging.getLogger(__name__)
 
 HOUSEKEEPING_INTERVAL = 0.5
+MAX_MESSAGE = 1 << 30
 
 
 class DaemonState:
@@ -60,6 +62,7 @@ class Daemon:
         self.metrics = Metrics()
         self.arena: Arena
         self.manager: LeaseManager
+        self.topology: Topology
         self.health = health.aio.HealthServicer()
         self._servers: list[grpc.aio.Server] = []
         self._session_server: asyncio.AbstractServer | None = None
@@ -111,11 +114,21 @@ class Daemon:
         )
         for reason in ReclaimReason:
             m.reclaimed.labels(reason.value)
+        self.topology = Topology(
+            s.node_id, self.arena, self.manager, on_socket_session=m.socket_fallback.inc
+        )
         m.attach_state(self._snapshot_threadsafe)
         await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.health.set("relayd.v1.Relay", health_pb2.HealthCheckResponse.NOT_SERVING)
 
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        # Large messages: the socket fallback moves a whole packed put in one call.
+        server = grpc.aio.server(
+            options=[
+                ("grpc.so_reuseport", 0),
+                ("grpc.max_receive_message_length", MAX_MESSAGE),
+                ("grpc.max_send_message_length", MAX_MESSAGE),
+            ]
+        )
         pb_grpc.add_RelayServicer_to_server(RelayService(self), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         with self._umask():
@@ -134,6 +147,9 @@ class Daemon:
                         admission,
                         on_refused=lambda r: m.refused.labels(r).inc(),
                         on_report=self._count_transfer,
+                        on_bound=self.topology.bound,
+                        on_closed=self.topology.closed,
+                        on_ref=self.count_ref,
                     )
                 ),
                 path=s.session_socket,
@@ -310,6 +326,15 @@ class Daemon:
     def _count_transfer(self, transport: str, count: int, nbytes: int) -> None:
         self.metrics.transfers.labels(transport).inc(count)
         self.metrics.transfer_bytes.labels(transport).inc(nbytes)
+        if transport == "inline":
+            self.metrics.inline_tensor_bytes.inc(nbytes)
+
+    count_transfer = _count_transfer
+
+    def count_ref(self, nbytes: int) -> None:
+        """A forwarded tensor reference was published (RelayClient.ref)."""
+        self.metrics.refs.inc()
+        self.metrics.ref_bytes.inc(nbytes)
 
     def _snapshot_threadsafe(self) -> dict[str, Any]:
         """Scrapes run on the HTTP thread; the state belongs to the loop."""
@@ -397,6 +422,7 @@ class Daemon:
         for sample in next(iter(self.metrics.reclaimed.collect())).samples:
             if sample.name.endswith("_total") and sample.value:
                 resp.reclaimed_by_reason[sample.labels["reason"]] = int(sample.value)
+        self.topology.fill_status(resp)
         return resp
 
 

@@ -495,6 +495,18 @@ class LeaseManager:
         self._ungrant(grant)
         self._wake()
 
+    def detach_grant(self, session: Session, grant: Grant) -> None:
+        """Hand a grant's published leases to the daemon (the socket fallback's PutBytes).
+
+        The grant becomes an orphan at once: the rest of its run goes back to
+        the pool now, and each lease frees its own run when read, aborted or
+        expired, exactly as for a writer that died after publishing.
+        """
+        if session.grants.pop(grant.id, None) is not None:
+            session.granted_slots -= grant.run.nslots
+        self._orphan(grant)
+        self._wake()
+
     # -- notices (hot path) ---------------------------------------------------------
 
     def on_reserve(self, session: Session, r: pb.Reserve) -> None:

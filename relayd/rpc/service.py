@@ -16,6 +16,7 @@ from relayd_client._proto import relay_pb2_grpc as pb_grpc
 
 from ..pools.leases import SessionState
 from .errors import mapped
+from .routing import RoutingService
 
 if TYPE_CHECKING:
     from ..server import Daemon
@@ -36,7 +37,7 @@ def check_name(kind: str, value: str) -> str:
     return value
 
 
-class RelayService(pb_grpc.RelayServicer):
+class RelayService(RoutingService, pb_grpc.RelayServicer):
     def __init__(self, daemon: Daemon) -> None:
         self.daemon = daemon
 
@@ -75,6 +76,7 @@ class RelayService(pb_grpc.RelayServicer):
             default_grant_bytes=d.manager.grant_slots * arena.slot_size,
             lease_ttl_seconds=d.settings.lease_ttl,
             peer_address=d.settings.peer_address,
+            probe_offset=d.topology.probe_offset,
             mooncake_session=d.peers.transport.session_id if d.peers is not None else "",
         )
 

@@ -42,6 +42,7 @@ def _separate_processes(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(relayd_client._local, "serves", lambda stage: False)
 
+
 MiB = 1 << 20
 
 
