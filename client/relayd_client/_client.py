@@ -23,8 +23,8 @@ from typing import Any
 
 import grpc
 
-from . import _codec, _packing, _remote
-from ._dataref import KIND_DATA, VERSION, DataRef
+from . import _codec, _local, _packing, _remote
+from ._dataref import KIND_DATA, KIND_DONE, KIND_ERROR, VERSION, DataRef
 from ._errors import (
     AbortedError,
     CorruptRefError,
@@ -34,17 +34,21 @@ from ._errors import (
     PeerUnavailableError,
     PermissionDeniedError,
     RelayError,
+    RelayTimeoutError,
     ResourceExhaustedError,
     SessionClosedError,
     StaleEpochError,
     StaleRefError,
+    StreamError,
 )
 from ._proto import relay_pb2 as pb
 from ._proto import relay_pb2_grpc as pb_grpc
+from ._refs import TensorRef, substitute
 from ._session import SessionChannel
 from ._shm import MappedSegment
 from ._slots import SlotAllocator
 from ._status import from_rpc_error
+from ._streams import MAX_BUFFERED, Streams
 from ._transport import Transport
 
 log = logging.getLogger(__name__)
@@ -56,6 +60,13 @@ ALIGNMENT = 64
 # other streams; below it the thread hop costs more than the copy.
 OFFLOAD_BYTES = 8 << 20
 _ABORTED_MEMORY = 4096
+# The socket fallback moves whole packed regions in one gRPC message.
+_MAX_MESSAGE = 1 << 30
+_CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", _MAX_MESSAGE),
+    ("grpc.max_receive_message_length", _MAX_MESSAGE),
+]
+_PROBE_BYTES = 16
 
 
 class ClientState(enum.Enum):
@@ -149,6 +160,14 @@ class RelayClient:
         # cross-node: object id -> the local DataRef a zero-copy get fetched it into
         self._fetched: dict[str, pb.DataRef] = {}
         self._reports: dict[pb.Transport, list[int]] = {}
+        # Routing: one answer per (to_stage, payload kind), dropped when the
+        # daemon announces a new registry version.
+        self._routes: dict[tuple[str, bool], pb.RouteResponse] = {}
+        self.registry_version = 0
+        # True when this process cannot map the arena: bytes go over gRPC.
+        self.socket_fallback = False
+        self._streams = Streams()
+        self._chunks: dict[tuple[str, str], int] = {}
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -168,7 +187,7 @@ class RelayClient:
             raise DaemonUnavailableError(
                 f"no relayd socket at {self.socket}; is `relayd serve` running?"
             )
-        self._channel = grpc.aio.insecure_channel(f"unix:{self.socket}")
+        self._channel = grpc.aio.insecure_channel(f"unix:{self.socket}", options=_CHANNEL_OPTIONS)
         self._stub = pb_grpc.RelayStub(self._channel)
         try:
             self._attach = await self._stub.Attach(
@@ -180,12 +199,13 @@ class RelayClient:
                 ),
                 timeout=self.timeout,
             )
-            self._map_segments(self._attach)
+            nonce = self._map_segments(self._attach)
             await self._session.connect(
                 self._attach.session_socket,
                 self._attach.session_id,
                 self._attach.session_token,
                 self.timeout,
+                shm_nonce=nonce,
             )
         except grpc.RpcError as exc:
             await self._teardown()
@@ -193,20 +213,46 @@ class RelayClient:
         except BaseException:
             await self._teardown()
             raise
+        if self.socket_fallback:
+            self._unmap()
         self.state = ClientState.OPENED
+        _local.serve(self.stages, self)
 
-    def _map_segments(self, a: pb.AttachResponse) -> None:
+    def _map_segments(self, a: pb.AttachResponse) -> bytes:
+        """Map the arena; returns the probe nonce read from it (empty if it cannot be mapped).
+
+        A process in another IPC/mount namespace (a container without the
+        host's /dev/shm) cannot open the segments, or opens a same-named file
+        that is not the daemon's: the daemon compares the nonce and answers
+        with the session's data path in the "bound" event.
+        """
         import torch
 
-        for seg in sorted(a.segments, key=lambda s: s.index):
-            mapped = MappedSegment(seg.name, seg.size, seg.index, a.slot_size)
-            self._segments.append(mapped)
-            self._views.append(torch.frombuffer(mapped.mm, dtype=torch.uint8))
+        try:
+            for seg in sorted(a.segments, key=lambda s: s.index):
+                mapped = MappedSegment(seg.name, seg.size, seg.index, a.slot_size)
+                self._segments.append(mapped)
+                self._views.append(torch.frombuffer(mapped.mm, dtype=torch.uint8))
+            if not self._segments:
+                return b""
+            probe = a.probe_offset
+            return bytes(self._segments[0].mm[probe : probe + _PROBE_BYTES])
+        except (OSError, ValueError) as exc:
+            log.warning("cannot map the relayd arena (%s); moving bytes over the socket", exc)
+            self._unmap()
+            return b""
+
+    def _unmap(self) -> None:
+        self._views.clear()
+        for seg in self._segments:
+            seg.close()
+        self._segments.clear()
 
     async def close(self) -> None:
         if self.state is ClientState.CLOSED:
             return
         self.state = ClientState.CLOSED
+        _local.unserve(self.stages, self)
         self._flush_reports()
         await self._teardown()
 
@@ -219,10 +265,7 @@ class RelayClient:
         if self._channel is not None:
             await self._channel.close()
             self._channel = None
-        self._views.clear()
-        for seg in self._segments:
-            seg.close()
-        self._segments.clear()
+        self._unmap()
 
     # -- facts ----------------------------------------------------------------------
 
@@ -257,45 +300,32 @@ class RelayClient:
         timeout: float | None = None,
         pickle: bool = False,
     ) -> DataRef:
-        """Publish ``obj`` for ``to_stage``; returns the DataRef to hand to the reader."""
+        """Publish ``obj`` for ``to_stage``; returns the DataRef to hand to the reader.
+
+        The DataRef is returned as soon as the bytes are published: nothing
+        here waits for the reader (waiting first would deadlock a writer whose
+        space or credits are all held by DataRefs it has not handed out yet).
+        Only a full arena makes a put wait, for space freed by readers.
+        """
         a = self._require_open()
         _check_names(to_stage, request_id)
-        if chunk_id is not None and chunk_id < 0:
-            raise InvalidArgumentError("chunk_id must be >= 0")
-        tree, tensors = _packing.flatten(obj)
+        if chunk_id is not None:
+            if chunk_id < 0:
+                raise InvalidArgumentError("chunk_id must be >= 0")
+            key = (to_stage, request_id)
+            self._chunks[key] = max(self._chunks.get(key, 0), chunk_id + 1)
+        refs: list[TensorRef] = []
+        tree, tensors = _packing.flatten(obj, refs)
         if pickle:
             header, codec = _codec.encode_pickle(tree), pb.HEADER_CODEC_PICKLE
         else:
             header, codec = _codec.encode(tree), pb.HEADER_CODEC_SAFE
         specs, total = _packing.plan_layout(tensors, alignment=ALIGNMENT)
-        msg = pb.DataRef(
-            version=VERSION,
-            object_id=uuid.uuid4().hex,
-            request_id=request_id,
-            chunk_id=-1 if chunk_id is None else chunk_id,
-            to_stage=to_stage,
-            header_codec=codec,
-            header=header,
-            kind=KIND_DATA,
-            origin=pb.Origin(
-                node_id=a.node_id,
-                daemon_epoch=a.daemon_epoch,
-                stage=self.stages[0],
-                peer_address=a.peer_address,
-                mooncake_session=a.mooncake_session,
-            ),
-        )
-        for spec in specs:
-            msg.tensors.append(
-                pb.TensorLayout(
-                    index=spec.index,
-                    shape=spec.shape,
-                    dtype=spec.dtype,
-                    offset=spec.offset,
-                    nbytes=spec.nbytes,
-                    device=spec.device,
-                )
-            )
+        msg = self._new_msg(a, request_id, to_stage, -1 if chunk_id is None else chunk_id)
+        msg.header_codec = codec
+        msg.header = header
+        _add_layout(msg, specs)
+        msg.refs.extend(r.proto for r in refs)
         if len(header) + total + 64 * len(specs) <= INLINE_LIMIT and not (
             chunk_id is not None and tensors
         ):
@@ -310,8 +340,60 @@ class RelayClient:
             return DataRef(msg)
         if request_id in self._aborted:
             raise AbortedError(f"request {request_id!r} was aborted")
+        route = await self._route(to_stage, any(t.device.type == "cpu" for t in tensors))
+        # The registry says "same process"; the stage must also still be served
+        # here (it may have closed since). A payload with forwarded refs goes
+        # the normal way so that get() at the consumer materializes them.
+        if route == pb.TRANSPORT_LOCAL_OBJECT and not refs and _local.serves(to_stage):
+            msg.transport = pb.TRANSPORT_LOCAL_OBJECT
+            msg.object_id = f"{_local.process_tag()}-{msg.object_id}"
+            _local.put(obj, to_stage, request_id, msg.object_id)
+            self._report(pb.TRANSPORT_LOCAL_OBJECT, _packing.payload_nbytes(specs))
+            return DataRef(msg)
+        return await self._publish(msg, tensors, specs, total, timeout)
+
+    def _new_msg(
+        self,
+        a: pb.AttachResponse,
+        request_id: str,
+        to_stage: str,
+        chunk_id: int,
+        kind: int = KIND_DATA,
+    ) -> pb.DataRef:
+        return pb.DataRef(
+            version=VERSION,
+            object_id=uuid.uuid4().hex,
+            request_id=request_id,
+            chunk_id=chunk_id,
+            to_stage=to_stage,
+            kind=kind,
+            origin=pb.Origin(
+                node_id=a.node_id,
+                daemon_epoch=a.daemon_epoch,
+                stage=self.stages[0],
+                peer_address=a.peer_address,
+                mooncake_session=a.mooncake_session,
+            ),
+        )
+
+    async def _publish(
+        self,
+        msg: pb.DataRef,
+        tensors: Sequence[Any],
+        specs: Sequence[_packing.TensorSpec],
+        total: int,
+        timeout: float | None,
+        *,
+        ref: bool = False,
+    ) -> DataRef:
+        """Write the packed tensors into a lease (or hand them to the daemon) and publish."""
+        request_id, to_stage = msg.request_id, msg.to_stage
+        if request_id in self._aborted:
+            raise AbortedError(f"request {request_id!r} was aborted")
         if self._draining:
             raise DrainingError("relayd is draining; no new transfers")
+        if self.socket_fallback:
+            return await self._publish_socket(msg, tensors, specs, total, timeout, ref=ref)
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         lease = await self._reserve(total, deadline)
         grant = lease.grant
@@ -361,10 +443,149 @@ class RelayClient:
         )
         frame = self._session.pending
         frame.publish.append(
-            pb.Publish(lease_id=lease.id, nbytes=total, transport=pb.TRANSPORT_SHM)
+            pb.Publish(lease_id=lease.id, nbytes=total, transport=pb.TRANSPORT_SHM, ref=ref)
         )
         # The daemon must know of the lease before the DataRef can reach a reader.
         self._session.mark(flush=True)
+        return DataRef(msg)
+
+    async def _publish_socket(
+        self,
+        msg: pb.DataRef,
+        tensors: Sequence[Any],
+        specs: Sequence[_packing.TensorSpec],
+        total: int,
+        timeout: float | None,
+        *,
+        ref: bool,
+    ) -> DataRef:
+        """Socket fallback: the daemon writes the packed region into a lease for us."""
+        import torch
+
+        a = self._require_open()
+        assert self._stub is not None
+        buf = bytearray(total)
+        if total:
+            _packing.pack_into(torch.frombuffer(buf, dtype=torch.uint8), tensors, specs)
+        wait = self.timeout if timeout is None else timeout
+        try:
+            resp = await self._stub.PutBytes(
+                pb.PutBytesRequest(
+                    session_id=a.session_id,
+                    session_token=a.session_token,
+                    request_id=msg.request_id,
+                    to_stage=msg.to_stage,
+                    from_stage=self.stages[0],
+                    data=bytes(buf),
+                    timeout_seconds=wait,
+                    ref=ref,
+                ),
+                timeout=wait + 1.0,
+            )
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+        msg.transport = pb.TRANSPORT_SOCKET
+        msg.lease.CopyFrom(resp.lease)
+        return DataRef(msg)
+
+    async def _route(self, to_stage: str, has_cpu: bool) -> int:
+        """The registry's transport for this edge: asked once, then cached until it changes."""
+        key = (to_stage, has_cpu)
+        cached = self._routes.get(key)
+        if cached is not None:
+            return int(cached.transport)
+        a = self._require_open()
+        assert self._stub is not None
+        version = self.registry_version
+        try:
+            resp: pb.RouteResponse = await self._stub.Route(
+                pb.RouteRequest(
+                    session_id=a.session_id,
+                    session_token=a.session_token,
+                    from_stage=self.stages[0],
+                    to_stage=to_stage,
+                    encoded_bytes=INLINE_LIMIT + 1,  # inline was ruled out by the caller
+                    has_cpu_tensors=has_cpu,
+                ),
+                timeout=self.timeout,
+            )
+        except grpc.RpcError as exc:
+            # A daemon that cannot route still serves shm (or the socket);
+            # not cached, so the next put asks again.
+            log.debug("route %s -> %s failed: %s", self.stages[0], to_stage, exc)
+            return pb.TRANSPORT_SOCKET if self.socket_fallback else pb.TRANSPORT_SHM
+        # An answer computed before a registry change we have seen since is stale.
+        if version == self.registry_version and resp.registry_version >= version:
+            self.registry_version = max(self.registry_version, resp.registry_version)
+            self._routes[key] = resp
+        return int(resp.transport)
+
+    # -- forwarded tensor references ---------------------------------------------------
+
+    async def ref(
+        self,
+        tensor: Any,
+        *,
+        consumer_stage: str,
+        request_id: str,
+        timeout: float | None = None,
+    ) -> TensorRef:
+        """Publish ``tensor`` once for ``consumer_stage`` and return a :class:`TensorRef`.
+
+        Put the TensorRef inside any payload: stages other than the consumer
+        get it back untouched (they read none of its bytes) and can forward it
+        in their own puts; ``get`` at the consumer materializes the tensor.
+        ``abort(request_id)`` frees it if it was not consumed.
+        """
+        import torch
+
+        a = self._require_open()
+        _check_names(consumer_stage, request_id)
+        if not isinstance(tensor, torch.Tensor):
+            raise InvalidArgumentError(f"ref() takes a tensor, got {type(tensor).__name__}")
+        specs, total = _packing.plan_layout([tensor], alignment=ALIGNMENT)
+        msg = self._new_msg(a, request_id, consumer_stage, -1)
+        msg.header_codec = pb.HEADER_CODEC_SAFE
+        msg.header = _codec.encode(_codec.TensorSlot(0))
+        _add_layout(msg, specs)
+        # Always leased, even when tiny: the point is that forwarding stages
+        # carry a fixed-size reference, never the bytes.
+        await self._publish(msg, [tensor], specs, total, timeout, ref=True)
+        return TensorRef(msg)
+
+    # -- stream signals ------------------------------------------------------------
+
+    def put_done(self, to_stage: str, request_id: str, *, chunks: int | None = None) -> DataRef:
+        """The end-of-stream signal: control only, no data, nothing to free.
+
+        It carries the number of chunks (by default: one past the highest
+        chunk id this client put for the edge), so a reader that gets it
+        before the last chunks still waits for them.
+        """
+        a = self._require_open()
+        _check_names(to_stage, request_id)
+        if request_id in self._aborted:
+            raise AbortedError(f"request {request_id!r} was aborted")
+        n = self._chunks.pop((to_stage, request_id), 0) if chunks is None else chunks
+        if n < 0:
+            raise InvalidArgumentError("chunks must be >= 0")
+        self._chunks.pop((to_stage, request_id), None)
+        msg = self._new_msg(a, request_id, to_stage, n, KIND_DONE)
+        msg.transport = pb.TRANSPORT_INLINE
+        return DataRef(msg)
+
+    def put_error(self, to_stage: str, request_id: str, message: str) -> DataRef:
+        """The stream-failed signal: control only, like :meth:`put_done`.
+
+        The reader's ``stream()`` yields the chunks put before it (their count
+        travels in the signal), then raises StreamError(message).
+        """
+        a = self._require_open()
+        _check_names(to_stage, request_id)
+        n = self._chunks.pop((to_stage, request_id), 0)
+        msg = self._new_msg(a, request_id, to_stage, n, KIND_ERROR)
+        msg.transport = pb.TRANSPORT_INLINE
+        msg.message = message[:4096]
         return DataRef(msg)
 
     async def _reserve(self, nbytes: int, deadline: float) -> _Lease:
@@ -479,7 +700,15 @@ class RelayClient:
             raise PermissionDeniedError(
                 f"DataRef is addressed to stage {m.to_stage!r}; this client serves {self.stages}"
             )
+        if m.kind != KIND_DATA:
+            raise InvalidArgumentError(
+                "a done/error signal carries no payload; hand it to feed() and read stream()"
+            )
         transport = ref.transport
+        if transport is Transport.LOCAL_OBJECT:
+            return self._take_local(m)
+        if m.refs:
+            return await self._get_forwarded(m, copy)
         tree = self._decode_header(m)
         if transport is Transport.INLINE:
             import torch
@@ -500,10 +729,12 @@ class RelayClient:
             if not copy:
                 self._fetched[m.object_id] = m
         # -- end cross-node -----------------------------------------------------------
-        if transport is not Transport.SHM:
+        if transport not in (Transport.SHM, Transport.SOCKET):
             raise PeerUnavailableError(
                 f"{transport.value} DataRefs are not served by this client yet"
             )
+        if self.socket_fallback:
+            return _packing.rebuild(tree, await self._get_socket(m))
         seg, region, specs = self._lease_region(m)
         lease = m.lease
         if lease.length >= OFFLOAD_BYTES:
@@ -536,8 +767,136 @@ class RelayClient:
         try:
             yield obj
         finally:
-            if ref.transport is Transport.SHM:
+            if ref.transport in (Transport.SHM, Transport.SOCKET) and not self.socket_fallback:
                 self.release(ref)
+
+    def _take_local(self, m: pb.DataRef) -> Any:
+        try:
+            return _local.take(m.object_id)
+        except KeyError:
+            if m.request_id in self._aborted:
+                raise AbortedError(f"request {m.request_id!r} was aborted") from None
+            raise StaleRefError(
+                "local_object DataRef is not held in this process (read already, or it comes "
+                "from another process)"
+            ) from None
+
+    async def _get_forwarded(self, m: pb.DataRef, copy: bool) -> Any:
+        """A payload with forwarded refs: ours are materialized, the rest pass through."""
+        plain = pb.DataRef()
+        plain.CopyFrom(m)
+        del plain.refs[:]
+        obj = await self.get(DataRef(plain), copy=copy)
+        values: list[object] = []
+        for r in m.refs:
+            if r.to_stage in self.stages:
+                values.append(await self.get(DataRef(r)))
+            else:
+                values.append(TensorRef(r))
+        return substitute(obj, values)
+
+    async def _get_socket(self, m: pb.DataRef) -> list[Any]:
+        """Socket fallback: the daemon copies the lease out to us and frees it."""
+        import torch
+
+        a = self._require_open()
+        assert self._stub is not None
+        if m.origin.daemon_epoch != a.daemon_epoch:
+            raise StaleEpochError(
+                f"DataRef comes from daemon epoch {m.origin.daemon_epoch!r}, not {a.daemon_epoch!r}"
+            )
+        specs = _specs(m)
+        _packing.validate_layout(specs, m.lease.length)
+        try:
+            resp = await self._stub.GetBytes(
+                pb.GetBytesRequest(
+                    session_id=a.session_id,
+                    session_token=a.session_token,
+                    lease=m.lease,
+                    request_id=m.request_id,
+                ),
+                timeout=self.timeout,
+            )
+        except grpc.RpcError as exc:
+            err = from_rpc_error(exc)
+            if isinstance(err, StaleRefError) and m.request_id in self._aborted:
+                raise AbortedError(f"request {m.request_id!r} was aborted") from None
+            raise err from None
+        data = bytearray(resp.data)
+        if len(data) != m.lease.length:
+            raise CorruptRefError(
+                f"daemon sent {len(data)} bytes for a {m.lease.length}-byte lease"
+            )
+        src = (
+            torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+        )
+        return _packing.unpack(src, specs, copy=False)  # the views own `data`
+
+    # -- streams ----------------------------------------------------------------------
+
+    def feed(self, ref: DataRef | bytes) -> None:
+        """Hand the client a stream DataRef (chunk, done or error) the app received.
+
+        Chunks may be fed in any order; :meth:`stream` yields them in order.
+        """
+        ref = ref if isinstance(ref, DataRef) else DataRef.from_bytes(ref)
+        m = ref.proto
+        if m.to_stage not in self.stages:
+            raise PermissionDeniedError(
+                f"DataRef is addressed to stage {m.to_stage!r}; this client serves {self.stages}"
+            )
+        st = self._streams.state(m.request_id, m.origin.stage)
+        if m.kind == KIND_DONE:
+            st.end = m.chunk_id
+        elif m.kind == KIND_ERROR:
+            st.error = m.message or "stream failed"
+            st.error_at = m.chunk_id
+        elif m.chunk_id < 0:
+            raise InvalidArgumentError("feed() takes stream chunks (put with chunk_id) and signals")
+        elif m.chunk_id >= st.next:
+            if len(st.refs) >= MAX_BUFFERED:
+                raise ResourceExhaustedError(f"more than {MAX_BUFFERED} chunks buffered")
+            st.refs[m.chunk_id] = ref
+        if st.aborted or m.request_id in self._aborted:
+            st.aborted = True
+        st.wake.set()
+
+    async def stream(
+        self, request_id: str, *, from_stage: str, timeout: float | None = None
+    ) -> AsyncIterator[Any]:
+        """``async for chunk in client.stream(rid, from_stage=...)``: payloads in chunk order.
+
+        Ends after the done signal's last chunk; raises :class:`StreamError`
+        at an error signal, :class:`AbortedError` when the request is aborted,
+        and :class:`RelayTimeoutError` when no next chunk arrives within
+        ``timeout`` seconds (None: wait as long as it takes).
+        """
+        st = self._streams.state(request_id, from_stage)
+        if st.consuming:
+            raise InvalidArgumentError(f"stream {request_id!r} from {from_stage!r} is read already")
+        st.consuming = True
+        try:
+            while True:
+                if st.aborted or request_id in self._aborted:
+                    raise AbortedError(f"request {request_id!r} was aborted")
+                ref = st.refs.pop(st.next, None)
+                if ref is not None:
+                    st.next += 1
+                    yield await self.get(ref)
+                    continue
+                if st.error is not None and st.next >= st.error_at:
+                    raise StreamError(st.error)
+                if st.end is not None and st.next >= st.end:
+                    return
+                st.wake.clear()
+                try:
+                    await asyncio.wait_for(st.wake.wait(), timeout)
+                except TimeoutError:
+                    raise RelayTimeoutError(
+                        f"no chunk {st.next} of {request_id!r} within {timeout}s"
+                    ) from None
+        finally:
+            self._streams.discard(request_id, from_stage)
 
     def _decode_header(self, m: pb.DataRef) -> Any:
         if m.header_codec == pb.HEADER_CODEC_PICKLE:
@@ -596,6 +955,11 @@ class RelayClient:
         a = self._require_open()
         assert self._stub is not None
         self._remember_aborted(request_id)
+        # local_object transfers never reach the daemon, so it cannot tell
+        # this process's readers of the request; wake them here.
+        for other in _local.clients():
+            if other is not self and other._streams.has(request_id):
+                other._remember_aborted(request_id)
         try:
             resp = await self._stub.Abort(
                 pb.AbortRequest(
@@ -609,6 +973,9 @@ class RelayClient:
         return int(resp.leases_freed)
 
     def _remember_aborted(self, request_id: str) -> None:
+        # Wake blocked stream readers and drop what can never be read now.
+        self._streams.abort(request_id)
+        _local.abort(request_id)
         self._aborted[request_id] = None
         while len(self._aborted) > _ABORTED_MEMORY:
             self._aborted.popitem(last=False)
@@ -624,7 +991,14 @@ class RelayClient:
         for ab in frame.aborted:
             self._remember_aborted(ab.request_id)
         for ev in frame.event:
-            if ev.kind == "draining":
+            if ev.kind == "bound":
+                self.socket_fallback = ev.message == "socket"
+                self.registry_version = ev.registry_version
+            elif ev.kind == "registry":
+                if ev.registry_version != self.registry_version:
+                    self.registry_version = ev.registry_version
+                    self._routes.clear()
+            elif ev.kind == "draining":
                 self._draining = True
             elif ev.kind == "error":
                 log.warning("relayd: %s", ev.message)
@@ -653,6 +1027,20 @@ class RelayClient:
                 pb.TransferReport(transport=transport, count=count, bytes=nbytes)
             )
         self._session.mark(flush=True)
+
+
+def _add_layout(msg: pb.DataRef, specs: Sequence[_packing.TensorSpec]) -> None:
+    for spec in specs:
+        msg.tensors.append(
+            pb.TensorLayout(
+                index=spec.index,
+                shape=spec.shape,
+                dtype=spec.dtype,
+                offset=spec.offset,
+                nbytes=spec.nbytes,
+                device=spec.device,
+            )
+        )
 
 
 def _specs(m: pb.DataRef) -> list[_packing.TensorSpec]:
