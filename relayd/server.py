@@ -29,6 +29,7 @@ from ._systemd import SystemdNotifier
 from .config import Settings
 from .metrics import Metrics
 from .peers import PeerConfigError, PeerManager
+from .pools import cuda as cuda_pools
 from .pools.arena import Arena, remove_stale_segments
 from .pools.leases import Hooks, LeaseManager, LeaseState, ReclaimReason
 from .rpc.service import RelayService
@@ -72,6 +73,7 @@ class Daemon:
         self._lock_fd = -1
         self._loop: asyncio.AbstractEventLoop | None = None
         self._protocols: set[SessionProtocol] = set()
+        self.cuda_pools: list[cuda_pools.CudaPool] = []
         # Cross-node peers and Mooncake; None unless --peer-address is set.
         self.peers: PeerManager | None = None
 
@@ -99,9 +101,14 @@ class Daemon:
             slot_size=s.slot_size,
             mode=s.socket_mode & 0o666,
         )
+        # One slot pool per GPU, only with --gpu-pool-size and CUDA present.
+        self.cuda_pools = cuda_pools.open_pools(
+            s, prefix=self.arena.prefix, mode=s.socket_mode & 0o666
+        )
         m = self.metrics
         self.manager = LeaseManager(
             self.arena,
+            pools={p.name: p for p in self.cuda_pools},
             grant_bytes=s.grant_size,
             lease_ttl=s.lease_ttl,
             stage_quota_bytes=s.stage_quota_bytes,
@@ -238,6 +245,9 @@ class Daemon:
         if self.peers is not None:
             await self.peers.close()
         self.metrics.close()
+        for pool in self.cuda_pools:
+            pool.close()  # header segments go before the arena's lock
+        self.cuda_pools = []
         if hasattr(self, "arena"):
             self.arena.close()
         for path in (self.settings.socket, self.settings.session_socket):
@@ -365,8 +375,17 @@ class Daemon:
                     "slots": a.capacity_slots,
                     "free_slots": a.free_slots,
                 }
+            ]
+            + [
+                cuda_pools.pool_status(p, m.lease_slots(p.name), m.granted_slots(p.name))
+                for p in self.cuda_pools
             ],
-            "leases": {("shm", st.name.lower()): n for st, n in by_state.items()},
+            "leases": {("shm", st.name.lower()): n for st, n in by_state.items()}
+            | {
+                (p.name, st.name.lower()): n
+                for p in self.cuda_pools
+                for st, n in m.leases_by_state(p.name).items()
+            },
             "sessions": len(m.sessions),
             "serving": 1 if self.state == DaemonState.SERVING else 0,
             **(self.peers.snapshot() if self.peers is not None else {}),
@@ -393,7 +412,7 @@ class Daemon:
                 pb.LeaseStatus(
                     lease_id=lease.id,
                     state=lease.state.value,
-                    pool="shm",
+                    pool=lease.run.pool,
                     bytes=lease.nbytes or lease.run.nslots * self.arena.slot_size,
                     request_id=lease.request_id,
                     from_stage=lease.from_stage,

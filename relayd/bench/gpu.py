@@ -1,14 +1,176 @@
-"""``relayd bench --gpu``: the hook GPU benchmarks plug into.
+"""``relayd bench --gpu``: GPU -> GPU hand-off, relayd's two CUDA paths against a plain copy.
 
-A stub until the CUDA paths (cuda_ipc_direct, cuda_ipc_pool) exist: it reports
-what it found and measures nothing. Replace ``run`` with the real benchmark; it
-receives the parsed command line and returns the process exit status.
+Methods, on one GPU, stop-and-wait, 256 KiB to 64 MiB:
+
+* ``copy_`` - ``dst.copy_(src)`` and a device sync in one process: the floor.
+* ``cuda_ipc_pool`` - a writer process puts into its lease of the daemon's GPU
+  pool, a reader process copies out of it into its own tensor.
+* ``cuda_ipc_direct`` - the writer puts storage handles, the reader opens them
+  and copies (``get(copy=True)``).
+
+Latency is one way: from the writer's ``put`` call to the moment the reader
+holds its own tensor (both ``perf_counter_ns``, one clock per host). The pool
+and direct runs use a daemon started here with ``--gpu-pool-size 256MiB``;
+the transport is pinned on the writer's client, so the numbers do not depend
+on how the two benchmark processes happen to be placed. Output: the same
+table and JSON document as ``relayd bench``.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import subprocess
 import sys
+import tempfile
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from relayd.bench import _daemon
+from relayd.bench._stats import (
+    Result,
+    Status,
+    add_ratios,
+    machine_info,
+    render_table,
+    summarize,
+    to_json,
+)
+
+SIZES = (256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20)
+FLOOR = "copy_"
+METHODS = (FLOOR, "cuda_ipc_pool", "cuda_ipc_direct")
+
+
+def _iterations(quick: bool) -> tuple[int, int]:
+    return (5, 30) if quick else (20, 200)
+
+
+def _floor(size: int, warmup: int, iterations: int) -> list[int]:
+    import torch
+
+    src = torch.randint(0, 256, (size,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    samples: list[int] = []
+    for i in range(warmup + iterations):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter_ns()
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        if i >= warmup:
+            samples.append(time.perf_counter_ns() - t0)
+    return samples
+
+
+def _reader(sock: str, conn: Connection) -> None:
+    """The reader stage: get each DataRef it is sent, answer with the time it was done."""
+    import torch
+    from relayd_client import DataRef, RelayClient
+
+    torch.cuda.set_device(0)
+    torch.cuda.synchronize()  # initializes CUDA before attaching: the daemon learns the GPU
+
+    async def serve() -> None:
+        async with RelayClient("bench-reader", sock, timeout=30.0) as client:
+            conn.send("ready")
+            while True:
+                wire = conn.recv()
+                if wire is None:
+                    return
+                await client.get(DataRef.from_bytes(wire))  # returns with the copy done
+                conn.send(time.perf_counter_ns())
+
+    asyncio.run(serve())
+
+
+async def _writer(
+    sock: str, conn: Connection, method: str, sizes: tuple[int, ...], warmup: int, n: int
+) -> dict[int, list[int]]:
+    import torch
+    from relayd_client import RelayClient
+    from relayd_client._transport import Transport
+
+    out: dict[int, list[int]] = {}
+    async with RelayClient("bench-writer", sock, timeout=30.0) as client:
+        gpu: Any = getattr(client, "_gpu", None)  # the client's private GPU state
+        if gpu is None:
+            raise RuntimeError("the client has no GPU paths (arena not mapped?)")
+        gpu.force = Transport(method)
+        for size in sizes:
+            src = torch.randint(0, 256, (size,), dtype=torch.uint8, device="cuda")
+            samples: list[int] = []
+            for i in range(warmup + n):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter_ns()
+                ref = await client.put(src, to_stage="bench-reader", request_id=f"g{size}-{i}")
+                if ref.transport.value != method:
+                    raise RuntimeError(f"{method} was asked for, {ref.transport.value} was taken")
+                conn.send(ref.to_bytes())
+                done = conn.recv()
+                if i >= warmup:
+                    samples.append(int(done) - t0)
+            out[size] = samples
+    return out
+
+
+def _start_daemon(tmp: Path) -> subprocess.Popen[bytes]:
+    sock = tmp / "relayd.sock"
+    cmd = [sys.executable, "-m", "relayd", "serve", "--socket", str(sock)]
+    cmd += ["--shm-pool-size", "512MiB", "--gpu-pool-size", "256MiB"]
+    with open(tmp / "relayd.log", "wb") as log:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+    try:
+        _daemon.wait_ready(str(sock), 60.0, proc)
+    except BaseException:
+        proc.kill()
+        raise
+    return proc
+
+
+def _relayd_methods(sizes: tuple[int, ...], warmup: int, n: int, results: list[Result]) -> None:
+    with tempfile.TemporaryDirectory(prefix="relayd-gpu-bench-") as tmp:
+        proc = _start_daemon(Path(tmp))
+        sock = os.path.join(tmp, "relayd.sock")
+        ctx = mp.get_context("spawn")  # CUDA cannot be used in a forked child
+        try:
+            for method in METHODS[1:]:
+                parent, child = ctx.Pipe()
+                reader = ctx.Process(target=_reader, args=(sock, child), daemon=True)
+                reader.start()
+                try:
+                    if not parent.poll(60) or parent.recv() != "ready":
+                        raise RuntimeError("the reader process did not attach")
+                    by_size = asyncio.run(_writer(sock, parent, method, sizes, warmup, n))
+                    for size, samples in by_size.items():
+                        results.append(_ok(method, size, warmup, samples))
+                except Exception as exc:  # one method failing must not hide the others
+                    for size in sizes:
+                        results.append(Result(method, size, Status.FAILED, reason=f"{exc}"[:200]))
+                finally:
+                    with contextlib.suppress(OSError):
+                        parent.send(None)
+                    reader.join(10)
+                    if reader.is_alive():
+                        reader.kill()
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def _ok(method: str, size: int, warmup: int, samples: list[int]) -> Result:
+    return Result(
+        method, size, Status.OK, warmup=warmup, iterations=len(samples),
+        latency=summarize(samples),
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -17,9 +179,24 @@ def run(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("relayd bench --gpu: no CUDA device visible; nothing measured", file=sys.stderr)
         return 2
-    print(
-        f"relayd bench --gpu: {torch.cuda.device_count()} CUDA device(s) visible, but the GPU"
-        " benchmarks are not written yet; nothing measured",
-        file=sys.stderr,
-    )
-    return 2
+    warmup, n = _iterations(bool(getattr(args, "quick", False)))
+    results: list[Result] = []
+    torch.cuda.set_device(0)
+    for size in SIZES:
+        results.append(_floor_result(size, warmup, n))
+    _relayd_methods(SIZES, warmup, n, results)
+    add_ratios(results, reference=FLOOR)
+    machine = machine_info()
+    machine["gpu"] = torch.cuda.get_device_name(0)
+    machine["gpus"] = torch.cuda.device_count()
+    print(render_table(results, machine=machine), end="")
+    path = getattr(args, "json", None)
+    if path:
+        run_info = {"gpu": True, "warmup": warmup, "iterations": n, "reference": FLOOR}
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(to_json(results, (), machine, run_info), f, indent=2)
+    return 0 if all(r.status is Status.OK for r in results) else 1
+
+
+def _floor_result(size: int, warmup: int, n: int) -> Result:
+    return _ok(FLOOR, size, warmup, _floor(size, warmup, n))

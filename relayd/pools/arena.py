@@ -36,6 +36,7 @@ class Run:
     segment: int
     slot: int
     nslots: int
+    pool: str = "shm"  # which pool's allocator the run belongs to ("shm", "cuda:<uuid>")
 
 
 def remove_stale_segments(shm_dir: str = SHM_DIR) -> list[str]:
@@ -88,6 +89,8 @@ def _unlink_all(shm_dir: str, members: list[str], removed: list[str]) -> None:
 
 class Arena:
     """Segments plus one allocator per segment (a run never crosses segments)."""
+
+    name = "shm"
 
     def __init__(
         self,

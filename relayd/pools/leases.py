@@ -20,6 +20,12 @@ When the writer's session ends its grants become *orphans*: unpublished
 leases are dropped, the unused parts go back to the arena at once, and each
 published lease returns its own run to the arena when it is read, expires or
 is aborted.
+
+Pools: the SHM arena and, on GPU nodes, one slot pool per GPU
+(:mod:`relayd.pools.cuda`). Every rule here - grants, generations, TTL,
+fair backpressure, reclaim on session death - is the same for all of them;
+a grant names its pool, and a run remembers which pool it came from, so a
+lease is freed into the allocator it was cut from.
 """
 
 from __future__ import annotations
@@ -31,7 +37,8 @@ import enum
 import logging
 import secrets
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from typing import Protocol
 
 from relayd_client._errors import (
     AbortedError,
@@ -75,6 +82,23 @@ class SessionState(enum.Enum):
 Sink = Callable[[pb.SessionFrame], None]
 
 
+class Pool(Protocol):
+    """What the lease rules need of a pool of slots (the arena, a GPU pool)."""
+
+    name: str
+    slot_size: int
+
+    @property
+    def capacity_bytes(self) -> int: ...
+    @property
+    def used_bytes(self) -> int: ...
+    def largest_free_run(self) -> int: ...
+    def max_run_slots(self) -> int: ...
+    def allocate(self, nslots: int) -> Run | None: ...
+    def free(self, run: Run) -> None: ...
+    def clear_header(self, segment: int, slot: int) -> None: ...
+
+
 @dataclasses.dataclass(eq=False)
 class Session:
     id: str
@@ -90,7 +114,8 @@ class Session:
     sink: Sink | None = None
     grants: dict[int, Grant] = dataclasses.field(default_factory=dict)
     claimed: set[int] = dataclasses.field(default_factory=set)
-    granted_slots: int = 0
+    granted_slots: int = 0  # all pools (they share one slot size)
+    pool_slots: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(eq=False)
@@ -143,6 +168,7 @@ class _Waiter:
     nslots: int
     future: asyncio.Future[Grant]
     since: float
+    pool: str = "shm"
 
 
 _TRANSPORT_NAMES: dict[int, str] = {
@@ -167,9 +193,14 @@ class LeaseManager:
         max_sessions: int,
         hooks: Hooks | None = None,
         clock: Callable[[], float] = time.monotonic,
+        pools: Mapping[str, Pool] = {},
     ) -> None:
         self.arena = arena
         self.slot_size = arena.slot_size
+        for name, extra in pools.items():
+            if extra.slot_size != arena.slot_size or name == arena.name:
+                raise ValueError(f"pool {name!r} must be new and share the arena's slot size")
+        self.pools: dict[str, Pool] = {arena.name: arena, **pools}
         self.grant_slots = max(1, -(-grant_bytes // self.slot_size))
         self.lease_ttl = lease_ttl
         self.quota_slots = max(1, stage_quota_bytes // self.slot_size)
@@ -252,6 +283,7 @@ class LeaseManager:
             self._orphan(grant)
         session.grants.clear()
         session.granted_slots = 0
+        session.pool_slots.clear()
         for w in self._waiters:
             if w.session is session and not w.future.done():
                 w.future.set_exception(SessionClosedError("session closed while waiting"))
@@ -272,44 +304,54 @@ class LeaseManager:
         end = grant.run.slot + grant.run.nslots
         for slot, n in [*kept, (end, 0)]:
             if slot > cursor:
-                self.arena.free(Run(grant.run.segment, cursor, slot - cursor))
+                pool = self.pools[grant.run.pool]
+                pool.free(Run(grant.run.segment, cursor, slot - cursor, grant.run.pool))
             cursor = max(cursor, slot + n)
         if not grant.leases:
             self.grants.pop(grant.id, None)
 
     # -- grants ---------------------------------------------------------------------
 
-    async def grant(self, session: Session, min_bytes: int, timeout: float) -> Grant:
+    async def grant(
+        self, session: Session, min_bytes: int, timeout: float, pool: str = "shm"
+    ) -> Grant:
         if self.draining:
             raise DrainingError("daemon is draining; no new reservations")
         if min_bytes < 0:
             raise InvalidArgumentError("min_bytes must be >= 0")
+        arena = self.pools.get(pool)
+        if arena is None:
+            raise InvalidArgumentError(f"this daemon has no pool {pool[:80]!r}")
         need = max(1, -(-min_bytes // self.slot_size))
-        if need > self.arena.max_run_slots():
+        if need > arena.max_run_slots():
             raise ResourceExhaustedError(
-                f"{min_bytes} bytes exceed the largest possible run "
-                f"({self.arena.max_run_slots() * self.slot_size} bytes); raise --shm-segment-size"
+                f"{min_bytes} bytes exceed the largest possible run in {pool} "
+                f"({arena.max_run_slots() * self.slot_size} bytes); raise its size"
             )
-        if need > self.quota_slots:
+        if need > self._quota(pool):
             raise ResourceExhaustedError(
-                f"{min_bytes} bytes exceed the per-stage quota of {self.quota_slots * self.slot_size}"
+                f"{min_bytes} bytes exceed the per-stage quota of "
+                f"{self._quota(pool) * self.slot_size} in {pool}"
             )
         nslots = max(need, self.grant_slots) if need <= self.grant_slots else need
         # Shrink the default grant when the pool is tight rather than wait for it.
-        if nslots > need and self.arena.largest_free_run() < nslots:
+        if nslots > need and arena.largest_free_run() < nslots:
             nslots = need
-        return await self._grant_slots(session, nslots, timeout)
+        return await self._grant_slots(session, nslots, timeout, pool)
 
-    async def _grant_slots(self, session: Session, nslots: int, timeout: float) -> Grant:
+    async def _grant_slots(
+        self, session: Session, nslots: int, timeout: float, pool: str = "shm"
+    ) -> Grant:
+        arena = self.pools[pool]
         start = self.clock()
-        granted = self._try_grant(session, nslots)
-        if granted is not None and not self._waiters:
+        granted = self._try_grant(session, nslots, pool)
+        if granted is not None and not any(w.pool == pool for w in self._waiters):
             self.hooks.reserve_wait(0.0)
             return granted
         if granted is not None:  # someone waits already: fairness first
             self._ungrant(granted)
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(session, nslots, loop.create_future(), start)
+        waiter = _Waiter(session, nslots, loop.create_future(), start, pool)
         self._waiters.append(waiter)
         self._wake()
         try:
@@ -326,7 +368,7 @@ class LeaseManager:
                 self._drop_waiter(waiter)
                 raise ResourceExhaustedError(
                     f"no {nslots * self.slot_size} byte run became free within {timeout:.3g}s "
-                    f"(arena {self.arena.used_bytes}/{self.arena.capacity_bytes} bytes in use)"
+                    f"({pool} {arena.used_bytes}/{arena.capacity_bytes} bytes in use)"
                 ) from None
         except asyncio.CancelledError:
             if (
@@ -348,12 +390,18 @@ class LeaseManager:
             pass
         self._wake()
 
-    def _try_grant(self, session: Session, nslots: int) -> Grant | None:
+    def _quota(self, pool: str) -> int:
+        # The stage quota is sized for the arena; a GPU pool holds at most half its own size.
+        if pool == self.arena.name:
+            return self.quota_slots
+        return max(1, self.pools[pool].capacity_bytes // self.slot_size // 2)
+
+    def _try_grant(self, session: Session, nslots: int, pool: str = "shm") -> Grant | None:
         if session.state is SessionState.CLOSED:
             raise SessionClosedError("session closed")
-        if session.granted_slots + nslots > self.quota_slots:
+        if session.pool_slots.get(pool, 0) + nslots > self._quota(pool):
             return None
-        run = self.arena.allocate(nslots)
+        run = self.pools[pool].allocate(nslots)
         if run is None:
             return None
         grant = Grant(self._next_grant, session.id, run)
@@ -361,6 +409,7 @@ class LeaseManager:
         self.grants[grant.id] = grant
         session.grants[grant.id] = grant
         session.granted_slots += nslots
+        session.pool_slots[pool] = session.pool_slots.get(pool, 0) + nslots
         return grant
 
     def _ungrant(self, grant: Grant) -> None:
@@ -368,22 +417,27 @@ class LeaseManager:
         if session is not None:
             session.grants.pop(grant.id, None)
             session.granted_slots -= grant.run.nslots
+            session.pool_slots[grant.run.pool] -= grant.run.nslots
         self.grants.pop(grant.id, None)
-        self.arena.free(grant.run)
+        self.pools[grant.run.pool].free(grant.run)
 
     def _wake(self) -> None:
         """Serve waiters in arrival order; one blocked on its own quota doesn't block others."""
         while self._waiters and self._waiters[0].future.done():
             self._waiters.popleft()
+        full: set[str] = set()
         for waiter in list(self._waiters):
-            if waiter.future.done():
+            if waiter.future.done() or waiter.pool in full:
                 continue
             s = waiter.session
-            if s.granted_slots + waiter.nslots > self.quota_slots:
+            if s.pool_slots.get(waiter.pool, 0) + waiter.nslots > self._quota(waiter.pool):
                 continue
-            grant = self._try_grant(s, waiter.nslots)
+            grant = self._try_grant(s, waiter.nslots, waiter.pool)
             if grant is None:
-                break  # the arena is full for the oldest waiter: nobody overtakes it
+                # The pool is full for its oldest waiter: nobody overtakes it
+                # there, but waiters on other pools are still served.
+                full.add(waiter.pool)
+                continue
             waiter.future.set_result(grant)
             self._waiters.remove(waiter)
 
@@ -417,6 +471,7 @@ class LeaseManager:
         grant = await self._grant_slots(session, need, timeout)
         session.grants.pop(grant.id, None)
         session.granted_slots -= grant.run.nslots
+        session.pool_slots[grant.run.pool] -= grant.run.nslots
         grant.session_id = ""
         grant.orphan = True
         lease_id = (grant.id << GEN_SHIFT) | 1
@@ -504,6 +559,7 @@ class LeaseManager:
         """
         if session.grants.pop(grant.id, None) is not None:
             session.granted_slots -= grant.run.nslots
+            session.pool_slots[grant.run.pool] -= grant.run.nslots
         self._orphan(grant)
         self._wake()
 
@@ -531,7 +587,7 @@ class LeaseManager:
             id=r.lease_id,
             generation=r.generation,
             grant=grant,
-            run=Run(grant.run.segment, r.slot, r.nslots),
+            run=Run(grant.run.segment, r.slot, r.nslots, grant.run.pool),
             state=LeaseState.RESERVED,
             request_id=r.request_id[:256],
             from_stage=r.from_stage[:256],
@@ -631,10 +687,11 @@ class LeaseManager:
             claimer = self.sessions.get(lease.claimer)
             if claimer is not None:
                 claimer.claimed.discard(lease.id)
-        self.arena.clear_header(lease.run.segment, lease.run.slot)
+        pool = self.pools[lease.run.pool]
+        pool.clear_header(lease.run.segment, lease.run.slot)
         grant = lease.grant
         if grant.orphan:
-            self.arena.free(lease.run)
+            pool.free(lease.run)
             if not grant.leases:
                 self.grants.pop(grant.id, None)
             self._wake()
@@ -749,16 +806,19 @@ class LeaseManager:
     def in_flight(self) -> int:
         return sum(1 for lease in self.leases.values() if lease.state is not LeaseState.RESERVED)
 
-    def lease_slots(self) -> int:
-        return sum(lease.run.nslots for lease in self.leases.values())
+    def lease_slots(self, pool: str = "shm") -> int:
+        return sum(lease.run.nslots for lease in self.leases.values() if lease.run.pool == pool)
 
-    def granted_slots(self) -> int:
-        return sum(g.run.nslots for g in self.grants.values() if not g.orphan)
+    def granted_slots(self, pool: str = "shm") -> int:
+        return sum(
+            g.run.nslots for g in self.grants.values() if not g.orphan and g.run.pool == pool
+        )
 
-    def leases_by_state(self) -> dict[LeaseState, int]:
+    def leases_by_state(self, pool: str = "shm") -> dict[LeaseState, int]:
         counts = dict.fromkeys(LeaseState, 0)
         for lease in self.leases.values():
-            counts[lease.state] += 1
+            if lease.run.pool == pool:
+                counts[lease.state] += 1
         return counts
 
     def new_generation_base(self, grant: Grant) -> int:

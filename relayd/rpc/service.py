@@ -74,6 +74,8 @@ class RelayService(RoutingService, pb_grpc.RelayServicer):
             data_offset=arena.segments[0].data_offset,
             segments=[pb.Segment(name=s.name, size=s.size, index=s.index) for s in arena.segments],
             default_grant_bytes=d.manager.grant_slots * arena.slot_size,
+            cuda_pools=[p.describe() for p in d.cuda_pools],
+            pin_host_memory=d.settings.pin_host_memory,
             lease_ttl_seconds=d.settings.lease_ttl,
             peer_address=d.settings.peer_address,
             probe_offset=d.topology.probe_offset,
@@ -96,8 +98,9 @@ class RelayService(RoutingService, pb_grpc.RelayServicer):
         remaining = context.time_remaining()
         if remaining is not None:
             timeout = min(timeout, max(remaining - 0.05, 0.0))
-        grant = await m.grant(session, request.min_bytes, timeout)
+        grant = await m.grant(session, request.min_bytes, timeout, request.pool or "shm")
         return pb.GrantResponse(
+            pool=grant.run.pool,
             grant_id=grant.id,
             segment=grant.run.segment,
             slot=grant.run.slot,

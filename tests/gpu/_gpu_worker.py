@@ -1,0 +1,139 @@
+"""A GPU stage process for tests/gpu: ``python -m tests.gpu._gpu_worker --socket S --stage NAME``.
+
+Commands arrive as JSON lines on stdin, answers leave as JSON lines on
+stdout (the tests are the "app channel"). ``--cuda-first`` initializes CUDA
+before attaching, so the daemon learns this process's GPU (its edges can be
+routed cuda_ipc_direct / cuda_ipc_pool); without it the process attaches as
+a CPU stage and initializes CUDA only when a command needs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import sys
+from typing import Any
+
+import torch
+from relayd_client import DataRef, RelayClient, _cuda
+
+
+def digest(obj: Any) -> str:
+    h = hashlib.sha256()
+
+    def walk(o: Any) -> None:
+        if isinstance(o, torch.Tensor):
+            t = o.detach().cpu().contiguous()
+            h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        elif isinstance(o, dict):
+            for k in sorted(o):
+                h.update(repr(k).encode())
+                walk(o[k])
+        elif isinstance(o, (list, tuple)):
+            for v in o:
+                walk(v)
+        else:
+            h.update(repr(o).encode())
+
+    walk(obj)
+    return h.hexdigest()
+
+
+def devices(obj: Any) -> list[str]:
+    if isinstance(obj, torch.Tensor):
+        return [obj.device.type]
+    if isinstance(obj, dict):
+        return [d for k in sorted(obj) for d in devices(obj[k])]
+    if isinstance(obj, (list, tuple)):
+        return [d for v in obj for d in devices(v)]
+    return []
+
+
+def heavy_source(nbytes: int, seed: int) -> torch.Tensor:
+    """A tensor still being computed when put() is called: a chain of big matmuls."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    a = torch.randn(4096, 4096, device="cuda", generator=g)
+    b = torch.randn(4096, 4096, device="cuda", generator=g) / 64.0
+    for _ in range(40):
+        a = torch.tanh(a @ b)
+    flat = a.reshape(-1).view(torch.uint8)
+    return (
+        flat[:nbytes].clone()
+        if nbytes <= flat.numel()
+        else flat.repeat(nbytes // flat.numel() + 1)[:nbytes]
+    )
+
+
+def make_payload(where: str, seed: int, nbytes: int, heavy: bool) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    main = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+    half = torch.randn(64, 33, generator=g).to(torch.bfloat16)
+    if where == "cpu":
+        return {"seed": seed, "hidden": main, "extra": half}
+    gpu_main = heavy_source(nbytes, seed) if heavy else main.cuda()
+    out: dict[str, Any] = {"seed": seed, "hidden": gpu_main, "extra": half.cuda().t()}
+    if where == "mixed":
+        out["cpu"] = torch.arange(1000, dtype=torch.int64)
+    return out
+
+
+async def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--socket", required=True)
+    p.add_argument("--stage", required=True)
+    p.add_argument("--cuda-first", action="store_true")
+    p.add_argument("--device", type=int, default=0)
+    args = p.parse_args()
+    if args.cuda_first:
+        torch.cuda.set_device(args.device)
+        torch.cuda.init()
+    kept: list[Any] = []  # direct CUDA IPC: the writer keeps its tensors alive
+    async with RelayClient(args.stage, args.socket, timeout=30.0) as client:
+        print(json.dumps({"ready": True}), flush=True)
+        loop = asyncio.get_running_loop()
+        while True:
+            line = await loop.run_in_executor(None, sys.stdin.readline)
+            if not line.strip():
+                break
+            cmd = json.loads(line)
+            try:
+                if cmd["op"] == "put":
+                    payload = make_payload(
+                        cmd.get("where", "cuda"),
+                        cmd["seed"],
+                        cmd["nbytes"],
+                        cmd.get("heavy", False),
+                    )
+                    ref = await client.put(payload, to_stage=cmd["to"], request_id=cmd["rid"])
+                    kept.append(payload)
+                    answer = {"ref": ref.to_bytes().hex(), "digest": digest(payload)}
+                    answer["transport"] = ref.transport.value
+                elif cmd["op"] == "get":
+                    ref = DataRef.from_bytes(bytes.fromhex(cmd["ref"]))
+                    obj = await client.get(ref)
+                    answer = {
+                        "digest": digest(obj),
+                        "devices": devices(obj),
+                        "transport": ref.transport.value,
+                    }
+                    if torch.cuda.is_initialized():
+                        torch.cuda.synchronize()
+                elif cmd["op"] == "facts":
+                    gpu = client._gpu
+                    answer = {
+                        "pool_imports": _cuda.pool_imports,
+                        "pinned": bool(gpu is not None and gpu.pinned),
+                        "cuda": torch.cuda.is_initialized(),
+                    }
+                else:
+                    answer = {"error": f"unknown op {cmd['op']}"}
+            except Exception as exc:  # reported to the test, which decides
+                answer = {"error": f"{type(exc).__name__}: {exc}"}
+            print(json.dumps(answer), flush=True)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -1,0 +1,299 @@
+"""The GPU paths' device-agnostic logic, on CPU: identity, routing, layout, pools, leases.
+
+A GPU pool here is a real :class:`relayd.pools.cuda.CudaPool` (real allocator,
+real SHM header segment) without device memory, so the lease rules it shares
+with the arena run unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import pytest
+from relayd_client import CorruptRefError, ResourceExhaustedError, _cuda
+from relayd_client._packing import TensorSpec, validate_layout
+from relayd_client._proto import relay_pb2 as pb
+from relayd_client._shm import HEADER_STRIDE, MappedSegment
+from relayd_client._transport import Transport
+
+from relayd.pools.arena import Arena
+from relayd.pools.cuda import HEADER_SEGMENT_BASE, CudaPool, export_handle, pool_geometry
+from relayd.pools.leases import Hooks, LeaseManager, LeaseState
+
+SLOT = 64 << 10
+GPU_A = "GPU-58b9e9e8-0000-0000-0000-00000000000a"
+GPU_B = "GPU-58b9e9e8-0000-0000-0000-00000000000b"
+
+# ---------------------------------------------------------------- identity
+
+
+def test_uuid_of_matches_nvidia_smi_spelling() -> None:
+    assert _cuda.uuid_of(SimpleNamespace(uuid="58b9e9e8-aaaa")) == "GPU-58b9e9e8-aaaa"
+    assert _cuda.uuid_of(SimpleNamespace(uuid="GPU-58b9e9e8-aaaa")) == "GPU-58b9e9e8-aaaa"
+    assert _cuda.uuid_of(SimpleNamespace(uuid="MIG-1234")) == "MIG-1234"
+
+
+def test_uuid_maps_to_each_process_own_ordinal() -> None:
+    # Writer sees (A, B); a reader started with CUDA_VISIBLE_DEVICES=1 sees (B,).
+    writer, reader = (GPU_A, GPU_B), (GPU_B,)
+    assert _cuda.local_ordinal(GPU_B, writer) == 1
+    assert _cuda.local_ordinal(GPU_B, reader) == 0
+    assert _cuda.local_ordinal(GPU_A, reader) is None
+
+
+def test_leaf_gpu_reads_layout_devices() -> None:
+    assert _cuda.leaf_gpu("cpu") is None
+    assert _cuda.leaf_gpu(_cuda.device_field(GPU_A)) == GPU_A
+    assert _cuda.leaf_gpu("cuda:0") == ""  # an ordinal: "some GPU", never matched by UUID
+    with pytest.raises(CorruptRefError):
+        _cuda.leaf_gpu("mps:0")
+
+
+def test_cpu_process_never_initializes_cuda() -> None:
+    import torch
+
+    assert not torch.cuda.is_initialized()
+    assert not _cuda.uses_cuda() and _cuda.used_gpus() == ()
+    assert _cuda.pin_host([torch.zeros(8, dtype=torch.uint8)], "auto") == []
+    assert _cuda.reader_device() == torch.device("cpu")
+    assert not torch.cuda.is_initialized()
+
+
+# ---------------------------------------------------------------- route
+
+
+def _facts(*devices: str) -> _cuda.PayloadGpuFacts:
+    return _cuda.payload_facts(list(devices))
+
+
+def test_payload_facts() -> None:
+    f = _facts(_cuda.device_field(GPU_B), _cuda.device_field(GPU_A), _cuda.device_field(GPU_A))
+    assert f.cuda_uuids == (GPU_A, GPU_B) and not f.has_cpu_tensors
+    assert _facts("cpu", _cuda.device_field(GPU_A)).has_cpu_tensors
+    assert _facts("cpu").cuda_uuids == ()
+
+
+@pytest.mark.parametrize(
+    ("devices", "daemon", "expected"),
+    [
+        # the daemon knows the reader: its answer stands where this client can serve it
+        ((GPU_A,), Transport.CUDA_IPC_DIRECT, Transport.CUDA_IPC_DIRECT),
+        ((GPU_A,), Transport.CUDA_IPC_POOL, Transport.CUDA_IPC_POOL),
+        ((GPU_A,), Transport.SHM, Transport.SHM),  # GPU -> CPU, no peer access, reader unknown
+        ((GPU_B,), Transport.CUDA_IPC_POOL, Transport.SHM),  # no pool on B
+        ((GPU_A, GPU_B), Transport.CUDA_IPC_POOL, Transport.SHM),  # one lease, one pool
+        ((GPU_A, GPU_B), Transport.CUDA_IPC_DIRECT, Transport.CUDA_IPC_DIRECT),
+        (("cpu", GPU_A), Transport.CUDA_IPC_POOL, Transport.SHM),  # mixed: CPU leaves stay CPU
+        (("cpu",), Transport.CUDA_IPC_POOL, Transport.SHM),
+        (("cuda:0",), Transport.CUDA_IPC_POOL, Transport.SHM),  # no UUID, no pool
+    ],
+)
+def test_choose_gpu_transport(
+    devices: tuple[str, ...], daemon: Transport, expected: Transport
+) -> None:
+    fields = [d if d.startswith(("cpu", "cuda:")) else _cuda.device_field(d) for d in devices]
+    got = _cuda.choose_gpu_transport(_facts(*fields), pools={GPU_A}, daemon_route=daemon)
+    assert got is expected
+
+
+def test_direct_falls_back_to_the_pool_when_handles_do_not_fit() -> None:
+    facts = _cuda.PayloadGpuFacts(cuda_uuids=(GPU_A,), direct_meta_bytes=64 * 1024 + 1)
+    chosen = _cuda.choose_gpu_transport(
+        facts, pools={GPU_A}, daemon_route=Transport.CUDA_IPC_DIRECT
+    )
+    assert chosen is Transport.CUDA_IPC_POOL
+
+
+def test_client_facts_agree_with_the_router() -> None:
+    from relayd.router import DIRECT_META_LIMIT, PayloadFacts
+
+    assert _cuda.DIRECT_META_LIMIT == DIRECT_META_LIMIT
+    f = _facts(_cuda.device_field(GPU_A), _cuda.device_field(GPU_B))
+    PayloadFacts(encoded_bytes=1 << 20, cuda_uuids=f.cuda_uuids)  # UUIDs, not ordinals
+
+
+# ---------------------------------------------------------------- DataRef layout
+
+
+def test_dataref_layout_for_cuda_tensors_round_trips() -> None:
+    specs = [
+        TensorSpec(0, (4, 256), "bfloat16", 0, 2048, _cuda.device_field(GPU_A)),
+        TensorSpec(1, (3,), "int64", 2048, 24, "cpu"),
+    ]
+    validate_layout(specs, 4096)
+    handle = pb.CudaIpcHandle(
+        handle=b"h" * 64, storage_bytes=4096, stride=[256, 1], storage_offset=256
+    )
+    msg = pb.DataRef(transport=pb.TRANSPORT_CUDA_IPC_POOL, cuda_event=b"e" * 64)
+    for s in specs:
+        layout = msg.tensors.add(
+            index=s.index, shape=s.shape, dtype=s.dtype, offset=s.offset, nbytes=s.nbytes
+        )
+        layout.device = s.device
+    msg.tensors[0].cuda_ipc.CopyFrom(handle)
+    back = pb.DataRef.FromString(msg.SerializeToString())
+    assert back.tensors[0].device == f"cuda:{GPU_A}" and back.tensors[1].device == "cpu"
+    assert back.tensors[0].cuda_ipc.stride == [256, 1] and back.cuda_event == b"e" * 64
+    assert not back.tensors[1].HasField("cuda_ipc")
+
+
+def test_direct_handle_view_must_stay_inside_its_storage() -> None:
+    ok = pb.CudaIpcHandle(storage_bytes=4 * 8 * 2, stride=[8, 1], storage_offset=0)
+    _cuda.check_direct_handle(ok, (4, 8), 2)
+    past = pb.CudaIpcHandle(storage_bytes=4 * 8 * 2, stride=[8, 1], storage_offset=1)
+    with pytest.raises(CorruptRefError):
+        _cuda.check_direct_handle(past, (4, 8), 2)
+    with pytest.raises(CorruptRefError):
+        _cuda.check_direct_handle(pb.CudaIpcHandle(storage_bytes=64, stride=[1]), (4, 8), 2)
+
+
+def test_export_handle_drops_the_ordinal() -> None:
+    share = (3, b"m" * 64, 1 << 20, 4096, b"/torch_1_2", 16, b"e" * 64, True)
+    h = export_handle(share)
+    assert (h.handle, h.storage_bytes, h.storage_offset_bytes) == (b"m" * 64, 1 << 20, 4096)
+    assert (h.ref_counter_handle, h.ref_counter_offset, h.event_sync_required) == (
+        b"/torch_1_2",
+        16,
+        True,
+    )
+    assert "device" not in pb.CudaIpcHandle.DESCRIPTOR.fields_by_name  # no ordinal travels
+
+
+# ---------------------------------------------------------------- pools and leases
+
+
+def test_pool_geometry() -> None:
+    g = pool_geometry((256 << 20) + 123, SLOT)
+    assert g.nslots == 4096 and g.nbytes == 256 << 20
+    assert g.header_bytes >= g.nslots * HEADER_STRIDE
+    with pytest.raises(ValueError):
+        pool_geometry(SLOT - 1, SLOT)
+
+
+@pytest.fixture
+def arena() -> Iterator[Arena]:
+    a = Arena(node_id="unit", epoch=os.urandom(4).hex(), total_bytes=32 * SLOT + 8192,
+              segment_bytes=1 << 30, slot_size=SLOT)  # fmt: skip
+    yield a
+    a.close()
+
+
+@pytest.fixture
+def gpu_pool(arena: Arena) -> Iterator[CudaPool]:
+    geometry = pool_geometry(16 * SLOT, SLOT)
+    headers = MappedSegment(
+        f"{arena.prefix}.{HEADER_SEGMENT_BASE}", geometry.header_bytes, 0, HEADER_STRIDE,
+        create=True,
+    )  # fmt: skip
+    pool = CudaPool(uuid=GPU_A, device_index=0, geometry=geometry, headers=headers)
+    yield pool
+    pool.close()
+
+
+def _manager(arena: Arena, pool: CudaPool, reclaimed: list[str]) -> LeaseManager:
+    return LeaseManager(
+        arena, grant_bytes=4 * SLOT, lease_ttl=10.0, stage_quota_bytes=24 * SLOT,
+        max_sessions=8, pools={pool.name: pool},
+        hooks=Hooks(reclaimed=lambda reason, n: reclaimed.extend([reason.value] * n)),
+    )  # fmt: skip
+
+
+def _session(m: LeaseManager, stage: str, frames: list[pb.SessionFrame]):  # type: ignore[no-untyped-def]
+    s = m.open_session(pid=1, stages=[stage], gpu_uuids=[GPU_A])
+    return m.bind(s.id, s.token, frames.append, pid=1, uid=0, gid=0)
+
+
+def _publish(m, s, grant, slot: int, n: int) -> int:  # type: ignore[no-untyped-def]
+    lease_id = m.new_generation_base(grant) + slot + 1
+    m.on_reserve(s, pb.Reserve(lease_id=lease_id, grant_id=grant.id, slot=grant.run.slot + slot,
+                               nslots=n, generation=lease_id, request_id="r", to_stage="talker",
+                               from_stage=s.stages[0]))  # fmt: skip
+    m.on_publish(
+        s, pb.Publish(lease_id=lease_id, nbytes=n * SLOT, transport=pb.TRANSPORT_CUDA_IPC_POOL)
+    )
+    return lease_id
+
+
+def test_gpu_pool_uses_the_arena_lease_rules(arena: Arena, gpu_pool: CudaPool) -> None:
+    reclaimed: list[str] = []
+    m = _manager(arena, gpu_pool, reclaimed)
+    w, r = _session(m, "thinker", []), _session(m, "talker", [])
+    grant = asyncio.run(m.grant(w, SLOT, 1.0, gpu_pool.name))
+    assert grant.run.pool == gpu_pool.name and arena.used_bytes == 0
+    lid = _publish(m, w, grant, 0, 2)
+    gpu_pool.headers.write_header(grant.run.slot, lid, 2 * SLOT)  # the writer stamps it
+    m.on_claim(r, pb.Claim(lease_id=lid, generation=lid))
+    assert m.leases[lid].state is LeaseState.CLAIMED
+    assert m.lease_slots(gpu_pool.name) == 2 and m.lease_slots() == 0
+    m.on_release(r, pb.Release(lease_id=lid, generation=lid))
+    # Freed into the pool's header segment and allocator, not the arena's.
+    assert gpu_pool.header(0, grant.run.slot) == (0, 0)
+    m.close_session(w.id)
+    assert gpu_pool.used_bytes == 0 and gpu_pool.free_slots == gpu_pool.nslots
+    assert reclaimed == []
+
+
+def test_gpu_pool_reclaims_on_writer_and_reader_death(arena: Arena, gpu_pool: CudaPool) -> None:
+    reclaimed: list[str] = []
+    m = _manager(arena, gpu_pool, reclaimed)
+    w, r = _session(m, "thinker", []), _session(m, "talker", [])
+    grant = asyncio.run(m.grant(w, SLOT, 1.0, gpu_pool.name))
+    read = _publish(m, w, grant, 0, 1)
+    unread = _publish(m, w, grant, 1, 1)
+    assert unread in m.leases
+    m.on_claim(r, pb.Claim(lease_id=read, generation=read))
+    m.close_session(w.id)  # published leases outlive their writer
+    assert gpu_pool.used_bytes == 2 * SLOT
+    m.close_session(r.id)  # the claimed one dies with its reader
+    assert reclaimed == ["reader_died"] and gpu_pool.used_bytes == SLOT
+    m.drop_all()
+    assert gpu_pool.used_bytes == 0 and arena.used_bytes == 0
+
+
+def test_full_gpu_pool_does_not_block_arena_waiters(arena: Arena, gpu_pool: CudaPool) -> None:
+    m = _manager(arena, gpu_pool, [])
+    a, b, c = _session(m, "a", []), _session(m, "b", []), _session(m, "c", [])
+
+    async def scenario() -> None:
+        held = await m.grant(a, 8 * SLOT, 1.0, gpu_pool.name)  # the pool's quota: half
+        with pytest.raises(ResourceExhaustedError, match="quota"):
+            await m.grant(a, 9 * SLOT, 0.05, gpu_pool.name)
+        await m.grant(b, 8 * SLOT, 1.0, gpu_pool.name)  # now the pool is full
+        waiting = asyncio.ensure_future(m.grant(c, SLOT, 5.0, gpu_pool.name))
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        shm = await asyncio.wait_for(m.grant(c, SLOT, 1.0), 1.0)  # not stuck behind it
+        assert shm.run.pool == "shm"
+        m.return_grant(a, held.id)
+        assert (await waiting).run.pool == gpu_pool.name
+
+    asyncio.run(asyncio.wait_for(scenario(), 10))
+
+
+def test_unknown_pool_is_refused(arena: Arena, gpu_pool: CudaPool) -> None:
+    from relayd_client import InvalidArgumentError
+
+    m = _manager(arena, gpu_pool, [])
+    s = _session(m, "a", [])
+    with pytest.raises(InvalidArgumentError):
+        asyncio.run(m.grant(s, SLOT, 0.1, f"cuda:{GPU_B}"))
+
+
+def test_pool_status_and_attach_description(gpu_pool: CudaPool) -> None:
+    from relayd.pools.cuda import pool_status
+
+    run = gpu_pool.allocate(3)
+    assert run is not None and run.pool == f"cuda:{GPU_A}"
+    st = pool_status(gpu_pool, 3, 4)
+    assert st["name"] == f"cuda:{GPU_A}" and st["used_bytes"] == 3 * SLOT
+    assert st["largest_free_run_bytes"] == 13 * SLOT and st["free_slots"] == 13
+    d = gpu_pool.describe()
+    assert d.gpu_uuid == GPU_A and d.nslots == 16 and d.headers.name == gpu_pool.headers.name
+    # A client maps the header segment exactly as announced.
+    seg = MappedSegment(d.headers.name, d.headers.size, 0, HEADER_STRIDE)
+    gpu_pool.headers.write_header(5, 77, 88)
+    assert seg.read_header(5) == (77, 88)
+    seg.close()
