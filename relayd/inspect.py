@@ -299,6 +299,63 @@ def _sessions(d: Mapping[str, Any]) -> list[str]:
     return [f"SESSIONS  {len(sessions)}", *_table(cols, rows)]
 
 
+def _registry(d: Mapping[str, Any]) -> list[str]:
+    """The stage registry (who serves what, and how it moves bytes) and each edge's route."""
+    stages, edges = _items(d, "stages"), _items(d, "edges")
+    if not stages and not edges:
+        return []
+    lines = [f"STAGES  {len(stages)}, registry version {_int(d.get('registry_version'))}"]
+    if stages:
+        cols = [
+            _Col("STAGE", shrink_to=8),
+            _Col("PID", right=True),
+            _Col("DATA"),
+            _Col("GPUS", shrink_to=8, optional=True),
+            _Col("SESSION", shrink_to=8),
+        ]
+        rows = [
+            [
+                str(s.get("stage") or "-"),
+                str(_int(s.get("pid"))),
+                "shm" if s.get("can_map_shm") else "socket",
+                ",".join(_pool_label(f"cuda:{g}")[5:] for g in s.get("gpu_uuids") or []) or "-",
+                str(s.get("session_id") or "-"),
+            ]
+            for s in sorted(stages, key=lambda s: (str(s.get("stage")), str(s.get("session_id"))))
+        ]
+        lines += _table(cols, rows)
+    if edges:
+        cols = [
+            _Col("EDGE", shrink_to=12),
+            _Col("TRANSPORT"),
+            _Col("ROUTED", right=True),
+            _Col("REASON", shrink_to=10),
+        ]
+        rows = [
+            [
+                f"{e.get('from_stage') or '?'} -> {e.get('to_stage') or '?'}",
+                _transport(e.get("transport")),
+                str(_int(e.get("count"))),
+                str(e.get("reason") or "-"),
+            ]
+            for e in edges
+        ]
+        lines += ["", f"EDGES  {len(edges)}", *_table(cols, rows)]
+    return lines
+
+
+_TRANSPORTS = {
+    1: "inline", 2: "local_object", 3: "cuda_ipc_direct", 4: "cuda_ipc_pool", 5: "shm",
+    6: "mooncake", 7: "socket",
+}  # fmt: skip
+
+
+def _transport(value: Any) -> str:
+    if isinstance(value, int):
+        return _TRANSPORTS.get(value, "unspecified")
+    return _enum_name(value or "unspecified", "TRANSPORT_")
+
+
 def _peers(d: Mapping[str, Any]) -> list[str]:
     if "peers" not in d:
         return []
@@ -364,8 +421,16 @@ def _join(sections: Iterable[list[str]]) -> str:
 
 
 def render_status(d: Mapping[str, Any]) -> str:
-    """Header, pools, leases (the oldest few), sessions, peers and counters."""
-    sections = [_header(d), _pools(d), _leases(d), _sessions(d), _peers(d), _totals(d)]
+    """Header, pools, leases (the oldest few), sessions, stages and edges, peers, counters."""
+    sections = [
+        _header(d),
+        _pools(d),
+        _leases(d),
+        _sessions(d),
+        _registry(d),
+        _peers(d),
+        _totals(d),
+    ]
     return _join(sections[:1] + [["", *s] for s in sections[1:] if s])
 
 

@@ -185,6 +185,66 @@ STATUS: dict[str, Any] = {
     },
     "reclaimed_by_reason": {"ttl": "3", "session_closed": "2"},
     "version": "0.1.0",
+    "registry_version": "7",
+    "stages": [
+        {
+            "stage": "thinker",
+            "session_id": "3c1d9e0a-5b7f-4e21-9a8c-2f6b1d0e7a44",
+            "node_id": "gpu-node-7-3f9a1c2e",
+            "process_key": "pid:[4026531836]:41872:99120",
+            "can_map_shm": True,
+            "gpu_uuids": ["GPU-8a1b2c3d-4e5f-6071-8293-a4b5c6d7e8f9"],
+            "pid": 41872,
+        },
+        {
+            "stage": "talker",
+            "session_id": "s-b2",
+            "node_id": "gpu-node-7-3f9a1c2e",
+            "process_key": "pid:[4026531836]:41901:99175",
+            "can_map_shm": True,
+            "gpu_uuids": ["GPU-77aa01bc-0000-1111-2222-333344445555"],
+            "pid": 41901,
+        },
+        {
+            "stage": "vocoder",
+            "session_id": "s-b2",
+            "node_id": "gpu-node-7-3f9a1c2e",
+            "process_key": "pid:[4026531836]:41901:99175",
+            "can_map_shm": True,
+            "gpu_uuids": ["GPU-77aa01bc-0000-1111-2222-333344445555"],
+            "pid": 41901,
+        },
+        {
+            "stage": "audio-encoder",
+            "session_id": "s-c3",
+            "node_id": "gpu-node-7-3f9a1c2e",
+            "process_key": "pid:[4026532455]:7:31337",
+            "pid": 42010,
+        },
+    ],
+    "edges": [
+        {
+            "from_stage": "audio-encoder",
+            "to_stage": "thinker",
+            "transport": "TRANSPORT_SOCKET",
+            "reason": "writer cannot map daemon SHM",
+            "count": "3",
+        },
+        {
+            "from_stage": "talker",
+            "to_stage": "vocoder",
+            "transport": "TRANSPORT_LOCAL_OBJECT",
+            "reason": "same process",
+            "count": "12",
+        },
+        {
+            "from_stage": "thinker",
+            "to_stage": "talker",
+            "transport": "TRANSPORT_CUDA_IPC_POOL",
+            "reason": "GPU-8a1b2c3d -> GPU-77aa01bc (different GPUs)",
+            "count": "2",
+        },
+    ],
 }
 
 
@@ -276,6 +336,11 @@ def status_response() -> Any:
     resp.sessions.add(
         session_id="s-c3", pid=42010, stages=["audio-encoder"], leases=1, age_seconds=95.0
     )
+    resp.registry_version = 7
+    for stage in STATUS["stages"]:
+        resp.stages.add(**stage)
+    for edge in STATUS["edges"]:
+        resp.edges.add(**{**edge, "count": int(edge["count"])})
     return resp
 
 
