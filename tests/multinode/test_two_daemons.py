@@ -309,3 +309,16 @@ def test_abort_on_reader_node_frees_the_request_on_the_origin(pair: tuple[Node, 
     asyncio.run(abort_then_read())
     wait_until(lambda: a.daemon.pool()["used_bytes"] == 0, 10, "the origin to free the request")
     wait_until(lambda: a.used() == 0 and b.used() == 0, 10, "both arenas back to zero")
+
+
+def test_second_read_of_a_pulled_ref_is_stale(pair: tuple[Node, Node]) -> None:
+    a, b = pair
+    refs = _lines(run_worker(["write", "--socket", a.daemon.socket, "--sizes", "300000"]))
+    line = refs[0]
+    r = run_worker(["read", "--socket", b.daemon.socket], input=line.encode() + b"\n\n")
+    assert _lines(r)[1:] == [line.split()[1]]
+    # The writer's lease is released in the background once the copy is verified.
+    wait_until(lambda: a.used() == 0, 10, "the writer's lease to be released")
+    r = run_worker(["read", "--socket", b.daemon.socket], input=line.encode() + b"\n\n")
+    assert _lines(r)[1].startswith("ERR StaleRefError"), _lines(r)
+    wait_until(lambda: b.used() == 0, 10, "the reader's arena back to zero")
