@@ -4,8 +4,8 @@ Pure functions from the status dict to text; the CLI fetches and prints. The
 dict is ``MessageToDict(StatusResponse, preserving_proto_field_name=True)``,
 so every field may be missing (proto3 leaves out defaults), 64-bit integers
 may be strings, and enums may be names or numbers; all of that is accepted.
-A ``"peers"`` list of ``{peer, up, credits_in_use, credits_capacity}`` is
-rendered when present.
+A ``"peers"`` list of ``{node_id or peer, address, up, credits_in_use,
+credits_capacity}`` (``PeerStatus``) is rendered when present.
 """
 
 from __future__ import annotations
@@ -368,7 +368,7 @@ def _peers(d: Mapping[str, Any]) -> list[str]:
         in_use, capacity = _int(p.get("credits_in_use")), _int(p.get("credits_capacity"))
         rows.append(
             [
-                str(p.get("peer") or "?"),
+                str(p.get("peer") or p.get("node_id") or p.get("address") or "?"),
                 "up" if p.get("up") else "down",
                 format_bar(in_use, capacity),
                 f"{in_use}/{capacity}",

@@ -12,6 +12,7 @@ import asyncio
 import pathlib
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -155,6 +156,13 @@ def test_round_trips_1b_to_64mib(pair: tuple[Node, Node]) -> None:
     assert _metric(text, "relayd_mooncake_credits_in_use", peer=a.address) == 0
     assert _metric(text, "relayd_transfers_total", transport="mooncake") == 5
     assert _metric(text, "relayd_mooncake_pull_seconds_count") == 5
+    shown = subprocess.run(
+        [sys.executable, "-m", "relayd", "status", "--socket", b.daemon.socket],
+        capture_output=True,
+        timeout=30,
+        check=True,
+    ).stdout.decode()
+    assert "node-a" in shown and " up " in shown
 
 
 def test_200_concurrent_transfers_respect_credits(pair: tuple[Node, Node]) -> None:
