@@ -36,6 +36,7 @@ from ._errors import (
     UnsafePayloadError,
     VersionMismatchError,
 )
+from ._refs import TensorRef
 from ._transport import Transport
 
 if TYPE_CHECKING:
@@ -75,6 +76,7 @@ __all__ = [
     "StaleEpochError",
     "StaleRefError",
     "StreamError",
+    "TensorRef",
     "Transport",
     "UnsafePayloadError",
     "VersionMismatchError",

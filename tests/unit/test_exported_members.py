@@ -15,7 +15,7 @@ def test_public_api() -> None:
             "DrainingError", "ErrorCode", "InternalError", "InvalidArgumentError", "NotFoundError",
             "PeerUnavailableError", "PermissionDeniedError", "RelayClient", "RelayError",
             "RelayTimeoutError", "ResourceExhaustedError", "SessionClosedError", "StaleEpochError",
-            "StaleRefError", "StreamError", "Transport", "UnsafePayloadError",
+            "StaleRefError", "StreamError", "TensorRef", "Transport", "UnsafePayloadError",
             "VersionMismatchError",
         ]
     )  # fmt: skip
