@@ -21,12 +21,13 @@ import contextlib
 import logging
 import os
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from relayd_client._proto import relay_pb2 as pb
 from relayd_client._shm import PROBE_BYTES, probe_offset_for
 
 from .pools.arena import Arena
+from .pools.cuda import peer_access as gpu_peer_access
 from .pools.leases import LeaseManager, Session
 from .registry import StageRegistry
 from .router import PayloadFacts, Placement, route
@@ -135,8 +136,11 @@ class Topology:
             has_cpu_tensors=req.has_cpu_tensors,
             is_chunk=req.is_chunk,
             chunk_meta_has_tensor=req.chunk_meta_has_tensor,
+            cuda_uuids=_gpu_uuids(req.cuda_uuids),
         )
-        chosen = route(writer, self.registry.lookup(req.to_stage), facts)
+        chosen = route(
+            writer, self.registry.lookup(req.to_stage), facts, peer_access=gpu_peer_access
+        )
         from_stage = req.from_stage if req.from_stage in session.stages else session.stages[0]
         self.registry.note_edge(from_stage, req.to_stage, chosen)
         return pb.RouteResponse(
@@ -182,3 +186,10 @@ class Topology:
             )
         for s in resp.sessions:
             s.data_path = "shm" if self.can_map(s.session_id) else "socket"
+
+
+def _gpu_uuids(raw: Iterable[str]) -> tuple[str, ...]:
+    """The payload's GPUs as the writer named them. Anything that is not a UUID
+    is dropped (the router refuses ordinals), so a confused client gets shm."""
+    names = {u[:64] for u in list(raw)[:64] if u and not u.startswith("cuda:")}
+    return tuple(sorted(u for u in names if not u.strip().isdigit()))

@@ -23,7 +23,7 @@ from typing import Any
 
 import grpc
 
-from . import _codec, _local, _packing, _remote
+from . import _codec, _cuda, _local, _packing, _remote
 from ._dataref import KIND_DATA, KIND_DONE, KIND_ERROR, VERSION, DataRef
 from ._errors import (
     AbortedError,
@@ -93,7 +93,9 @@ def default_socket() -> str:
 
 
 class _Grant:
-    __slots__ = ("alloc", "base", "gen_base", "id", "live", "next_seq", "nslots", "segment")
+    __slots__ = (
+        "alloc", "base", "gen_base", "id", "live", "next_seq", "nslots", "pool", "segment"
+    )  # fmt: skip
 
     def __init__(self, resp: pb.GrantResponse) -> None:
         self.id = resp.grant_id
@@ -104,6 +106,7 @@ class _Grant:
         self.alloc = SlotAllocator(resp.nslots)
         self.next_seq = 1
         self.live = 0
+        self.pool = resp.pool or "shm"
 
 
 class _Lease:
@@ -153,6 +156,7 @@ class RelayClient:
         self._leases: dict[int, _Lease] = {}
         self._space = asyncio.Event()
         self._grant_task: asyncio.Task[pb.GrantResponse] | None = None
+        self._gpu_grant_tasks: dict[str, asyncio.Task[pb.GrantResponse]] = {}  # by GPU pool
         self._aborted: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._draining = False
         self._lost = False
@@ -160,9 +164,10 @@ class RelayClient:
         # cross-node: object id -> the local DataRef a zero-copy get fetched it into
         self._fetched: dict[str, pb.DataRef] = {}
         self._reports: dict[pb.Transport, list[int]] = {}
+        self._gpu: _cuda.GpuSide | None = None
         # Routing: one answer per (to_stage, payload kind), dropped when the
         # daemon announces a new registry version.
-        self._routes: dict[tuple[str, bool], pb.RouteResponse] = {}
+        self._routes: dict[tuple[str, bool, tuple[str, ...]], pb.RouteResponse] = {}
         self.registry_version = 0
         # True when this process cannot map the arena: bytes go over gRPC.
         self.socket_fallback = False
@@ -196,6 +201,7 @@ class RelayClient:
                     stages=list(self.stages),
                     pid=os.getpid(),
                     namespaces=_namespaces(),
+                    gpu_uuids=list(_cuda.used_gpus()),
                 ),
                 timeout=self.timeout,
             )
@@ -215,6 +221,8 @@ class RelayClient:
             raise
         if self.socket_fallback:
             self._unmap()
+        elif self._views:
+            self._gpu = _cuda.GpuSide(self._attach, self._views)
         self.state = ClientState.OPENED
         _local.serve(self.stages, self)
 
@@ -243,6 +251,9 @@ class RelayClient:
             return b""
 
     def _unmap(self) -> None:
+        if self._gpu is not None:
+            self._gpu.close()  # unpins the arena: before the views go
+            self._gpu = None
         self._views.clear()
         for seg in self._segments:
             seg.close()
@@ -257,6 +268,9 @@ class RelayClient:
         await self._teardown()
 
     async def _teardown(self) -> None:
+        for gpu_task in self._gpu_grant_tasks.values():
+            gpu_task.cancel()
+        self._gpu_grant_tasks.clear()
         if self._grant_task is not None:
             self._grant_task.cancel()
             with contextlib.suppress(BaseException):
@@ -321,6 +335,7 @@ class RelayClient:
         else:
             header, codec = _codec.encode(tree), pb.HEADER_CODEC_SAFE
         specs, total = _packing.plan_layout(tensors, alignment=ALIGNMENT)
+        specs = _cuda.name_gpus(specs)
         msg = self._new_msg(a, request_id, to_stage, -1 if chunk_id is None else chunk_id)
         msg.header_codec = codec
         msg.header = header
@@ -340,7 +355,11 @@ class RelayClient:
             return DataRef(msg)
         if request_id in self._aborted:
             raise AbortedError(f"request {request_id!r} was aborted")
-        route = await self._route(to_stage, any(t.device.type == "cpu" for t in tensors))
+        route = await self._route(
+            to_stage,
+            any(t.device.type == "cpu" for t in tensors),
+            _cuda.payload_facts([s.device for s in specs if s.nbytes]).cuda_uuids,
+        )
         # The registry says "same process"; the stage must also still be served
         # here (it may have closed since). A payload with forwarded refs goes
         # the normal way so that get() at the consumer materializes them.
@@ -350,6 +369,10 @@ class RelayClient:
             _local.put(obj, to_stage, request_id, msg.object_id)
             self._report(pb.TRANSPORT_LOCAL_OBJECT, _packing.payload_nbytes(specs))
             return DataRef(msg)
+        if self._gpu is not None and not refs:
+            gpu_ref = await self._put_gpu(msg, tensors, specs, total, timeout, route)
+            if gpu_ref is not None:
+                return gpu_ref
         return await self._publish(msg, tensors, specs, total, timeout)
 
     def _new_msg(
@@ -488,9 +511,9 @@ class RelayClient:
         msg.lease.CopyFrom(resp.lease)
         return DataRef(msg)
 
-    async def _route(self, to_stage: str, has_cpu: bool) -> int:
+    async def _route(self, to_stage: str, has_cpu: bool, cuda_uuids: tuple[str, ...] = ()) -> int:
         """The registry's transport for this edge: asked once, then cached until it changes."""
-        key = (to_stage, has_cpu)
+        key = (to_stage, has_cpu, cuda_uuids)
         cached = self._routes.get(key)
         if cached is not None:
             return int(cached.transport)
@@ -506,6 +529,8 @@ class RelayClient:
                     to_stage=to_stage,
                     encoded_bytes=INLINE_LIMIT + 1,  # inline was ruled out by the caller
                     has_cpu_tensors=has_cpu,
+                    cuda_uuids=list(cuda_uuids),
+                    inline_meta_bytes=_cuda.direct_meta_estimate(len(cuda_uuids)),
                 ),
                 timeout=self.timeout,
             )
@@ -588,11 +613,11 @@ class RelayClient:
         msg.message = message[:4096]
         return DataRef(msg)
 
-    async def _reserve(self, nbytes: int, deadline: float) -> _Lease:
+    async def _reserve(self, nbytes: int, deadline: float, pool: str = "shm") -> _Lease:
         a = self._require_open()
         nslots = max(1, -(-nbytes // a.slot_size))
         while True:
-            lease = self._alloc_local(nslots)
+            lease = self._alloc_local(nslots, pool)
             if lease is not None:
                 return lease
             self._require_open()
@@ -601,11 +626,15 @@ class RelayClient:
                 raise ResourceExhaustedError(
                     f"no space for {nbytes} bytes before the deadline (readers may be slow)"
                 )
-            if self._grant_task is None or self._grant_task.done():
-                self._grant_task = asyncio.get_running_loop().create_task(
-                    self._request_grant(nslots * a.slot_size, remaining)
+            task = self._grant_task if pool == "shm" else self._gpu_grant_tasks.get(pool)
+            if task is None or task.done():
+                task = asyncio.get_running_loop().create_task(
+                    self._request_grant(nslots * a.slot_size, remaining, pool)
                 )
-            task = self._grant_task
+                if pool == "shm":
+                    self._grant_task = task
+                else:
+                    self._gpu_grant_tasks[pool] = task
             self._space.clear()
             space = asyncio.ensure_future(self._space.wait())
             try:
@@ -617,6 +646,8 @@ class RelayClient:
             if task in done:
                 if self._grant_task is task:
                     self._grant_task = None
+                elif self._gpu_grant_tasks.get(pool) is task:
+                    del self._gpu_grant_tasks[pool]
                 exc = task.exception()
                 # A grant that failed for a put with a shorter deadline is
                 # retried; only a failure within our own deadline is ours.
@@ -624,12 +655,14 @@ class RelayClient:
                     not isinstance(exc, ResourceExhaustedError)
                     or time.monotonic() >= deadline - 0.01
                 ):
-                    lease = self._alloc_local(nslots)
+                    lease = self._alloc_local(nslots, pool)
                     if lease is not None:
                         return lease
                     raise exc
 
-    async def _request_grant(self, min_bytes: int, timeout: float) -> pb.GrantResponse:
+    async def _request_grant(
+        self, min_bytes: int, timeout: float, pool: str = "shm"
+    ) -> pb.GrantResponse:
         a = self._require_open()
         assert self._stub is not None
         try:
@@ -639,6 +672,7 @@ class RelayClient:
                     session_token=a.session_token,
                     min_bytes=min_bytes,
                     timeout_seconds=timeout,
+                    pool=pool,
                 ),
                 timeout=timeout + 1.0,
             )
@@ -649,7 +683,10 @@ class RelayClient:
         return resp
 
     def _add_grant(self, resp: pb.GrantResponse) -> None:
-        if (
+        if resp.pool not in ("", "shm"):
+            if self._gpu is None or not self._gpu.fits(resp.pool, resp.slot, resp.nslots):
+                raise RelayError(f"daemon granted a run outside GPU pool {resp.pool!r}")
+        elif (
             resp.segment >= len(self._segments)
             or resp.slot + resp.nslots > self._segments[resp.segment].nslots
         ):
@@ -659,8 +696,10 @@ class RelayClient:
         self._grants[resp.grant_id] = _Grant(resp)
         self._space.set()
 
-    def _alloc_local(self, nslots: int) -> _Lease | None:
+    def _alloc_local(self, nslots: int, pool: str = "shm") -> _Lease | None:
         for grant in self._grants.values():
+            if grant.pool != pool:
+                continue
             local = grant.alloc.allocate(nslots)
             if local is not None:
                 lease_id = grant.gen_base + grant.next_seq
@@ -677,11 +716,17 @@ class RelayClient:
         grant = lease.grant
         grant.alloc.free(lease.local, lease.nslots)
         grant.live -= 1
+        if self._gpu is not None:
+            self._gpu.forget(lease.id)
         self._space.set()
         a = self._attach
         if grant.live == 0 and a is not None:
             default_slots = max(1, a.default_grant_bytes // a.slot_size)
-            idle_defaults = sum(1 for g in self._grants.values() if g.live == 0 and g is not grant)
+            idle_defaults = sum(
+                1
+                for g in self._grants.values()
+                if g.live == 0 and g is not grant and g.pool == grant.pool
+            )
             # Keep one idle default-size grant for the next put; give back
             # oversized ones and extras so other sessions can use the space.
             if grant.nslots > default_slots or idle_defaults >= 1:
@@ -729,6 +774,8 @@ class RelayClient:
             if not copy:
                 self._fetched[m.object_id] = m
         # -- end cross-node -----------------------------------------------------------
+        if transport in (Transport.CUDA_IPC_POOL, Transport.CUDA_IPC_DIRECT):
+            return _packing.rebuild(tree, await self._get_gpu(m, transport, copy))
         if transport not in (Transport.SHM, Transport.SOCKET):
             raise PeerUnavailableError(
                 f"{transport.value} DataRefs are not served by this client yet"
@@ -737,12 +784,17 @@ class RelayClient:
             return _packing.rebuild(tree, await self._get_socket(m))
         seg, region, specs = self._lease_region(m)
         lease = m.lease
+        # CUDA leaves go straight from the (pinned) arena to this process's GPU.
+        on_gpu = _cuda.restores_on_gpu(specs)
+        host_copy = copy and not on_gpu
         if lease.length >= OFFLOAD_BYTES:
             self._claim(m)
-            tensors = await asyncio.to_thread(_packing.unpack, region, specs, copy=copy)
+            tensors = await asyncio.to_thread(_packing.unpack, region, specs, copy=host_copy)
         else:
             self._claim(m, flush=lease.length >= (1 << 20))
-            tensors = _packing.unpack(region, specs, copy=copy)
+            tensors = _packing.unpack(region, specs, copy=host_copy)
+        if on_gpu:
+            tensors = await _cuda.restore_on_device(tensors, specs, copy)
         if seg.read_header(lease.slot)[0] != lease.generation:
             raise StaleRefError("the lease was reclaimed while it was being read; data discarded")
         if copy:
@@ -750,6 +802,126 @@ class RelayClient:
         else:
             self._held.add(lease.lease_id)
         return _packing.rebuild(tree, tensors)
+
+    # -- GPU paths (see _cuda) ----------------------------------------------------------
+
+    async def _put_gpu(
+        self,
+        msg: pb.DataRef,
+        tensors: list[Any],
+        specs: list[Any],
+        total: int,
+        timeout: float | None,
+        route: int,
+    ) -> DataRef | None:
+        """A GPU transport for this put, or None when it goes through shm."""
+        gpu = self._gpu
+        if gpu is None or self.socket_fallback:
+            return None
+        transport = gpu.route(specs, len(msg.header), Transport.from_proto(route))
+        if transport is Transport.SHM:
+            return None
+        if self._draining:
+            raise DrainingError("relayd is draining; no new transfers")
+        if transport is Transport.CUDA_IPC_DIRECT and self._put_direct(msg, tensors, specs):
+            self._report(pb.TRANSPORT_CUDA_IPC_DIRECT, total)
+            return DataRef(msg)
+        if not gpu.has_pool_for(specs):
+            return None
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        return await self._put_pool(msg, tensors, specs, total, deadline)
+
+    def _put_direct(self, msg: pb.DataRef, tensors: list[Any], specs: list[Any]) -> bool:
+        """cuda_ipc_direct: storage handles in the DataRef; False if they do not fit."""
+        for layout, spec in zip(msg.tensors, specs, strict=True):
+            layout.device = spec.device
+            if spec.nbytes:
+                layout.cuda_ipc.CopyFrom(_cuda.export_direct(tensors[spec.index]))
+        msg.transport = pb.TRANSPORT_CUDA_IPC_DIRECT
+        if msg.ByteSize() <= _cuda.DIRECT_META_LIMIT:
+            return True
+        for layout in msg.tensors:
+            layout.ClearField("cuda_ipc")
+        return False
+
+    async def _put_pool(
+        self, msg: pb.DataRef, tensors: list[Any], specs: list[Any], total: int, deadline: float
+    ) -> DataRef:
+        """cuda_ipc_pool: copy into a lease of the source GPU's pool, event in the DataRef."""
+        gpu = self._gpu
+        assert gpu is not None
+        source = _cuda.leaf_gpu(next(s.device for s in specs if s.nbytes))
+        desc = gpu.pools[source or ""]
+        lease = await self._reserve(total, deadline, desc.name)
+        grant = lease.grant
+        self._session.pending.reserve.append(
+            pb.Reserve(
+                lease_id=lease.id,
+                grant_id=grant.id,
+                slot=lease.slot,
+                nslots=lease.nslots,
+                generation=lease.id,
+                request_id=msg.request_id,
+                to_stage=msg.to_stage,
+                from_stage=self.stages[0],
+            )
+        )
+        try:
+            region = gpu.pool_region(desc.name, lease.slot, total)
+            event, handle = _cuda.write_pool(region, tensors, specs)
+            gpu.keep_event(lease.id, event)
+            if msg.request_id in self._aborted:
+                raise AbortedError(f"request {msg.request_id!r} was aborted")
+        except BaseException:
+            self._session.pending.cancel.append(pb.Cancel(lease_id=lease.id))
+            self._free_local(lease)
+            self._session.mark()
+            raise
+        # The copy may still run: the header only names the lease, the event orders the bytes.
+        gpu.headers[desc.name].write_header(lease.slot, lease.id, total)
+        for layout, spec in zip(msg.tensors, specs, strict=True):
+            layout.device = spec.device
+        msg.transport = pb.TRANSPORT_CUDA_IPC_POOL
+        msg.cuda_event = handle
+        msg.lease.CopyFrom(
+            pb.LeaseRef(
+                pool=desc.name,
+                segment=0,
+                slot=lease.slot,
+                nslots=lease.nslots,
+                offset=lease.slot * desc.slot_size,
+                length=total,
+                generation=lease.id,
+                lease_id=lease.id,
+            )
+        )
+        self._session.pending.publish.append(
+            pb.Publish(lease_id=lease.id, nbytes=total, transport=pb.TRANSPORT_CUDA_IPC_POOL)
+        )
+        self._session.mark(flush=True)
+        return DataRef(msg)
+
+    async def _get_gpu(self, m: pb.DataRef, transport: Transport, copy: bool) -> list[Any]:
+        gpu = self._gpu
+        if gpu is None:
+            raise SessionClosedError("RelayClient is not open")
+        specs = _specs(m)
+        if transport is Transport.CUDA_IPC_DIRECT:
+            if m.origin.node_id != gpu.node_id:
+                raise PeerUnavailableError("direct CUDA IPC DataRefs cannot leave their node")
+            _packing.validate_layout(specs, max((s.offset + s.nbytes for s in specs), default=0))
+            if any(_cuda.leaf_gpu(s.device) is None for s in specs if s.nbytes):
+                raise CorruptRefError("a direct CUDA IPC DataRef holds a CPU tensor")
+            handles = [t.cuda_ipc for t in m.tensors]
+            return await _cuda.read_direct(specs, handles, copy)
+        _packing.validate_layout(specs, m.lease.length)
+        seg, region = gpu.lease_region(m)
+        self._claim(m)
+        tensors = await _cuda.read_pool(region, specs, bytes(m.cuda_event))
+        if seg.read_header(m.lease.slot)[0] != m.lease.generation:
+            raise StaleRefError("the lease was reclaimed while it was being read; data discarded")
+        self._release(m)
+        return tensors
 
     def release(self, ref: DataRef) -> None:
         """Release a ``get(copy=False)``; the views must not be used afterwards."""

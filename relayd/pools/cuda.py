@@ -279,10 +279,24 @@ def open_pools(settings: Settings, *, prefix: str, mode: int = 0o600) -> list[Cu
             pool.close()
         raise
     matrix = peer_access_matrix()
+    _PEERS.update(matrix)
     missing = sorted(f"{a[:12]}->{b[:12]}" for (a, b), ok in matrix.items() if not ok)
     if missing:
         log.info("no peer access between %s: those edges stage through shm", ", ".join(missing))
     return pools
+
+
+# Probed once at start by open_pools; what the router asks per GPU pair.
+_PEERS: dict[tuple[str, str], bool] = {}
+
+
+def peer_access(src_uuid: str, dst_uuid: str) -> bool:
+    """For ``relayd.router.route``: can GPU ``dst`` read ``src`` directly?
+
+    Answers from the matrix probed when the pools were made; without GPU
+    pools it knows no pair, and an unknown pair stages through shm.
+    """
+    return src_uuid == dst_uuid or _PEERS.get((src_uuid, dst_uuid), False)
 
 
 @functools.cache

@@ -297,3 +297,25 @@ def test_pool_status_and_attach_description(gpu_pool: CudaPool) -> None:
     gpu_pool.headers.write_header(5, 77, 88)
     assert seg.read_header(5) == (77, 88)
     seg.close()
+
+
+def test_daemon_routes_gpu_edges_with_the_probed_peer_matrix(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from relayd.pools import cuda as cuda_pools
+    from relayd.router import PayloadFacts, Placement, route
+
+    writer = Placement("n", "p:1", "ipc", True, (GPU_A,), ("thinker",))
+    same = Placement("n", "p:2", "ipc", True, (GPU_A,), ("talker",))
+    other = Placement("n", "p:3", "ipc", True, (GPU_B,), ("talker",))
+    facts = PayloadFacts(encoded_bytes=1 << 20, inline_meta_bytes=400, cuda_uuids=(GPU_A,))
+    peers = cuda_pools.peer_access
+    assert route(writer, same, facts, peer_access=peers).transport is Transport.CUDA_IPC_DIRECT
+    # An unprobed pair stages through shm, up front.
+    assert route(writer, other, facts, peer_access=peers).transport is Transport.SHM
+    monkeypatch.setitem(cuda_pools._PEERS, (GPU_A, GPU_B), True)
+    assert route(writer, other, facts, peer_access=peers).transport is Transport.CUDA_IPC_POOL
+    # What the client then does with the daemon's answer.
+    mine = _cuda.payload_facts([_cuda.device_field(GPU_A)])
+    chosen = _cuda.choose_gpu_transport(mine, pools={GPU_A}, daemon_route=Transport.CUDA_IPC_POOL)
+    assert chosen is Transport.CUDA_IPC_POOL
