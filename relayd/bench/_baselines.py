@@ -8,6 +8,8 @@ Imported only inside benchmark processes (it imports torch).
   notify, the reader copies out into a fresh tensor. relayd's copy-out read should
   approach this.
 - ``floor-view``: the same, but the reader takes a zero-copy view (one copy in all).
+- ``floor-async``: ``floor`` driven from an event loop, as relayd's async client is:
+  the part of relayd's cost that is asyncio, not relayd.
 - ``shm-per-transfer``: the seed pattern: a new ``multiprocessing.shared_memory``
   segment per transfer, so every transfer pays create, first-touch faults and unlink.
 - ``pickle-uds``: the tensor pickled over the Unix socket, read fully and unpickled.
@@ -25,7 +27,7 @@ from multiprocessing.shared_memory import SharedMemory
 
 import torch
 
-from relayd.bench._api import LocalMethod, PairMethod
+from relayd.bench._api import AsyncPairMethod, BenchContext, LocalMethod, PairMethod
 
 PAGE = mmap.PAGESIZE
 SHM_DIR = "/dev/shm"
@@ -125,6 +127,32 @@ class FloorView(Floor):
 
     def recv(self, notify: memoryview) -> torch.Tensor:
         return self._slot(notify)
+
+
+class FloorAsync(AsyncPairMethod):
+    """The floor with coroutine hooks: compare relayd's async client with this, not only floor."""
+
+    def __init__(self, ctx: BenchContext) -> None:
+        super().__init__(ctx)
+        self._floor = Floor(ctx)
+
+    async def setup_writer(self, size: int, source: torch.Tensor) -> bytes:
+        return self._floor.setup_writer(size, source)
+
+    async def send(self, i: int) -> bytes:
+        return self._floor.send(i)
+
+    async def teardown_writer(self) -> None:
+        self._floor.teardown_writer()
+
+    async def setup_reader(self, size: int, blob: bytes) -> None:
+        self._floor.setup_reader(size, blob)
+
+    async def recv(self, notify: memoryview) -> torch.Tensor:
+        return self._floor.recv(notify)
+
+    async def teardown_reader(self) -> None:
+        self._floor.teardown_reader()
 
 
 def _untrack(shm: SharedMemory) -> None:

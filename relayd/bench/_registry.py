@@ -58,6 +58,7 @@ BASELINES: tuple[Entry, ...] = (
     Entry("memcpy", "relayd.bench._baselines:Memcpy", "hot in-process copy", local=True),
     Entry("floor", "relayd.bench._baselines:Floor", "pooled /dev/shm, reader copies out"),
     Entry("floor-view", "relayd.bench._baselines:FloorView", "pooled /dev/shm, zero-copy read"),
+    Entry("floor-async", "relayd.bench._baselines:FloorAsync", "floor, hooks on an event loop"),
     Entry(
         "shm-per-transfer",
         "relayd.bench._baselines:ShmPerTransfer",
