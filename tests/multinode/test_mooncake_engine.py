@@ -24,7 +24,6 @@ import mmap
 import os
 import pathlib
 import select
-import shutil
 import signal
 import socket
 import subprocess
@@ -58,6 +57,8 @@ from relayd.transports.base import (
     TransportUnavailableError,
 )
 from relayd.transports.credits import CreditPool
+from tests import _netns
+from tests._netns import Netns
 
 try:
     import mooncake.engine  # noqa: F401
@@ -400,48 +401,19 @@ def test_hung_peer_times_out_in_flight_then_settles(pair: tuple[Peer, Peer]) -> 
     assert b.sha(0, 1 << 20) == expected
 
 
-@dataclasses.dataclass
-class _Netns:
-    names: tuple[str, str]
-    addrs: tuple[str, str]
-
-
 @pytest.fixture
-def netns_pair() -> Iterator[_Netns]:
+def netns_pair() -> Iterator[Netns]:
     """Two network namespaces joined by a veth pair; removed afterwards."""
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("network namespaces need root and iproute2")
-    tag = f"{os.getpid() % 100000}"
-    names = (f"relaydt{tag}a", f"relaydt{tag}b")
-    subnet = f"10.213.{os.getpid() % 250}"
-    addrs = (f"{subnet}.1", f"{subnet}.2")
-    veth = (f"rdt{tag}a", f"rdt{tag}b")
-    steps = [
-        ["ip", "netns", "add", names[0]],
-        ["ip", "netns", "add", names[1]],
-        ["ip", "link", "add", veth[0], "netns", names[0], "type", "veth",
-         "peer", "name", veth[1], "netns", names[1]],
-    ]  # fmt: skip
-    for ns, dev, addr in zip(names, veth, addrs, strict=True):
-        steps += [
-            ["ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev],
-            ["ip", "-n", ns, "link", "set", dev, "up"],
-            ["ip", "-n", ns, "link", "set", "lo", "up"],
-        ]
     try:
-        for step in steps:
-            done = subprocess.run(step, capture_output=True, text=True, timeout=30)
-            if done.returncode != 0:
-                pytest.skip(f"cannot set up network namespaces: {' '.join(step)}: {done.stderr}")
-        yield _Netns(names, addrs)
-    finally:
-        for ns in names:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+        with _netns.netns_pair() as pair:
+            yield pair
+    except _netns.NetnsUnavailable as exc:
+        pytest.skip(str(exc))
 
 
 @requires_mooncake
 @pytest.mark.multinode
-def test_pull_across_network_namespaces(spawn_peer: PeerFactory, netns_pair: _Netns) -> None:
+def test_pull_across_network_namespaces(spawn_peer: PeerFactory, netns_pair: Netns) -> None:
     (ns_a, ns_b), (ip_a, ip_b) = netns_pair.names, netns_pair.addrs
     a = spawn_peer("a", host=ip_a, wrap=("ip", "netns", "exec", ns_a))
     b = spawn_peer("b", host=ip_b, wrap=("ip", "netns", "exec", ns_b))

@@ -24,6 +24,7 @@ from relayd_client import AbortedError, RelayClient, StaleRefError
 from relayd_client._proto import relay_pb2 as pb
 from relayd_client._proto import relay_pb2_grpc as pb_grpc
 
+from tests import _netns
 from tests._daemon import Daemon, free_port, run_worker, spawn_worker, wait_until
 
 try:
@@ -330,3 +331,58 @@ def test_second_read_of_a_pulled_ref_is_stale(pair: tuple[Node, Node]) -> None:
     r = run_worker(["read", "--socket", b.daemon.socket], input=line.encode() + b"\n\n")
     assert _lines(r)[1].startswith("ERR StaleRefError"), _lines(r)
     wait_until(lambda: b.used() == 0, 10, "the reader's arena back to zero")
+
+
+@pytest.fixture
+def netns() -> Iterator[_netns.Netns]:
+    try:
+        with _netns.netns_pair("d") as pair:
+            yield pair
+    except _netns.NetnsUnavailable as exc:
+        pytest.skip(str(exc))
+
+
+def test_two_daemons_in_separate_network_namespaces(
+    tmp_path: pathlib.Path, netns: _netns.Netns
+) -> None:
+    """Different addresses on a veth pair, as on two hosts; clients reach their
+    daemon's Unix socket from the root namespace (the filesystem is shared)."""
+    token = _token(tmp_path, "token", "0123456789abcdef-shared-peer-token")
+    nodes = []
+    for i, name in enumerate(("ns-a", "ns-b")):
+        d = tmp_path / name
+        d.mkdir()
+        daemon = Daemon(
+            str(d),
+            "--peer-address",
+            f"{netns.addrs[i]}:9092",
+            "--peers",
+            f"{netns.addrs[1 - i]}:9092",
+            "--peer-token-file",
+            token,
+            "--peer-timeout",
+            str(PEER_TIMEOUT),
+            node_id=name,
+        )
+        daemon.args[:0] = netns.wrap(i)
+        nodes.append(daemon)
+    a, b = nodes
+    try:
+        a.start()
+        b.start()
+
+        def up(d: Daemon, address: str) -> bool:
+            return any(p.get("up") and p["address"] == address for p in d.status().get("peers", []))
+
+        wait_until(lambda: up(b, f"{netns.addrs[0]}:9092"), 15, "the daemons to handshake")
+        refs = _lines(
+            run_worker(["write", "--socket", a.socket, "--split", "--sizes", f"{MiB},{8 * MiB}"])
+        )
+        r = run_worker(["read", "--socket", b.socket], input="\n".join(refs).encode() + b"\n\n")
+        assert _lines(r)[1:] == [line.split()[1] for line in refs]
+        # Mooncake advertises (and the reader dialled) node A's namespace address.
+        assert b.status()["peers"][0]["mooncake_session"].startswith(netns.addrs[0] + ":")
+    finally:
+        for d in (b, a):
+            if d.proc is not None and d.proc.poll() is None:
+                d.stop()
