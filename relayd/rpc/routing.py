@@ -3,11 +3,14 @@
 Kept beside :mod:`relayd.rpc.service` as a mixin so routing stays one concern.
 
 The socket fallback serves sessions that cannot map the arena (a container
-without the host's IPC namespace): measured on the reference machine a 1 MiB
-unary gRPC call costs ~1-2 ms against ~0.2 ms for the SHM hand-off, which is
-acceptable for a fallback that says so in status and metrics, and it needs no
-second framing protocol. The bytes still land in an arena lease, so an SHM
-reader reads a socket writer's put exactly like any other.
+without the host's IPC namespace) with one unary call per put or get carrying
+the packed region. Measured put+get on a busy 2-core machine: about the same
+as SHM at 64 KiB, about 3-7x slower at 4 MiB (two extra copies plus gRPC
+framing). That is acceptable for a path that announces itself in status and
+metrics, and it needs no second framing protocol; frames on the session
+socket would be the next step if it ever carries real traffic. The bytes
+still land in an arena lease, so an SHM reader reads a socket writer's put
+exactly like any other.
 """
 
 from __future__ import annotations
