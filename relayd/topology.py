@@ -17,7 +17,6 @@ Every change of the registry is pushed to every session as an Event of kind
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import secrets
@@ -36,16 +35,22 @@ log = logging.getLogger(__name__)
 
 
 def process_key(pid: int) -> str:
-    """Unique per OS process on this host, as the daemon sees it (pid reuse included)."""
-    start = "?"
-    ns = "?"
-    with contextlib.suppress(OSError, IndexError):
+    """Unique per OS process on this host, as the daemon sees it (pid reuse included).
+
+    Empty when the process cannot be identified (SO_PEERCRED gives 0 for a
+    peer outside the daemon's pid namespace, or /proc is not readable): the
+    caller must then never treat two sessions as one process.
+    """
+    if pid <= 0:
+        return ""
+    try:
         with open(f"/proc/{pid}/stat", "rb") as fh:
             stat = fh.read()
         # The command name may hold spaces and parens; fields resume after the last ')'.
         start = stat[stat.rindex(b")") + 2 :].split()[19].decode()
-    with contextlib.suppress(OSError):
         ns = os.readlink(f"/proc/{pid}/ns/pid")
+    except (OSError, IndexError, ValueError):
+        return ""
     return f"{ns}:{pid}:{start}"
 
 
@@ -77,11 +82,13 @@ class Topology:
     def bound(self, session: Session, shm_nonce: bytes, pid: int) -> tuple[str, int]:
         """Place and register a freshly bound session; returns (data path, registry version)."""
         can_map = len(shm_nonce) == PROBE_BYTES and secrets.compare_digest(shm_nonce, self.nonce)
+        # An unidentifiable process is its own process: no local_object with anyone.
+        key = process_key(pid) or f"session:{session.id}"
         try:
             gpus = tuple(session.gpu_uuids)
             placement = Placement(
                 node_id=self.node_id,
-                process_key=process_key(pid),
+                process_key=key,
                 ipc_namespace=session.namespaces.get("ipc", ""),
                 can_map_shm=can_map,
                 gpu_uuids=gpus,
@@ -90,7 +97,7 @@ class Topology:
         except ValueError as exc:  # GPU ordinals instead of UUIDs: route as CPU-only
             log.warning("session %s: %s; ignoring its GPUs for routing", session.id, exc)
             placement = Placement(
-                self.node_id, process_key(pid), session.namespaces.get("ipc", ""), can_map,
+                self.node_id, key, session.namespaces.get("ipc", ""), can_map,
                 (), session.stages,
             )  # fmt: skip
         self._can_map[session.id] = can_map
