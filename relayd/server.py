@@ -405,7 +405,7 @@ class Daemon:
         for p in snap["pools"]:
             resp.pools.append(pb.PoolStatus(**p))
         for (_pool, state), n in snap["leases"].items():
-            resp.leases_by_state[state] = n
+            resp.leases_by_state[state] += n  # summed over the arena and GPU pools
         leases = sorted(m.leases.values(), key=lambda lease: lease.created)
         for lease in leases[:1000]:
             resp.leases.append(

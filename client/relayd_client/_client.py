@@ -917,7 +917,13 @@ class RelayClient:
         _packing.validate_layout(specs, m.lease.length)
         seg, region = gpu.lease_region(m)
         self._claim(m)
-        tensors = await _cuda.read_pool(region, specs, bytes(m.cuda_event))
+        try:
+            tensors = await _cuda.read_pool(region, specs, bytes(m.cuda_event))
+        except BaseException:
+            # Nothing usable was read (e.g. the writer died before its event could
+            # be opened): release rather than hold the claim until this session ends.
+            self._release(m)
+            raise
         if seg.read_header(m.lease.slot)[0] != m.lease.generation:
             raise StaleRefError("the lease was reclaimed while it was being read; data discarded")
         self._release(m)

@@ -342,7 +342,13 @@ async def read_pool(region: Any, specs: Sequence[Any], event_handle: bytes) -> l
     copy_dev = dst if dst.type == "cuda" else region.device
     with torch.cuda.device(copy_dev):
         # Opened on the device whose stream runs the copy (see the module doc).
-        ready = _tc().Event.from_ipc_handle(copy_dev, event_handle)
+        try:
+            ready = _tc().Event.from_ipc_handle(copy_dev, event_handle)
+        except RuntimeError as exc:
+            raise PeerUnavailableError(
+                f"cannot open the writer's CUDA event ({exc}); a writer that died before "
+                "its copy was confirmed leaves nothing safe to read"
+            ) from exc
     if dst.type == "cpu":
         # GPU -> CPU into pageable memory blocks the calling thread: not the loop's.
         return await asyncio.to_thread(_copy_out, region, specs, dst, ready)
@@ -430,6 +436,9 @@ async def read_direct(
     out: list[Any] = [None] * len(specs)
     shared: list[Any] = []
     for spec, h in zip(specs, handles, strict=True):
+        if not spec.nbytes:  # empty tensors travel without a handle
+            out[spec.index] = _empty_like_spec(spec, dst)
+            continue
         uuid = leaf_gpu(spec.device)
         ordinal = None if not uuid else local_ordinal(uuid, local)
         if ordinal is None:

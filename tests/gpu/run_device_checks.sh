@@ -23,6 +23,9 @@ PY="${PYTHON:-$(command -v python || command -v python3)}"
 cd "$ROOT"
 export PYTHONPATH="$ROOT/client:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 SUMMARY="$RESULTS/summary.md"
+# Page-locking the arena needs RLIMIT_MEMLOCK to cover it (preflight checks);
+# the tests fall back to --pin-host-memory off where it cannot be raised.
+ulimit -l unlimited 2>/dev/null || true
 
 {
   echo "# relayd GPU device checks"
