@@ -1,0 +1,110 @@
+"""Placing sessions, the registry's version pushes and edge routes, on a real (tiny) arena."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+from relayd_client._proto import relay_pb2 as pb
+from relayd_client._shm import PROBE_BYTES
+
+from relayd.pools.arena import Arena
+from relayd.pools.leases import LeaseManager, Session
+from relayd.topology import Topology, process_key
+
+SLOT = 64 << 10
+
+
+@pytest.fixture
+def topo() -> Iterator[Topology]:
+    a = Arena(node_id="unit", epoch=os.urandom(4).hex(), total_bytes=8 * SLOT + 8192,
+              segment_bytes=1 << 30, slot_size=SLOT)  # fmt: skip
+    m = LeaseManager(
+        a, grant_bytes=2 * SLOT, lease_ttl=10.0, stage_quota_bytes=8 * SLOT, max_sessions=8
+    )
+    yield Topology("unit", a, m)
+    a.close()
+
+
+def _bind(t: Topology, stage: str, pid: int, frames: list[pb.SessionFrame]) -> Session:
+    s = t.manager.open_session(pid=pid, stages=[stage])
+    return t.manager.bind(s.id, s.token, frames.append, pid=pid, uid=0, gid=0)
+
+
+def _route(t: Topology, s: Session, to: str) -> pb.RouteResponse:
+    return t.route(
+        s,
+        pb.RouteRequest(from_stage=s.stages[0], to_stage=to, encoded_bytes=1 << 20,
+                        has_cpu_tensors=True),
+    )  # fmt: skip
+
+
+def test_the_nonce_is_in_the_arena_and_only_there(topo: Topology) -> None:
+    seg = topo.manager.arena.segments[0]
+    probe = topo.probe_offset
+    assert bytes(seg.mm[probe : probe + PROBE_BYTES]) == topo.nonce
+    assert probe + PROBE_BYTES <= seg.data_offset  # never inside slot data
+
+
+def test_same_process_is_local_object_other_process_shm_wrong_nonce_socket(
+    topo: Topology,
+) -> None:
+    frames: list[pb.SessionFrame] = []
+    me = os.getpid()
+    w = _bind(topo, "thinker", me, frames)
+    assert topo.bound(w, topo.nonce, me) == ("shm", 1)
+    assert _route(topo, w, "talker").transport == pb.TRANSPORT_SHM  # reader unknown
+
+    r = _bind(topo, "talker", me, frames)
+    path, version = topo.bound(r, topo.nonce, me)
+    assert (path, version) == ("shm", 2)
+    # the writer heard of the change, the new session did not need to
+    assert [f.event[0].registry_version for f in frames if f.event] == [2]
+    resp = _route(topo, w, "talker")
+    assert (resp.transport, resp.reason, resp.registry_version) == (
+        pb.TRANSPORT_LOCAL_OBJECT, "same process", 2
+    )  # fmt: skip
+
+    with subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"]) as other:
+        try:
+            o = _bind(topo, "vocoder", other.pid, frames)
+            assert topo.bound(o, topo.nonce, other.pid)[0] == "shm"
+            assert _route(topo, w, "vocoder").transport == pb.TRANSPORT_SHM
+            x = _bind(topo, "encoder", other.pid, frames)
+            assert topo.bound(x, b"\0" * PROBE_BYTES, other.pid)[0] == "socket"
+            assert _route(topo, w, "encoder").transport == pb.TRANSPORT_SOCKET
+            assert _route(topo, x, "thinker").transport == pb.TRANSPORT_SOCKET
+        finally:
+            other.kill()
+
+    status = pb.StatusResponse()
+    status.sessions.add(session_id=x.id)
+    topo.fill_status(status)
+    assert status.registry_version == topo.registry.version == 4
+    assert {s.stage: s.can_map_shm for s in status.stages} == {
+        "thinker": True, "talker": True, "vocoder": True, "encoder": False
+    }  # fmt: skip
+    assert status.sessions[0].data_path == "socket"
+    edges = {(e.from_stage, e.to_stage): e for e in status.edges}
+    assert edges[("thinker", "talker")].transport == pb.TRANSPORT_LOCAL_OBJECT
+    assert edges[("thinker", "talker")].count == 2
+
+    frames.clear()
+    topo.closed(r.id)
+    assert [f.event[0].kind for f in frames] == ["registry"] * 4  # every live session
+    assert _route(topo, w, "talker").transport == pb.TRANSPORT_SHM  # gone: unknown again
+
+
+def test_an_unidentifiable_process_is_never_the_same_process(topo: Topology) -> None:
+    assert process_key(0) == "" and process_key(-1) == ""
+    key = process_key(os.getpid())
+    assert f":{os.getpid()}:" in key and key.startswith("pid:[")  # pid ns inode, pid, start
+    frames: list[pb.SessionFrame] = []
+    a = _bind(topo, "a", 0, frames)
+    b = _bind(topo, "b", 0, frames)
+    topo.bound(a, topo.nonce, 0)
+    topo.bound(b, topo.nonce, 0)
+    assert _route(topo, a, "b").transport == pb.TRANSPORT_SHM
