@@ -49,6 +49,7 @@ import secrets
 import socket
 import struct
 import time
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -159,6 +160,7 @@ class PeerState:
     def forget_identity(self) -> None:
         self.up = False
         self.segments = {}
+        self.stages = ()
 
 
 class PeerManager:
@@ -301,8 +303,8 @@ class PeerManager:
 
     def on_heartbeat(self, req: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
         peer = self.by_node.get(req.node_id)
-        if peer is not None and peer.epoch == req.daemon_epoch:
-            peer.stages = tuple(req.stages[:1024])
+        if peer is not None and peer.up and peer.epoch == req.daemon_epoch:
+            self._set_stages(peer, req.stages)
         return pb.HeartbeatResponse(
             node_id=self.settings.node_id,
             daemon_epoch=self.daemon.epoch,
@@ -358,7 +360,7 @@ class PeerManager:
                     if resp.daemon_epoch != peer.epoch:
                         self._down(peer, f"restarted (epoch {peer.epoch} -> {resp.daemon_epoch})")
                         continue
-                    peer.stages = tuple(resp.stages[:1024])
+                    self._set_stages(peer, resp.stages)
             except grpc.RpcError as exc:
                 err = from_rpc_error(exc)
                 self._down(peer, err.message or str(err))
@@ -401,10 +403,10 @@ class PeerManager:
         peer.mooncake_session = resp.mooncake_session
         peer.slot_size = resp.slot_size
         peer.segments = {s.index: s for s in resp.segments}
-        peer.stages = tuple(resp.stages[:1024])
         peer.last_error = ""
         peer.up = True
         self.by_node[peer.node_id] = peer
+        self._set_stages(peer, resp.stages)
         log.info(
             "peer %s up: node %s, epoch %s, mooncake %s",
             peer.address,
@@ -418,7 +420,17 @@ class PeerManager:
         if peer.up or peer.last_error != reason:
             log.warning("peer %s (node %s) down: %s", peer.address, peer.node_id or "?", reason)
         peer.last_error = reason
+        if peer.up and peer.node_id:
+            self.daemon.topology.peer_stages(peer.node_id, None)
         peer.forget_identity()
+
+    def _set_stages(self, peer: PeerState, stages: Iterable[str]) -> None:
+        """The stages a peer serves go into the node's registry: the router then tells
+        a reader on another node (mooncake) from one nobody serves yet."""
+        new = tuple(sorted(set(list(stages)[:1024])))
+        if new != peer.stages or not peer.stages:
+            peer.stages = new
+            self.daemon.topology.peer_stages(peer.node_id, new)
 
     # -- the pull (reader's side) -----------------------------------------------------
 

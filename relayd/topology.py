@@ -122,6 +122,18 @@ class Topology:
         if self.registry.unregister(session_id):
             self._broadcast()
 
+    def peer_stages(self, node_id: str, stages: Iterable[str] | None) -> None:
+        """A peer daemon serves ``stages`` (None: it is gone); from relayd.peers."""
+        if stages is None:
+            changed = self.registry.drop_remote(node_id)
+        else:
+            where = {
+                st: Placement(node_id, f"peer:{node_id}", "", False, (), (st,)) for st in stages
+            }
+            changed = self.registry.update_remote(node_id, where)
+        if changed:
+            self._broadcast()
+
     def can_map(self, session_id: str) -> bool:
         return self._can_map.get(session_id, True)
 

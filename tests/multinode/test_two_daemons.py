@@ -257,6 +257,9 @@ def test_killed_origin_daemon_fails_fast_then_transfers_resume(pair: tuple[Node,
     assert _readline(writer, 10) == "HOLDING"
     reader = spawn_worker(["read", "--socket", b.daemon.socket])
     assert _readline(reader, 30) == "READY"
+    # The daemons exchange who serves which stage (handshake, then heartbeats).
+    wait_until(lambda: "talker" in a.peer(b.address).get("stages", []), 10, "a to know talker")
+    wait_until(lambda: "thinker" in b.peer(a.address).get("stages", []), 10, "b to know thinker")
     for line in refs[:3]:  # mid-stream: the first half arrives
         _send(reader, line)
         assert _readline(reader, 10) == line.split()[1]
@@ -277,6 +280,7 @@ def test_killed_origin_daemon_fails_fast_then_transfers_resume(pair: tuple[Node,
 
     a.daemon.start()  # same ports, new epoch and Mooncake session
     wait_until(lambda: b.sees(a), 15, "node-b to reconnect to the restarted node-a")
+    wait_until(lambda: a.sees(b), 15, "the restarted node-a to reach node-b")
     w = run_worker(
         ["write", "--socket", a.daemon.socket, "--split", "--count", "3", "--sizes", str(MiB)]
     )
@@ -284,6 +288,9 @@ def test_killed_origin_daemon_fails_fast_then_transfers_resume(pair: tuple[Node,
     for line in fresh:
         _send(reader, line)
         assert _readline(reader, 10) == line.split()[1]
+    # A routed edge to the reader is cross-node: talker is a peer's stage.
+    edges = a.daemon.status().get("edges", [])
+    assert all(e["transport"] == "TRANSPORT_MOONCAKE" for e in edges if e["to_stage"] == "talker")
     _send(reader, "")
     assert reader.wait(timeout=10) == 0
     wait_until(lambda: a.used() == 0 and b.used() == 0, 10, "both arenas back to zero")
