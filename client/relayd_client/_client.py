@@ -766,7 +766,10 @@ class RelayClient:
                 if data
                 else torch.empty(0, dtype=torch.uint8)
             )
-            return _packing.rebuild(tree, _packing.unpack(src, specs, copy=False))
+            tensors = _packing.unpack(src, specs, copy=False)
+            if _cuda.restores_on_gpu(specs):  # small CUDA leaves travel inline too
+                tensors = await _cuda.restore_on_device(tensors, specs, copy=False)
+            return _packing.rebuild(tree, tensors)
         # -- cross-node: the local daemon pulls the lease into its arena first --------
         if transport is Transport.SHM and _remote.is_foreign(ref, self._require_open().node_id):
             assert self._stub is not None

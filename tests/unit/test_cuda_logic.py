@@ -59,6 +59,11 @@ def test_cpu_process_never_initializes_cuda() -> None:
     assert not _cuda.uses_cuda() and _cuda.used_gpus() == ()
     assert _cuda.pin_host([torch.zeros(8, dtype=torch.uint8)], "auto") == []
     assert _cuda.reader_device() == torch.device("cpu")
+    # A CPU reader gets CUDA leaves back on CPU, without touching CUDA.
+    leaf = TensorSpec(0, (4,), "uint8", 0, 4, _cuda.device_field(GPU_A))
+    assert not _cuda.restores_on_gpu([leaf])
+    got = asyncio.run(_cuda.restore_on_device([torch.arange(4, dtype=torch.uint8)], [leaf], True))
+    assert got[0].device.type == "cpu" and got[0].tolist() == [0, 1, 2, 3]
     assert not torch.cuda.is_initialized()
 
 
