@@ -214,20 +214,34 @@ class Settings:
         (),
         parse=_parse_ints,
         metavar="UID,...",
-        help="uids admitted on the sockets (default: the daemon's)",
+        help="uids admitted on the session socket (default: the daemon's; root always)",
     )
     allow_gid: tuple[int, ...] = _field(
         (),
         parse=_parse_ints,
         metavar="GID,...",
-        help="gids admitted on the sockets (default: the daemon's)",
+        help="gids admitted on the session socket (default: the daemon's group)",
     )
-    max_sessions: int = _field(1024, parse=int, metavar="N", help="sessions at once")
+    max_sessions: int = _field(
+        1024, parse=int, metavar="N", help="sessions at once, bound or not yet bound"
+    )
     max_stage_bytes: int = _field(
         0,
         parse=parse_size,
         metavar="SIZE",
-        help="arena bytes one stage may hold; 0: half the arena",
+        help="arena bytes one stage may hold across all its sessions; 0: half the arena",
+    )
+    max_session_grants: int = _field(
+        64,
+        parse=int,
+        metavar="N",
+        help="slot runs one session may hold at once (a client needs a few)",
+    )
+    max_grant_waits: int = _field(
+        4,
+        parse=int,
+        metavar="N",
+        help="Grant calls of one session waiting for space at once",
     )
     loop: str = _field("auto", metavar="auto|asyncio|uvloop", help="event loop implementation")
     log_format: str = _field("text", metavar="text|json|logfmt", help="log line format")
@@ -256,6 +270,8 @@ class Settings:
             raise ConfigError(
                 f"mooncake_protocol must be tcp or rdma, not {self.mooncake_protocol!r}"
             )
+        if min(self.max_sessions, self.max_session_grants, self.max_grant_waits) < 1:
+            raise ConfigError("max_sessions, max_session_grants and max_grant_waits must be >= 1")
         if self.lease_ttl <= 0 or self.reserve_timeout <= 0 or self.peer_credits <= 0:
             raise ConfigError("lease_ttl, reserve_timeout and peer_credits must be positive")
 

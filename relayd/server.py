@@ -113,6 +113,8 @@ class Daemon:
             lease_ttl=s.lease_ttl,
             stage_quota_bytes=s.stage_quota_bytes,
             max_sessions=s.max_sessions,
+            max_session_grants=s.max_session_grants,
+            max_grant_waits=s.max_grant_waits,
             hooks=Hooks(
                 reclaimed=lambda reason, n: m.reclaimed.labels(reason.value).inc(n),
                 transfer=self._count_transfer,

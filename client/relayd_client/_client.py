@@ -60,6 +60,11 @@ ALIGNMENT = 64
 # other streams; below it the thread hop costs more than the copy.
 OFFLOAD_BYTES = 8 << 20
 _ABORTED_MEMORY = 4096
+# Re-attach after the daemon went away: retries back off from the first delay
+# to the last and keep going while the client is open; each call waits for
+# the re-attach only up to its own deadline.
+RECONNECT_FIRST_DELAY = 0.05
+RECONNECT_MAX_DELAY = 2.0
 # The socket fallback moves whole packed regions in one gRPC message.
 _MAX_MESSAGE = 1 << 30
 _CHANNEL_OPTIONS = [
@@ -160,6 +165,7 @@ class RelayClient:
         self._aborted: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._draining = False
         self._lost = False
+        self._reconnect_task: asyncio.Task[None] | None = None
         self._held: set[int] = set()
         # cross-node: object id -> the local DataRef a zero-copy get fetched it into
         self._fetched: dict[str, pb.DataRef] = {}
@@ -192,6 +198,12 @@ class RelayClient:
             raise DaemonUnavailableError(
                 f"no relayd socket at {self.socket}; is `relayd serve` running?"
             )
+        await self._connect()
+        self.state = ClientState.OPENED
+        _local.serve(self.stages, self)
+
+    async def _connect(self) -> None:
+        """Attach, map the arena, bind the session socket; undo everything on failure."""
         self._channel = grpc.aio.insecure_channel(f"unix:{self.socket}", options=_CHANNEL_OPTIONS)
         self._stub = pb_grpc.RelayStub(self._channel)
         try:
@@ -223,8 +235,6 @@ class RelayClient:
             self._unmap()
         elif self._views:
             self._gpu = _cuda.GpuSide(self._attach, self._views)
-        self.state = ClientState.OPENED
-        _local.serve(self.stages, self)
 
     def _map_segments(self, a: pb.AttachResponse) -> bytes:
         """Map the arena; returns the probe nonce read from it (empty if it cannot be mapped).
@@ -264,8 +274,65 @@ class RelayClient:
             return
         self.state = ClientState.CLOSED
         _local.unserve(self.stages, self)
+        if self._reconnect_task is not None:
+            self._reconnect_task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._reconnect_task
         self._flush_reports()
         await self._teardown()
+
+    # -- reconnect: re-attach after the daemon went away ----------------------------
+
+    async def _reconnect(self) -> None:
+        """Re-attach with bounded backoff until it works or the client is closed.
+
+        Everything of the old session is dropped: its grants and leases died with
+        the daemon, and DataRefs of the old epoch now fail with StaleEpochError.
+        """
+        delay = RECONNECT_FIRST_DELAY
+        while self.state is ClientState.OPENED:
+            # A put may be waiting on the grant call: let it fail by itself once
+            # the channel is closed (a cancel would reach that put as
+            # CancelledError), and only then forget the old grants.
+            pending, self._grant_task = self._grant_task, None
+            await self._teardown()
+            if pending is not None:
+                with contextlib.suppress(BaseException):
+                    await pending
+            self._grants.clear()
+            self._leases.clear()
+            self._held.clear()
+            self._session = SessionChannel(self._on_frame, self._on_lost)
+            try:
+                if not os.path.exists(self.socket):
+                    raise DaemonUnavailableError(f"no relayd socket at {self.socket}")
+                await self._connect()
+            except (RelayError, OSError, ValueError) as exc:
+                log.debug("re-attach failed (%s); retrying in %.2fs", exc, delay)
+                # Backoff between attempts, not synchronization: nothing to wait on.
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, RECONNECT_MAX_DELAY)
+                continue
+            self._lost = False
+            self._draining = False
+            log.info("re-attached to relayd (epoch %s)", self.daemon_epoch)
+            return
+
+    async def _reattached(self, timeout: float | None) -> None:
+        """Wait, up to the call's deadline, for a re-attach in progress."""
+        if not self._lost or self.state is not ClientState.OPENED:
+            return
+        if self._reconnect_task is None or self._reconnect_task.done():
+            self._reconnect_task = asyncio.get_running_loop().create_task(self._reconnect())
+        limit = self.timeout if timeout is None else timeout
+        try:
+            await asyncio.wait_for(asyncio.shield(self._reconnect_task), max(limit, 0.0))
+        except TimeoutError:
+            raise DaemonUnavailableError(
+                f"the relayd daemon went away and did not come back within {limit:.3g}s"
+            ) from None
+
+    # -- end reconnect ----------------------------------------------------------------
 
     async def _teardown(self) -> None:
         for gpu_task in self._gpu_grant_tasks.values():
@@ -299,7 +366,9 @@ class RelayClient:
         if self.state is not ClientState.OPENED or self._attach is None:
             raise SessionClosedError(f"RelayClient is {self.state.value}; use `async with`")
         if self._lost:
-            raise DaemonUnavailableError("the relayd daemon went away; reconnect with a new client")
+            raise DaemonUnavailableError(
+                "the relayd daemon went away; re-attaching in the background"
+            )
         return self._attach
 
     # -- put ------------------------------------------------------------------------
@@ -321,6 +390,7 @@ class RelayClient:
         space or credits are all held by DataRefs it has not handed out yet).
         Only a full arena makes a put wait, for space freed by readers.
         """
+        await self._reattached(timeout)  # reconnect
         a = self._require_open()
         _check_names(to_stage, request_id)
         if chunk_id is not None:
@@ -740,6 +810,7 @@ class RelayClient:
         """The payload ``ref`` stands for. ``copy=False`` returns views into the arena,
         valid until :meth:`release` (prefer :meth:`view`)."""
         ref = ref if isinstance(ref, DataRef) else DataRef.from_bytes(ref)
+        await self._reattached(None)  # reconnect
         m = ref.proto
         if m.to_stage not in self.stages:
             raise PermissionDeniedError(
@@ -1133,6 +1204,7 @@ class RelayClient:
 
     async def abort(self, request_id: str) -> int:
         """Free every lease of ``request_id`` on this node; returns how many were freed."""
+        await self._reattached(None)  # reconnect
         a = self._require_open()
         assert self._stub is not None
         self._remember_aborted(request_id)
@@ -1189,6 +1261,10 @@ class RelayClient:
             log.warning("relayd session lost (daemon stopped or restarted)")
         self._lost = True
         self._space.set()
+        if self.state is ClientState.OPENED and (
+            self._reconnect_task is None or self._reconnect_task.done()
+        ):
+            self._reconnect_task = asyncio.get_running_loop().create_task(self._reconnect())
 
     def _report(self, transport: pb.Transport, nbytes: int, count: int = 1) -> None:
         if not count:

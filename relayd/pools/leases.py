@@ -57,6 +57,9 @@ log = logging.getLogger(__name__)
 GEN_SHIFT = 32
 BIND_DEADLINE = 10.0
 REQUEST_MEMORY = 300.0
+# Abort tombstones of requests nobody wrote yet are the one record a client can
+# create without holding memory; cap them so Abort cannot grow the daemon.
+MAX_TOMBSTONES = 1 << 16
 
 
 class LeaseState(enum.Enum):
@@ -151,6 +154,9 @@ class RequestInfo:
     leases: set[int] = dataclasses.field(default_factory=set)
     aborted: bool = False
     touched: float = 0.0
+    # Stages that aborted the request before any lease of it existed; the
+    # tombstone only binds leases those stages write or read.
+    aborters: set[str] = dataclasses.field(default_factory=set)
 
 
 @dataclasses.dataclass
@@ -191,6 +197,8 @@ class LeaseManager:
         lease_ttl: float,
         stage_quota_bytes: int,
         max_sessions: int,
+        max_session_grants: int = 64,
+        max_grant_waits: int = 4,
         hooks: Hooks | None = None,
         clock: Callable[[], float] = time.monotonic,
         pools: Mapping[str, Pool] = {},
@@ -205,6 +213,8 @@ class LeaseManager:
         self.lease_ttl = lease_ttl
         self.quota_slots = max(1, stage_quota_bytes // self.slot_size)
         self.max_sessions = max_sessions
+        self.max_session_grants = max_session_grants
+        self.max_grant_waits = max_grant_waits
         self.hooks = hooks or Hooks()
         self.clock = clock
         self.sessions: dict[str, Session] = {}
@@ -319,6 +329,18 @@ class LeaseManager:
             raise DrainingError("daemon is draining; no new reservations")
         if min_bytes < 0:
             raise InvalidArgumentError("min_bytes must be >= 0")
+        # -- limits: what one session may hold or wait for ---------------------------
+        if len(session.grants) >= self.max_session_grants:
+            raise ResourceExhaustedError(
+                f"session holds {len(session.grants)} grants (limit --max-session-grants "
+                f"{self.max_session_grants}); return idle ones first"
+            )
+        if sum(1 for w in self._waiters if w.session is session) >= self.max_grant_waits:
+            raise ResourceExhaustedError(
+                f"session already has {self.max_grant_waits} grant calls waiting for space "
+                "(limit --max-grant-waits)"
+            )
+        # -- end limits -------------------------------------------------------------
         arena = self.pools.get(pool)
         if arena is None:
             raise InvalidArgumentError(f"this daemon has no pool {pool[:80]!r}")
@@ -396,10 +418,25 @@ class LeaseManager:
             return self.quota_slots
         return max(1, self.pools[pool].capacity_bytes // self.slot_size // 2)
 
+    def _over_stage_quota(self, session: Session, nslots: int, pool: str) -> bool:
+        """Would ``nslots`` more put one of the session's stages over its quota?
+
+        The quota is per stage, summed over every session serving it, so a stage
+        cannot take the node by opening more sessions. O(sessions), on grants only.
+        """
+        quota = self._quota(pool)
+        for stage in session.stages:
+            held = sum(
+                s.pool_slots.get(pool, 0) for s in self.sessions.values() if stage in s.stages
+            )
+            if held + nslots > quota:
+                return True
+        return False
+
     def _try_grant(self, session: Session, nslots: int, pool: str = "shm") -> Grant | None:
         if session.state is SessionState.CLOSED:
             raise SessionClosedError("session closed")
-        if session.pool_slots.get(pool, 0) + nslots > self._quota(pool):
+        if self._over_stage_quota(session, nslots, pool):
             return None
         run = self.pools[pool].allocate(nslots)
         if run is None:
@@ -430,7 +467,7 @@ class LeaseManager:
             if waiter.future.done() or waiter.pool in full:
                 continue
             s = waiter.session
-            if s.pool_slots.get(waiter.pool, 0) + waiter.nslots > self._quota(waiter.pool):
+            if self._over_stage_quota(s, waiter.nslots, waiter.pool):
                 continue
             grant = self._try_grant(s, waiter.nslots, waiter.pool)
             if grant is None:
@@ -595,9 +632,22 @@ class LeaseManager:
             writer=session.id,
             created=self.clock(),
         )
+        if lease.from_stage not in session.stages:
+            # A writer names itself; claiming another stage's name would let it
+            # pass that stage's abort check.
+            self._event(
+                session,
+                pb.ERROR_CODE_PERMISSION_DENIED,
+                f"lease {r.lease_id} names from_stage {lease.from_stage[:64]!r}, not this session's",
+            )
+            return
         grant.leases[lease.id] = lease
         self.leases[lease.id] = lease
         req = self.requests.setdefault(lease.request_id, RequestInfo())
+        if req.aborted and req.aborters and not req.aborters & {lease.from_stage, lease.to_stage}:
+            # A stage with no part in this lease cannot abort it ahead of time.
+            req.aborted = False
+            req.aborters.clear()
         req.writers.add(lease.from_stage)
         req.readers.add(lease.to_stage)
         req.leases.add(lease.id)
@@ -734,7 +784,9 @@ class LeaseManager:
     def abort(self, session: Session, request_id: str) -> tuple[int, int]:
         req = self.requests.get(request_id)
         if req is None:
+            self._cap_tombstones()
             req = self.requests[request_id] = RequestInfo(touched=self.clock())
+            req.aborters.update(session.stages)
         elif not (set(session.stages) & (req.writers | req.readers)):
             raise PermissionDeniedError(
                 f"stage(s) {', '.join(session.stages)} neither wrote nor read request {request_id!r}"
@@ -753,11 +805,21 @@ class LeaseManager:
                 nbytes += lease.nbytes
                 self._free_lease(lease, ReclaimReason.ABORT)
         frame = pb.SessionFrame(aborted=[pb.Aborted(request_id=request_id)])
+        # Only the request's own stages hear of it: a client remembers aborted
+        # ids and refuses puts to them, which must not reach uninvolved stages.
+        involved = req.writers | req.readers | req.aborters
         for s in self.sessions.values():
-            if s.sink is not None:
+            if s.sink is not None and (not involved or involved & set(s.stages)):
                 s.sink(frame)
         self.flush()
         return n, nbytes
+
+    def _cap_tombstones(self) -> None:
+        if len(self.requests) < MAX_TOMBSTONES:
+            return
+        # dicts keep insertion order: the oldest records go first.
+        for rid in [r for r, v in self.requests.items() if not v.leases][: MAX_TOMBSTONES // 4]:
+            del self.requests[rid]
 
     def reap(self) -> int:
         """Expire unread leases, unbound sessions and old request records."""

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 PROTOCOL_VERSION = pb.PROTOCOL_VERSION_CURRENT
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.:/@-]{1,128}$")
 MAX_GRANT_BYTES = 1 << 40
+MAX_DRAIN_GRACE = 3600.0
 
 # grpc ships no type stubs; the servicer context is untyped.
 Ctx: TypeAlias = Any
@@ -90,11 +91,10 @@ class RelayService(RoutingService, pb_grpc.RelayServicer):
             raise SessionClosedError("bind the session socket before asking for grants")
         if request.min_bytes > MAX_GRANT_BYTES:
             raise InvalidArgumentError(f"min_bytes {request.min_bytes} is absurd")
-        timeout = (
-            request.timeout_seconds
-            if request.timeout_seconds > 0
-            else self.daemon.settings.reserve_timeout
-        )
+        # --reserve-timeout is the longest any grant waits: a client asking for
+        # more (or for inf) would hold its place in the fair queue for as long.
+        limit = self.daemon.settings.reserve_timeout
+        timeout = min(request.timeout_seconds, limit) if request.timeout_seconds > 0 else limit
         remaining = context.time_remaining()
         if remaining is not None:
             timeout = min(timeout, max(remaining - 0.05, 0.0))
@@ -148,5 +148,7 @@ class RelayService(RoutingService, pb_grpc.RelayServicer):
     @mapped
     async def Drain(self, request: pb.DrainRequest, context: Ctx) -> pb.DrainResponse:
         grace = request.grace_seconds if request.grace_seconds > 0 else None
+        if grace is not None and not grace <= MAX_DRAIN_GRACE:
+            raise InvalidArgumentError(f"grace_seconds must be at most {MAX_DRAIN_GRACE:g}")
         self.daemon.request_stop(grace=grace)
         return pb.DrainResponse(accepted=True)
