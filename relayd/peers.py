@@ -61,6 +61,7 @@ from relayd_client._errors import (
     PeerUnavailableError,
     PermissionDeniedError,
     RelayError,
+    SessionClosedError,
     StaleEpochError,
     StaleRefError,
     VersionMismatchError,
@@ -70,7 +71,7 @@ from relayd_client._proto import relay_pb2_grpc as pb_grpc
 from relayd_client._status import from_rpc_error
 from relayd_client._transport import Transport
 
-from .pools.leases import Lease, Session
+from .pools.leases import Lease, Session, SessionState
 from .transports.base import MemoryRegion, PullError, PullOp
 from .transports.credits import CreditPool
 
@@ -525,6 +526,9 @@ class PeerManager:
                     f"the lease was read, reclaimed or aborted on node {peer.node_id!r} while "
                     "it was pulled; data discarded"
                 )
+            if session.state is SessionState.CLOSED:
+                # The reader died during the pull: nobody would ever release the lease.
+                raise SessionClosedError("the reader's session closed during the pull")
             self.daemon.manager.publish_pull(local, remote.length)
         except BaseException:
             # The run is ours alone, so whatever Mooncake still has in flight into

@@ -9,6 +9,7 @@ every non-inline payload from A's arena into B's through Mooncake.
 from __future__ import annotations
 
 import asyncio
+import os
 import pathlib
 import signal
 import subprocess
@@ -121,15 +122,28 @@ def _metric(text: str, name: str, **labels: str) -> float | None:
     return None
 
 
+_PENDING: dict[int, bytes] = {}
+
+
 def _readline(proc: subprocess.Popen[bytes], timeout: float) -> str:
-    """One line of a worker's stdout, or fail after ``timeout`` seconds."""
+    """One line of a worker's stdout, or fail after ``timeout`` seconds. Reads the
+    pipe unbuffered: a buffered reader could hold a line that select() won't see."""
     import select
 
     assert proc.stdout is not None
-    ready, _, _ = select.select([proc.stdout], [], [], timeout)
-    if not ready:
-        raise TimeoutError(f"no output from worker within {timeout}s")
-    return proc.stdout.readline().decode().strip()
+    fd = proc.stdout.fileno()
+    deadline = time.monotonic() + timeout
+    buf = _PENDING.get(proc.pid, b"")
+    while b"\n" not in buf:
+        ready, _, _ = select.select([fd], [], [], max(deadline - time.monotonic(), 0))
+        if not ready:
+            raise TimeoutError(f"no output from worker within {timeout}s")
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            raise EOFError(f"worker exited with {proc.wait(timeout=10)}")
+        buf += chunk
+    line, _, _PENDING[proc.pid] = buf.partition(b"\n")
+    return line.decode().strip()
 
 
 def _send(proc: subprocess.Popen[bytes], line: str) -> None:
