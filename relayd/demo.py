@@ -120,9 +120,13 @@ def run_demo(*, socket: str | None, chunks: int, chunk_bytes: int) -> int:
     try:
         for p in procs:
             p.start()
-        if not res_recv.poll(300):
-            print("demo timed out", file=sys.stderr)
-            return 1
+        deadline = time.monotonic() + 300
+        while not res_recv.poll(0.5):
+            failed = [p.name for p in procs if p.exitcode not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                why = f"{', '.join(failed)} failed" if failed else "timed out"
+                print(f"demo {why}; see the traceback above", file=sys.stderr)
+                return 1
         seen, ok, bad, nbytes, seconds = res_recv.recv()
         for p in procs:
             p.join(30)

@@ -26,6 +26,7 @@ codec then refuses that container.
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import math
 from collections.abc import Sequence
@@ -425,6 +426,17 @@ def _typed_view(region: torch.Tensor, spec: TensorSpec, dt: torch.dtype) -> torc
     return region[spec.offset : spec.offset + spec.nbytes].view(dt).view(spec.shape)
 
 
+def _memcpy(dst: int, src: int, nbytes: int) -> None:
+    """One single-threaded memcpy that releases the GIL.
+
+    torch's ``copy_`` splits copies over its intra-op thread pool; on a busy
+    node (two processes, two cores) the pool's barrier waits for a descheduled
+    thread and a 256 KiB copy took 12 ms instead of 20 us. A contiguous CPU
+    copy is a plain memcpy, which is also what the floor measures.
+    """
+    ctypes.memmove(dst, src, nbytes)
+
+
 def pack_into(
     dst: torch.Tensor, tensors: Sequence[torch.Tensor], specs: Sequence[TensorSpec]
 ) -> None:
@@ -457,7 +469,15 @@ def pack_into(
                     f"tensor {spec.index} ends at byte {spec.offset + spec.nbytes}, past the "
                     f"destination's {dst.numel()} bytes"
                 )
-            _typed_view(dst, spec, dt).copy_(src)
+            view = _typed_view(dst, spec, dt)  # checks alignment for the reader's views
+            if (
+                src.device.type == "cpu"
+                and src.is_contiguous()
+                and not (src.is_conj() or src.is_neg())
+            ):
+                _memcpy(view.data_ptr(), src.data_ptr(), spec.nbytes)
+            else:
+                view.copy_(src)
 
 
 def _empty(spec: TensorSpec, dt: torch.dtype) -> torch.Tensor:
@@ -489,7 +509,7 @@ def unpack(src: torch.Tensor, specs: Sequence[TensorSpec], *, copy: bool) -> lis
             tensor = _empty(spec, dt)
             # A byte copy: plain memcpy for every dtype, bit exact (NaN
             # payloads included) and with no alignment requirement on src.
-            tensor.view(-1).view(torch.uint8).copy_(src[spec.offset : spec.offset + spec.nbytes])
+            _memcpy(tensor.data_ptr(), src.data_ptr() + spec.offset, spec.nbytes)
         else:
             tensor = _typed_view(src, spec, dt)
         out[spec.index] = tensor

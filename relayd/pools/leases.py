@@ -239,8 +239,8 @@ class LeaseManager:
         namespaces: dict[str, str] | None = None,
         gpu_uuids: Iterable[str] = (),
     ) -> Session:
-        if self.draining:
-            raise DrainingError("daemon is draining; attach to another daemon or retry later")
+        # A draining daemon still admits sessions: a reader that attaches now
+        # can collect in-flight data; only new reservations are refused.
         live = sum(1 for s in self.sessions.values() if s.state is not SessionState.CLOSED)
         if live >= self.max_sessions:
             raise ResourceExhaustedError(f"session limit reached ({self.max_sessions})")
@@ -376,6 +376,12 @@ class LeaseManager:
         waiter = _Waiter(session, nslots, loop.create_future(), start, pool)
         self._waiters.append(waiter)
         self._wake()
+        if not waiter.future.done():
+            # Sessions keep idle grants to skip round trips; ask for them now.
+            reclaim = pb.SessionFrame(event=[pb.Event(kind="reclaim")])
+            for s in self.sessions.values():
+                if s.sink is not None and s is not session and s.grants:
+                    s.sink(reclaim)
         try:
             grant = await asyncio.wait_for(asyncio.shield(waiter.future), timeout=max(timeout, 0.0))
         except TimeoutError:
