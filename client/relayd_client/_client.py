@@ -472,6 +472,53 @@ class RelayClient:
             ),
         )
 
+    @contextlib.asynccontextmanager
+    async def buffer(
+        self,
+        *,
+        to_stage: str,
+        request_id: str,
+        like: Any,
+        chunk_id: int | None = None,
+        timeout: float | None = None,
+    ) -> AsyncIterator[OutBuffer]:
+        """Zero-copy put: write the payload straight into relayd memory.
+
+        ``like`` is the payload's shape: any nesting whose tensors give the
+        shape and dtype of each output (their data is not read; ``device="meta"``
+        tensors are fine). Inside the block, ``out.payload`` is that structure
+        with every tensor replaced by a view into a fresh lease - fill them in
+        place (``torch.matmul(a, b, out=out.payload["h"])``). Leaving the block
+        publishes it and sets ``out.ref``; an exception cancels the lease.
+        The views must not be used after the block.
+        """
+        import torch
+
+        await self._reattached(timeout)
+        a = self._require_open()
+        _check_names(to_stage, request_id)
+        if self.socket_fallback:
+            raise InvalidArgumentError(
+                "buffer() needs the shared arena; this client uses the socket fallback"
+            )
+        tree, shapes = _packing.flatten(like)
+        metas = [torch.empty(t.shape, dtype=t.dtype, device="meta") for t in shapes]
+        specs, total = _meta_layout(metas)
+        msg = self._new_msg(a, request_id, to_stage, -1 if chunk_id is None else chunk_id)
+        msg.header_codec = pb.HEADER_CODEC_SAFE
+        msg.header = _codec.encode(tree)
+        _add_layout(msg, specs)
+        lease, region = await self._open_lease(msg, total, timeout)
+        out = OutBuffer(_packing.rebuild(tree, _packing.unpack(region, specs, copy=False)))
+        try:
+            yield out
+        except BaseException:
+            out.payload = None
+            self._cancel_lease(lease)
+            raise
+        out.payload = None
+        out.ref = self._seal_lease(msg, lease, total, ref=False)
+
     async def _publish(
         self,
         msg: pb.DataRef,
@@ -483,46 +530,61 @@ class RelayClient:
         ref: bool = False,
     ) -> DataRef:
         """Write the packed tensors into a lease (or hand them to the daemon) and publish."""
-        request_id, to_stage = msg.request_id, msg.to_stage
+        request_id = msg.request_id
         if request_id in self._aborted:
             raise AbortedError(f"request {request_id!r} was aborted")
         if self._draining:
             raise DrainingError("relayd is draining; no new transfers")
         if self.socket_fallback:
             return await self._publish_socket(msg, tensors, specs, total, timeout, ref=ref)
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        lease = await self._reserve(total, deadline)
-        grant = lease.grant
-        seg = self._segments[grant.segment]
-        gen = lease.id
-        frame = self._session.pending
-        frame.reserve.append(
-            pb.Reserve(
-                lease_id=lease.id,
-                grant_id=grant.id,
-                slot=lease.slot,
-                nslots=lease.nslots,
-                generation=gen,
-                request_id=request_id,
-                to_stage=to_stage,
-                from_stage=self.stages[0],
-            )
-        )
+        lease, region = await self._open_lease(msg, total, timeout)
         try:
-            start = seg.slot_offset(lease.slot)
-            region = self._views[grant.segment][start : start + total]
             if total >= OFFLOAD_BYTES:
                 await asyncio.to_thread(_packing.pack_into, region, tensors, specs)
             elif total:
                 _packing.pack_into(region, tensors, specs)
-            if request_id in self._aborted:
-                raise AbortedError(f"request {request_id!r} was aborted")
         except BaseException:
-            frame = self._session.pending
-            frame.cancel.append(pb.Cancel(lease_id=lease.id))
-            self._free_local(lease)
-            self._session.mark()
+            self._cancel_lease(lease)
             raise
+        return self._seal_lease(msg, lease, total, ref=ref)
+
+    async def _open_lease(
+        self, msg: pb.DataRef, total: int, timeout: float | None
+    ) -> tuple[_Lease, Any]:
+        """Reserve an arena lease for ``msg`` and return it with its region (a uint8 view)."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        lease = await self._reserve(total, deadline)
+        self._reserve_notice(lease, msg)
+        start = self._segments[lease.grant.segment].slot_offset(lease.slot)
+        return lease, self._views[lease.grant.segment][start : start + total]
+
+    def _reserve_notice(self, lease: _Lease, msg: pb.DataRef) -> None:
+        self._session.pending.reserve.append(
+            pb.Reserve(
+                lease_id=lease.id,
+                grant_id=lease.grant.id,
+                slot=lease.slot,
+                nslots=lease.nslots,
+                generation=lease.id,
+                request_id=msg.request_id,
+                to_stage=msg.to_stage,
+                from_stage=self.stages[0],
+            )
+        )
+
+    def _cancel_lease(self, lease: _Lease) -> None:
+        self._session.pending.cancel.append(pb.Cancel(lease_id=lease.id))
+        self._free_local(lease)
+        self._session.mark()
+
+    def _seal_lease(self, msg: pb.DataRef, lease: _Lease, total: int, *, ref: bool) -> DataRef:
+        """Stamp the generation, fill in the DataRef and publish it."""
+        if msg.request_id in self._aborted:
+            self._cancel_lease(lease)
+            raise AbortedError(f"request {msg.request_id!r} was aborted")
+        grant = lease.grant
+        seg = self._segments[grant.segment]
+        gen = lease.id
         seg.write_header(lease.slot, gen, total)
         msg.transport = pb.TRANSPORT_SHM
         msg.lease.CopyFrom(
@@ -944,19 +1006,7 @@ class RelayClient:
         source = _cuda.leaf_gpu(next(s.device for s in specs if s.nbytes))
         desc = gpu.pools[source or ""]
         lease = await self._reserve(total, deadline, desc.name)
-        grant = lease.grant
-        self._session.pending.reserve.append(
-            pb.Reserve(
-                lease_id=lease.id,
-                grant_id=grant.id,
-                slot=lease.slot,
-                nslots=lease.nslots,
-                generation=lease.id,
-                request_id=msg.request_id,
-                to_stage=msg.to_stage,
-                from_stage=self.stages[0],
-            )
-        )
+        self._reserve_notice(lease, msg)
         try:
             region = gpu.pool_region(desc.name, lease.slot, total)
             event, handle = _cuda.write_pool(region, tensors, specs)
@@ -964,9 +1014,7 @@ class RelayClient:
             if msg.request_id in self._aborted:
                 raise AbortedError(f"request {msg.request_id!r} was aborted")
         except BaseException:
-            self._session.pending.cancel.append(pb.Cancel(lease_id=lease.id))
-            self._free_local(lease)
-            self._session.mark()
+            self._cancel_lease(lease)
             raise
         # The copy may still run: the header only names the lease, the event orders the bytes.
         gpu.headers[desc.name].write_header(lease.slot, lease.id, total)
@@ -1310,6 +1358,34 @@ class RelayClient:
                 pb.TransferReport(transport=transport, count=count, bytes=nbytes)
             )
         self._session.mark(flush=True)
+
+
+class OutBuffer:
+    """What :meth:`RelayClient.buffer` yields: fill ``payload``, then read ``ref``."""
+
+    __slots__ = ("payload", "ref")
+
+    def __init__(self, payload: Any) -> None:
+        self.payload = payload
+        self.ref: DataRef | None = None
+
+
+def _meta_layout(tensors: Sequence[Any]) -> tuple[list[_packing.TensorSpec], int]:
+    """plan_layout's offsets from shapes and dtypes alone (the tensors hold no data)."""
+    specs: list[_packing.TensorSpec] = []
+    cursor = 0
+    for i, t in enumerate(tensors):
+        nbytes = t.numel() * t.element_size()
+        align = max(ALIGNMENT, t.element_size())
+        cursor = -(-cursor // align) * align
+        offset = cursor if nbytes else 0
+        specs.append(
+            _packing.TensorSpec(
+                i, tuple(t.shape), _packing.dtype_name(t.dtype), offset, nbytes, "cpu"
+            )
+        )
+        cursor += nbytes
+    return specs, cursor
 
 
 def _add_layout(msg: pb.DataRef, specs: Sequence[_packing.TensorSpec]) -> None:
