@@ -59,7 +59,7 @@ BIND_DEADLINE = 10.0
 REQUEST_MEMORY = 300.0
 # Abort tombstones of requests nobody wrote yet are the one record a client can
 # create without holding memory; cap them so Abort cannot grow the daemon.
-MAX_TOMBSTONES = 1 << 16
+MAX_TOMBSTONES = 1 << 14
 
 
 class LeaseState(enum.Enum):

@@ -16,6 +16,7 @@ import pytest
 from relayd_client import DataRef, RelayClient, StaleRefError
 
 from tests._daemon import Daemon, wait_until
+from tests._figures import record
 from tests._workers import digest, make_payload
 from tests.faults._support import (
     Zygote,
@@ -162,13 +163,14 @@ def test_sigkilled_stages_leak_nothing_and_spare_others(tmp_path: object) -> Non
         leaked_segments = foreign_segments(node, d.epoch)
         st = d.status()
         by_kind = {k[7:]: v for k, v in sorted(figures.items()) if k.startswith("killed_")}
-        print(
-            f"client-death figures: kills={figures['kills']} by kind={by_kind} "
+        record(
+            "client-death",
+            f"kills={figures['kills']} by kind={by_kind} "
             f"dead-writer payloads read back={figures['published_read']} "
             f"lost={figures['published_lost']} healthy transfers verified={healthy.verified} "
             f"mismatched={healthy.mismatched} leases leaked={len(leases(d))} "
             f"segments leaked={len(leaked_segments)} daemon fds {fds_before}->{fds_after} "
-            f"reclaimed={dict(st.get('reclaimed_by_reason', {}))}"
+            f"reclaimed={dict(st.get('reclaimed_by_reason', {}))}",
         )
         assert figures["kills"] >= min(KILLS, 10)
         assert not healthy.errors, healthy.errors

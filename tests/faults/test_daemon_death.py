@@ -16,6 +16,7 @@ from relayd_client import (
     StaleEpochError,
 )
 
+from tests._figures import record
 from tests._workers import digest, make_payload
 from tests.faults._support import node_segments, start_daemon, unique_node
 
@@ -107,7 +108,7 @@ def test_daemon_sigkill_gives_clear_errors_then_clients_reattach(tmp_path: objec
     try:
         asyncio.run(asyncio.wait_for(scenario(), 120))
         assert d.status()["state"] == "serving"
-        print(f"\ndaemon-death figures: {figures}")
+        record("daemon-death", str(figures))
     finally:
         d.stop()
     assert node_segments(node) == []

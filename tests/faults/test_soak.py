@@ -19,6 +19,7 @@ import pytest
 from relayd_client import AbortedError, DataRef, RelayClient, StaleRefError
 
 from tests._daemon import Daemon, wait_until
+from tests._figures import record
 from tests._workers import digest, make_payload
 from tests.faults._support import (
     Zygote,
@@ -202,7 +203,7 @@ def test_soak_mixed_traffic_no_growth_no_loss(tmp_path: object) -> None:
             "arena_MiB_first_last_third": _thirds(s["arena"], MiB),
             "samples": len(s["rss"]),
         }
-        print(f"soak figures: {figures}")
+        record(f"soak ({SECONDS:g} s, seed {seed})", str(figures))
         assert c["lost"] == 0 and c["corrupt"] == 0
         assert c["delivered"] > 0 and c["aborts"] > 0
         assert figures["leases_leaked"] == 0 and figures["segments_leaked"] == 0

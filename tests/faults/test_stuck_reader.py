@@ -10,6 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from relayd_client import RelayClient, ResourceExhaustedError
 
 from tests._daemon import wait_until
+from tests._figures import record
 from tests._workers import digest, make_payload
 from tests.faults._support import apoll, leases, quiet, start_daemon, unique_node
 
@@ -94,7 +95,7 @@ def test_stuck_reader_fills_only_its_stage_and_ttl_reclaims(tmp_path: object) ->
         wait_until(lambda: quiet(d), 10, "arena back to zero")
         ttl = _metric(d.scrape(), "relayd_leases_reclaimed_total", reason="ttl")
         figures["reclaimed_ttl"] = ttl
-        print(f"\nstuck-reader figures: {figures}")
+        record("stuck-reader", str(figures))
         assert isinstance(figures["stuck_leases"], int)
         assert ttl >= figures["stuck_leases"]
     finally:

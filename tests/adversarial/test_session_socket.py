@@ -1,0 +1,167 @@
+"""Garbage, oversized and forged frames on the session socket; one session against another."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import socket
+import struct
+from collections.abc import Iterator
+
+import pytest
+from relayd_client import PermissionDeniedError, RelayClient
+from relayd_client._proto import relay_pb2 as pb
+
+from tests._daemon import Daemon
+from tests._figures import count, record
+from tests._workers import digest, make_payload
+from tests.adversarial._raw import RawSession, events, frame, read_frames, stub
+from tests.faults._support import rss_bytes, start_daemon, unique_node
+
+pytestmark = pytest.mark.timeout(180)
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def daemon(tmp_path: object) -> Iterator[Daemon]:
+    d = start_daemon(str(tmp_path), unique_node(), pool="32MiB", metrics=True)
+    yield d
+    d.stop()
+
+
+def _connect(d: Daemon) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(d.socket + ".session")
+    return s
+
+
+def test_garbage_and_forged_frames_close_only_that_connection(daemon: Daemon) -> None:
+    rng = random.Random(int.from_bytes(os.urandom(4), "little"))
+    rss_before = rss_bytes(daemon.pid)
+    closed = 0
+    cases = 0
+    bodies: list[bytes] = [struct.pack("<I", 1 << 31) + b"x" * 16]  # length prefix 2^31
+    bodies.append(struct.pack("<I", (4 << 20) + 1))  # one byte over the frame limit
+    bodies.append(frame(pb.SessionFrame(release=[pb.Release(lease_id=1, generation=1)])))  # no bind
+    bodies.append(frame(pb.SessionFrame(bind=pb.Bind(session_id="s1-x", session_token=b"bad"))))
+    for _ in range(60):
+        junk = rng.randbytes(rng.randrange(1, 300))
+        bodies.append(struct.pack("<I", len(junk)) + junk)  # a complete frame of random bytes
+    for body in bodies:
+        s = _connect(daemon)
+        s.sendall(body)
+        _frames, was_closed = read_frames(s, 5)
+        s.close()
+        cases += 1
+        closed += was_closed
+        count("raw session frames fuzzed")
+    # A session bound with a stolen id but the wrong token is refused too.
+    victim = RawSession(daemon.socket, "thinker")
+    s = _connect(daemon)
+    s.sendall(
+        frame(
+            pb.SessionFrame(
+                bind=pb.Bind(session_id=victim.attach.session_id, session_token=b"0" * 16)
+            )
+        )
+    )
+    frames, was_closed = read_frames(s, 5)
+    assert was_closed and events(frames)[0].kind == "error"
+    s.close()
+    victim.close()
+    assert closed == cases, f"{cases - closed} bad connections stayed open"
+    st = daemon.status()
+    assert st["state"] == "serving"
+    growth = rss_bytes(daemon.pid) - rss_before
+    record(
+        "session-socket garbage",
+        f"{cases} bad connections, all closed; RSS growth {growth >> 10} KiB",
+    )
+    assert growth < 32 * MiB
+
+
+def test_reserve_outside_grant_and_spoofed_writer_are_refused(daemon: Daemon) -> None:
+    sess = RawSession(daemon.socket, "intruder")
+    g = sess.grant(MiB)
+    gen = g.generation_base + 1
+    bad = [
+        pb.Reserve(lease_id=gen, grant_id=g.grant_id, slot=g.slot + g.nslots, nslots=1,
+                   generation=gen, request_id="r", to_stage="talker", from_stage="intruder"),
+        pb.Reserve(lease_id=gen, grant_id=g.grant_id + 999, slot=g.slot, nslots=1,
+                   generation=gen, request_id="r", to_stage="talker", from_stage="intruder"),
+        pb.Reserve(lease_id=gen, grant_id=g.grant_id, slot=g.slot, nslots=1,
+                   generation=gen, request_id="r", to_stage="talker", from_stage="thinker"),
+    ]  # fmt: skip
+    for r in bad:
+        sess.send(pb.SessionFrame(reserve=[r]))
+        frames, was_closed = read_frames(sess.sock, 2)
+        assert not was_closed
+        evs = events(frames)
+        assert evs and evs[0].kind == "error", r
+        count("forged session notices")
+    assert daemon.status()["leases_by_state"].get("reserved", "0") == "0"
+    sess.close()
+
+
+def test_a_session_cannot_release_claim_or_abort_another_stages_lease(daemon: Daemon) -> None:
+    async def scenario() -> None:
+        async with (
+            RelayClient("thinker", daemon.socket) as w,
+            RelayClient("talker", daemon.socket) as r,
+            RelayClient("bystander", daemon.socket) as b,
+        ):
+            payload = make_payload(1, MiB)
+            ref = await w.put(payload, to_stage="talker", request_id="req")
+            lease = ref.proto.lease
+            intruder = await asyncio.to_thread(RawSession, daemon.socket, "bystander")
+            for notice in (
+                pb.SessionFrame(
+                    claim=[pb.Claim(lease_id=lease.lease_id, generation=lease.generation)]
+                ),
+                pb.SessionFrame(
+                    release=[pb.Release(lease_id=lease.lease_id, generation=lease.generation)]
+                ),
+                pb.SessionFrame(cancel=[pb.Cancel(lease_id=lease.lease_id)]),
+            ):
+                intruder.send(notice)
+                frames, _ = await asyncio.to_thread(read_frames, intruder.sock, 1)
+                count("cross-session notices")
+                if not notice.HasField("bind") and not notice.cancel:
+                    assert any(
+                        ev.code == pb.ERROR_CODE_PERMISSION_DENIED for ev in events(frames)
+                    ), notice
+            assert daemon.status()["leases_by_state"]["published"] == "1"
+            # The bystander's abort of someone else's request is refused...
+            with pytest.raises(PermissionDeniedError):
+                await b.abort("req")
+            # ... and aborting a request before it exists does not touch it either.
+            await b.abort("future")
+            fut = await w.put(make_payload(2, MiB), to_stage="talker", request_id="future")
+            assert digest(await r.get(fut)) == digest(make_payload(2, MiB))
+            # The real reader still gets every byte.
+            assert digest(await r.get(ref)) == digest(payload)
+            intruder.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+def test_abort_flood_does_not_grow_the_daemon(daemon: Daemon) -> None:
+    sess = RawSession(daemon.socket, "flooder")
+    rss_before = rss_bytes(daemon.pid)
+    with stub(daemon.socket) as s:
+        for i in range(3000):
+            s.Abort(
+                pb.AbortRequest(
+                    session_id=sess.attach.session_id,
+                    session_token=sess.attach.session_token,
+                    request_id=f"{i:x}" * 30,
+                ),
+                timeout=5,
+            )
+    count("abort tombstones flooded", 3000)
+    growth = rss_bytes(daemon.pid) - rss_before
+    record("abort flood", f"3000 aborts of unknown requests; daemon RSS growth {growth >> 10} KiB")
+    assert growth < 32 * MiB
+    sess.close()
