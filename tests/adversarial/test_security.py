@@ -199,7 +199,7 @@ def test_bytes_per_stage_limit_is_a_clear_error(tmp_path: object) -> None:
     async def scenario() -> None:
         async with RelayClient("thinker", d.socket) as w:
             with pytest.raises(ResourceExhaustedError, match="quota"):
-                await w.put(make_payload(1, 5 * MiB), to_stage="talker", request_id="a")
+                await w.put(make_payload(1, 5 * MiB), to_stage="talker", request_id="a", timeout=1)
 
     try:
         asyncio.run(asyncio.wait_for(scenario(), 60))
