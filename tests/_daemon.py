@@ -209,3 +209,25 @@ def spawn_worker(args: Sequence[str]) -> subprocess.Popen[bytes]:
 def kill9(proc: subprocess.Popen[bytes]) -> None:
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=10)
+
+
+def lines(cp: subprocess.CompletedProcess[bytes]) -> list[str]:
+    """A worker's stdout, one DataRef or digest per line."""
+    return cp.stdout.decode().splitlines()
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """One sample's value from a Prometheus scrape (0 when absent)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return float(s.value)
+    return 0.0
+
+
+def drained(d: Daemon) -> bool:
+    """No bytes in leases and none granted: the arena is back to empty."""
+    p = d.pool()
+    return p.get("used_bytes", 0) == 0 and p.get("granted_bytes", 0) == 0

@@ -773,6 +773,9 @@ class RelayClient:
                 task = asyncio.get_running_loop().create_task(
                     self._request_grant(nslots * a.slot_size, remaining, pool)
                 )
+                # The put that started it may give up first; its failure is
+                # then nobody's to raise, so mark it seen.
+                task.add_done_callback(_retrieve)
                 if pool == "shm":
                     self._grant_task = task
                 else:
@@ -1368,6 +1371,11 @@ class OutBuffer:
     def __init__(self, payload: Any) -> None:
         self.payload = payload
         self.ref: DataRef | None = None
+
+
+def _retrieve(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def _meta_layout(tensors: Sequence[Any]) -> tuple[list[_packing.TensorSpec], int]:

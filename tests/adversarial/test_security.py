@@ -13,10 +13,10 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 from relayd_client import RelayClient, ResourceExhaustedError
 from relayd_client._proto import relay_pb2 as pb
 
+from tests._daemon import metric as _metric
 from tests._figures import count
 from tests._workers import make_payload
 from tests.adversarial._raw import RawSession, events, frame
@@ -49,14 +49,6 @@ while True:
     data += chunk
 print(data.hex())
 """
-
-
-def _metric(text: str, name: str, **labels: str) -> float:
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                return float(s.value)
-    return 0.0
 
 
 @pytest.fixture

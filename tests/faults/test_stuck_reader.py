@@ -6,9 +6,9 @@ import asyncio
 import time
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 from relayd_client import RelayClient, ResourceExhaustedError
 
+from tests._daemon import metric as _metric
 from tests._daemon import wait_until
 from tests._figures import record
 from tests._workers import digest, make_payload
@@ -18,14 +18,6 @@ pytestmark = pytest.mark.timeout(120)
 
 MiB = 1 << 20
 TTL = 4.0
-
-
-def _metric(text: str, name: str, **labels: str) -> float:
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                return float(s.value)
-    return 0.0
 
 
 def test_stuck_reader_fills_only_its_stage_and_ttl_reclaims(tmp_path: object) -> None:

@@ -11,7 +11,6 @@ import sys
 
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 from relayd_client import (
     AbortedError,
     CorruptRefError,
@@ -25,6 +24,9 @@ from relayd_client import (
 )
 
 from tests._daemon import Daemon, kill9, run_worker, running_daemon, spawn_worker, wait_until
+from tests._daemon import drained as _drained
+from tests._daemon import lines as _lines
+from tests._daemon import metric as _metric
 from tests._workers import digest, make_payload
 
 pytestmark = pytest.mark.timeout(180)
@@ -44,23 +46,6 @@ def _separate_processes(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 MiB = 1 << 20
-
-
-def _lines(cp: subprocess.CompletedProcess[bytes]) -> list[str]:
-    return cp.stdout.decode().splitlines()
-
-
-def _drained(d: Daemon) -> bool:
-    p = d.pool()
-    return p.get("used_bytes", 0) == 0 and p.get("granted_bytes", 0) == 0
-
-
-def _metric(text: str, name: str, **labels: str) -> float:
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                return float(s.value)
-    return 0.0
 
 
 def test_round_trip_nested_payloads_0_to_64mib(tmp_path: object) -> None:
@@ -94,6 +79,10 @@ def test_thousand_concurrent_transfers_leave_arena_empty(tmp_path: object) -> No
                 "1000",
                 "--sizes",
                 f"512,65536,262144,{MiB}",
+                # All 1000 wait on one reader: on a loaded 2-core box the
+                # backlog, not a fault, can outlast the 10 s default.
+                "--timeout",
+                "90",
             ]
         )
         reader = spawn_worker(["read", "--socket", d.socket, "--stage", "talker", "--concurrent"])

@@ -12,33 +12,18 @@ from typing import Any
 
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 from relayd_client import RelayClient, Transport
 
 from tests._daemon import _SPAWNED, Daemon, run_worker, running_daemon, spawn_worker, wait_until
+from tests._daemon import drained as _drained
+from tests._daemon import lines as _lines
+from tests._daemon import metric as _metric
 from tests._workers import digest, make_payload
 
 pytestmark = pytest.mark.timeout(180)
 
 MiB = 1 << 20
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _lines(cp: subprocess.CompletedProcess[bytes]) -> list[str]:
-    return cp.stdout.decode().splitlines()
-
-
-def _metric(text: str, name: str, **labels: str) -> float:
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                return float(s.value)
-    return 0.0
-
-
-def _drained(d: Daemon) -> bool:
-    p = d.pool()
-    return p.get("used_bytes", 0) == 0 and p.get("granted_bytes", 0) == 0
 
 
 def _edges(d: Daemon) -> dict[tuple[str, str], dict[str, Any]]:

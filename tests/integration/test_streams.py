@@ -13,17 +13,13 @@ import torch
 from relayd_client import AbortedError, RelayClient, StreamError
 
 from tests._daemon import Daemon, running_daemon, spawn_worker, wait_until
+from tests._daemon import drained as _drained
 from tests._workers import make_chunk
 
 pytestmark = pytest.mark.timeout(180)
 
 KiB = 1 << 10
 MiB = 1 << 20
-
-
-def _drained(d: Daemon) -> bool:
-    p = d.pool()
-    return p.get("used_bytes", 0) == 0 and p.get("granted_bytes", 0) == 0
 
 
 def _shuffled_windows(lines: list[bytes], window: int, seed: int) -> list[bytes]:
