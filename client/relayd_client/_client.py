@@ -14,10 +14,11 @@ import asyncio
 import collections
 import contextlib
 import enum
+import itertools
 import logging
 import os
+import secrets
 import time
-import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -166,6 +167,9 @@ class RelayClient:
         self._gpu_grant_tasks: dict[str, asyncio.Task[pb.GrantResponse]] = {}  # by GPU pool
         self._aborted: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._released: collections.OrderedDict[int, None] = collections.OrderedDict()
+        # Object ids: unique per client without a uuid4 per put.
+        self._object_prefix = secrets.token_hex(6) + "-"
+        self._object_seq = itertools.count(1)
         self._draining = False
         self._lost = False
         self._reconnect_task: asyncio.Task[None] | None = None
@@ -458,7 +462,7 @@ class RelayClient:
     ) -> pb.DataRef:
         return pb.DataRef(
             version=VERSION,
-            object_id=uuid.uuid4().hex,
+            object_id=f"{self._object_prefix}{next(self._object_seq)}",
             request_id=request_id,
             chunk_id=chunk_id,
             to_stage=to_stage,
@@ -944,11 +948,13 @@ class RelayClient:
         host_copy = copy and not on_gpu
         if lease.length >= OFFLOAD_BYTES:
             self._claim(m)
-            tensors = await asyncio.to_thread(_packing.unpack, region, specs, copy=host_copy)
+            tensors = await asyncio.to_thread(
+                _packing.unpack, region, specs, copy=host_copy, validated=True
+            )
         else:
             # Batched with the release: a short copy needs no claim on record.
             self._claim(m, flush=False)
-            tensors = _packing.unpack(region, specs, copy=host_copy)
+            tensors = _packing.unpack(region, specs, copy=host_copy, validated=True)
         if on_gpu:
             tensors = await _cuda.restore_on_device(tensors, specs, copy)
         if seg.read_header(lease.slot)[0] != lease.generation:

@@ -488,7 +488,9 @@ def _empty(spec: TensorSpec, dt: torch.dtype) -> torch.Tensor:
     return torch.empty(spec.shape, dtype=dt)
 
 
-def unpack(src: torch.Tensor, specs: Sequence[TensorSpec], *, copy: bool) -> list[torch.Tensor]:
+def unpack(
+    src: torch.Tensor, specs: Sequence[TensorSpec], *, copy: bool, validated: bool = False
+) -> list[torch.Tensor]:
     """The tensors described by ``specs`` in ``src``, in index order.
 
     ``src`` is the region as a 1-D uint8 CPU tensor. The layout is validated
@@ -499,7 +501,8 @@ def unpack(src: torch.Tensor, specs: Sequence[TensorSpec], *, copy: bool) -> lis
     fresh (there is nothing to view).
     """
     _check_region(src, "the source")
-    validate_layout(specs, src.numel())
+    if not validated:  # callers that checked the same layout already skip the second pass
+        validate_layout(specs, src.numel())
     out: list[torch.Tensor | None] = [None] * len(specs)
     for spec in specs:
         dt = _DTYPES[spec.dtype]
