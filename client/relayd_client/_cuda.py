@@ -397,9 +397,11 @@ async def wait_event(event: Any) -> None:
 # ---------------------------------------------------------------- direct
 
 
-def export_direct(tensor: Any) -> pb.CudaIpcHandle:
-    """The CUDA storage handle of ``tensor`` plus its view (strides, offset)."""
-    share = tensor.untyped_storage()._share_cuda_()
+def export_handle(share: tuple[Any, ...]) -> pb.CudaIpcHandle:
+    """``relayd.v1.CudaIpcHandle`` from a ``_share_cuda_()`` tuple (device dropped).
+
+    Used by the daemon to export its pools and by writers for direct handles.
+    """
     (_device, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync) = share
     return pb.CudaIpcHandle(
         handle=bytes(handle),
@@ -409,9 +411,15 @@ def export_direct(tensor: Any) -> pb.CudaIpcHandle:
         ref_counter_offset=int(ref_offset),
         event_handle=bytes(event_handle or b""),
         event_sync_required=bool(event_sync),
-        stride=list(tensor.stride()),
-        storage_offset=int(tensor.storage_offset()),
     )
+
+
+def export_direct(tensor: Any) -> pb.CudaIpcHandle:
+    """The CUDA storage handle of ``tensor`` plus its view (strides, offset)."""
+    h = export_handle(tensor.untyped_storage()._share_cuda_())
+    h.stride.extend(tensor.stride())
+    h.storage_offset = int(tensor.storage_offset())
+    return h
 
 
 def check_direct_handle(h: pb.CudaIpcHandle, shape: Sequence[int], itemsize: int) -> None:

@@ -45,7 +45,7 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
-from relayd_client._cuda import pool_name, uuid_of
+from relayd_client._cuda import export_handle, pool_name, uuid_of
 from relayd_client._proto import relay_pb2 as pb
 from relayd_client._shm import HEADER_STRIDE, MappedSegment, data_offset_for
 from relayd_client._slots import SlotAllocator
@@ -84,20 +84,6 @@ def pool_geometry(pool_bytes: int, slot_size: int) -> PoolGeometry:
     if nslots < 1:
         raise ValueError(f"a GPU pool of {pool_bytes} bytes holds no slot of {slot_size}")
     return PoolGeometry(nslots, slot_size)
-
-
-def export_handle(share: tuple[Any, ...]) -> pb.CudaIpcHandle:
-    """``relayd.v1.CudaIpcHandle`` from a ``_share_cuda_()`` tuple (device dropped)."""
-    (_device, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync) = share
-    return pb.CudaIpcHandle(
-        handle=bytes(handle),
-        storage_bytes=int(size),
-        storage_offset_bytes=int(offset),
-        ref_counter_handle=bytes(ref_handle or b""),
-        ref_counter_offset=int(ref_offset),
-        event_handle=bytes(event_handle or b""),
-        event_sync_required=bool(event_sync),
-    )
 
 
 class CudaPool:
