@@ -155,3 +155,50 @@ def process_gone(pid: int) -> bool:
     except ProcessLookupError:
         return True
     return False
+
+
+HEALTHY_SIZES = [20_000, 300_000, 1 << 20, 3 << 20]
+
+
+class Healthy:
+    """A writer/reader pair that keeps going while victims die around it.
+
+    The writer attaches to ``writer_socket`` and the reader to
+    ``reader_socket`` (the same daemon by default, another node's to make
+    every read a cross-node pull); every payload is checked by digest.
+    """
+
+    def __init__(self, writer_socket: str, reader_socket: str | None = None) -> None:
+        self.writer_socket = writer_socket
+        self.reader_socket = reader_socket or writer_socket
+        self.sent = 0
+        self.verified = 0
+        self.mismatched = 0
+        self.errors: list[str] = []
+        self.stop = asyncio.Event()
+
+    async def run(self) -> None:
+        from relayd_client import DataRef, RelayClient
+
+        from tests._workers import digest, make_payload
+
+        async with (
+            RelayClient("healthy-w", self.writer_socket) as w,
+            RelayClient("healthy-r", self.reader_socket) as r,
+        ):
+            i = 0
+            while not self.stop.is_set():
+                payload = make_payload(10_000 + i, HEALTHY_SIZES[i % len(HEALTHY_SIZES)])
+                try:
+                    ref = await w.put(payload, to_stage="healthy-r", request_id=f"h{i}", timeout=10)
+                    self.sent += 1
+                    got = await r.get(DataRef.from_bytes(ref.to_bytes()))
+                except Exception as exc:  # any failure of the healthy pair fails the test
+                    self.errors.append(f"{type(exc).__name__}: {exc}")
+                    return
+                if digest(got) == digest(payload):
+                    self.verified += 1
+                else:
+                    self.mismatched += 1
+                i += 1
+                await asyncio.sleep(0)

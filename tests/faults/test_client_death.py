@@ -19,6 +19,7 @@ from tests._daemon import Daemon, wait_until
 from tests._figures import record
 from tests._workers import digest, make_payload
 from tests.faults._support import (
+    Healthy,
     Zygote,
     fd_count,
     foreign_segments,
@@ -41,40 +42,6 @@ SECONDS = float(os.environ.get("RELAYD_FAULT_SECONDS", "45"))
 SIZES = [20_000, 300_000, MiB, 3 * MiB]
 TTL = 3.0
 ROLES = ["hold-grant", "writer-mid-put", "writer-published", "view", "read-mid-copy", "stream"]
-
-
-class Healthy:
-    """A writer/reader pair that keeps going while victims die around it."""
-
-    def __init__(self, sock: str) -> None:
-        self.sock = sock
-        self.sent = 0
-        self.verified = 0
-        self.mismatched = 0
-        self.errors: list[str] = []
-        self.stop = asyncio.Event()
-
-    async def run(self) -> None:
-        async with (
-            RelayClient("healthy-w", self.sock) as w,
-            RelayClient("healthy-r", self.sock) as r,
-        ):
-            i = 0
-            while not self.stop.is_set():
-                payload = make_payload(10_000 + i, SIZES[i % len(SIZES)])
-                try:
-                    ref = await w.put(payload, to_stage="healthy-r", request_id=f"h{i}", timeout=10)
-                    self.sent += 1
-                    got = await r.get(DataRef.from_bytes(ref.to_bytes()))
-                except Exception as exc:  # any failure of the healthy pair fails the test
-                    self.errors.append(f"{type(exc).__name__}: {exc}")
-                    return
-                if digest(got) == digest(payload):
-                    self.verified += 1
-                else:
-                    self.mismatched += 1
-                i += 1
-                await asyncio.sleep(0)
 
 
 async def _chaos(

@@ -27,6 +27,7 @@ from tests._daemon import Daemon, free_port, wait_until
 from tests._figures import record
 from tests._workers import digest, make_payload
 from tests.faults._support import (
+    Healthy,
     Zygote,
     foreign_segments,
     kill,
@@ -179,38 +180,6 @@ def _fds(pid: int, ports: set[int]) -> tuple[int, int]:
     return other, pooled
 
 
-class Healthy:
-    """A writer on A and a reader on B that keep going while victims die around them."""
-
-    def __init__(self, a: Daemon, b: Daemon) -> None:
-        self.a, self.b = a, b
-        self.verified = 0
-        self.mismatched = 0
-        self.errors: list[str] = []
-        self.stop = asyncio.Event()
-
-    async def run(self) -> None:
-        async with (
-            RelayClient("healthy-w", self.a.socket) as w,
-            RelayClient("healthy-r", self.b.socket) as r,
-        ):
-            i = 0
-            while not self.stop.is_set():
-                payload = make_payload(10_000 + i, SIZES[i % len(SIZES)])
-                try:
-                    ref = await w.put(payload, to_stage="healthy-r", request_id=f"h{i}", timeout=10)
-                    got = await r.get(DataRef.from_bytes(ref.to_bytes()))
-                except Exception as exc:  # any failure of the healthy pair fails the test
-                    self.errors.append(f"{type(exc).__name__}: {exc}")
-                    return
-                if digest(got) == digest(payload):
-                    self.verified += 1
-                else:
-                    self.mismatched += 1
-                i += 1
-                await asyncio.sleep(0)
-
-
 async def _chaos(
     a: Daemon,
     b: Daemon,
@@ -303,7 +272,7 @@ def test_sigkilled_stages_across_nodes_leak_nothing(tmp_path: pathlib.Path) -> N
         fds_before = (_fds(a.pid, ports), _fds(b.pid, ports))
 
         async def scenario() -> Healthy:
-            healthy = Healthy(a, b)
+            healthy = Healthy(a.socket, b.socket)
             pair = asyncio.ensure_future(healthy.run())
             try:
                 with (

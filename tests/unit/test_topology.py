@@ -68,7 +68,7 @@ def test_same_process_is_local_object_other_process_shm_wrong_nonce_socket(
         pb.TRANSPORT_LOCAL_OBJECT, "same process", 2
     )  # fmt: skip
 
-    with subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"]) as other:
+    with subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"]) as other:
         try:
             o = _bind(topo, "vocoder", other.pid, frames)
             assert topo.bound(o, topo.nonce, other.pid)[0] == "shm"
