@@ -121,18 +121,7 @@ async def cmd_hold_reserved(a: argparse.Namespace) -> None:
     """Reserve a lease and never publish it (killed by the test)."""
     async with RelayClient(a.stage, a.socket) as c:
         lease = await c._reserve(a.sizes[0], time.monotonic() + 10)
-        c._session.pending.reserve.append(
-            pb.Reserve(
-                lease_id=lease.id,
-                grant_id=lease.grant.id,
-                slot=lease.slot,
-                nslots=lease.nslots,
-                generation=lease.id,
-                request_id=a.request,
-                to_stage=a.to,
-                from_stage=a.stage,
-            )
-        )
+        c._reserve_notice(lease, pb.DataRef(request_id=a.request, to_stage=a.to))
         c._session.mark(flush=True)
         out("RESERVED")
         await asyncio.sleep(3600)
