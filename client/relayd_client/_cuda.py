@@ -225,11 +225,27 @@ def choose_gpu_transport(
 # of its GPU. Process-wide: any number of clients share one import.
 _POOLS: dict[tuple[str, bytes], Any] = {}
 pool_imports = 0  # how many imports this process made (tests check "once")
+# handle -> the memory behind it, for pools this process exported itself (a
+# daemon with a client in the same process): cudaIpcOpenMemHandle refuses a
+# handle in the process that made it, so such a pool is used directly.
+_OWN_EXPORTS: dict[bytes, Any] = {}
+
+
+def register_own_export(handle: bytes, tensor: Any) -> None:
+    """Called by the daemon for each pool it exports (see :func:`import_pool`)."""
+    _OWN_EXPORTS[bytes(handle)] = tensor
+
+
+def forget_own_export(handle: bytes) -> None:
+    _OWN_EXPORTS.pop(bytes(handle), None)
 
 
 def import_pool(desc: pb.CudaPool) -> Any:
     """The daemon's pool ``desc`` mapped into this process, imported at most once."""
     global pool_imports
+    own = _OWN_EXPORTS.get(bytes(desc.storage.handle))
+    if own is not None:
+        return own
     key = (desc.name, bytes(desc.storage.handle))
     cached = _POOLS.get(key)
     if cached is not None:
@@ -489,6 +505,7 @@ def pin_host(views: Sequence[Any], mode: str) -> list[int]:
         ptr, size = int(view.data_ptr()), int(view.numel())
         rc = cudart.cudaHostRegister(ptr, size, _HOST_REGISTER_PORTABLE)
         if int(rc) != 0:
+            _clear_cuda_error()
             unpin_host(pinned)
             message = (
                 f"cudaHostRegister of {size} arena bytes failed (error {int(rc)}); raise "
@@ -507,10 +524,36 @@ def unpin_host(pinned: list[int]) -> None:
         return
 
     cudart = _tc().cudart()
+    failed = False
     for ptr in pinned:
         with contextlib.suppress(RuntimeError):
-            cudart.cudaHostUnregister(ptr)
+            failed |= int(cudart.cudaHostUnregister(ptr)) != 0
     pinned.clear()
+    if failed:
+        _clear_cuda_error()
+
+
+def _clear_cuda_error() -> None:
+    """Reset the CUDA runtime's last error after a failed call handled here.
+
+    ``torch.cuda.cudart()`` returns the error code of ``cudaHostRegister``
+    without clearing it, and PyTorch's next kernel-launch check
+    (``cudaGetLastError``) in this thread would then fail an unrelated
+    kernel with it. The binding has no ``cudaGetLastError``, so it is called
+    through ctypes on the libcudart this process already loaded (the same
+    instance torch uses); a torch that links cudart statically is left as is.
+    """
+    import ctypes
+
+    with contextlib.suppress(Exception):
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+            paths = {
+                line.split(None, 5)[5].strip()
+                for line in maps
+                if "libcudart.so" in line and len(line.split(None, 5)) == 6
+            }
+        for path in sorted(paths):
+            ctypes.CDLL(path).cudaGetLastError()
 
 
 async def restore_on_device(tensors: list[Any], specs: Sequence[Any], copy: bool) -> list[Any]:

@@ -10,10 +10,11 @@ Methods, on one GPU, stop-and-wait, 256 KiB to 64 MiB:
 
 Latency is one way: from the writer's ``put`` call to the moment the reader
 holds its own tensor (both ``perf_counter_ns``, one clock per host). The pool
-and direct runs use a daemon started here with ``--gpu-pool-size 256MiB``;
-the transport is pinned on the writer's client, so the numbers do not depend
-on how the two benchmark processes happen to be placed. Output: the same
-table and JSON document as ``relayd bench``.
+and direct runs use a daemon started here with ``--gpu-pool-size 512MiB``
+(a small SHM arena, not page-locked: neither method touches it); the
+transport is pinned on the writer's client, so the numbers do not depend on
+how the two benchmark processes happen to be placed. Output: the same table
+and JSON document as ``relayd bench``.
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ from relayd.bench._stats import (
 SIZES = (256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20)
 FLOOR = "copy_"
 METHODS = (FLOOR, "cuda_ipc_pool", "cuda_ipc_direct")
+# How long one side waits for the other before the method is marked failed.
+ANSWER_TIMEOUT_S = 30.0
+GPU_POOL = "512MiB"  # the largest payload four times over: never the bottleneck
 
 
 def _iterations(quick: bool) -> tuple[int, int]:
@@ -85,6 +89,9 @@ def _reader(sock: str, conn: Connection) -> None:
                     return
                 await client.get(DataRef.from_bytes(wire))  # returns with the copy done
                 conn.send(time.perf_counter_ns())
+                # Let the loop send the release notice before blocking in recv():
+                # otherwise the lease stays held until the next get.
+                await asyncio.sleep(0)
 
     asyncio.run(serve())
 
@@ -112,30 +119,62 @@ async def _writer(
                 if ref.transport.value != method:
                     raise RuntimeError(f"{method} was asked for, {ref.transport.value} was taken")
                 conn.send(ref.to_bytes())
-                done = conn.recv()
+                # Off the loop: the writer's session keeps taking Freed notices.
+                done = await asyncio.to_thread(_answer, conn)
                 if i >= warmup:
                     samples.append(int(done) - t0)
             out[size] = samples
     return out
 
 
+def _answer(conn: Connection) -> Any:
+    """The reader's next message, or an error if it has gone quiet or away."""
+    if not conn.poll(ANSWER_TIMEOUT_S):
+        raise RuntimeError(f"the reader did not answer within {ANSWER_TIMEOUT_S:.0f} s")
+    return conn.recv()
+
+
+def _arena_bytes() -> int:
+    """A small SHM arena (the GPU methods never use it) that fits this /dev/shm."""
+    from relayd.preflight import SHM_MARGIN, shm_free_bytes
+
+    try:
+        free = shm_free_bytes()
+    except OSError:
+        return 64 << 20
+    return max(8 << 20, min(64 << 20, (free - SHM_MARGIN - (4 << 20)) & ~((1 << 20) - 1)))
+
+
 def _start_daemon(tmp: Path) -> subprocess.Popen[bytes]:
     sock = tmp / "relayd.sock"
     cmd = [sys.executable, "-m", "relayd", "serve", "--socket", str(sock)]
-    cmd += ["--shm-pool-size", "512MiB", "--gpu-pool-size", "256MiB"]
+    cmd += ["--shm-pool-size", str(_arena_bytes()), "--gpu-pool-size", GPU_POOL]
+    # Page-locking the arena would need RLIMIT_MEMLOCK and buys these methods nothing.
+    cmd += ["--pin-host-memory", "off"]
     with open(tmp / "relayd.log", "wb") as log:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
     try:
         _daemon.wait_ready(str(sock), 60.0, proc)
-    except BaseException:
+    except BaseException as exc:
         proc.kill()
+        proc.wait(10)
+        tail = (tmp / "relayd.log").read_text(errors="replace")[-2000:]
+        print(f"relayd serve did not start ({exc}); its log ends with:\n{tail}", file=sys.stderr)
         raise
     return proc
 
 
 def _relayd_methods(sizes: tuple[int, ...], warmup: int, n: int, results: list[Result]) -> None:
     with tempfile.TemporaryDirectory(prefix="relayd-gpu-bench-") as tmp:
-        proc = _start_daemon(Path(tmp))
+        try:
+            proc = _start_daemon(Path(tmp))
+        except Exception as exc:
+            for method in METHODS[1:]:
+                for size in sizes:
+                    results.append(
+                        Result(method, size, Status.FAILED, reason=f"daemon: {exc}"[:200])
+                    )
+            return
         sock = os.path.join(tmp, "relayd.sock")
         ctx = mp.get_context("spawn")  # CUDA cannot be used in a forked child
         try:

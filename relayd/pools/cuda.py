@@ -45,7 +45,13 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
-from relayd_client._cuda import export_handle, pool_name, uuid_of
+from relayd_client._cuda import (
+    export_handle,
+    forget_own_export,
+    pool_name,
+    register_own_export,
+    uuid_of,
+)
 from relayd_client._proto import relay_pb2 as pb
 from relayd_client._shm import HEADER_STRIDE, MappedSegment, data_offset_for
 from relayd_client._slots import SlotAllocator
@@ -129,18 +135,22 @@ class CudaPool:
             create=True,
             mode=mode,
         )
+        device = torch.device("cuda", device_index)
         try:
-            with torch.cuda.device(device_index):
-                memory = torch.empty(geometry.nbytes, dtype=torch.uint8, device=device_index)
+            with torch.cuda.device(device):
+                memory = torch.empty(geometry.nbytes, dtype=torch.uint8, device=device)
                 # Touch it once so a bad pool fails here, not in a client.
                 memory[:1].zero_()
-                torch.cuda.synchronize(device_index)
+                torch.cuda.synchronize(device)
                 storage: Any = memory.untyped_storage()
                 export = export_handle(storage._share_cuda_())
         except BaseException:
             headers.close()
             headers.unlink()
             raise
+        # A client in this very process cannot open the handle (CUDA IPC
+        # refuses its own process's handles): it gets this tensor instead.
+        register_own_export(export.handle, memory)
         return cls(
             uuid=uuid,
             device_index=device_index,
@@ -205,6 +215,7 @@ class CudaPool:
         self.headers.close()
         self.headers.unlink()
         if self.memory is not None:
+            forget_own_export(self.export.handle)
             self.memory = None
             import torch
 
@@ -304,11 +315,20 @@ def preflight(settings: Settings) -> str | None:
     """GPU pools can be made here: CUDA works, IPC export is possible, memory fits."""
     if settings.gpu_pool_size <= 0:
         return None
-    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")
-    if "expandable_segments:true" in conf.replace(" ", "").lower():
+    conf = ",".join(
+        os.environ.get(name, "") for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+    )
+    conf = conf.replace(" ", "").lower()
+    if "expandable_segments:true" in conf:
         return (
             "PYTORCH_CUDA_ALLOC_CONF enables expandable_segments, whose memory cannot be "
             "exported over CUDA IPC; unset it for relayd (stages may keep it)"
+        )
+    if "backend:cudamallocasync" in conf:
+        # CUDAMallocAsyncAllocator::shareIpcHandle is not implemented.
+        return (
+            "PYTORCH_CUDA_ALLOC_CONF selects backend:cudaMallocAsync, whose memory cannot be "
+            "exported over CUDA IPC; unset it for relayd"
         )
     import torch
 

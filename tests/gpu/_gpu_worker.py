@@ -5,6 +5,11 @@ stdout (the tests are the "app channel"). ``--cuda-first`` initializes CUDA
 before attaching, so the daemon learns this process's GPU (its edges can be
 routed cuda_ipc_direct / cuda_ipc_pool); without it the process attaches as
 a CPU stage and initializes CUDA only when a command needs it.
+
+Commands: ``put`` (answers with the DataRef at once, without waiting for
+the GPU: the reader must cope with a writer whose copies are still queued),
+``digest`` (the SHA-256 of a payload put earlier, after a device sync; the
+payload is then dropped), ``get``, ``facts``.
 """
 
 from __future__ import annotations
@@ -18,6 +23,10 @@ from typing import Any
 
 import torch
 from relayd_client import DataRef, RelayClient, _cuda
+
+# A matmul chain of this length keeps an H100/H200 busy for ~0.2 s (fp32,
+# 4096^2): put() enqueues its copy behind it and hands the DataRef out first.
+HEAVY_STEPS = 100
 
 
 def digest(obj: Any) -> str:
@@ -57,7 +66,7 @@ def heavy_source(nbytes: int, seed: int) -> torch.Tensor:
     g = torch.Generator(device="cuda").manual_seed(seed)
     a = torch.randn(4096, 4096, device="cuda", generator=g)
     b = torch.randn(4096, 4096, device="cuda", generator=g) / 64.0
-    for _ in range(40):
+    for _ in range(HEAVY_STEPS):
         a = torch.tanh(a @ b)
     flat = a.reshape(-1).view(torch.uint8)
     return (
@@ -74,6 +83,7 @@ def make_payload(where: str, seed: int, nbytes: int, heavy: bool) -> dict[str, A
     if where == "cpu":
         return {"seed": seed, "hidden": main, "extra": half}
     gpu_main = heavy_source(nbytes, seed) if heavy else main.cuda()
+    # .t(): a non-contiguous CUDA leaf (strides travel in direct handles).
     out: dict[str, Any] = {"seed": seed, "hidden": gpu_main, "extra": half.cuda().t()}
     if where == "mixed":
         out["cpu"] = torch.arange(1000, dtype=torch.int64)
@@ -90,7 +100,7 @@ async def main() -> None:
     if args.cuda_first:
         torch.cuda.set_device(args.device)
         torch.cuda.init()
-    kept: list[Any] = []  # direct CUDA IPC: the writer keeps its tensors alive
+    kept: dict[str, Any] = {}  # rid -> payload: the writer keeps its tensors alive
     async with RelayClient(args.stage, args.socket, timeout=30.0) as client:
         print(json.dumps({"ready": True}), flush=True)
         loop = asyncio.get_running_loop()
@@ -108,9 +118,18 @@ async def main() -> None:
                         cmd.get("heavy", False),
                     )
                     ref = await client.put(payload, to_stage=cmd["to"], request_id=cmd["rid"])
-                    kept.append(payload)
-                    answer = {"ref": ref.to_bytes().hex(), "digest": digest(payload)}
-                    answer["transport"] = ref.transport.value
+                    # Is this GPU still busy (the source or its copy into the lease)?
+                    pending = (
+                        torch.cuda.is_initialized() and not torch.cuda.current_stream().query()
+                    )
+                    kept[cmd["rid"]] = payload
+                    answer = {
+                        "ref": ref.to_bytes().hex(),
+                        "transport": ref.transport.value,
+                        "pending": pending,
+                    }
+                elif cmd["op"] == "digest":
+                    answer = {"digest": digest(kept.pop(cmd["rid"]))}
                 elif cmd["op"] == "get":
                     ref = DataRef.from_bytes(bytes.fromhex(cmd["ref"]))
                     obj = await client.get(ref)
@@ -119,8 +138,6 @@ async def main() -> None:
                         "devices": devices(obj),
                         "transport": ref.transport.value,
                     }
-                    if torch.cuda.is_initialized():
-                        torch.cuda.synchronize()
                 elif cmd["op"] == "facts":
                     gpu = client._gpu
                     answer = {

@@ -1,95 +1,189 @@
 #!/usr/bin/env bash
 # relayd GPU device checks: the GPU test suite, then the GPU benchmark.
 #
-#   tests/gpu/run_device_checks.sh [RESULTS_DIR]
+#   bash tests/gpu/run_device_checks.sh [RESULTS_DIR]
 #
 # RESULTS_DIR defaults to $OUT when set, else ./gpu-results. Written there:
-# summary.md (read this first), gpu-tests.log, gpu-tests.xml, gpu-bench.txt,
-# gpu-bench.json, daemon logs of failed tests are in gpu-tests.log.
+# summary.md (read this first; written whatever happens), env.txt,
+# gpu-tests.log, gpu-tests.xml, gpu-bench.txt, gpu-bench.json, logs/ (the
+# test daemon's log).
 #
 # Installs nothing from the network. It expects, already installed: torch
-# with CUDA, grpcio, grpcio-health-checking, protobuf, prometheus-client and
-# pytest (pytest-timeout and uvloop are optional). relayd and relayd_client
-# run from this tree through PYTHONPATH; `pip install --no-deps
-# --no-build-isolation -e ./client -e .` works too. Budget: under 5 minutes
-# on one GPU (tests ~2 min, benchmark ~1 min).
+# with CUDA, grpcio, grpcio-health-checking, protobuf and prometheus-client
+# (daemon and client); pytest for the tests (pytest-timeout and uvloop are
+# optional). relayd and relayd_client run from this tree through PYTHONPATH,
+# installed or not. PYTHON=/path/to/python picks the interpreter (default:
+# the first of python3, python that imports torch).
+#
+# The whole run is bounded: every step runs under `timeout` against one
+# deadline, so the script ends within 5 minutes (tests ~1.5 min, benchmark
+# ~1 min on one GPU).
+#
+# Exit: 0 all passed; 1 a test or the benchmark failed (or timed out);
+# 2 no CUDA device (GPU tests skipped, nothing measured); 3 a dependency is
+# missing (nothing run).
 set -u -o pipefail
 
+START=$SECONDS
+DEADLINE=$((START + 285)) # 15 s spare under 5 minutes
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 RESULTS="${1:-${OUT:-./gpu-results}}"
-mkdir -p "$RESULTS"
+mkdir -p "$RESULTS/logs"
 RESULTS="$(cd "$RESULTS" && pwd)"
-PY="${PYTHON:-$(command -v python || command -v python3)}"
-cd "$ROOT"
+cd "$ROOT" || exit 3
 export PYTHONPATH="$ROOT/client:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export RELAYD_GPU_LOGDIR="$RESULTS/logs"
+export PYTHONUNBUFFERED=1
 SUMMARY="$RESULTS/summary.md"
-# Page-locking the arena needs RLIMIT_MEMLOCK to cover it (preflight checks);
-# the tests fall back to --pin-host-memory off where it cannot be raised.
-ulimit -l unlimited 2>/dev/null || true
+
+left() { echo $((DEADLINE - SECONDS)); }
+# bounded SECONDS CMD...: CMD under a timeout of at most SECONDS, never past the deadline.
+bounded() {
+  local limit=$1
+  shift
+  local rest
+  rest=$(left)
+  ((rest < limit)) && limit=$rest
+  if ((limit < 5)); then
+    echo "skipped: no time left before the 5-minute deadline" >&2
+    return 124
+  fi
+  if command -v timeout >/dev/null 2>&1; then
+    timeout -k 10 "$limit" "$@"
+  else
+    "$@"
+  fi
+}
+note() { printf '%s\n' "$@" >>"$SUMMARY"; }
 
 {
   echo "# relayd GPU device checks"
   echo
-  echo "- commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+  if commit=$(git rev-parse --short HEAD 2>/dev/null); then
+    git diff --quiet HEAD 2>/dev/null || commit="$commit (+ local changes)"
+  else
+    commit="unknown (not a git checkout)"
+  fi
+  echo "- commit: $commit"
   echo "- date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
-  echo "- gpus: $(nvidia-smi -L 2>/dev/null | tr '\n' ';' || echo 'nvidia-smi not found')"
+  echo "- gpus: $( (bounded 15 nvidia-smi -L 2>/dev/null || echo 'nvidia-smi not found or failed') | tr '\n' ';')"
+  echo "- /dev/shm: $(df -h /dev/shm 2>/dev/null | awk 'NR==2 {print $4 " free of " $2}' || echo unknown)"
+  echo "- memlock: soft $(ulimit -S -l) hard $(ulimit -H -l)"
 } >"$SUMMARY"
+# Page-locking the arena needs RLIMIT_MEMLOCK to cover it (preflight checks);
+# the tests fall back to --pin-host-memory off where it cannot be raised.
+ulimit -S -l "$(ulimit -H -l)" 2>/dev/null || true
+
+# The interpreter: $PYTHON, else the first of python3, python that has torch.
+PY=""
+for cand in ${PYTHON:-} python3 python; do
+  if command -v "$cand" >/dev/null 2>&1 && bounded 60 "$cand" -c "import torch" >/dev/null 2>&1; then
+    PY="$(command -v "$cand")"
+    break
+  fi
+done
+if [ -z "$PY" ]; then
+  note "" "**not run**: no Python interpreter that imports torch (tried: ${PYTHON:+$PYTHON }python3 python); set PYTHON=..."
+  echo "no Python interpreter with torch found; see $SUMMARY" >&2
+  exit 3
+fi
 
 # Fail clearly, before anything runs, when a dependency is missing.
-if ! "$PY" - >"$RESULTS/deps.txt" 2>&1 <<'EOF'; then
-import importlib.util, sys
+bounded 60 "$PY" - >"$RESULTS/env.txt" 2>&1 <<'EOF'
+import importlib, importlib.util, sys
 need = {"torch": "torch", "grpc": "grpcio", "grpc_health": "grpcio-health-checking",
-        "google.protobuf": "protobuf", "prometheus_client": "prometheus-client",
-        "pytest": "pytest"}
+        "google.protobuf": "protobuf", "prometheus_client": "prometheus-client"}
 def absent(mod):
     try:
         return importlib.util.find_spec(mod) is None
     except ImportError:  # a missing parent package ("google")
         return True
+print(f"python {sys.executable} {sys.version.split()[0]}")
 missing = [pkg for mod, pkg in need.items() if absent(mod)]
 if missing:
-    print("missing Python packages: " + ", ".join(missing) + " (this script installs nothing)")
-    sys.exit(1)
+    print("MISSING Python packages: " + ", ".join(missing) + " (this script installs nothing)")
+    sys.exit(3)
+# The repository's own code must import with the installed versions
+# (generated protobuf/grpc code checks the runtime's version).
+for mod in ("relayd_client", "relayd.server", "relayd.bench.gpu"):
+    try:
+        importlib.import_module(mod)
+    except Exception as exc:
+        print(f"MISSING: {mod} does not import: {type(exc).__name__}: {exc}")
+        sys.exit(3)
 import torch
 print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, "
       f"{torch.cuda.device_count()} device(s), available={torch.cuda.is_available()}")
+for m in ("pytest", "pytest_timeout", "uvloop"):
+    print(f"{m}: {'yes' if not absent(m) else 'no'}")
 if not torch.cuda.is_available():
-    print("torch sees no CUDA device")
-    sys.exit(1)
+    print("NO CUDA: torch sees no CUDA device")
+    sys.exit(2)
 EOF
-  cat "$RESULTS/deps.txt"
-  { echo; echo "**not run**: $(tail -1 "$RESULTS/deps.txt")"; } >>"$SUMMARY"
+ENV_RC=$?
+cat "$RESULTS/env.txt"
+while IFS= read -r line; do note "- $line"; done <"$RESULTS/env.txt"
+if [ "$ENV_RC" -ne 0 ] && [ "$ENV_RC" -ne 2 ]; then
+  note "" "**not run**: $(grep -m1 MISSING "$RESULTS/env.txt" || echo "environment check failed (exit $ENV_RC)")"
+  echo "summary: $SUMMARY"
   exit 3
 fi
-echo "- $(cat "$RESULTS/deps.txt")" >>"$SUMMARY"
+NO_CUDA=0
+[ "$ENV_RC" -eq 2 ] && NO_CUDA=1
 
-# pytest-timeout is optional here: without it the ini's `timeout` key is
-# unknown, so run with the strict options minus --strict-config.
-PYTEST_ARGS=(-m gpu tests/gpu -v -rs -p no:cacheprovider --junitxml="$RESULTS/gpu-tests.xml")
-if ! "$PY" -c "import pytest_timeout" 2>/dev/null; then
-  PYTEST_ARGS+=(-o "addopts=-ra --strict-markers" -W "ignore::pytest.PytestConfigWarning")
+# -- tests (skipped, and counted as skipped, without a CUDA device) -------------
+TESTS_RC=3 TESTS_RAN=0
+if grep -q "^pytest: yes" "$RESULTS/env.txt"; then
+  # pytest-timeout is optional: without it the ini's `timeout` key is unknown,
+  # so run with the strict options minus --strict-config.
+  PYTEST_ARGS=(-m gpu tests/gpu -v -rs -p no:cacheprovider --junitxml="$RESULTS/gpu-tests.xml")
+  if grep -q "^pytest_timeout: yes" "$RESULTS/env.txt"; then
+    PYTEST_ARGS+=(--timeout=90)
+  else
+    PYTEST_ARGS+=(-o "addopts=-ra --strict-markers" -W "ignore::pytest.PytestConfigWarning")
+  fi
+  # Leave ~85 s for the benchmark.
+  bounded $(($(left) - 85)) "$PY" -m pytest "${PYTEST_ARGS[@]}" 2>&1 | tee "$RESULTS/gpu-tests.log"
+  TESTS_RC=${PIPESTATUS[0]}
+  TESTS_RAN=1
+else
+  echo "MISSING: pytest is not installed: GPU tests not run" | tee "$RESULTS/gpu-tests.log"
 fi
-timeout 200 "$PY" -m pytest "${PYTEST_ARGS[@]}" 2>&1 | tee "$RESULTS/gpu-tests.log"
-TESTS_RC=${PIPESTATUS[0]}
 
-timeout 90 "$PY" -m relayd.bench --gpu --quick --json "$RESULTS/gpu-bench.json" 2>&1 \
-  | tee "$RESULTS/gpu-bench.txt"
+# -- benchmark -------------------------------------------------------------------
+bounded 80 "$PY" -m relayd.bench --gpu --quick --json "$RESULTS/gpu-bench.json" 2>&1 |
+  tee "$RESULTS/gpu-bench.txt"
 BENCH_RC=${PIPESTATUS[0]}
 
+timed() { [ "$1" -eq 124 ] || [ "$1" -eq 137 ] && echo ", TIMED OUT"; }
 {
   echo
-  echo "## tests (exit $TESTS_RC)"
+  if [ "$NO_CUDA" -eq 1 ]; then
+    echo "**NO CUDA DEVICE**: GPU tests skipped, nothing measured."
+    echo
+  fi
+  echo "## tests (exit $TESTS_RC$(timed "$TESTS_RC")$([ "$TESTS_RAN" -eq 0 ] && echo ', NOT RUN'))"
   echo
   echo '```'
-  grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$RESULTS/gpu-tests.log" | tail -20
+  grep -E "(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)( |$)|^(FAILED|ERROR) |[0-9]+ (passed|failed|skipped|error)" \
+    "$RESULTS/gpu-tests.log" | tail -30
   echo '```'
   echo
-  echo "## benchmark (exit $BENCH_RC)"
+  echo "## benchmark (exit $BENCH_RC$(timed "$BENCH_RC"))"
   echo
   echo '```'
-  cat "$RESULTS/gpu-bench.txt"
+  tail -60 "$RESULTS/gpu-bench.txt"
   echo '```'
+  echo
+  echo "elapsed: $((SECONDS - START)) s"
 } >>"$SUMMARY"
 
 echo "summary: $SUMMARY"
-[ "$TESTS_RC" -eq 0 ] && [ "$BENCH_RC" -eq 0 ]
+if [ "$NO_CUDA" -eq 1 ]; then
+  exit 2
+elif [ "$TESTS_RC" -eq 0 ] && [ "$BENCH_RC" -eq 0 ]; then
+  exit 0
+elif [ "$TESTS_RAN" -eq 0 ] && [ "$BENCH_RC" -eq 0 ]; then
+  exit 3 # benchmark ran, tests could not (pytest missing)
+fi
+exit 1

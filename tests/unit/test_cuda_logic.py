@@ -324,3 +324,155 @@ def test_daemon_routes_gpu_edges_with_the_probed_peer_matrix(
     mine = _cuda.payload_facts([_cuda.device_field(GPU_A)])
     chosen = _cuda.choose_gpu_transport(mine, pools={GPU_A}, daemon_route=Transport.CUDA_IPC_POOL)
     assert chosen is Transport.CUDA_IPC_POOL
+
+
+# ---------------------------------------------------------------- pool import, pinning
+
+
+def _pool_desc(handle: bytes, nslots: int = 4) -> pb.CudaPool:
+    return pb.CudaPool(
+        name=_cuda.pool_name(GPU_A), gpu_uuid=GPU_A, nslots=nslots, slot_size=SLOT,
+        storage=pb.CudaIpcHandle(handle=handle, storage_bytes=nslots * SLOT),
+    )  # fmt: skip
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """This process "sees" GPU A; opening a handle gives a CPU tensor (counted)."""
+    import torch
+
+    opened: list[int] = []
+
+    def open_storage(ordinal, h, dtype, shape, stride, offset):  # type: ignore[no-untyped-def]
+        opened.append(ordinal)
+        return torch.zeros(h.storage_bytes, dtype=torch.uint8)
+
+    monkeypatch.setattr(_cuda, "local_uuids", lambda: (GPU_A,))
+    monkeypatch.setattr(_cuda, "_open_storage", open_storage)
+    monkeypatch.setattr(_cuda, "_POOLS", {})
+    monkeypatch.setattr(_cuda, "_OWN_EXPORTS", {})
+    return opened
+
+
+def test_pool_import_happens_once_per_process(fake_gpu: list[int]) -> None:
+    before = _cuda.pool_imports
+    first = _cuda.import_pool(_pool_desc(b"h" * 65))
+    assert _cuda.import_pool(_pool_desc(b"h" * 65)) is first
+    assert fake_gpu == [0] and _cuda.pool_imports == before + 1
+    _cuda.import_pool(_pool_desc(b"n" * 65))  # a new daemon epoch exports a new handle
+    assert fake_gpu == [0, 0] and _cuda.pool_imports == before + 2
+
+
+def test_pool_import_checks_visibility_and_size(
+    fake_gpu: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from relayd_client import PeerUnavailableError
+
+    small = _pool_desc(b"s" * 65)
+    small.storage.storage_bytes = SLOT  # less than nslots * slot_size
+    with pytest.raises(CorruptRefError):
+        _cuda.import_pool(small)
+    monkeypatch.setattr(_cuda, "local_uuids", lambda: (GPU_B,))
+    with pytest.raises(PeerUnavailableError, match="CUDA_VISIBLE_DEVICES"):
+        _cuda.import_pool(_pool_desc(b"h" * 65))
+
+
+def test_a_pool_exported_by_this_process_is_not_reopened(
+    fake_gpu: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CUDA IPC cannot open a handle in its own process: a client living in the
+    daemon's process gets the daemon's tensor, and closing the pool forgets it."""
+    import torch
+
+    memory = torch.zeros(4 * SLOT, dtype=torch.uint8)
+    geometry = pool_geometry(4 * SLOT, SLOT)
+    headers = MappedSegment(
+        f"relayd.unit.{os.urandom(4).hex()}.{HEADER_SEGMENT_BASE}", geometry.header_bytes, 0,
+        HEADER_STRIDE, create=True,
+    )  # fmt: skip
+    export = pb.CudaIpcHandle(handle=b"o" * 65, storage_bytes=4 * SLOT)
+    pool = CudaPool(uuid=GPU_A, device_index=0, geometry=geometry, headers=headers,
+                    memory=memory, export=export)  # fmt: skip
+    _cuda.register_own_export(export.handle, memory)
+    assert _cuda.import_pool(pool.describe()) is memory and fake_gpu == []
+    monkeypatch.setattr(torch.cuda, "ipc_collect", lambda: None)
+    pool.close()
+    assert _cuda.import_pool(pool.describe()) is not memory and fake_gpu == [0]
+
+
+class _FakeCudart:
+    def __init__(self, codes: list[int]) -> None:
+        self.codes = codes
+        self.registered: list[int] = []
+        self.unregistered: list[int] = []
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:
+        assert flags == 1  # cudaHostRegisterPortable
+        code = self.codes.pop(0)
+        if code == 0:
+            self.registered.append(ptr)
+        return code
+
+    def cudaHostUnregister(self, ptr: int) -> int:
+        self.unregistered.append(ptr)
+        return 0
+
+
+@pytest.mark.parametrize("mode", ["auto", "on"])
+def test_a_failed_pin_unpins_and_clears_the_cuda_error(
+    mode: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import torch
+    from relayd_client import RelayError
+
+    cudart = _FakeCudart([0, 2])  # the second segment fails (cudaErrorMemoryAllocation)
+    cleared: list[bool] = []
+    monkeypatch.setattr(_cuda, "uses_cuda", lambda: True)
+    monkeypatch.setattr(_cuda, "_tc", lambda: SimpleNamespace(cudart=lambda: cudart))
+    monkeypatch.setattr(_cuda, "_clear_cuda_error", lambda: cleared.append(True))
+    views = [torch.zeros(SLOT, dtype=torch.uint8), torch.zeros(SLOT, dtype=torch.uint8)]
+    if mode == "on":
+        with pytest.raises(RelayError, match="RLIMIT_MEMLOCK"):
+            _cuda.pin_host(views, mode)
+    else:
+        assert _cuda.pin_host(views, mode) == []
+        assert "stay pageable" in caplog.text
+    assert cudart.unregistered == cudart.registered == [views[0].data_ptr()]
+    assert cleared == [True]  # the next kernel launch must not inherit the error
+
+
+def test_pinning_succeeds_and_unpins_on_close(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    cudart = _FakeCudart([0, 0])
+    monkeypatch.setattr(_cuda, "uses_cuda", lambda: True)
+    monkeypatch.setattr(_cuda, "_tc", lambda: SimpleNamespace(cudart=lambda: cudart))
+    views = [torch.zeros(SLOT, dtype=torch.uint8), torch.zeros(SLOT, dtype=torch.uint8)]
+    pinned = _cuda.pin_host(views, "auto")
+    assert pinned == [v.data_ptr() for v in views]
+    _cuda.unpin_host(pinned)
+    assert cudart.unregistered == [v.data_ptr() for v in views] and pinned == []
+    assert _cuda.pin_host(views, "off") == []
+
+
+def test_clearing_the_cuda_error_is_harmless_without_cuda() -> None:
+    _cuda._clear_cuda_error()  # no libcudart loaded here: nothing to do, nothing raised
+
+
+@pytest.mark.parametrize(
+    "conf",
+    [
+        "expandable_segments:True",
+        "backend:cudaMallocAsync",
+        "max_split_size_mb:64, expandable_segments: true",
+    ],
+)
+def test_gpu_preflight_refuses_allocators_without_ipc(
+    conf: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from relayd.config import Settings
+    from relayd.pools.cuda import preflight
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", conf)
+    why = preflight(Settings(gpu_pool_size=256 << 20))
+    assert why is not None and "CUDA IPC" in why

@@ -1,0 +1,49 @@
+"""``relayd bench --gpu`` without a GPU: its bookkeeping, timeouts and failure reporting."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import pytest
+
+from relayd.bench import gpu
+from relayd.bench._stats import Status, add_ratios, render_table, to_json
+
+
+def test_the_arena_fits_a_small_dev_shm(monkeypatch: pytest.MonkeyPatch) -> None:
+    import relayd.preflight as preflight
+
+    for free, want in ((24 << 30, 64 << 20), (64 * 10**6, 41 << 20), (1 << 20, 8 << 20)):
+        monkeypatch.setattr(preflight, "shm_free_bytes", lambda free=free: free)
+        got = gpu._arena_bytes()
+        assert got == want and got % (64 << 10) == 0  # whole slots
+
+
+def test_a_silent_reader_fails_the_method_instead_of_hanging(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(gpu, "ANSWER_TIMEOUT_S", 0.05)
+    parent, child = mp.Pipe()
+    with pytest.raises(RuntimeError, match="did not answer"):
+        gpu._answer(parent)
+    child.send(123)
+    assert gpu._answer(parent) == 123
+
+
+def test_a_daemon_that_does_not_start_fails_both_methods_with_a_reason(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def no_daemon(tmp: object) -> None:
+        raise RuntimeError("preflight: RLIMIT_MEMLOCK is 8 MiB")
+
+    monkeypatch.setattr(gpu, "_start_daemon", no_daemon)
+    results = [gpu._ok(gpu.FLOOR, size, 1, [1000 + size // 1000, 2000]) for size in gpu.SIZES]
+    gpu._relayd_methods(gpu.SIZES, 1, 2, results)
+    failed = [r for r in results if r.status is Status.FAILED]
+    assert {r.method for r in failed} == set(gpu.METHODS[1:])
+    assert len(failed) == 2 * len(gpu.SIZES) and all("RLIMIT_MEMLOCK" in r.reason for r in failed)
+    add_ratios(results, reference=gpu.FLOOR)
+    table = render_table(results, machine={"gpu": "none", "gpus": 0})
+    assert "GB/s" in table and "cuda_ipc_pool" in table
+    doc = to_json(results, (), {"gpu": "none"}, {"gpu": True})
+    assert len(doc["results"]) == 3 * len(gpu.SIZES)
