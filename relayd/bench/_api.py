@@ -59,6 +59,7 @@ class BenchContext:
     socket: str | None = None
     reader_socket: str | None = None
     daemon_pid: int | None = None
+    reader_daemon_pid: int | None = None  # the reader's own daemon (relayd-mooncake), if known
     stream_index: int = 0
 
     def segment_name(self, tag: str) -> str:
@@ -186,6 +187,7 @@ class Step:
     method: str
     target: str  # "module:Class", imported in the child only (it imports torch)
     sizes: tuple[SizePlan, ...]
+    reader_daemon: bool = False  # the reader uses ctx.reader_socket: count that daemon too
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,6 +219,7 @@ class WriterReport:
     usage: Usage
     cycles_ns: tuple[int, ...]  # t0 -> ack, measured transfers
     daemon_cpu_ns: int | None
+    reader_daemon_cpu_ns: int | None  # the reader's own daemon, for a step with reader_daemon
     start_ns: int  # first measured transfer's t0 (scheduled time when paced)
     end_ns: int  # after the last measured ack
     extra: dict[str, str]

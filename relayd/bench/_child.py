@@ -8,7 +8,8 @@ until each transfer is due and stamps the real start, so sleep overshoot does no
 count; if it is already behind, ``t0`` is the due time, so queueing delay does.
 
 CPU time and minor faults come from ``getrusage`` over the measured transfers;
-the daemon's CPU from procfs, sampled by the writer (or local process).
+the daemon's CPU from procfs, sampled by the writer (or local process), and for a
+step whose reader has its own daemon (relayd-mooncake) that daemon's CPU as well.
 
 The parent imports this module only to name ``child_main``; torch is imported in
 the child, as it costs ~2 s of CPU per import here.
@@ -75,17 +76,22 @@ class _Meter:
 
     def __init__(self, spec: JobSpec, step: Step, plan: SizePlan, *, daemon: bool) -> None:
         self._step, self._plan = step, plan
-        self._pid = spec.ctx.daemon_pid if daemon and spec.measure_daemon else None
+        measure = daemon and spec.measure_daemon
+        self._pid = spec.ctx.daemon_pid if measure else None
+        self._reader_pid = spec.ctx.reader_daemon_pid if measure and step.reader_daemon else None
         self.samples: list[int] = []
         self.start_ns = 0
-        self._u0, self._d0 = _usage(), self._daemon()
+        self._u0, self._d0, self._r0 = _usage(), self._daemon(), self._reader_daemon()
 
     def _daemon(self) -> int | None:
         return None if self._pid is None else proc_cpu_ns(self._pid)
 
+    def _reader_daemon(self) -> int | None:
+        return None if self._reader_pid is None else proc_cpu_ns(self._reader_pid)
+
     def at(self, i: int) -> None:
         if i == self._plan.warmup:  # warm-up over: resources count from here
-            self._u0, self._d0 = _usage(), self._daemon()
+            self._u0, self._d0, self._r0 = _usage(), self._daemon(), self._reader_daemon()
 
     def record(self, i: int, sample_ns: int, start_ns: int) -> None:
         if i >= self._plan.warmup:
@@ -98,14 +104,15 @@ class _Meter:
         return Usage(cpu - self._u0[0], flt - self._u0[1])
 
     def writer_report(self, extra: dict[str, str]) -> WriterReport:
-        end_ns, usage, d1 = time.perf_counter_ns(), self._delta(), self._daemon()
-        daemon = d1 - self._d0 if d1 is not None and self._d0 is not None else None
+        end_ns, usage = time.perf_counter_ns(), self._delta()
+        d1, r1 = self._daemon(), self._reader_daemon()
         return WriterReport(
             self._step.method,
             self._plan.size,
             usage,
             tuple(self.samples),
-            daemon,
+            _since(self._d0, d1),
+            _since(self._r0, r1),
             self.start_ns,
             end_ns,
             dict(extra),
@@ -114,6 +121,10 @@ class _Meter:
     def reader_report(self, *, local: bool = False) -> ReaderReport:
         usage = Usage(0, 0) if local else self._delta()  # a local process reports as writer
         return ReaderReport(self._step.method, self._plan.size, usage, tuple(self.samples))
+
+
+def _since(start: int | None, end: int | None) -> int | None:
+    return end - start if start is not None and end is not None else None
 
 
 class _Schedule:

@@ -72,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--reader-socket",
         metavar="PATH",
-        help="relayd-mooncake: the reader's daemon on another node",
+        help="relayd-mooncake: the reader's daemon on another node, Mooncake peer of "
+        "--socket's (default: the bench starts both daemons on loopback)",
     )
     p.add_argument(
         "--iterations-scale",

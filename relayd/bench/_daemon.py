@@ -4,6 +4,12 @@ Started: ``python -m relayd serve --socket <tmp>/relayd.sock --shm-pool-size 512
 in its own session (a Ctrl-C at the terminal reaches the benchmark, which then
 stops the daemon with SIGTERM so it drains and unlinks its segments). Ready means
 the socket exists and the standard gRPC health service answers SERVING.
+
+A pair (:func:`start_pair`, for relayd-mooncake) is two such daemons as two nodes
+on loopback, configured as the two-daemon tests do: distinct node ids (so distinct
+arena names) and sockets, each with its Peer service on a free 127.0.0.1 port and
+the other as its static peer, one shared token file (0600). Ready means both are
+SERVING and each reports the other up (the handshake swapped Mooncake sessions).
 """
 
 from __future__ import annotations
@@ -11,16 +17,21 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import secrets
 import signal
 import socket
 import struct
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 SHM_DIR = Path("/dev/shm")
 STOP_TIMEOUT_S = 15.0
+POLL_S = 0.05
+PEER_HOST = "127.0.0.1"
 
 
 class DaemonError(RuntimeError):
@@ -36,6 +47,8 @@ class Daemon:
     log_path: Path | None = None
     exit_code: int | None = None
     leftover_segments: tuple[str, ...] = ()
+    transfers: dict[str, int] | None = None  # transfers_by_transport just before the stop
+    _owned: frozenset[str] | None = None
 
     def log_tail(self, lines: int = 15) -> str:
         if self.log_path is None or not self.log_path.exists():
@@ -43,20 +56,35 @@ class Daemon:
         text = self.log_path.read_text(errors="replace").splitlines()
         return "\n".join(text[-lines:])
 
+    def record_transfers(self) -> None:
+        """Remember how many transfers the daemon moved over each transport (best effort)."""
+        try:
+            counts = status(self.socket).get("transfers_by_transport", {})
+        except Exception:  # gone or unreachable: the results say so by the missing counts
+            return
+        self.transfers = {str(k): int(v) for k, v in counts.items()}
+
+    def terminate(self) -> None:
+        """Send SIGTERM (drain) without waiting, so several daemons drain at once."""
+        if self.proc is None or self._owned is not None:
+            return
+        # Ours are the segments it has open: other daemons may share this host's /dev/shm.
+        self._owned = shm_files_of(self.proc.pid)
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
     def stop(self) -> None:
         """SIGTERM (drain), then SIGKILL after a grace period; note segments it left behind."""
         if self.proc is None:
             return
-        # Ours are the segments it has open: other daemons may share this host's /dev/shm.
-        owned = shm_files_of(self.proc.pid)
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        self.terminate()
+        try:
+            self.proc.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
         self.exit_code = self.proc.returncode
+        owned = self._owned or frozenset()
         self.leftover_segments = tuple(sorted(n for n in owned if os.path.exists(SHM_DIR / n)))
 
     def describe(self) -> dict[str, object]:
@@ -66,7 +94,27 @@ class Daemon:
             "started_by_bench": self.started,
             "exit_code": self.exit_code,
             "leftover_segments": list(self.leftover_segments),
+            "transfers_by_transport": self.transfers,
         }
+
+    def _await_ready(self, timeout_s: float) -> None:
+        """Wait until it serves; on failure stop it and say why, with its last log lines."""
+        try:
+            wait_ready(self.socket, timeout_s, self.proc)
+        except BaseException as exc:
+            self.stop()
+            said = " | ".join(
+                line.strip() for line in self.log_tail(5).splitlines() if line.strip()
+            )
+            raise DaemonError(f"{exc}: {said}" if said else str(exc)) from exc
+
+
+def stop_all(daemons: Sequence[Daemon]) -> None:
+    """Stop several daemons, draining at the same time."""
+    for d in daemons:
+        d.terminate()
+    for d in daemons:
+        d.stop()
 
 
 def shm_files_of(pid: int) -> frozenset[str]:
@@ -84,11 +132,11 @@ def shm_files_of(pid: int) -> frozenset[str]:
     )
 
 
-def start(tmpdir: Path, pool_size: str, timeout_s: float) -> Daemon:
-    sock = tmpdir / "relayd.sock"
-    log = tmpdir / "relayd.log"
+def _spawn(tmpdir: Path, pool_size: str, name: str, args: Sequence[str] = ()) -> Daemon:
+    sock = tmpdir / f"{name}.sock"
+    log = tmpdir / f"{name}.log"
     cmd = [sys.executable, "-m", "relayd", "serve", "--socket", str(sock)]
-    cmd += ["--shm-pool-size", pool_size]
+    cmd += ["--shm-pool-size", pool_size, *args]
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             cmd,
@@ -97,14 +145,85 @@ def start(tmpdir: Path, pool_size: str, timeout_s: float) -> Daemon:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-    d = Daemon(str(sock), proc.pid, True, proc, log)
-    try:
-        wait_ready(str(sock), timeout_s, proc)
-    except BaseException as exc:
-        d.stop()
-        said = " | ".join(line.strip() for line in d.log_tail(5).splitlines() if line.strip())
-        raise DaemonError(f"{exc}: {said}" if said else str(exc)) from exc
+    return Daemon(str(sock), proc.pid, True, proc, log)
+
+
+def start(tmpdir: Path, pool_size: str, timeout_s: float) -> Daemon:
+    d = _spawn(tmpdir, pool_size, "relayd")
+    d._await_ready(timeout_s)
     return d
+
+
+def start_pair(
+    tmpdir: Path, pool_size: str, timeout_s: float, node_prefix: str
+) -> tuple[Daemon, Daemon]:
+    """The writer's and the reader's daemon, Mooncake peers on loopback (see the module doc)."""
+    token = tmpdir / "peer-token"
+    fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32) + "\n")
+    addresses = [f"{PEER_HOST}:{port}" for port in free_ports(2)]
+    deadline = time.monotonic() + timeout_s
+    daemons: list[Daemon] = []
+    try:
+        for k, role in enumerate(("writer", "reader")):
+            args = ["--node-id", f"{node_prefix}-{role}", "--peer-address", addresses[k]]
+            args += ["--peers", addresses[1 - k], "--peer-token-file", str(token)]
+            daemons.append(_spawn(tmpdir, pool_size, f"relayd-{role}", args))
+        for d in daemons:  # both start up at once; each waits out what is left of the budget
+            d._await_ready(max(deadline - time.monotonic(), 0.0))
+        writer, reader = daemons
+        wait_peered(writer, addresses[1], deadline)
+        wait_peered(reader, addresses[0], deadline)
+    except BaseException:
+        stop_all(daemons)
+        raise
+    return writer, reader
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct TCP ports free on loopback right now (held together, so distinct)."""
+    held = [socket.socket() for _ in range(n)]
+    try:
+        for s in held:
+            s.bind((PEER_HOST, 0))
+        return [int(s.getsockname()[1]) for s in held]
+    finally:
+        for s in held:
+            s.close()
+
+
+def wait_peered(d: Daemon, peer_address: str, deadline: float) -> None:
+    """Until ``d`` reports the peer at ``peer_address`` up, or DaemonError at ``deadline``."""
+    why = "not listed yet"
+    while True:
+        if d.proc is not None and d.proc.poll() is not None:
+            raise DaemonError(f"{d.socket}: relayd exited with code {d.proc.returncode}")
+        try:
+            peers = status(d.socket).get("peers", [])
+        except Exception as exc:  # grpc.RpcError, or the daemon going away
+            peers, why = [], f"status: {exc}"
+        for p in peers:
+            if p.get("address") == peer_address:
+                if p.get("up"):
+                    return
+                why = f"down: {p.get('last_error') or 'no handshake yet'}"
+        if time.monotonic() > deadline:
+            raise DaemonError(f"{d.socket} does not see its peer {peer_address} ({why})")
+        time.sleep(POLL_S)
+
+
+def status(sock: str, timeout_s: float = 5.0) -> dict[str, Any]:
+    """The daemon's Status reply as a dict (proto field names)."""
+    import grpc
+    from google.protobuf.json_format import MessageToDict
+    from relayd_client._proto import relay_pb2 as pb
+    from relayd_client._proto import relay_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(f"unix:{sock}") as channel:
+        reply = pb_grpc.RelayStub(channel).Status(pb.StatusRequest(), timeout=timeout_s)
+    result: dict[str, Any] = MessageToDict(reply, preserving_proto_field_name=True)
+    return result
 
 
 def attach(sock: str, timeout_s: float) -> Daemon:
@@ -144,7 +263,7 @@ def wait_ready(sock: str, timeout_s: float, proc: subprocess.Popen[bytes] | None
                 return
         if time.monotonic() > deadline:
             raise DaemonError(f"daemon not ready after {timeout_s:.0f} s ({why})")
-        time.sleep(0.05)
+        time.sleep(POLL_S)
 
 
 def _health(sock: str) -> str:

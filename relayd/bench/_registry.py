@@ -9,6 +9,11 @@ which cheap imports must work, and which sizes it applies to.
 To add a method: write a class against ``relayd.bench._api`` (``PairMethod``,
 ``AsyncPairMethod``, ``LocalMethod`` or ``AsyncLocalMethod``) and add an
 ``Entry`` to ``BASELINES`` or ``RELAYD`` below.
+
+A method with ``needs_peer_daemon`` attaches its reader to a second daemon, a
+Mooncake peer of the writer's. With ``--reader-socket`` that is the user's; when
+the bench starts its own daemon, it starts the peer too, on loopback, which needs
+Mooncake to import here (``PEER_REQUIRES``).
 """
 
 from __future__ import annotations
@@ -32,20 +37,22 @@ class Entry:
     min_size: int = 0
     max_size: int | None = None
     size_note: str = ""
-    needs_reader_socket: bool = False
+    needs_peer_daemon: bool = False  # the reader attaches to a second daemon (see above)
 
-    def unavailable(self, reader_socket: str | None) -> str | None:
-        """Why this method cannot run at all here, or None."""
-        for req in self.requires:
-            module, _, attr = req.partition(":")
-            try:
-                mod = importlib.import_module(module)
-            except Exception as exc:  # any import-time failure means "not ready yet"
-                return f"cannot import {module}: {type(exc).__name__}: {exc}"
-            if attr and not hasattr(mod, attr):
-                return f"{module} has no {attr} yet"
-        if self.needs_reader_socket and not reader_socket:
-            return "needs --reader-socket: a daemon on another node, Mooncake peer of --socket's"
+    def unavailable(self, *, socket: str | None, reader_socket: str | None) -> str | None:
+        """Why this method cannot run at all here, or None.
+
+        ``socket`` and ``reader_socket`` are the user's ``--socket`` and
+        ``--reader-socket``: without either, the bench starts the daemons itself.
+        """
+        why = _missing(self.requires)
+        if why or not self.needs_peer_daemon or reader_socket:
+            return why
+        if socket:
+            return "with --socket, needs --reader-socket (its Mooncake peer's daemon)"
+        why = _missing(PEER_REQUIRES)
+        if why:
+            return f"needs Mooncake for its peer daemon, or --socket/--reader-socket; {why}"
         return None
 
     def skip_size(self, size: int) -> str | None:
@@ -53,6 +60,21 @@ class Entry:
             return self.size_note or "does not apply at this size"
         return None
 
+
+def _missing(requires: tuple[str, ...]) -> str | None:
+    for req in requires:
+        module, _, attr = req.partition(":")
+        try:
+            mod = importlib.import_module(module)
+        except Exception as exc:  # any import-time failure means "not ready yet"
+            return f"cannot import {module}: {type(exc).__name__}: {exc}"
+        if attr and not hasattr(mod, attr):
+            return f"{module} has no {attr} yet"
+    return None
+
+
+# What the parent must import to start a second daemon as a Mooncake peer of its own.
+PEER_REQUIRES = ("mooncake.engine:TransferEngine",)
 
 BASELINES: tuple[Entry, ...] = (
     Entry("memcpy", "relayd.bench._baselines:Memcpy", "hot in-process copy", local=True),
@@ -65,6 +87,12 @@ BASELINES: tuple[Entry, ...] = (
         "new SharedMemory segment per transfer",
     ),
     Entry("pickle-uds", "relayd.bench._baselines:PickleUds", "pickled tensor over a Unix socket"),
+    Entry(
+        "mooncake-raw",
+        "relayd.bench._mooncake:MooncakeRaw",
+        "Mooncake TE transfer_sync_read on loopback TCP",
+        requires=("mooncake.engine:TransferEngine",),
+    ),
 )
 
 # ---- relayd methods plug in here ------------------------------------------------------
@@ -110,12 +138,12 @@ RELAYD: tuple[Entry, ...] = (
     Entry(
         "relayd-mooncake",
         "relayd.bench._relayd:RelaydMooncake",
-        "reader on another node's daemon (Mooncake TE)",
+        "reader on a peer daemon, which pulls over Mooncake TE",
         needs_daemon=True,
         requires=_CLIENT,
         min_size=INLINE_LIMIT + 1,
         size_note=_SHM_NOTE,
-        needs_reader_socket=True,
+        needs_peer_daemon=True,
     ),
 )
 # ---------------------------------------------------------------------------------------

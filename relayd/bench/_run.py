@@ -2,7 +2,10 @@
 
 Order: the baselines first (no daemon running yet, so nothing else competes for
 the two cores), then the daemon is started and the relayd methods run, then the
-stream workload. A full run gives each (method, size) a fresh process pair, as
+stream workload. When relayd-mooncake will run and the bench starts the daemon
+itself (no ``--socket``), it starts two: the writer's, and a Mooncake peer for the
+reader to attach to (``_daemon.start_pair``); the other relayd methods use the
+first. A full run gives each (method, size) a fresh process pair, as
 the reference measurements did. With ``reuse_processes`` (implied by ``--quick``)
 one pair runs every method of a kind (baselines or relayd) and size in turn, and
 one set of stream pairs runs every stream method: spawning a process that imports
@@ -87,6 +90,8 @@ class Bench:
         self.tmpdir = Path(tempfile.mkdtemp(prefix="relayd-bench-"))
         self.daemon: _daemon.Daemon | None = None
         self.daemon_error: str | None = None
+        self.reader_daemon: _daemon.Daemon | None = None  # relayd-mooncake's reader's node
+        self.reader_daemon_error: str | None = None
         self.leftover_segments: list[str] = []
         self.warnings: list[str] = []
         self.results: list[Result] = []
@@ -103,13 +108,17 @@ class Bench:
 
     def close(self) -> None:
         try:
-            if self.daemon is not None:
-                self.daemon.stop()
-                if self.daemon.leftover_segments:
-                    n = len(self.daemon.leftover_segments)
-                    self._warn(f"the daemon left {n} segment(s) in /dev/shm after SIGTERM")
-                if self.daemon.exit_code not in (0, None):
-                    self._warn(f"the daemon exited with code {self.daemon.exit_code} on SIGTERM")
+            daemons = {"the daemon": self.daemon, "the reader's daemon": self.reader_daemon}
+            named = [(name, d) for name, d in daemons.items() if d is not None]
+            for _, d in named:
+                d.record_transfers()  # for the JSON: what moved over which transport
+            _daemon.stop_all([d for _, d in named])
+            for name, d in named:
+                if d.leftover_segments:
+                    n = len(d.leftover_segments)
+                    self._warn(f"{name} left {n} segment(s) in /dev/shm after SIGTERM")
+                if d.exit_code not in (0, None):
+                    self._warn(f"{name} exited with code {d.exit_code} on SIGTERM")
         finally:
             self._sweep()
             shutil.rmtree(self.tmpdir, ignore_errors=True)
@@ -124,18 +133,24 @@ class Bench:
             "warnings": list(self.warnings),
             "daemon": self.daemon.describe() if self.daemon else None,
             "daemon_error": self.daemon_error,
+            "reader_daemon": self.reader_daemon.describe() if self.reader_daemon else None,
+            "reader_daemon_error": self.reader_daemon_error,
         }
 
     def _ctx(self, stream_index: int = 0) -> BenchContext:
-        d = self.daemon
+        d, r = self.daemon, self.reader_daemon
         return BenchContext(
             run_id=self.run_id,
             shm_prefix=self.shm_prefix,
             socket=d.socket if d else self.opts.socket,
-            reader_socket=self.opts.reader_socket,
+            reader_socket=r.socket if r else self.opts.reader_socket,
             daemon_pid=d.pid if d else None,
+            reader_daemon_pid=r.pid if r else None,
             stream_index=stream_index,
         )
+
+    def _unavailable(self, entry: Entry) -> str | None:
+        return entry.unavailable(socket=self.opts.socket, reader_socket=self.opts.reader_socket)
 
     def _warn(self, text: str) -> None:
         self.warnings.append(text)
@@ -157,19 +172,48 @@ class Bench:
             self._warn(f"removed {len(names)} leftover segment(s) of this run: {names[0]} …")
 
     def _ensure_daemon(self) -> str | None:
+        """Start (or attach to) the daemon, and the reader's daemon if a method needs one."""
         if self.daemon is not None or self.daemon_error is not None:
             return self.daemon_error
+        o = self.opts
         try:
-            if self.opts.socket:
-                self.daemon = _daemon.attach(self.opts.socket, self.opts.daemon_timeout_s)
+            if o.socket:
+                self.daemon = _daemon.attach(o.socket, o.daemon_timeout_s)
+            elif self._needs_peer_daemon():
+                self._start_pair()
             else:
                 self.progress.line("starting relayd serve for the relayd methods")
-                self.daemon = _daemon.start(
-                    self.tmpdir, self.opts.shm_pool_size, self.opts.daemon_timeout_s
-                )
+                self.daemon = _daemon.start(self.tmpdir, o.shm_pool_size, o.daemon_timeout_s)
         except _daemon.DaemonError as exc:
             self.daemon_error = f"daemon unavailable: {exc}"
+        if o.reader_socket and self.reader_daemon is None and self.reader_daemon_error is None:
+            try:  # the user's: check it answers, and find its pid for CPU accounting
+                self.reader_daemon = _daemon.attach(o.reader_socket, o.daemon_timeout_s)
+            except _daemon.DaemonError as exc:
+                self.reader_daemon_error = f"reader's daemon unavailable: {exc}"
         return self.daemon_error
+
+    def _needs_peer_daemon(self) -> bool:
+        """Whether a method that will run needs a second daemon that the bench must start."""
+        names = [n for n in self.opts.methods if n != STREAM]
+        if STREAM in self.opts.methods:
+            names += self.opts.stream_methods
+        return not self.opts.reader_socket and any(
+            ENTRIES[n].needs_peer_daemon and self._unavailable(ENTRIES[n]) is None for n in names
+        )
+
+    def _start_pair(self) -> None:
+        """Two peered daemons; if the pair fails, the single daemon the other methods need."""
+        o = self.opts
+        self.progress.line("starting two relayd serve, Mooncake peers on loopback")
+        try:
+            self.daemon, self.reader_daemon = _daemon.start_pair(
+                self.tmpdir, o.shm_pool_size, o.daemon_timeout_s, f"bench-{self.run_id}"
+            )
+        except _daemon.DaemonError as exc:
+            self.reader_daemon_error = f"peer daemons unavailable: {exc}"
+            self._warn(self.reader_daemon_error)
+            self.daemon = _daemon.start(self.tmpdir, o.shm_pool_size, o.daemon_timeout_s)
 
     # -- stop-and-wait --------------------------------------------------------------
 
@@ -182,24 +226,20 @@ class Bench:
             plans = self._plans(entry, results)
             if not plans:
                 continue
+            step = Step(entry.name, entry.target, tuple(plans), entry.needs_peer_daemon)
             if self.opts.reuse_processes:
                 # baselines before the daemon starts; pairs and single processes apart
-                by_kind.setdefault((entry.needs_daemon, entry.local), []).append(
-                    Step(entry.name, entry.target, tuple(plans))
-                )
+                by_kind.setdefault((entry.needs_daemon, entry.local), []).append(step)
             else:
-                jobs += [(entry.local, [Step(entry.name, entry.target, (p,))]) for p in plans]
+                jobs += [(entry.local, [dataclasses.replace(step, sizes=(p,))]) for p in plans]
         jobs += [(local, steps) for (_, local), steps in by_kind.items()]
         jobs.sort(key=lambda job: ENTRIES[job[1][0].method].needs_daemon)  # stable
         while jobs:
             local, steps = jobs.pop(0)
-            if ENTRIES[steps[0].method].needs_daemon and (why := self._ensure_daemon()):
-                for step in steps:
-                    for p in step.sizes:
-                        results[step.method, p.size] = Result(
-                            step.method, p.size, Status.FAILED, why
-                        )
-                continue
+            if ENTRIES[steps[0].method].needs_daemon:
+                steps = self._runnable(steps, results)
+                if not steps:
+                    continue
             [outcome] = run_jobs(
                 [JobSpec(tuple(steps), self._ctx())],
                 local=local,
@@ -214,9 +254,22 @@ class Bench:
         for entry in entries:
             self.results += [results[entry.name, s] for s in self.opts.sizes]
 
+    def _runnable(self, steps: list[Step], results: dict[tuple[str, int], Result]) -> list[Step]:
+        """The steps whose daemons are up; the others are recorded as failed, with why."""
+        daemon_error = self._ensure_daemon()
+        keep = []
+        for step in steps:
+            why = daemon_error or (self.reader_daemon_error if step.reader_daemon else None)
+            if why is None:
+                keep.append(step)
+                continue
+            for p in step.sizes:
+                results[step.method, p.size] = Result(step.method, p.size, Status.FAILED, why)
+        return keep
+
     def _plans(self, entry: Entry, results: dict[tuple[str, int], Result]) -> list[SizePlan]:
         """The sizes to run; records skipped ones (and a method that cannot run here) in results."""
-        why = entry.unavailable(self.opts.reader_socket)
+        why = self._unavailable(entry)
         plans = []
         for size in self.opts.sizes:
             skip = why or entry.skip_size(size)
@@ -253,7 +306,7 @@ class Bench:
             if rest and rest[-1].method == step.method:
                 rest[-1] = dataclasses.replace(rest[-1], sizes=(*rest[-1].sizes, p))
             else:
-                rest.append(Step(step.method, step.target, (p,)))
+                rest.append(dataclasses.replace(step, sizes=(p,)))
         return rest
 
     def _report(self, r: Result) -> None:
@@ -277,12 +330,15 @@ class Bench:
         runnable: list[Entry] = []
         for entry in entries:
             base = StreamResult(entry.name, o.streams, STREAM_CHUNK, o.stream_rate, Status.OK)
-            why = entry.unavailable(o.reader_socket) or (
+            why = self._unavailable(entry) or (
                 "the stream workload needs a writer/reader pair" if entry.local else None
             )
             if why:
                 results[entry.name] = dataclasses.replace(base, status=Status.SKIPPED, reason=why)
-            elif entry.needs_daemon and (why := self._ensure_daemon()):
+            elif entry.needs_daemon and (
+                why := self._ensure_daemon()
+                or (self.reader_daemon_error if entry.needs_peer_daemon else None)
+            ):
                 results[entry.name] = dataclasses.replace(base, status=Status.FAILED, reason=why)
             else:
                 results[entry.name] = base
@@ -298,7 +354,7 @@ class Bench:
     ) -> None:
         o = self.opts
         period = round(1e9 / o.stream_rate)
-        steps = tuple(Step(e.name, e.target, (plan,)) for e in group)
+        steps = tuple(Step(e.name, e.target, (plan,), e.needs_peer_daemon) for e in group)
         specs = [
             JobSpec(
                 steps,
@@ -349,6 +405,7 @@ def _result(entry: Entry, plan: SizePlan, o: JobOutcome) -> Result:
         writer_ns=_per(w.usage.cpu_ns, n),
         reader_ns=None if entry.local else _per(r.usage.cpu_ns, n),
         daemon_ns=_per(w.daemon_cpu_ns, n),
+        reader_daemon_ns=_per(w.reader_daemon_cpu_ns, n),
         writer_minflt=_per(w.usage.minflt, n),
         reader_minflt=None if entry.local else _per(r.usage.minflt, n),
     )
@@ -384,8 +441,9 @@ def _stream_result(base: StreamResult, plan: SizePlan, outcomes: list[JobOutcome
         cpu=Cpu(
             writer_ns=_per(sum(w.usage.cpu_ns for w in writers), chunks),
             reader_ns=_per(sum(r.usage.cpu_ns for r in readers), chunks),
-            # stream 0 samples the daemon over (about) everyone's window
+            # stream 0 samples the daemon(s) over (about) everyone's window
             daemon_ns=_per(writers[0].daemon_cpu_ns, chunks),
+            reader_daemon_ns=_per(writers[0].reader_daemon_cpu_ns, chunks),
         ),
         extra=dict(writers[0].extra),
     )

@@ -9,7 +9,12 @@ Conventions:
 - the median of an even count is the mean of the two middle samples;
 - p99 is nearest-rank: the ``ceil(0.99 * n)``-th smallest sample, always a real sample;
 - GB/s is decimal (1e9 bytes per second): ``size / median``;
-- "x floor" is this method's median over the ``floor`` median at the same size.
+- "x floor" is this method's median over the ``floor`` median at the same size;
+- a comparison (``COMPARISONS``) is one method's median over another's at the same
+  size: relayd-mooncake over raw Mooncake moving the same bytes in the same run;
+- the daemon CPU of a method whose reader has its own daemon (relayd-mooncake) is
+  the sum of both daemons in the table ("d") and in ``cpu_ns_per_transfer.daemon``,
+  and each side apart in ``daemon_cpu_ns_per_transfer``.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from typing import Any
 SCHEMA = "relayd-bench/1"
 REFERENCE_METHOD = "floor"
 TABLE_WIDTH = 100
+# (method, baseline it is held against) beyond floor: the same bytes, the same engine
+COMPARISONS: tuple[tuple[str, str], ...] = (("relayd-mooncake", "mooncake-raw"),)
 
 
 class Status(enum.StrEnum):
@@ -49,6 +56,8 @@ class Cpu:
     """CPU time (user + system) and minor page faults per transfer, by process role.
 
     ``None`` where a role was not measured (no daemon, or an in-process method).
+    ``daemon_ns`` is the writer's daemon (the only one, for most methods);
+    ``reader_daemon_ns`` the reader's, where it has its own (relayd-mooncake).
     """
 
     writer_ns: float | None = None
@@ -56,6 +65,13 @@ class Cpu:
     daemon_ns: float | None = None
     writer_minflt: float | None = None
     reader_minflt: float | None = None
+    reader_daemon_ns: float | None = None
+
+    @property
+    def daemons_ns(self) -> float | None:
+        """Every daemon involved: the writer's, plus the reader's if it has its own."""
+        parts = [v for v in (self.daemon_ns, self.reader_daemon_ns) if v is not None]
+        return sum(parts) if parts else None
 
 
 @dataclasses.dataclass
@@ -166,6 +182,23 @@ def add_ratios(results: Iterable[Result], reference: str = REFERENCE_METHOD) -> 
             r.ratio_vs_floor = r.latency.median_ns / base[r.size]
 
 
+def comparisons(results: Iterable[Result]) -> list[tuple[str, str, list[tuple[int, float]]]]:
+    """For each of ``COMPARISONS`` that ran: (method, baseline, [(size, ratio of medians)])."""
+    medians = {
+        (r.method, r.size): r.latency.median_ns
+        for r in results
+        if r.latency is not None and r.latency.median_ns > 0
+    }
+    out = []
+    for method, baseline in COMPARISONS:
+        sizes = sorted(s for m, s in medians if m == method and (baseline, s) in medians)
+        if sizes:
+            out.append(
+                (method, baseline, [(s, medians[method, s] / medians[baseline, s]) for s in sizes])
+            )
+    return out
+
+
 def add_stream_ratios(results: Iterable[StreamResult], reference: str = REFERENCE_METHOD) -> None:
     results = list(results)
     base = {
@@ -229,7 +262,7 @@ def _note(extra: dict[str, str]) -> str:
 
 
 def _cpu_cell(cpu: Cpu) -> str:
-    return f"{_fmt_us(cpu.writer_ns)}/{_fmt_us(cpu.reader_ns)}/{_fmt_us(cpu.daemon_ns)}"
+    return f"{_fmt_us(cpu.writer_ns)}/{_fmt_us(cpu.reader_ns)}/{_fmt_us(cpu.daemons_ns)}"
 
 
 def _flt_cell(cpu: Cpu) -> str:
@@ -252,12 +285,16 @@ def render_table(
         out.append("")
     if results:
         out += _render_matrix(results, width)
+        out += _render_comparisons(results, width)
         out.append("")
         out += _render_details(results, width)
     if streams:
         if results:
             out.append("")
         out += _render_streams(streams, width)
+    cpus = [r.cpu for r in results] + [s.cpu for s in streams]
+    if any(c.reader_daemon_ns is not None for c in cpus):
+        out.append("CPU µs d: the writer's daemon + the reader's, where the reader has its own")
     return "\n".join(_clip(line.rstrip(), width) for line in out) + "\n"
 
 
@@ -297,6 +334,22 @@ def _render_matrix(results: Sequence[Result], width: int) -> list[str]:
                     text = f"{fmt_ns(r.latency.median_ns)} {_fmt_ratio(r.ratio_vs_floor)}"
                 row += text[: cell_w - 1].ljust(cell_w)
             out.append(row.rstrip())
+    return out
+
+
+def _render_comparisons(results: Sequence[Result], width: int) -> list[str]:
+    """One line per comparison that ran, wrapped to ``width``: "a / b: x1.23 at 1MiB, …"."""
+    out: list[str] = []
+    for method, baseline, ratios in comparisons(results):
+        pieces = [f"{_fmt_ratio(ratio)} at {fmt_size(size)}," for size, ratio in ratios]
+        pieces[-1] = pieces[-1].rstrip(",")
+        line = f"{method} / {baseline}:"
+        for piece in pieces:
+            if len(line) + 1 + len(piece) > width:
+                out.append(line)
+                line = "   "
+            line += " " + piece
+        out.append(line)
     return out
 
 
@@ -432,11 +485,16 @@ def result_json(r: Result) -> dict[str, Any]:
         "cpu_ns_per_transfer": {
             "writer": r.cpu.writer_ns,
             "reader": r.cpu.reader_ns,
-            "daemon": r.cpu.daemon_ns,
+            "daemon": r.cpu.daemons_ns,
         },
+        "daemon_cpu_ns_per_transfer": _daemon_sides(r.cpu),
         "minflt_per_transfer": {"writer": r.cpu.writer_minflt, "reader": r.cpu.reader_minflt},
         "extra": dict(r.extra),
     }
+
+
+def _daemon_sides(cpu: Cpu) -> dict[str, float | None]:
+    return {"writer_side": cpu.daemon_ns, "reader_side": cpu.reader_daemon_ns}
 
 
 def stream_json(r: StreamResult) -> dict[str, Any]:
@@ -456,8 +514,9 @@ def stream_json(r: StreamResult) -> dict[str, Any]:
         "cpu_ns_per_chunk": {
             "writer": r.cpu.writer_ns,
             "reader": r.cpu.reader_ns,
-            "daemon": r.cpu.daemon_ns,
+            "daemon": r.cpu.daemons_ns,
         },
+        "daemon_cpu_ns_per_chunk": _daemon_sides(r.cpu),
         "extra": dict(r.extra),
     }
 
@@ -474,5 +533,13 @@ def to_json(
         "machine": machine if machine is not None else machine_info(),
         "run": run or {},
         "results": [result_json(r) for r in results],
+        "comparisons": [
+            {
+                "method": method,
+                "baseline": baseline,
+                "ratio_of_medians": [{"size": size, "ratio": ratio} for size, ratio in ratios],
+            }
+            for method, baseline, ratios in comparisons(results)
+        ],
         "streams": [stream_json(s) for s in streams],
     }

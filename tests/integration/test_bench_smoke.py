@@ -1,7 +1,8 @@
-"""``python -m relayd.bench --quick`` end to end on the baselines: shape of the output only.
+"""``python -m relayd.bench --quick`` end to end: shape of the output only.
 
 Timings belong in the benchmark's output, never in assertions: this checks that
-every method x size produced plausible samples and that nothing is left in /dev/shm.
+every method x size produced plausible samples (a cell is "ok" only if every
+transfer's payload passed the harness's check) and that nothing is left in /dev/shm.
 """
 
 from __future__ import annotations
@@ -11,6 +12,16 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
+
+import pytest
+
+try:
+    import mooncake.engine  # noqa: F401
+
+    _NO_MOONCAKE = ""
+except ImportError as exc:
+    _NO_MOONCAKE = f"mooncake.engine cannot be imported ({exc})"
 
 BASELINES = ["floor", "floor-view", "shm-per-transfer", "pickle-uds", "memcpy"]
 SIZES = {"4K": 4 << 10, "1M": 1 << 20}
@@ -22,8 +33,8 @@ def _bench_segments() -> set[str]:
     return {p.name for p in SHM.iterdir() if p.name.startswith("relayd-bench-")}
 
 
-def test_quick_baselines_produce_every_cell(tmp_path: Path) -> None:
-    before = _bench_segments()
+def _bench(tmp_path: Path, methods: list[str], sizes: list[str]) -> tuple[Any, str]:
+    """Run a quick bench; (its JSON document, its stdout)."""
     out = tmp_path / "b.json"
     proc = subprocess.run(
         [
@@ -32,9 +43,9 @@ def test_quick_baselines_produce_every_cell(tmp_path: Path) -> None:
             "relayd.bench",
             "--quick",
             "--methods",
-            ",".join(BASELINES),
+            ",".join(methods),
             "--sizes",
-            ",".join(SIZES),
+            ",".join(sizes),
             "--json",
             str(out),
         ],
@@ -44,15 +55,26 @@ def test_quick_baselines_produce_every_cell(tmp_path: Path) -> None:
         timeout=110,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    doc = json.loads(out.read_text())
+    # the resource tracker had nothing to clean up or warn about
+    assert "leaked shared_memory" not in proc.stderr
+    return json.loads(out.read_text()), proc.stdout
+
+
+def _assert_ok(r: dict[str, Any]) -> None:
+    assert r["status"] == "ok", (r["method"], r["size"], r["reason"])
+    assert r["iterations"] > 0 and r["latency_ns"]["n"] == r["iterations"]
+    assert r["median_ns"] > 0, (r["method"], r["size"])
+    assert r["p99_ns"] >= r["median_ns"], (r["method"], r["size"])
+
+
+def test_quick_baselines_produce_every_cell(tmp_path: Path) -> None:
+    before = _bench_segments()
+    doc, stdout = _bench(tmp_path, BASELINES, list(SIZES))
 
     cells = {(r["method"], r["size"]): r for r in doc["results"]}
     assert set(cells) == {(m, s) for m in BASELINES for s in SIZES.values()}
-    for (method, size), r in cells.items():
-        assert r["status"] == "ok", (method, size, r["reason"])
-        assert r["iterations"] > 0 and r["latency_ns"]["n"] == r["iterations"]
-        assert r["median_ns"] > 0, (method, size)
-        assert r["p99_ns"] >= r["median_ns"], (method, size)
+    for r in cells.values():
+        _assert_ok(r)
     for r in doc["results"]:
         if r["method"] == "floor":
             assert r["ratio_vs_floor"] == 1.0
@@ -62,6 +84,36 @@ def test_quick_baselines_produce_every_cell(tmp_path: Path) -> None:
     # ...and nothing of this or any other bench run is left behind
     assert not any(n.startswith(doc["run"]["shm_prefix"]) for n in os.listdir(SHM))
     assert _bench_segments() <= before
-    # the resource tracker had nothing to clean up or warn about
-    assert "leaked shared_memory" not in proc.stderr
-    assert "floor" in proc.stdout  # the table went to stdout
+    assert "floor" in stdout  # the table went to stdout
+
+
+@pytest.mark.multinode
+@pytest.mark.skipif(bool(_NO_MOONCAKE), reason=_NO_MOONCAKE)
+def test_quick_relayd_mooncake_runs_on_two_daemons_beside_raw_mooncake(tmp_path: Path) -> None:
+    before = _bench_segments()
+    doc, stdout = _bench(tmp_path, ["mooncake-raw", "relayd-mooncake"], ["1M"])
+
+    cells = {r["method"]: r for r in doc["results"]}
+    assert set(cells) == {"mooncake-raw", "relayd-mooncake"}
+    for r in cells.values():
+        _assert_ok(r)
+    [cmp] = doc["comparisons"]
+    assert (cmp["method"], cmp["baseline"]) == ("relayd-mooncake", "mooncake-raw")
+    assert [c["size"] for c in cmp["ratio_of_medians"]] == [1 << 20]
+    assert "relayd-mooncake / mooncake-raw:" in stdout
+    sides = cells["relayd-mooncake"]["daemon_cpu_ns_per_transfer"]
+    assert sides["writer_side"] is not None and sides["reader_side"] is not None
+
+    run = doc["run"]
+    writer, reader = run["daemon"], run["reader_daemon"]
+    for d in (writer, reader):
+        assert d["started_by_bench"] and d["exit_code"] == 0, d
+        assert d["leftover_segments"] == [], d
+    # every transfer (warm-up included) was a Mooncake pull by the reader's daemon
+    moved = cells["relayd-mooncake"]["warmup"] + cells["relayd-mooncake"]["iterations"]
+    assert reader["transfers_by_transport"].get("mooncake") == moved, reader
+    # neither daemon's arena nor anything of the methods is left in /dev/shm
+    pair = f"bench-{run['run_id']}-"
+    assert not [n for n in os.listdir(SHM) if pair in n or n.startswith(run["shm_prefix"])]
+    assert run["leftover_segments"] == [] and run["warnings"] == []
+    assert _bench_segments() <= before
