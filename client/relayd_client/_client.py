@@ -61,6 +61,7 @@ ALIGNMENT = 64
 # other streams; below it the thread hop costs more than the copy.
 OFFLOAD_BYTES = 8 << 20
 _ABORTED_MEMORY = 4096
+_LAYOUT_MEMORY = 256  # validated layouts remembered per client (see _checked_specs)
 # Idle grants a session keeps, in default grants' worth of slots.
 IDLE_GRANTS = 4
 # Re-attach after the daemon went away: retries back off from the first delay
@@ -167,6 +168,7 @@ class RelayClient:
         self._gpu_grant_tasks: dict[str, asyncio.Task[pb.GrantResponse]] = {}  # by GPU pool
         self._aborted: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._released: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._valid_layouts: dict[tuple[tuple[_packing.TensorSpec, ...], int], None] = {}
         # Object ids: unique per client without a uuid4 per put.
         self._object_prefix = secrets.token_hex(6) + "-"
         self._object_seq = itertools.count(1)
@@ -915,14 +917,14 @@ class RelayClient:
             import torch
 
             data = bytearray(m.inline_data)
-            specs = _specs(m)
-            _packing.validate_layout(specs, len(data))
+            specs = self._checked_specs(m, len(data))
             src = (
                 torch.frombuffer(data, dtype=torch.uint8)
                 if data
                 else torch.empty(0, dtype=torch.uint8)
             )
-            tensors = _packing.unpack(src, specs, copy=False)
+            # copy=True: one allocation and a memcpy per tensor beat three view ops.
+            tensors = _packing.unpack(src, specs, copy=True, validated=True)
             if _cuda.restores_on_gpu(specs):  # small CUDA leaves travel inline too
                 tensors = await _cuda.restore_on_device(tensors, specs, copy=False)
             return _packing.rebuild(tree, tensors)
@@ -952,8 +954,11 @@ class RelayClient:
                 _packing.unpack, region, specs, copy=host_copy, validated=True
             )
         else:
-            # Batched with the release: a short copy needs no claim on record.
-            self._claim(m, flush=False)
+            if not host_copy:
+                # A view (or a GPU restore) outlives this turn: the daemon must
+                # know who holds the lease. A short copy is released in this
+                # same turn, and the release alone says all the claim would.
+                self._claim(m, flush=False)
             tensors = _packing.unpack(region, specs, copy=host_copy, validated=True)
         if on_gpu:
             tensors = await _cuda.restore_on_device(tensors, specs, copy)
@@ -995,13 +1000,21 @@ class RelayClient:
 
     def _put_direct(self, msg: pb.DataRef, tensors: list[Any], specs: list[Any]) -> bool:
         """cuda_ipc_direct: storage handles in the DataRef; False if they do not fit."""
-        for layout, spec in zip(msg.tensors, specs, strict=True):
-            layout.device = spec.device
-            if spec.nbytes:
-                layout.cuda_ipc.CopyFrom(_cuda.export_direct(tensors[spec.index]))
-        msg.transport = pb.TRANSPORT_CUDA_IPC_DIRECT
-        if msg.ByteSize() <= _cuda.DIRECT_META_LIMIT:
-            return True
+        try:
+            for layout, spec in zip(msg.tensors, specs, strict=True):
+                layout.device = spec.device
+                if spec.nbytes:
+                    layout.cuda_ipc.CopyFrom(_cuda.export_direct(tensors[spec.index]))
+        except RuntimeError as exc:
+            # PyTorch will not re-export memory it imported over CUDA IPC (a
+            # stage forwarding a zero-copy get) or memory of an allocator without
+            # IPC (cudaMallocAsync); the pool path copies it instead.
+            log.debug("direct CUDA IPC not possible (%s); using the GPU pool", exc)
+        else:
+            msg.transport = pb.TRANSPORT_CUDA_IPC_DIRECT
+            if msg.ByteSize() <= _cuda.DIRECT_META_LIMIT:
+                return True
+        msg.transport = pb.TRANSPORT_UNSPECIFIED
         for layout in msg.tensors:
             layout.ClearField("cuda_ipc")
         return False
@@ -1063,7 +1076,12 @@ class RelayClient:
             handles = [t.cuda_ipc for t in m.tensors]
             return await _cuda.read_direct(specs, handles, copy)
         _packing.validate_layout(specs, m.lease.length)
-        seg, region = gpu.lease_region(m)
+        self._check_not_released(m)
+        try:
+            seg, region = gpu.lease_region(m)
+        except StaleRefError:
+            self._raise_if_aborted(m)
+            raise
         self._claim(m)
         try:
             tensors = await _cuda.read_pool(region, specs, bytes(m.cuda_event))
@@ -1224,6 +1242,23 @@ class RelayClient:
         finally:
             self._streams.discard(request_id, from_stage)
 
+    def _checked_specs(self, m: pb.DataRef, region_len: int) -> list[_packing.TensorSpec]:
+        """The layout of ``m``, validated against a region of ``region_len`` bytes.
+
+        A stage reads the same shapes over and over; the verdict for a layout
+        is a pure function of (layout, region length), so it is remembered.
+        Specs built from the proto have exact int and str fields, so equal
+        keys mean identical layouts.
+        """
+        specs = _specs(m)
+        key = (tuple(specs), region_len)
+        if key not in self._valid_layouts:
+            _packing.validate_layout(specs, region_len)
+            if len(self._valid_layouts) >= _LAYOUT_MEMORY:
+                self._valid_layouts.clear()
+            self._valid_layouts[key] = None
+        return specs
+
     def _decode_header(self, m: pb.DataRef) -> Any:
         if m.header_codec == pb.HEADER_CODEC_PICKLE:
             return _codec.decode_pickle(m.header, self.allow_pickle)
@@ -1232,8 +1267,7 @@ class RelayClient:
     def _lease_region(self, m: pb.DataRef) -> tuple[MappedSegment, Any, list[_packing.TensorSpec]]:
         a = self._require_open()
         origin = m.origin
-        if m.lease.lease_id in self._released and origin.daemon_epoch == a.daemon_epoch:
-            raise StaleRefError("this DataRef was already read and released by this client")
+        self._check_not_released(m)
         if origin.daemon_epoch != a.daemon_epoch:
             if origin.node_id == a.node_id:
                 raise StaleEpochError(
@@ -1252,17 +1286,26 @@ class RelayClient:
             raise CorruptRefError("DataRef lease lies outside the arena")
         if lease.offset != seg.slot_offset(lease.slot):
             raise CorruptRefError("DataRef lease offset does not match its slot")
-        specs = _specs(m)
-        _packing.validate_layout(specs, lease.length)
+        specs = self._checked_specs(m, lease.length)
         gen, length = seg.read_header(lease.slot)
         if gen != lease.generation or length != lease.length:
-            if m.request_id in self._aborted:
-                raise AbortedError(f"request {m.request_id!r} was aborted")
+            self._raise_if_aborted(m)
             raise StaleRefError(
                 "DataRef's lease was already read, reclaimed (TTL) or aborted; it cannot be read again"
             )
         start = seg.slot_offset(lease.slot)
         return seg, self._views[lease.segment][start : start + lease.length], specs
+
+    def _check_not_released(self, m: pb.DataRef) -> None:
+        # Until the daemon clears the header the bytes are still there: a second
+        # read by this process must fail all the same, not depend on timing.
+        a = self._require_open()
+        if m.lease.lease_id in self._released and m.origin.daemon_epoch == a.daemon_epoch:
+            raise StaleRefError("this DataRef was already read and released by this client")
+
+    def _raise_if_aborted(self, m: pb.DataRef) -> None:
+        if m.request_id in self._aborted:
+            raise AbortedError(f"request {m.request_id!r} was aborted")
 
     def _claim(self, m: pb.DataRef, flush: bool = True) -> None:
         self._session.pending.claim.append(
