@@ -57,6 +57,9 @@ log = logging.getLogger(__name__)
 GEN_SHIFT = 32
 BIND_DEADLINE = 10.0
 REQUEST_MEMORY = 300.0
+# ... but no more than this many records of requests with no lease left: at
+# thousands of requests a second, 300 s of them would be hundreds of MB.
+MAX_REQUEST_RECORDS = 1 << 16
 # Abort tombstones of requests nobody wrote yet are the one record a client can
 # create without holding memory; cap them so Abort cannot grow the daemon.
 MAX_TOMBSTONES = 1 << 14
@@ -202,6 +205,7 @@ class LeaseManager:
         hooks: Hooks | None = None,
         clock: Callable[[], float] = time.monotonic,
         pools: Mapping[str, Pool] = {},
+        freed_linger: float = 0.0,
     ) -> None:
         self.arena = arena
         self.slot_size = arena.slot_size
@@ -228,6 +232,9 @@ class LeaseManager:
         # Claims/releases that overtook their Publish (two sockets, no global order).
         self._early: dict[int, list[tuple[str, str, int, float]]] = {}
         self._freed_out: dict[str, list[int]] = {}
+        # Freed notices wait this long to be batched (0: sent at the end of each turn).
+        self.freed_linger = freed_linger
+        self._freed_timer: asyncio.TimerHandle | None = None
 
     # -- sessions -----------------------------------------------------------------
 
@@ -329,6 +336,10 @@ class LeaseManager:
             raise DrainingError("daemon is draining; no new reservations")
         if min_bytes < 0:
             raise InvalidArgumentError("min_bytes must be >= 0")
+        if self._freed_out.get(session.id):
+            # A writer asks for space only when its grants are full: what
+            # readers freed in them (batched, see flush) may be enough.
+            self._send_freed()
         # -- limits: what one session may hold or wait for ---------------------------
         if len(session.grants) >= self.max_session_grants:
             raise ResourceExhaustedError(
@@ -532,11 +543,10 @@ class LeaseManager:
         )
         grant.leases[lease.id] = lease
         self.leases[lease.id] = lease
-        req = self.requests.setdefault(lease.request_id, RequestInfo())
+        req = self._touch(lease.request_id, lease.created)
         req.writers.add(lease.from_stage)
         req.readers.add(lease.to_stage)
         req.leases.add(lease.id)
-        req.touched = lease.created
         return lease
 
     def publish_pull(self, lease: Lease, nbytes: int) -> None:
@@ -649,7 +659,7 @@ class LeaseManager:
             return
         grant.leases[lease.id] = lease
         self.leases[lease.id] = lease
-        req = self.requests.setdefault(lease.request_id, RequestInfo())
+        req = self._touch(lease.request_id, lease.created)
         if req.aborted and req.aborters and not req.aborters & {lease.from_stage, lease.to_stage}:
             # A stage with no part in this lease cannot abort it ahead of time.
             req.aborted = False
@@ -657,7 +667,6 @@ class LeaseManager:
         req.writers.add(lease.from_stage)
         req.readers.add(lease.to_stage)
         req.leases.add(lease.id)
-        req.touched = lease.created
 
     def on_publish(self, session: Session, p: pb.Publish) -> None:
         lease = self.leases.get(p.lease_id)
@@ -769,9 +778,28 @@ class LeaseManager:
             )
 
     def flush(self) -> None:
-        """Send the Freed notices this turn produced, one frame per writer session."""
+        """Send the Freed notices pending, one frame per writer session - now, or
+        batched over ``freed_linger``.
+
+        A writer needs Freed only to reuse the slots of grants it holds, and
+        it holds several idle grants' worth; a writer that runs short asks
+        for a grant, which sends its notices at once (:meth:`grant`). So
+        they can wait: batching turns one wakeup of the writer (and a send
+        here) per transfer into one per linger.
+        """
         if not self._freed_out:
             return
+        if self.freed_linger > 0:
+            if self._freed_timer is None:
+                loop = asyncio.get_running_loop()
+                self._freed_timer = loop.call_later(self.freed_linger, self._send_freed)
+            return
+        self._send_freed()
+
+    def _send_freed(self) -> None:
+        if self._freed_timer is not None:
+            self._freed_timer.cancel()
+            self._freed_timer = None
         out, self._freed_out = self._freed_out, {}
         for sid, ids in out.items():
             session = self.sessions.get(sid)
@@ -800,9 +828,8 @@ class LeaseManager:
         return self._abort(request_id)
 
     def _abort(self, request_id: str) -> tuple[int, int]:
-        req = self.requests.setdefault(request_id, RequestInfo(touched=self.clock()))
+        req = self._touch(request_id, self.clock())
         req.aborted = True
-        req.touched = self.clock()
         n = nbytes = 0
         for lease_id in list(req.leases):
             lease = self.leases.get(lease_id)
@@ -819,6 +846,14 @@ class LeaseManager:
                 s.sink(frame)
         self.flush()
         return n, nbytes
+
+    def _touch(self, request_id: str, now: float) -> RequestInfo:
+        """The record of ``request_id``, moved to the young end: the dict stays in
+        touch order, so :meth:`reap` stops at the first record it keeps."""
+        req = self.requests.pop(request_id, None) or RequestInfo()
+        req.touched = now
+        self.requests[request_id] = req
+        return req
 
     def _cap_tombstones(self) -> None:
         if len(self.requests) < MAX_TOMBSTONES:
@@ -841,9 +876,15 @@ class LeaseManager:
                 self.close_session(s.id)
         for lid in [k for k, v in self._early.items() if now - v[0][3] > BIND_DEADLINE]:
             del self._early[lid]
-        for rid in [
-            r for r, v in self.requests.items() if not v.leases and now - v.touched > REQUEST_MEMORY
-        ]:
+        excess = len(self.requests) - MAX_REQUEST_RECORDS
+        old: list[str] = []
+        for rid, req in self.requests.items():  # oldest first
+            if excess <= 0 and now - req.touched <= REQUEST_MEMORY:
+                break
+            if not req.leases:
+                old.append(rid)
+                excess -= 1
+        for rid in old:
             del self.requests[rid]
         self.flush()
         return len(expired)
