@@ -47,11 +47,14 @@ median of 200/40 pulls, "cpu" = initiator process CPU per pull):
     16 MiB        7.5-24 ms, 11-16 cpu   8-13 ms, 4.5-7.5 cpu
     ============  ====================  ========================
 
-The loop poll backs off 50 us -> 1 ms, but epoll rounds every timer up to 1 ms,
-which is the 1.3 ms floor of small pulls. So pulls up to 512 KiB first spin on
-the worker thread for at most 1 ms right after submitting (64 KiB: 0.24 ms,
-256 KiB: 0.37 ms, as fast as the sync call); larger pulls go straight to the
-loop poll, which costs half the CPU of a spinning thread at the same latency.
+The loop poll backs off 50 us -> 1 ms, but the event loop rounds every timer up
+to 1 ms, which is the 1.3 ms floor of small pulls. So the submit job stays on
+its worker thread and watches its batches, sleeping ``_WATCH_INTERVAL`` between
+checks (a thread's sleep is not rounded to the loop's millisecond): as fast as
+the sync call, without its spinning core, which on a busy node is the core the
+peer needs to serve the read. A watch lasts at most ``_WATCH_BUDGET``, and only
+while half the workers are free, so slow pulls cannot starve submits; whatever
+is still running then is polled from the loop.
 """
 
 from __future__ import annotations
@@ -100,9 +103,9 @@ PACKAGE = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
 
 _INFINIBAND = pathlib.Path("/sys/class/infiniband")
 
-# Pulls up to this size spin on the worker thread after submitting (see the table).
-_SPIN_MAX_BYTES = 512 << 10
-_SPIN_BUDGET = 1e-3
+# The submit job watches its batches on the worker thread (see the module docstring).
+_WATCH_INTERVAL = 50e-6
+_WATCH_BUDGET = 20e-3
 # Loop polling: back off from the first delay to the cap; once the caller's deadline
 # has passed, only the quarantine is waiting, so poll rarely.
 _POLL_FIRST = 50e-6
@@ -330,7 +333,7 @@ class _Pull:
 class MooncakeTransport(RemoteTransport):
     """Pull-based cross-node transfers through one Mooncake engine (P2PHANDSHAKE)."""
 
-    def __init__(self, settings: Settings, *, workers: int = 4) -> None:
+    def __init__(self, settings: Settings, *, workers: int = 8) -> None:
         self._settings = settings
         self._workers = workers
         self._state = TransportState.UNOPENED
@@ -341,6 +344,7 @@ class MooncakeTransport(RemoteTransport):
         self._unsettled: set[_Pull] = set()
         self._reached: set[str] = set()
         self._first_contact: dict[str, asyncio.Lock] = {}
+        self._submitting = 0  # submit jobs on the workers now
 
     def capabilities(self) -> Capabilities:
         # The CUDA wheel can register device memory, but relayd pulls into its
@@ -566,11 +570,17 @@ class MooncakeTransport(RemoteTransport):
 
     async def _submit_now(self, rec: _Pull) -> None:
         loop = asyncio.get_running_loop()
-        spin = _SPIN_BUDGET if sum(op.length for op in rec.ops) <= _SPIN_MAX_BYTES else 0.0
+        watch = 0.0
+        if self._submitting < self._workers // 2:
+            watch = min(_WATCH_BUDGET, max(rec.deadline - loop.time(), 0.0))
         rec.submitted = True
-        ids, states, failure = await loop.run_in_executor(
-            self._pool, _submit_blocking, self._engine, rec.peer, rec.ops, spin
-        )
+        self._submitting += 1
+        try:
+            ids, states, failure = await loop.run_in_executor(
+                self._pool, _submit_blocking, self._engine, rec.peer, rec.ops, watch
+            )
+        finally:
+            self._submitting -= 1
         rec.batch_ids, rec.states, rec.failure = ids, states, failure
         if any(ids):
             self._reached.add(rec.peer)
@@ -613,9 +623,10 @@ def _open_engine(host: str, env: Mapping[str, str | None], protocol: str, device
 
 
 def _submit_blocking(
-    engine: Any, peer: str, ops: tuple[PullOp, ...], spin: float
+    engine: Any, peer: str, ops: tuple[PullOp, ...], watch: float
 ) -> tuple[list[int], list[TransferState], RelayError | None]:
-    """Worker thread: one batch per op (see the module docstring), then maybe spin."""
+    """Worker thread: one batch per op (see the module docstring), then watch them
+    for up to ``watch`` seconds."""
     ids: list[int] = []
     states: list[TransferState] = []
     failure: RelayError | None = None
@@ -634,11 +645,14 @@ def _submit_blocking(
         else:
             ids.append(batch_id)
             states.append(TransferState.PENDING)
-    end = time.perf_counter() + spin
-    while spin and not all(s.terminal for s in states) and time.perf_counter() < end:
+    end = time.perf_counter() + watch
+    while watch:
         for i, state in enumerate(states):
             if not state.terminal:
                 states[i] = transfer_state(engine.transfer_check_status(ids[i]))
+        if all(s.terminal for s in states) or time.perf_counter() >= end:
+            break
+        time.sleep(_WATCH_INTERVAL)
     return ids, states, failure
 
 
