@@ -22,6 +22,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import Counter
+from relayd_client._errors import PeerUnavailableError, SessionClosedError
 from relayd_client._proto import relay_pb2 as pb
 from relayd_client._proto import relay_pb2_grpc as pb_grpc
 
@@ -32,7 +33,7 @@ from .metrics import Metrics
 from .peers import PeerConfigError, PeerManager
 from .pools import cuda as cuda_pools
 from .pools.arena import Arena, remove_stale_segments
-from .pools.leases import Hooks, LeaseManager, LeaseState, ReclaimReason
+from .pools.leases import Hooks, LeaseManager, LeaseState, ReclaimReason, Session, SessionState
 from .rpc.service import RelayService
 from .rpc.session import Admission, SessionProtocol
 from .topology import Topology
@@ -42,6 +43,7 @@ log = logging.getLogger(__name__)
 HOUSEKEEPING_INTERVAL = 0.5
 # Freed notices to a writer are batched this long (LeaseManager.flush says why).
 FREED_LINGER_S = 0.002
+MAX_FETCH_TIMEOUT = 3600.0
 MAX_MESSAGE = 1 << 30
 
 
@@ -164,6 +166,7 @@ class Daemon:
                         on_bound=self.topology.bound,
                         on_closed=self.topology.closed,
                         on_ref=self.count_ref,
+                        on_fetch=self._fetch_on_session,
                     )
                 ),
                 path=s.session_socket,
@@ -339,6 +342,29 @@ class Daemon:
 
         proto.connection_lost = lost  # type: ignore[method-assign]
         return proto
+
+    # -- cross-node reads: one implementation for gRPC Fetch and the session's FetchCall --
+
+    def fetch_timeout(self, asked: float) -> float:
+        """The budget of a fetch that asked for ``asked`` seconds (<= 0 or NaN: default)."""
+        return min(asked, MAX_FETCH_TIMEOUT) if asked > 0 else self.settings.reserve_timeout
+
+    async def fetch(self, session: Session, data_ref: bytes, timeout: float) -> pb.FetchResponse:
+        """Pull a foreign DataRef into this arena for ``session`` (see relayd.peers)."""
+        if session.state is not SessionState.BOUND:
+            raise SessionClosedError("bind the session socket before fetching")
+        if self.peers is None:
+            raise PeerUnavailableError(
+                "this daemon has no peers (--peer-address is not set); cross-node DataRefs "
+                "cannot be read here"
+            )
+        lease = await self.peers.fetch(session, data_ref, timeout)
+        return pb.FetchResponse(lease=lease, node_id=self.settings.node_id, daemon_epoch=self.epoch)
+
+    async def _fetch_on_session(
+        self, session: Session, data_ref: bytes, asked: float
+    ) -> pb.FetchResponse:
+        return await self.fetch(session, data_ref, self.fetch_timeout(asked))
 
     def _count_transfer(self, transport: str, count: int, nbytes: int) -> None:
         # Once per transfer: labels() costs more than the rest of a publish.

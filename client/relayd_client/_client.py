@@ -930,8 +930,7 @@ class RelayClient:
             return _packing.rebuild(tree, tensors)
         # -- cross-node: the local daemon pulls the lease into its arena first --------
         if transport is Transport.SHM and _remote.is_foreign(ref, self._require_open().node_id):
-            assert self._stub is not None
-            m = await _remote.fetch(self._stub, self._require_open(), ref, self.timeout)
+            m = await _remote.fetch(self._session, self._require_open(), ref, self.timeout)
             if not copy:
                 self._fetched[m.object_id] = m
         # -- end cross-node -----------------------------------------------------------

@@ -1,21 +1,19 @@
 """Cross-node reads: have the local daemon pull a foreign DataRef into its arena.
 
 A DataRef whose origin is another node cannot be mapped here. The client asks
-its own daemon (``Relay.Fetch``) to pull the bytes from the writer's daemon
+its own daemon (a ``FetchCall`` on the session socket, ``Relay.Fetch``'s work)
+to pull the bytes from the writer's daemon
 through Mooncake Transfer Engine; the answer is a local lease addressed to
 this session, and the returned DataRef is the original one with that lease
 and this node's origin, read and released exactly like a local SHM lease.
-One gRPC round trip per cross-node get, next to a network transfer.
+One round trip on the session socket per cross-node get, next to the pull.
 """
 
 from __future__ import annotations
 
-import grpc
-
 from ._dataref import DataRef
 from ._proto import relay_pb2 as pb
-from ._proto import relay_pb2_grpc as pb_grpc
-from ._status import from_rpc_error
+from ._session import SessionChannel
 
 
 def is_foreign(ref: DataRef, node_id: str) -> bool:
@@ -25,21 +23,10 @@ def is_foreign(ref: DataRef, node_id: str) -> bool:
 
 
 async def fetch(
-    stub: pb_grpc.RelayStub, attach: pb.AttachResponse, ref: DataRef, timeout: float
+    session: SessionChannel, attach: pb.AttachResponse, ref: DataRef, timeout: float
 ) -> pb.DataRef:
     """The local DataRef for ``ref`` once this node's daemon holds its bytes."""
-    try:
-        resp: pb.FetchResponse = await stub.Fetch(
-            pb.FetchRequest(
-                session_id=attach.session_id,
-                session_token=attach.session_token,
-                data_ref=ref.to_bytes(),
-                timeout_seconds=timeout,
-            ),
-            timeout=timeout + 1.0,
-        )
-    except grpc.RpcError as exc:
-        raise from_rpc_error(exc) from None
+    resp = await session.fetch(ref.to_bytes(), timeout)
     local = pb.DataRef()
     local.CopyFrom(ref.proto)
     local.lease.CopyFrom(resp.lease)

@@ -11,17 +11,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import struct
 from collections.abc import Callable
 
-from ._errors import DaemonUnavailableError, RelayError, error_from_code
+from ._errors import DaemonUnavailableError, RelayError, RelayTimeoutError, error_from_code
 from ._proto import relay_pb2 as pb
 
 log = logging.getLogger(__name__)
 
 _LEN = struct.Struct("<I")
 MAX_FRAME = 4 << 20
+# A fetch's answer may trail its own deadline by the daemon's clean-up.
+_ANSWER_GRACE = 1.0
 
 
 class SessionChannel:
@@ -37,6 +40,8 @@ class SessionChannel:
         self._scheduled = False
         self._task: asyncio.Task[None] | None = None
         self._bound: asyncio.Future[None] | None = None
+        self._calls: dict[int, asyncio.Future[pb.FetchResponse]] = {}
+        self._call_ids = itertools.count(1)
         self.closed = False
 
     async def connect(
@@ -92,6 +97,36 @@ class SessionChannel:
         except (ConnectionError, RuntimeError) as exc:
             log.debug("session write failed: %s", exc)
 
+    async def fetch(self, data_ref: bytes, timeout: float) -> pb.FetchResponse:
+        """``Relay.Fetch`` on this socket: the daemon pulls a foreign DataRef."""
+        if self.closed or self._writer is None:
+            raise DaemonUnavailableError("the session with the daemon is closed")
+        call_id = next(self._call_ids)
+        answer: asyncio.Future[pb.FetchResponse] = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = answer
+        self._pending.fetch.append(
+            pb.FetchCall(call_id=call_id, data_ref=data_ref, timeout_seconds=timeout)
+        )
+        self.mark(flush=True)
+        try:
+            return await asyncio.wait_for(answer, timeout + _ANSWER_GRACE)
+        except TimeoutError:
+            raise RelayTimeoutError(
+                f"the daemon did not answer a cross-node read within {timeout + _ANSWER_GRACE:.3g}s"
+            ) from None
+        finally:
+            self._calls.pop(call_id, None)
+
+    def _answer(self, frame: pb.SessionFrame) -> None:
+        for result in frame.fetched:
+            answer = self._calls.get(result.call_id)
+            if answer is None or answer.done():
+                continue  # its caller gave up
+            if result.HasField("response"):
+                answer.set_result(result.response)
+            else:
+                answer.set_exception(error_from_code(result.code, result.message))
+
     # -- in -------------------------------------------------------------------------
 
     async def _read_loop(self) -> None:
@@ -108,6 +143,8 @@ class SessionChannel:
                         self._bound.set_result(None)
                     elif ev.kind == "error" and self._bound is not None and not self._bound.done():
                         self._bound.set_exception(error_from_code(ev.code, ev.message))
+                if frame.fetched:
+                    self._answer(frame)
                 self._on_frame(frame)
         except (asyncio.IncompleteReadError, ConnectionError, OSError):
             pass
@@ -120,6 +157,11 @@ class SessionChannel:
         finally:
             if self._bound is not None and not self._bound.done():
                 self._bound.set_exception(DaemonUnavailableError("daemon closed the session"))
+            for answer in self._calls.values():
+                if not answer.done():
+                    answer.set_exception(
+                        DaemonUnavailableError("the session closed before the daemon answered")
+                    )
             if not self.closed:
                 self.closed = True
                 self._on_lost()

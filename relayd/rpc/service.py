@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 from relayd_client._errors import (
     InvalidArgumentError,
-    PeerUnavailableError,
     SessionClosedError,
     VersionMismatchError,
 )
@@ -122,24 +121,15 @@ class RelayService(RoutingService, pb_grpc.RelayServicer):
 
     @mapped
     async def Fetch(self, request: pb.FetchRequest, context: Ctx) -> pb.FetchResponse:
-        """Cross-node read: pull a foreign DataRef into this arena (see relayd.peers)."""
+        """Cross-node read: pull a foreign DataRef into this arena (see relayd.peers).
+        Clients use the session socket's FetchCall; this is the same work over gRPC."""
         d = self.daemon
         session = d.manager.authenticate(request.session_id, request.session_token)
-        if session.state is not SessionState.BOUND:
-            raise SessionClosedError("bind the session socket before fetching")
-        if d.peers is None:
-            raise PeerUnavailableError(
-                "this daemon has no peers (--peer-address is not set); cross-node DataRefs "
-                "cannot be read here"
-            )
-        timeout = (
-            request.timeout_seconds if request.timeout_seconds > 0 else d.settings.reserve_timeout
-        )
+        timeout = d.fetch_timeout(request.timeout_seconds)
         remaining = context.time_remaining()
         if remaining is not None:
             timeout = min(timeout, max(remaining - 0.05, 0.0))
-        lease = await d.peers.fetch(session, request.data_ref, timeout)
-        return pb.FetchResponse(lease=lease, node_id=d.settings.node_id, daemon_epoch=d.epoch)
+        return await d.fetch(session, request.data_ref, timeout)
 
     @mapped
     async def Status(self, request: pb.StatusRequest, context: Ctx) -> pb.StatusResponse:

@@ -13,10 +13,15 @@ import asyncio
 import logging
 import socket
 import struct
-from collections.abc import Callable, Collection
+from collections.abc import Awaitable, Callable, Collection
 from typing import Any, cast
 
-from relayd_client._errors import RelayError
+from relayd_client._errors import (
+    InternalError,
+    InvalidArgumentError,
+    RelayError,
+    ResourceExhaustedError,
+)
 from relayd_client._proto import relay_pb2 as pb
 
 from ..pools.leases import LeaseManager, Session, transport_name
@@ -24,6 +29,10 @@ from ..pools.leases import LeaseManager, Session, transport_name
 log = logging.getLogger(__name__)
 
 MAX_FRAME = 4 << 20
+# Cross-node reads one session may have waiting; more are refused. The pulls
+# themselves are bounded by the peer credits; this only bounds what a session
+# can make the daemon hold (a task and a DataRef each).
+MAX_FETCH_CALLS = 4096
 _LEN = struct.Struct("<I")
 _CREDS = struct.Struct("3i")
 
@@ -61,6 +70,7 @@ class SessionProtocol(asyncio.Protocol):
         on_bound: Callable[[Session, bytes, int], tuple[str, int]] | None = None,
         on_closed: Callable[[str], None] = lambda session_id: None,
         on_ref: Callable[[int], None] = lambda nbytes: None,
+        on_fetch: Callable[[Session, bytes, float], Awaitable[pb.FetchResponse]] | None = None,
     ) -> None:
         self.manager = manager
         self.admission = admission
@@ -71,6 +81,8 @@ class SessionProtocol(asyncio.Protocol):
         self.on_bound = on_bound
         self.on_closed = on_closed
         self.on_ref = on_ref
+        self.on_fetch = on_fetch
+        self._fetches: dict[int, asyncio.Task[None]] = {}
         self.transport: asyncio.Transport | None = None
         self.session: Session | None = None
         self.creds = (0, -1, -1)
@@ -119,6 +131,10 @@ class SessionProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
+        # Nobody is left to read the answers; each pull's own clean-up frees its run.
+        for task in self._fetches.values():
+            task.cancel()
+        self._fetches.clear()
         if self.session is not None:
             log.info("session closed", extra={"session_id": self.session.id, "pid": self.creds[0]})
             self.manager.close_session(self.session.id)
@@ -197,6 +213,51 @@ class SessionProtocol(asyncio.Protocol):
         for rep in f.report:
             if rep.count < (1 << 32) and rep.bytes < (1 << 50):
                 self.on_report(transport_name(rep.transport), rep.count, rep.bytes)
+        for call in f.fetch:
+            self._start_fetch(session, call)
+
+    # -- cross-node reads -----------------------------------------------------------
+
+    def _start_fetch(self, session: Session, call: pb.FetchCall) -> None:
+        if call.call_id in self._fetches:
+            self._answer(
+                call.call_id, InvalidArgumentError(f"fetch call {call.call_id} is in flight")
+            )
+        elif self.on_fetch is None:
+            self._answer(call.call_id, InternalError("this daemon does not serve fetches"))
+        elif len(self._fetches) >= MAX_FETCH_CALLS:
+            self._answer(
+                call.call_id,
+                ResourceExhaustedError(f"{MAX_FETCH_CALLS} fetches already in flight"),
+            )
+        else:
+            task = asyncio.get_running_loop().create_task(self._fetch(session, call))
+            self._fetches[call.call_id] = task
+
+    async def _fetch(self, session: Session, call: pb.FetchCall) -> None:
+        assert self.on_fetch is not None
+        try:
+            resp = await self.on_fetch(session, call.data_ref, call.timeout_seconds)
+        except RelayError as err:
+            self._answer(call.call_id, err)
+        except Exception as exc:  # a bug: say so to the caller, keep the session
+            log.exception("fetch failed", extra={"session_id": session.id})
+            self._answer(call.call_id, InternalError(f"{type(exc).__name__}: {exc}"))
+        else:
+            self._answer(call.call_id, resp)
+        finally:
+            self._fetches.pop(call.call_id, None)
+
+    def _answer(self, call_id: int, outcome: pb.FetchResponse | RelayError) -> None:
+        if isinstance(outcome, RelayError):
+            result = pb.FetchResult(
+                call_id=call_id,
+                code=cast(pb.ErrorCode, int(outcome.code)),
+                message=outcome.message or str(outcome),
+            )
+        else:
+            result = pb.FetchResult(call_id=call_id, response=outcome)
+        self.send(pb.SessionFrame(fetched=[result]))
 
 
 def protocol_factory(**kwargs: Any) -> Callable[[], SessionProtocol]:

@@ -7,10 +7,11 @@ import os
 import random
 import socket
 import struct
+import time
 from collections.abc import Iterator
 
 import pytest
-from relayd_client import PermissionDeniedError, RelayClient
+from relayd_client import DataRef, PeerUnavailableError, PermissionDeniedError, RelayClient
 from relayd_client._proto import relay_pb2 as pb
 
 from tests._daemon import Daemon
@@ -165,3 +166,55 @@ def test_abort_flood_does_not_grow_the_daemon(daemon: Daemon) -> None:
     record("abort flood", f"3000 aborts of unknown requests; daemon RSS growth {growth >> 10} KiB")
     assert growth < 32 * MiB
     sess.close()
+
+
+def _fetch_results(sess: RawSession, want: int, timeout: float = 10.0) -> list[pb.FetchResult]:
+    """Read frames until ``want`` fetch results arrived (or fail at the deadline)."""
+    deadline = time.monotonic() + timeout
+    results: list[pb.FetchResult] = []
+    while len(results) < want:
+        left = deadline - time.monotonic()
+        assert left > 0, f"only {len(results)} of {want} fetch results arrived"
+        frames, closed = read_frames(sess.sock, min(left, 0.5))
+        assert not closed
+        results += [r for f in frames for r in f.fetched]
+    return results
+
+
+def test_fetch_calls_on_the_session_are_answered_with_exact_codes(daemon: Daemon) -> None:
+    # This daemon has no peers: a cross-node read fails as PEER_UNAVAILABLE,
+    # answered on the call's id, and the session stays usable.
+    sess = RawSession(daemon.socket, "reader")
+    sess.send(pb.SessionFrame(fetch=[pb.FetchCall(call_id=7, data_ref=b"x", timeout_seconds=1)]))
+    (result,) = _fetch_results(sess, 1)
+    assert result.call_id == 7 and not result.HasField("response")
+    assert result.code == pb.ERROR_CODE_PEER_UNAVAILABLE, result
+    # NaN and negative timeouts fall back to the default; many calls in one frame
+    # are all answered, each on its own id.
+    calls = [pb.FetchCall(call_id=100 + i, data_ref=b"", timeout_seconds=t)
+             for i, t in enumerate((float("nan"), -1.0, 0.0, 1e300))]  # fmt: skip
+    sess.send(pb.SessionFrame(fetch=calls))
+    results = _fetch_results(sess, len(calls))
+    assert sorted(r.call_id for r in results) == [100, 101, 102, 103]
+    assert {r.code for r in results} == {pb.ERROR_CODE_PEER_UNAVAILABLE}
+    count("session fetch calls refused", 1 + len(calls))
+    sess.close()
+
+    # The real client takes the same road: a foreign DataRef read here is a
+    # PeerUnavailableError, not a hang and not a crash.
+    async def scenario() -> None:
+        async with (
+            RelayClient("thinker", daemon.socket) as w,
+            RelayClient("talker", daemon.socket) as r,
+        ):
+            payload = make_payload(3, MiB)
+            ref = await w.put(payload, to_stage="talker", request_id="q")
+            foreign = pb.DataRef()
+            foreign.CopyFrom(ref.proto)
+            foreign.origin.node_id = "elsewhere"  # as if another node's daemon wrote it
+            with pytest.raises(PeerUnavailableError, match="no peers"):
+                await r.get(DataRef(foreign))
+            # ... and the session still serves the local original.
+            assert digest(await r.get(ref)) == digest(payload)
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))

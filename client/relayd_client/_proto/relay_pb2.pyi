@@ -732,8 +732,30 @@ class Event(_message.Message):
     registry_version: int
     def __init__(self, kind: _Optional[str] = ..., code: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ..., registry_version: _Optional[int] = ...) -> None: ...
 
+class FetchCall(_message.Message):
+    __slots__ = ("call_id", "data_ref", "timeout_seconds")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_REF_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    data_ref: bytes
+    timeout_seconds: float
+    def __init__(self, call_id: _Optional[int] = ..., data_ref: _Optional[bytes] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class FetchResult(_message.Message):
+    __slots__ = ("call_id", "response", "code", "message")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    response: FetchResponse
+    code: ErrorCode
+    message: str
+    def __init__(self, call_id: _Optional[int] = ..., response: _Optional[_Union[FetchResponse, _Mapping]] = ..., code: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ...) -> None: ...
+
 class SessionFrame(_message.Message):
-    __slots__ = ("bind", "reserve", "publish", "claim", "release", "cancel", "return_grant", "report", "freed", "aborted", "event")
+    __slots__ = ("bind", "reserve", "publish", "claim", "release", "cancel", "return_grant", "report", "fetch", "freed", "aborted", "event", "fetched")
     BIND_FIELD_NUMBER: _ClassVar[int]
     RESERVE_FIELD_NUMBER: _ClassVar[int]
     PUBLISH_FIELD_NUMBER: _ClassVar[int]
@@ -742,9 +764,11 @@ class SessionFrame(_message.Message):
     CANCEL_FIELD_NUMBER: _ClassVar[int]
     RETURN_GRANT_FIELD_NUMBER: _ClassVar[int]
     REPORT_FIELD_NUMBER: _ClassVar[int]
+    FETCH_FIELD_NUMBER: _ClassVar[int]
     FREED_FIELD_NUMBER: _ClassVar[int]
     ABORTED_FIELD_NUMBER: _ClassVar[int]
     EVENT_FIELD_NUMBER: _ClassVar[int]
+    FETCHED_FIELD_NUMBER: _ClassVar[int]
     bind: Bind
     reserve: _containers.RepeatedCompositeFieldContainer[Reserve]
     publish: _containers.RepeatedCompositeFieldContainer[Publish]
@@ -753,10 +777,12 @@ class SessionFrame(_message.Message):
     cancel: _containers.RepeatedCompositeFieldContainer[Cancel]
     return_grant: _containers.RepeatedCompositeFieldContainer[ReturnGrant]
     report: _containers.RepeatedCompositeFieldContainer[TransferReport]
+    fetch: _containers.RepeatedCompositeFieldContainer[FetchCall]
     freed: Freed
     aborted: _containers.RepeatedCompositeFieldContainer[Aborted]
     event: _containers.RepeatedCompositeFieldContainer[Event]
-    def __init__(self, bind: _Optional[_Union[Bind, _Mapping]] = ..., reserve: _Optional[_Iterable[_Union[Reserve, _Mapping]]] = ..., publish: _Optional[_Iterable[_Union[Publish, _Mapping]]] = ..., claim: _Optional[_Iterable[_Union[Claim, _Mapping]]] = ..., release: _Optional[_Iterable[_Union[Release, _Mapping]]] = ..., cancel: _Optional[_Iterable[_Union[Cancel, _Mapping]]] = ..., return_grant: _Optional[_Iterable[_Union[ReturnGrant, _Mapping]]] = ..., report: _Optional[_Iterable[_Union[TransferReport, _Mapping]]] = ..., freed: _Optional[_Union[Freed, _Mapping]] = ..., aborted: _Optional[_Iterable[_Union[Aborted, _Mapping]]] = ..., event: _Optional[_Iterable[_Union[Event, _Mapping]]] = ...) -> None: ...
+    fetched: _containers.RepeatedCompositeFieldContainer[FetchResult]
+    def __init__(self, bind: _Optional[_Union[Bind, _Mapping]] = ..., reserve: _Optional[_Iterable[_Union[Reserve, _Mapping]]] = ..., publish: _Optional[_Iterable[_Union[Publish, _Mapping]]] = ..., claim: _Optional[_Iterable[_Union[Claim, _Mapping]]] = ..., release: _Optional[_Iterable[_Union[Release, _Mapping]]] = ..., cancel: _Optional[_Iterable[_Union[Cancel, _Mapping]]] = ..., return_grant: _Optional[_Iterable[_Union[ReturnGrant, _Mapping]]] = ..., report: _Optional[_Iterable[_Union[TransferReport, _Mapping]]] = ..., fetch: _Optional[_Iterable[_Union[FetchCall, _Mapping]]] = ..., freed: _Optional[_Union[Freed, _Mapping]] = ..., aborted: _Optional[_Iterable[_Union[Aborted, _Mapping]]] = ..., event: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., fetched: _Optional[_Iterable[_Union[FetchResult, _Mapping]]] = ...) -> None: ...
 
 class ArenaSegment(_message.Message):
     __slots__ = ("index", "base", "size", "data_offset", "nslots")
