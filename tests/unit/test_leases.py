@@ -152,3 +152,66 @@ def test_quota_bounds_one_stage(arena: Arena) -> None:
     a = _session(m, "a", [])
     with pytest.raises(ResourceExhaustedError, match="quota"):
         asyncio.run(m.grant(a, 25 * SLOT, 0.05))
+
+
+def test_freed_notices_linger_into_one_frame_and_a_grant_request_flushes_them(
+    arena: Arena,
+) -> None:
+    clock, wf, rf = Clock(), [], []  # type: ignore[var-annotated]
+    m = LeaseManager(
+        arena, grant_bytes=8 * SLOT, lease_ttl=10.0, stage_quota_bytes=24 * SLOT,
+        max_sessions=8, clock=clock, freed_linger=0.05,
+    )  # fmt: skip
+    w, r = _session(m, "thinker", wf), _session(m, "talker", rf)
+
+    def freed() -> list[list[int]]:
+        return [list(f.freed.lease_ids) for f in wf if f.HasField("freed")]
+
+    async def go() -> None:
+        grant = await m.grant(w, SLOT, 1.0)
+        ids = [_publish(m, w, grant, slot, 1, rid=f"r{slot}") for slot in range(3)]
+        for lid in ids[:2]:
+            m.on_release(r, pb.Release(lease_id=lid, generation=lid))
+            m.flush()
+        assert freed() == []  # lingering, not lost
+        async with asyncio.timeout(5):
+            while not freed():
+                await asyncio.sleep(0.01)
+        assert freed() == [ids[:2]]  # both in one frame
+        # A writer asking for space gets what is pending at once, before the linger.
+        m.on_release(r, pb.Release(lease_id=ids[2], generation=ids[2]))
+        m.flush()
+        await m.grant(w, SLOT, 1.0)
+        assert freed() == [ids[:2], [ids[2]]]
+
+    asyncio.run(go())
+
+
+def test_request_records_are_reaped_oldest_first_and_capped(
+    arena: Arena, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from relayd.pools import leases
+
+    monkeypatch.setattr(leases, "MAX_REQUEST_RECORDS", 5)
+    clock, reclaimed, wf, rf = Clock(), [], [], []  # type: ignore[var-annotated]
+    m = _manager(arena, clock, reclaimed)
+    w, r = _session(m, "thinker", wf), _session(m, "talker", rf)
+    grant = asyncio.run(m.grant(w, SLOT, 1.0))
+    held = _publish(m, w, grant, 0, 1, rid="held")  # never read: its record must stay
+    for i in range(8):
+        clock.now += 1
+        lid = _publish(m, w, grant, 1 + i % 7, 1, rid=f"done{i}")
+        m.on_release(r, pb.Release(lease_id=lid, generation=lid))
+    assert len(m.requests) == 9
+    m.reap()
+    # Over the cap: the oldest lease-less records go first; the held one stays.
+    assert list(m.requests) == ["held", "done4", "done5", "done6", "done7"]
+    assert held in m.requests["held"].leases
+    # A request touched again moves to the young end; age then decides alone:
+    # "held" (its lease TTL-reclaimed, touched at 0) goes, the rest are young.
+    lid = _publish(m, w, grant, 7, 1, rid="done4")
+    m.on_release(r, pb.Release(lease_id=lid, generation=lid))
+    clock.now = 6 + leases.REQUEST_MEMORY - 0.5
+    m.reap()
+    assert reclaimed == ["ttl"]
+    assert list(m.requests) == ["done5", "done6", "done7", "done4"]
