@@ -520,7 +520,7 @@ class PeerManager:
             ops = self._ops(peer, remote, local)
             body, check = ops[:-1], ops[-1:]
             self._note_origin(m.request_id, peer.address)
-            await self._pull(peer, [body, check] if body else [check], deadline)
+            await self._pull(peer, body, check, deadline)
             if self._scratch(local, remote.length) != (remote.generation, remote.length):
                 raise StaleRefError(
                     f"the lease was read, reclaimed or aborted on node {peer.node_id!r} while "
@@ -550,8 +550,10 @@ class PeerManager:
             lease_id=local.id,
         )
 
-    async def _pull(self, peer: PeerState, phases: list[list[PullOp]], deadline: float) -> None:
-        """Each phase starts once the one before has landed, all under one credit."""
+    async def _pull(
+        self, peer: PeerState, body: list[PullOp], check: list[PullOp], deadline: float
+    ) -> None:
+        """``check`` starts once ``body`` has landed, all under one credit."""
         loop = asyncio.get_running_loop()
         metrics = self.daemon.metrics
         async with self.credits.acquire(peer.address, max(deadline - loop.time(), 0.0)) as credit:
@@ -560,18 +562,15 @@ class PeerManager:
             start = time.perf_counter()
             settle: asyncio.Future[Any] | None = None
             try:
-                for ops in phases:
-                    budget = min(max(deadline - loop.time(), 0.0), self.settings.peer_timeout)
-                    await self.transport.pull(peer.mooncake_session, ops, timeout=budget)
+                budget = min(max(deadline - loop.time(), 0.0), self.settings.peer_timeout)
+                await self.transport.pull(peer.mooncake_session, body, timeout=budget, then=check)
             except PullError as err:
                 if err.in_flight:
                     settle = err.settled
                 raise
             except asyncio.CancelledError:
                 # Bytes may still land: keep the run and the credit until they stop.
-                settle = asyncio.ensure_future(
-                    self.transport.wait_settled([op for ops in phases for op in ops])
-                )
+                settle = asyncio.ensure_future(self.transport.wait_settled(body + check))
                 raise
             finally:
                 peer.in_flight -= 1

@@ -228,8 +228,19 @@ class RemoteTransport(abc.ABC):
         """What peers pass as ``peer_session`` to reach this endpoint."""
 
     @abc.abstractmethod
-    async def pull(self, peer_session: str, ops: Sequence[PullOp], *, timeout: float) -> None:
+    async def pull(
+        self,
+        peer_session: str,
+        ops: Sequence[PullOp],
+        *,
+        timeout: float,
+        then: Sequence[PullOp] = (),
+    ) -> None:
         """Copy every op's remote range from ``peer_session`` into local memory.
+
+        ``then`` ops start only once every op of ``ops`` has landed (read a flag
+        after the data it guards), within the same call and ``timeout``; if
+        ``ops`` fail, ``then`` never starts.
 
         Raises PullFailedError, PullTimeoutError (both with ``in_flight``),
         InvalidArgumentError (an op is malformed or outside the registered

@@ -300,6 +300,9 @@ class _Pull:
     """Internal; done once no op can write any more. Errors hand out copies."""
     submitted: bool = False
     """The submit job may have started: from here on only terminal states free the ops."""
+    # Ops [0, first) go first; the rest only once all of those are DONE.
+    first: int = 0
+    # For the ops submitted so far (a prefix of ``ops``); the rest cannot write.
     batch_ids: list[int] = dataclasses.field(default_factory=list)
     states: list[TransferState] = dataclasses.field(default_factory=list)
     failure: RelayError | None = None
@@ -311,6 +314,13 @@ class _Pull:
         if not self.submitted:
             return True
         return bool(self.states) and all(s.terminal for s in self.states)
+
+    def phases_left(self) -> tuple[tuple[PullOp, ...], ...]:
+        """The ops not submitted yet, as the phases they still form."""
+        done = len(self.states)
+        if done < self.first:
+            return tuple(p for p in (self.ops[done : self.first], self.ops[self.first :]) if p)
+        return (self.ops[done:],) if done < len(self.ops) else ()
 
     def overlaps(self, ops: Sequence[PullOp]) -> bool:
         return any(
@@ -409,13 +419,25 @@ class MooncakeTransport(RemoteTransport):
             )
         self._regions.append(region)
 
-    async def pull(self, peer_session: str, ops: Sequence[PullOp], *, timeout: float) -> None:
+    async def pull(
+        self,
+        peer_session: str,
+        ops: Sequence[PullOp],
+        *,
+        timeout: float,
+        then: Sequence[PullOp] = (),
+    ) -> None:
         self._require_open()
-        checked = self._validate(ops)
+        checked, after = self._validate(ops), self._validate(then)
+        if not checked:
+            checked, after = after, ()
         if not checked:
             return
         loop = asyncio.get_running_loop()
-        rec = _Pull(peer_session, checked, loop.time() + timeout, loop.create_future())
+        rec = _Pull(
+            peer_session, checked + after, loop.time() + timeout, loop.create_future(),
+            first=len(checked),
+        )  # fmt: skip
         self._unsettled.add(rec)
         rec.task = loop.create_task(self._drive(rec), name=f"relayd-mooncake-pull {peer_session}")
         try:
@@ -536,8 +558,15 @@ class MooncakeTransport(RemoteTransport):
 
     async def _drive(self, rec: _Pull) -> None:
         try:
-            await self._submit(rec)
-            await self._poll(rec)
+            # The submit job goes on to the next phase itself when it saw the
+            # one before land; otherwise the loop polls and submits it here.
+            while True:
+                await self._submit(rec)
+                await self._poll(rec)
+                if rec.failure is not None or not rec.phases_left():
+                    break
+                if any(s is not TransferState.DONE for s in rec.states):
+                    break  # a failed phase: the next one is never submitted
         except Exception as exc:
             # An unknown status code (or a bug): the pull has failed, and whatever
             # was not seen to end stays quarantined until close().
@@ -577,11 +606,13 @@ class MooncakeTransport(RemoteTransport):
         self._submitting += 1
         try:
             ids, states, failure = await loop.run_in_executor(
-                self._pool, _submit_blocking, self._engine, rec.peer, rec.ops, watch
+                self._pool, _submit_blocking, self._engine, rec.peer, rec.phases_left(), watch
             )
         finally:
             self._submitting -= 1
-        rec.batch_ids, rec.states, rec.failure = ids, states, failure
+        rec.batch_ids += ids
+        rec.states += states
+        rec.failure = failure
         if any(ids):
             self._reached.add(rec.peer)
             self._first_contact.pop(rec.peer, None)
@@ -623,36 +654,43 @@ def _open_engine(host: str, env: Mapping[str, str | None], protocol: str, device
 
 
 def _submit_blocking(
-    engine: Any, peer: str, ops: tuple[PullOp, ...], watch: float
+    engine: Any, peer: str, phases: tuple[tuple[PullOp, ...], ...], watch: float
 ) -> tuple[list[int], list[TransferState], RelayError | None]:
     """Worker thread: one batch per op (see the module docstring), then watch them
-    for up to ``watch`` seconds."""
+    for up to ``watch`` seconds; a phase seen to land lets the next one go, in this
+    same job. Returns ids and states of the ops it submitted, a prefix."""
     ids: list[int] = []
     states: list[TransferState] = []
     failure: RelayError | None = None
-    for op in ops:
-        if failure is not None:  # the pull has failed; don't put more bytes in flight
-            ids.append(0)
-            states.append(TransferState.FAILED)
-            continue
-        batch_id = int(
-            engine.batch_transfer_async_read(peer, [op.local_addr], [op.remote_addr], [op.length])
-        )
-        if _submit_failed(batch_id):
-            failure = mooncake_error(_Call.SUBMIT, 0, f"to {peer}")
-            ids.append(0)
-            states.append(TransferState.FAILED)
-        else:
-            ids.append(batch_id)
-            states.append(TransferState.PENDING)
     end = time.perf_counter() + watch
-    while watch:
-        for i, state in enumerate(states):
-            if not state.terminal:
-                states[i] = transfer_state(engine.transfer_check_status(ids[i]))
-        if all(s.terminal for s in states) or time.perf_counter() >= end:
-            break
-        time.sleep(_WATCH_INTERVAL)
+    for k, ops in enumerate(phases):
+        if k and (not all(s is TransferState.DONE for s in states) or failure is not None):
+            break  # the phase before has not landed (or failed): not ours to go on
+        start = len(states)
+        for op in ops:
+            if failure is not None:  # the pull has failed; don't put more bytes in flight
+                ids.append(0)
+                states.append(TransferState.FAILED)
+                continue
+            batch_id = int(
+                engine.batch_transfer_async_read(
+                    peer, [op.local_addr], [op.remote_addr], [op.length]
+                )
+            )
+            if _submit_failed(batch_id):
+                failure = mooncake_error(_Call.SUBMIT, 0, f"to {peer}")
+                ids.append(0)
+                states.append(TransferState.FAILED)
+            else:
+                ids.append(batch_id)
+                states.append(TransferState.PENDING)
+        while watch:
+            for i in range(start, len(states)):
+                if not states[i].terminal:
+                    states[i] = transfer_state(engine.transfer_check_status(ids[i]))
+            if all(s.terminal for s in states[start:]) or time.perf_counter() >= end:
+                break
+            time.sleep(_WATCH_INTERVAL)
     return ids, states, failure
 
 

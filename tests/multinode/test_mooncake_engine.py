@@ -139,10 +139,11 @@ async def _handle(
         }
     if cmd == "pull":
         ops = [PullOp(base + lo, remote, n) for lo, remote, n in req["ops"]]
+        then = [PullOp(base + lo, remote, n) for lo, remote, n in req.get("then", [])]
         started = time.monotonic()
         result: dict[str, Any] = {}
         try:
-            await transport.pull(req["peer"], ops, timeout=req["timeout"])
+            await transport.pull(req["peer"], ops, timeout=req["timeout"], then=then)
             result["ok"] = True
         except RelayError as exc:
             result["elapsed"] = time.monotonic() - started
@@ -219,11 +220,18 @@ class Peer:
         return str(self.call({"cmd": "sha", "offset": offset, "length": length})["sha"])
 
     def pull(
-        self, source: Peer, ops: list[tuple[int, int, int]], timeout: float = 30.0, **extra: Any
+        self,
+        source: Peer,
+        ops: list[tuple[int, int, int]],
+        timeout: float = 30.0,
+        then: list[tuple[int, int, int]] = [],  # noqa: B006 - read only
+        **extra: Any,
     ) -> dict[str, Any]:
-        """``ops`` = (our offset, their offset, length)."""
+        """``ops`` and ``then`` = (our offset, their offset, length)."""
         wire = [[lo, source.addr + ro, n] for lo, ro, n in ops]
+        after = [[lo, source.addr + ro, n] for lo, ro, n in then]
         request = {"cmd": "pull", "peer": source.session, "ops": wire, "timeout": timeout}
+        request["then"] = after
         return self.call({**request, **extra}, wait=timeout + 70)
 
     def stop(self) -> None:
@@ -312,6 +320,26 @@ def test_batched_pull_of_several_ops(pair: tuple[Peer, Peer]) -> None:
     reply = b.pull(a, [(lo, ro, n) for ro, lo, n in reversed(layout)])
     assert reply["ok"], reply
     assert [b.sha(lo, n) for _, lo, n in layout] == expected
+
+
+@requires_mooncake
+@pytest.mark.multinode
+def test_then_ops_land_after_the_body_and_never_start_after_it_failed(
+    pair: tuple[Peer, Peer],
+) -> None:
+    a, b = pair
+    body, flag = a.fill(0, 3 << 20), a.fill(5 << 20, 16)
+    reply = b.pull(a, [(8 << 20, 0, 3 << 20)], then=[(12 << 20, 5 << 20, 16)])
+    assert reply["ok"], reply
+    assert (b.sha(8 << 20, 3 << 20), b.sha(12 << 20, 16)) == (body, flag)
+    # The body fails (its remote range is not registered): the flag is never read.
+    before = b.fill(13 << 20, 16)
+    reply = b.pull(a, [(0, REGION - 10, 11)], then=[(13 << 20, 5 << 20, 16)], timeout=PEER_TIMEOUT)
+    assert reply["error"] == "PullFailedError" and reply["in_flight"] is False, reply
+    assert b.sha(13 << 20, 16) == before
+    # A body-less pull is its "then" alone.
+    assert b.pull(a, [], then=[(14 << 20, 5 << 20, 16)])["ok"]
+    assert b.sha(14 << 20, 16) == flag
 
 
 @requires_mooncake
