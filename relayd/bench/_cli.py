@@ -86,7 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="one process pair per method for all sizes (implied by --quick)",
     )
-    p.add_argument("--streams", type=int, help="stream workload: concurrent streams (default 4)")
+    p.add_argument(
+        "--streams",
+        type=int,
+        help="stream workload: concurrent streams (default 16, a thinker->talker fan-in)",
+    )
     p.add_argument(
         "--stream-rate",
         type=float,
@@ -130,7 +134,7 @@ def _options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Optio
         scale = QUICK_SCALE if args.quick else 1.0
     if scale <= 0:
         parser.error("--iterations-scale must be > 0")
-    streams = args.streams if args.streams is not None else QUICK_STREAMS if args.quick else 4
+    streams = args.streams if args.streams is not None else QUICK_STREAMS if args.quick else 16
     seconds = args.stream_seconds
     if seconds is None:
         seconds = QUICK_STREAM_SECONDS if args.quick else 5.0
