@@ -33,22 +33,21 @@ def write_plot(path: str, results: Sequence[Result], machine: dict[str, Any] | N
     methods = list(dict.fromkeys(r.method for r in ok))
     sizes = sorted({r.size for r in ok})
     fig, (lat_ax, ratio_ax) = plt.subplots(1, 2, figsize=(14, 5.5))
-    for m in methods:
+    # More methods than the default ten-colour cycle: one colour each, and
+    # relayd's own methods drawn with squares so they stand out from baselines.
+    palette = matplotlib.colormaps["tab20"]
+    for k, m in enumerate(methods):
         rows = sorted((r for r in ok if r.method == m), key=lambda r: r.size)
         xs = [r.size for r in rows]
         med = [r.latency.median_ns / 1e3 for r in rows if r.latency]
         p99 = [r.latency.p99_ns / 1e3 for r in rows if r.latency]
-        (line,) = lat_ax.plot(xs, med, marker="o", label=m, linewidth=2 if m == "floor" else 1.3)
-        lat_ax.plot(xs, p99, linestyle=":", color=line.get_color(), linewidth=1)
+        dark_first = (2 * k) % 20 + (2 * k // 20) % 2  # tab20's strong shades, then the light
+        style = {"color": palette(dark_first), "marker": "s" if m.startswith("relayd") else "o"}
+        lat_ax.plot(xs, med, label=m, linewidth=2 if m == "floor" else 1.3, **style)
+        lat_ax.plot(xs, p99, linestyle=":", color=style["color"], linewidth=1)
         ratio = [(r.size, r.ratio_vs_floor) for r in rows if r.ratio_vs_floor is not None]
         if ratio:
-            ratio_ax.plot(
-                [s for s, _ in ratio],
-                [v for _, v in ratio],
-                marker="o",
-                label=m,
-                color=line.get_color(),
-            )
+            ratio_ax.plot([s for s, _ in ratio], [v for _, v in ratio], label=m, **style)
     for ax in (lat_ax, ratio_ax):
         ax.set_xscale("log", base=2)
         ax.set_xticks(sizes, [fmt_size(s) for s in sizes])
