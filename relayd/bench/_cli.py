@@ -204,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         bench.close()
     add_ratios(bench.results)
     add_stream_ratios(bench.streams)
-    machine = machine_info()
+    machine = {**machine_info(), "loadavg_at_start": bench.loadavg_at_start}
     sys.stdout.write(render_table(bench.results, bench.streams, machine))
     if args.json:
         run = {

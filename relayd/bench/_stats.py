@@ -299,11 +299,18 @@ def render_table(
 
 
 def _machine_line(m: dict[str, Any]) -> str:
-    load = m.get("loadavg") or []
+    # The load when the run started says what else was running; at the end it
+    # also counts the run's own stream phase (2 x streams processes).
+    start, end = m.get("loadavg_at_start") or [], m.get("loadavg") or []
+    load = ""
+    if start:
+        load = f" · load {start[0]:.1f} at start"
+        load += f", {end[0]:.1f} at end" if end else ""
+    elif len(end) >= 2:
+        load = f" · load {end[0]:.1f}/{end[1]:.1f}"
     return (
         f"{m.get('cpu_model', '?')} · {m.get('cores', '?')} cores · Linux {m.get('kernel', '?')}"
-        f" · Python {m.get('python', '?')} · torch {m.get('torch', '?')}"
-        + (f" · load {load[0]:.1f}/{load[1]:.1f}" if len(load) >= 2 else "")
+        f" · Python {m.get('python', '?')} · torch {m.get('torch', '?')}" + load
     )
 
 

@@ -310,3 +310,11 @@ def test_method_selection_keeps_registry_order_and_rejects_unknown_names() -> No
     assert set(select("relayd")) == {n for n in ENTRIES if n.startswith("relayd-")}
     with pytest.raises(ValueError, match="unknown method"):
         select("floor,nope")
+
+
+def test_machine_line_reports_the_load_at_start_and_end() -> None:
+    from relayd.bench._stats import _machine_line
+
+    m = {"cpu_model": "X", "cores": 2, "loadavg": [16.3, 7.9, 3.0], "loadavg_at_start": [0.26]}
+    assert _machine_line(m).endswith("· load 0.3 at start, 16.3 at end")
+    assert _machine_line({"loadavg": [1.0, 2.0, 3.0]}).endswith("· load 1.0/2.0")
