@@ -281,7 +281,7 @@ def render_table(
     """
     out: list[str] = []
     if machine:
-        out.append(_clip(_machine_line(machine), width))
+        out += [_clip(line, width) for line in _machine_line(machine).split("\n")]
         out.append("")
     if results:
         out += _render_matrix(results, width)
@@ -304,7 +304,7 @@ def _machine_line(m: dict[str, Any]) -> str:
     start, end = m.get("loadavg_at_start") or [], m.get("loadavg") or []
     load = ""
     if start:
-        load = f" · load {start[0]:.1f} at start"
+        load = f"\nload (1-min average) {start[0]:.1f} at start"
         load += f", {end[0]:.1f} at end" if end else ""
     elif len(end) >= 2:
         load = f" · load {end[0]:.1f}/{end[1]:.1f}"

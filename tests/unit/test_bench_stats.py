@@ -316,5 +316,5 @@ def test_machine_line_reports_the_load_at_start_and_end() -> None:
     from relayd.bench._stats import _machine_line
 
     m = {"cpu_model": "X", "cores": 2, "loadavg": [16.3, 7.9, 3.0], "loadavg_at_start": [0.26]}
-    assert _machine_line(m).endswith("· load 0.3 at start, 16.3 at end")
+    assert _machine_line(m).endswith("\nload (1-min average) 0.3 at start, 16.3 at end")
     assert _machine_line({"loadavg": [1.0, 2.0, 3.0]}).endswith("· load 1.0/2.0")
