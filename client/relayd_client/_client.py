@@ -1065,16 +1065,16 @@ class RelayClient:
         gpu = self._gpu
         if gpu is None:
             raise SessionClosedError("RelayClient is not open")
-        specs = _specs(m)
         if transport is Transport.CUDA_IPC_DIRECT:
             if m.origin.node_id != gpu.node_id:
                 raise PeerUnavailableError("direct CUDA IPC DataRefs cannot leave their node")
+            specs = _specs(m)
             _packing.validate_layout(specs, max((s.offset + s.nbytes for s in specs), default=0))
             if any(_cuda.leaf_gpu(s.device) is None for s in specs if s.nbytes):
                 raise CorruptRefError("a direct CUDA IPC DataRef holds a CPU tensor")
             handles = [t.cuda_ipc for t in m.tensors]
             return await _cuda.read_direct(specs, handles, copy)
-        _packing.validate_layout(specs, m.lease.length)
+        specs = self._checked_specs(m, m.lease.length)
         self._check_not_released(m)
         try:
             seg, region = gpu.lease_region(m)
@@ -1148,8 +1148,7 @@ class RelayClient:
             raise StaleEpochError(
                 f"DataRef comes from daemon epoch {m.origin.daemon_epoch!r}, not {a.daemon_epoch!r}"
             )
-        specs = _specs(m)
-        _packing.validate_layout(specs, m.lease.length)
+        specs = self._checked_specs(m, m.lease.length)
         try:
             resp = await self._stub.GetBytes(
                 pb.GetBytesRequest(

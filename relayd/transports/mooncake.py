@@ -621,11 +621,7 @@ class MooncakeTransport(RemoteTransport):
         loop = asyncio.get_running_loop()
         delay = _POLL_FIRST
         while True:
-            for i, state in enumerate(rec.states):
-                if not state.terminal:
-                    rc = self._engine.transfer_check_status(rec.batch_ids[i])
-                    rec.states[i] = transfer_state(rc)
-            if all(s.terminal for s in rec.states):
+            if _check(self._engine, rec.batch_ids, rec.states):
                 return
             late = loop.time() > rec.deadline
             await asyncio.sleep(_POLL_LATE if late else delay)
@@ -685,13 +681,19 @@ def _submit_blocking(
                 ids.append(batch_id)
                 states.append(TransferState.PENDING)
         while watch:
-            for i in range(start, len(states)):
-                if not states[i].terminal:
-                    states[i] = transfer_state(engine.transfer_check_status(ids[i]))
-            if all(s.terminal for s in states[start:]) or time.perf_counter() >= end:
+            if _check(engine, ids, states, start) or time.perf_counter() >= end:
                 break
             time.sleep(_WATCH_INTERVAL)
     return ids, states, failure
+
+
+def _check(engine: Any, ids: list[int], states: list[TransferState], start: int = 0) -> bool:
+    """Ask once for every op from ``start`` not yet terminal (a terminal one's batch
+    is freed: it is never asked again); True when all of them are terminal."""
+    for i in range(start, len(states)):
+        if not states[i].terminal:
+            states[i] = transfer_state(engine.transfer_check_status(ids[i]))
+    return all(s.terminal for s in states[start:])
 
 
 def _teardown(
