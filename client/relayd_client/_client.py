@@ -949,8 +949,10 @@ class RelayClient:
         host_copy = copy and not on_gpu
         if lease.length >= OFFLOAD_BYTES:
             self._claim(m)
+            # Allocated on this thread, copied on a worker (see _packing.allocate).
+            out = _packing.allocate(specs) if host_copy else None
             tensors = await asyncio.to_thread(
-                _packing.unpack, region, specs, copy=host_copy, validated=True
+                _packing.unpack, region, specs, copy=host_copy, validated=True, out=out
             )
         else:
             if not host_copy:

@@ -14,6 +14,7 @@ from relayd_client._codec import RefSlot, TensorSlot, decode, encode
 from relayd_client._errors import CorruptRefError, InvalidArgumentError, UnsafePayloadError
 from relayd_client._packing import (
     TensorSpec,
+    allocate,
     dtype_from_name,
     dtype_name,
     flatten,
@@ -177,6 +178,24 @@ def test_copy_false_returns_views_and_copy_true_fresh_tensors() -> None:
     region.zero_()
     assert torch.equal(view, torch.zeros(16, dtype=torch.int32))
     assert torch.equal(fresh, t)
+
+
+def test_unpack_into_allocated_outputs_fills_those_very_tensors() -> None:
+    # get() allocates on the loop's thread and copies on a worker: the copy must
+    # land in the tensors it was given, not in fresh ones.
+    tensors = [torch.arange(10, dtype=torch.float64), torch.ones(3, 4, dtype=torch.bfloat16)]
+    specs, total = plan_layout(tensors)
+    region = torch.zeros(total, dtype=torch.uint8)
+    pack_into(region, tensors, specs)
+    out = allocate(specs)
+    assert [(o.shape, o.dtype) for o in out] == [(t.shape, t.dtype) for t in tensors]
+    got = unpack(region, specs, copy=True, out=out)
+    assert [g.data_ptr() for g in got] == [o.data_ptr() for o in out]
+    assert all(torch.equal(g, t) for g, t in zip(got, tensors, strict=True))
+    with pytest.raises(ValueError, match="copy=True"):
+        unpack(region, specs, copy=False, out=out)
+    with pytest.raises(ValueError, match="one allocate"):
+        unpack(region, specs, copy=True, out=out[:1])
 
 
 def test_copy_true_works_from_a_misaligned_region_and_views_refuse_it() -> None:
