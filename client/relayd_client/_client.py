@@ -60,6 +60,10 @@ ALIGNMENT = 64
 # Copies this large run on a worker thread so the event loop keeps serving
 # other streams; below it the thread hop costs more than the copy.
 OFFLOAD_BYTES = 8 << 20
+# A copying reader's release waits this long for company (see SessionChannel.mark):
+# the daemon's Freed notices linger as long, so a writer short of space waits
+# at most twice this for the bytes a reader let go of.
+RELEASE_LINGER_S = 0.002
 _ABORTED_MEMORY = 4096
 _LAYOUT_MEMORY = 256  # validated layouts remembered per client (see _checked_specs)
 # Idle grants a session keeps, in default grants' worth of slots.
@@ -957,8 +961,10 @@ class RelayClient:
         else:
             if not host_copy:
                 # A view (or a GPU restore) outlives this turn: the daemon must
-                # know who holds the lease. A short copy is released in this
-                # same turn, and the release alone says all the claim would.
+                # know who holds the lease before its TTL could reclaim it
+                # (seconds), so the claim may linger like a release and often
+                # shares its frame. A short copy is released in this same
+                # turn, and the release alone says all the claim would.
                 self._claim(m, flush=False)
             tensors = _packing.unpack(region, specs, copy=host_copy, validated=True)
         if on_gpu:
@@ -1311,7 +1317,7 @@ class RelayClient:
         self._session.pending.claim.append(
             pb.Claim(lease_id=m.lease.lease_id, generation=m.lease.generation)
         )
-        self._session.mark(flush=flush)
+        self._session.mark(flush=flush, linger=RELEASE_LINGER_S)
 
     def _release(self, m: pb.DataRef) -> None:
         # Until the daemon zeroes the header the bytes are still there; a second
@@ -1322,7 +1328,7 @@ class RelayClient:
         self._session.pending.release.append(
             pb.Release(lease_id=m.lease.lease_id, generation=m.lease.generation)
         )
-        self._session.mark()
+        self._session.mark(linger=RELEASE_LINGER_S, holds=m.lease.length)
 
     # -- abort ----------------------------------------------------------------------
 

@@ -1,10 +1,12 @@
 """The client's end of the session socket: batched notices out, events in.
 
 Notices (reserve, publish, claim, release, …) are appended to one pending
-``SessionFrame`` and written together: either at once (``flush=True``, for
-a publish that must reach the daemon before the DataRef leaves this process,
-or a claim before a long copy) or at the end of the current event-loop turn.
-Writing never waits: it is a non-blocking send into the socket buffer.
+``SessionFrame`` and written together: at once (``flush=True``, for a claim
+before a long copy), at the end of the current event-loop turn (a publish:
+the daemon must hold the lease before a writer can die), or, for notices
+nothing waits on (a copying reader's release), up to ``linger`` seconds
+later with whatever else has gathered by then. Writing never waits: it is a
+non-blocking send into the socket buffer.
 """
 
 from __future__ import annotations
@@ -23,6 +25,13 @@ log = logging.getLogger(__name__)
 
 _LEN = struct.Struct("<I")
 MAX_FRAME = 4 << 20
+# A lingering frame goes out early once it holds this many notices, so that
+# frames stay far below MAX_FRAME at any rate.
+LINGER_MAX_NOTICES = 512
+# ... or once its releases hold back this many bytes of arena: a writer that
+# cycles through more slots copies into cache-cold memory (4 MiB puts got
+# ~20% slower with every release lingering, measured).
+LINGER_MAX_BYTES = 2 << 20
 # A fetch's answer may trail its own deadline by the daemon's clean-up.
 _ANSWER_GRACE = 1.0
 
@@ -37,7 +46,9 @@ class SessionChannel:
         self._writer: asyncio.StreamWriter | None = None
         self._pending = pb.SessionFrame()
         self._dirty = False
-        self._scheduled = False
+        self._scheduled = False  # a flush at the end of this loop turn
+        self._lingering: asyncio.TimerHandle | None = None  # a later flush
+        self._lingered = self._lingered_bytes = 0
         self._task: asyncio.Task[None] | None = None
         self._bound: asyncio.Future[None] | None = None
         self._calls: dict[int, asyncio.Future[pb.FetchResponse]] = {}
@@ -73,16 +84,39 @@ class SessionChannel:
         """The frame being collected; callers append notices, then call :meth:`mark`."""
         return self._pending
 
-    def mark(self, *, flush: bool = False) -> None:
+    def mark(self, *, flush: bool = False, linger: float = 0.0, holds: int = 0) -> None:
+        """Send the pending frame: now, at the end of this turn, or within ``linger`` s.
+
+        Lingering batches notices nobody waits for: on two busy cores every
+        frame wakes the daemon onto a core a writer or reader needs, and a
+        copying reader's release cost it ~40 us of one-way latency (measured).
+        A sooner mark takes the lingering notices along.
+        """
         self._dirty = True
         if flush:
             self.flush()
-        elif not self._scheduled:
-            self._scheduled = True
-            asyncio.get_running_loop().call_soon(self.flush)
+        elif self._scheduled:
+            pass
+        elif linger > 0.0:
+            self._lingered += 1
+            self._lingered_bytes += holds
+            if self._lingered >= LINGER_MAX_NOTICES or self._lingered_bytes >= LINGER_MAX_BYTES:
+                self._soon()
+            elif self._lingering is None:
+                self._lingering = asyncio.get_running_loop().call_later(linger, self.flush)
+        else:
+            self._soon()
+
+    def _soon(self) -> None:
+        self._scheduled = True
+        asyncio.get_running_loop().call_soon(self.flush)
 
     def flush(self) -> None:
         self._scheduled = False
+        self._lingered = self._lingered_bytes = 0
+        if self._lingering is not None:
+            self._lingering.cancel()
+            self._lingering = None
         if not self._dirty:
             return
         frame, self._pending, self._dirty = self._pending, pb.SessionFrame(), False
