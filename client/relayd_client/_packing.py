@@ -475,16 +475,56 @@ def pack_into(
                     f"destination's {size} bytes"
                 )
             _check_aligned(base + spec.offset, spec, dt)  # the reader's views need it
-            if (
-                src.device.type == "cpu"
-                and src.is_contiguous()
-                and not (src.is_conj() or src.is_neg())
-            ):
+            if _plain(src):
                 # Straight to the address: a typed view costs three tensor
                 # ops (~10 us here) only to be asked for its data_ptr.
                 _memcpy(base + spec.offset, src.data_ptr(), spec.nbytes)
             else:
                 _typed_view(dst, spec, dt).copy_(src)
+
+
+def _plain(src: torch.Tensor) -> bool:
+    """Its bytes are one contiguous run of host memory, as they read."""
+    return src.device.type == "cpu" and src.is_contiguous() and not (src.is_conj() or src.is_neg())
+
+
+def pack_bytes(tensors: Sequence[torch.Tensor], specs: Sequence[TensorSpec], total: int) -> bytes:
+    """The packed region of ``total`` bytes as ``bytes``: an inline payload.
+
+    ``specs`` must come from :func:`plan_layout` of these ``tensors``. Plain
+    host tensors are copied straight from their memory (one copy, no tensor
+    wrapped around the buffer: ~9 -> ~1 us for one 4 KiB tensor, measured);
+    anything else goes through :func:`pack_into`.
+    """
+    if not total:
+        return b""
+    if not all(_plain(tensors[spec.index]) for spec in specs if spec.nbytes):
+        buf = bytearray(total)
+        pack_into(torch.frombuffer(buf, dtype=torch.uint8), tensors, specs)
+        return bytes(buf)
+    if len(specs) == 1 and specs[0].offset == 0 and specs[0].nbytes == total:
+        return ctypes.string_at(tensors[0].data_ptr(), total)
+    buf = bytearray(total)
+    base = ctypes.addressof((ctypes.c_char * total).from_buffer(buf))
+    for spec in specs:
+        if spec.nbytes:
+            _memcpy(base + spec.offset, tensors[spec.index].data_ptr(), spec.nbytes)
+    return bytes(buf)
+
+
+def unpack_bytes(data: bytes, specs: Sequence[TensorSpec]) -> list[torch.Tensor]:
+    """``unpack(copy=True)`` of an inline payload, read straight out of ``data``.
+
+    The layout must already be validated against ``len(data)``.
+    """
+    base = ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value or 0
+    out: list[torch.Tensor | None] = [None] * len(specs)
+    for spec in specs:
+        tensor = _empty(spec, _DTYPES[spec.dtype])
+        if spec.nbytes:
+            _memcpy(tensor.data_ptr(), base + spec.offset, spec.nbytes)
+        out[spec.index] = tensor
+    return out  # type: ignore[return-value]  # validated: every index filled once
 
 
 def _empty(spec: TensorSpec, dt: torch.dtype) -> torch.Tensor:

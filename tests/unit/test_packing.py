@@ -18,11 +18,13 @@ from relayd_client._packing import (
     dtype_from_name,
     dtype_name,
     flatten,
+    pack_bytes,
     pack_into,
     payload_nbytes,
     plan_layout,
     rebuild,
     unpack,
+    unpack_bytes,
     validate_layout,
 )
 
@@ -54,11 +56,22 @@ def random_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator) -> to
     return data.view(dt).reshape(shape)
 
 
-def round_trip(tensors: list[torch.Tensor], *, copy: bool) -> list[torch.Tensor]:
+def round_trip(tensors: list[torch.Tensor], *, copy: bool | str) -> list[torch.Tensor]:
+    """Through a region (``copy`` True or False) or as inline bytes (``copy="inline"``)."""
     specs, total = plan_layout(tensors)
     region = torch.full((total + 64,), 0xAB, dtype=torch.uint8)
     pack_into(region, tensors, specs)
-    return unpack(region, specs, copy=copy)
+    if copy == "inline":
+        data = pack_bytes(tensors, specs, total)
+        # Padding reads as zeros there and as the region's old bytes here; the
+        # tensors' own bytes must agree.
+        assert len(data) == total
+        for spec in specs:
+            end = spec.offset + spec.nbytes
+            assert data[spec.offset : end] == region[spec.offset : end].numpy().tobytes()
+        validate_layout(specs, len(data))
+        return unpack_bytes(data, specs)
+    return unpack(region, specs, copy=bool(copy))
 
 
 def assert_same_tensor(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -95,9 +108,9 @@ def test_dtypes_without_plain_bytes_cannot_be_sent(dt: torch.dtype) -> None:
 # ---------------------------------------------------------------- round trips
 
 
-@pytest.mark.parametrize("copy", [True, False])
+@pytest.mark.parametrize("copy", [True, False, "inline"])
 @pytest.mark.parametrize("name", ALL_DTYPES)
-def test_every_dtype_and_shape_round_trips_byte_exact(name: str, copy: bool) -> None:
+def test_every_dtype_and_shape_round_trips_byte_exact(name: str, copy: bool | str) -> None:
     gen = torch.Generator().manual_seed(ALL_DTYPES.index(name))
     tensors = [random_tensor(name, shape, gen) for shape in SHAPES]
     out = round_trip(tensors, copy=copy)
@@ -142,9 +155,9 @@ def test_the_lazy_views_really_are_lazy() -> None:
     assert not views["transpose"].is_contiguous() and not views["step slice"].is_contiguous()
 
 
-@pytest.mark.parametrize("copy", [True, False])
+@pytest.mark.parametrize("copy", [True, False, "inline"])
 @pytest.mark.parametrize("label", list(_views()))
-def test_non_contiguous_and_lazy_views_are_materialized(label: str, copy: bool) -> None:
+def test_non_contiguous_and_lazy_views_are_materialized(label: str, copy: bool | str) -> None:
     view = _views()[label]
     specs, _ = plan_layout([view])
     # A stride-0 or strided source still costs its full logical size.
