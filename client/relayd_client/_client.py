@@ -513,7 +513,8 @@ class RelayClient:
         msg.header_codec = pb.HEADER_CODEC_SAFE
         msg.header = _codec.encode(tree)
         _add_layout(msg, specs)
-        lease, region = await self._open_lease(msg, total, timeout)
+        lease, start = await self._open_lease(msg, total, timeout)
+        region = self._views[lease.grant.segment][start : start + total]
         out = OutBuffer(_packing.rebuild(tree, _packing.unpack(region, specs, copy=False)))
         try:
             yield out
@@ -542,12 +543,13 @@ class RelayClient:
             raise DrainingError("relayd is draining; no new transfers")
         if self.socket_fallback:
             return await self._publish_socket(msg, tensors, specs, total, timeout, ref=ref)
-        lease, region = await self._open_lease(msg, total, timeout)
+        lease, start = await self._open_lease(msg, total, timeout)
+        view = self._views[lease.grant.segment]
         try:
             if total >= OFFLOAD_BYTES:
-                await asyncio.to_thread(_packing.pack_into, region, tensors, specs)
+                await asyncio.to_thread(_packing.pack_at, view, start, total, tensors, specs)
             elif total:
-                _packing.pack_into(region, tensors, specs)
+                _packing.pack_at(view, start, total, tensors, specs)
         except BaseException:
             self._cancel_lease(lease)
             raise
@@ -555,13 +557,12 @@ class RelayClient:
 
     async def _open_lease(
         self, msg: pb.DataRef, total: int, timeout: float | None
-    ) -> tuple[_Lease, Any]:
-        """Reserve an arena lease for ``msg`` and return it with its region (a uint8 view)."""
+    ) -> tuple[_Lease, int]:
+        """Reserve an arena lease for ``msg``; returns it and where its data starts in its segment."""
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         lease = await self._reserve(total, deadline)
         self._reserve_notice(lease, msg)
-        start = self._segments[lease.grant.segment].slot_offset(lease.slot)
-        return lease, self._views[lease.grant.segment][start : start + total]
+        return lease, self._segments[lease.grant.segment].slot_offset(lease.slot)
 
     def _reserve_notice(self, lease: _Lease, msg: pb.DataRef) -> None:
         self._session.pending.reserve.append(
@@ -934,8 +935,9 @@ class RelayClient:
             )
         if self.socket_fallback:
             return _packing.rebuild(tree, await self._get_socket(m))
-        seg, region, specs = self._lease_region(m)
+        seg, start, specs = self._lease_region(m)
         lease = m.lease
+        view = self._views[lease.segment]
         # CUDA leaves go straight from the (pinned) arena to this process's GPU.
         on_gpu = _cuda.restores_on_gpu(specs)
         host_copy = copy and not on_gpu
@@ -944,17 +946,25 @@ class RelayClient:
             # Allocated on this thread, copied on a worker (see _packing.allocate).
             out = _packing.allocate(specs) if host_copy else None
             tensors = await asyncio.to_thread(
-                _packing.unpack, region, specs, copy=host_copy, validated=True, out=out
+                _packing.unpack,
+                view[start : start + lease.length],
+                specs,
+                copy=host_copy,
+                validated=True,
+                out=out,
             )
+        elif host_copy:
+            # By address: no slice of the segment to build (see _packing.pack_at).
+            tensors = _packing.unpack_from(view.data_ptr() + start, specs)
         else:
-            if not host_copy:
-                # A view (or a GPU restore) outlives this turn: the daemon must
-                # know who holds the lease before its TTL could reclaim it
-                # (seconds), so the claim may linger like a release and often
-                # shares its frame. A short copy is released in this same
-                # turn, and the release alone says all the claim would.
-                self._claim(m, flush=False)
-            tensors = _packing.unpack(region, specs, copy=host_copy, validated=True)
+            # A view (or a GPU restore) outlives this turn: the daemon must
+            # know who holds the lease before its TTL could reclaim it
+            # (seconds), so the claim may linger like a release and often
+            # shares its frame. A short copy is released in this same turn,
+            # and the release alone says all the claim would.
+            self._claim(m, flush=False)
+            region = view[start : start + lease.length]
+            tensors = _packing.unpack(region, specs, copy=False, validated=True)
         if on_gpu:
             tensors = await _cuda.restore_on_device(tensors, specs, copy)
         if seg.read_header(lease.slot)[0] != lease.generation:
@@ -1258,7 +1268,8 @@ class RelayClient:
             return _codec.decode_pickle(m.header, self.allow_pickle)
         return _codec.decode(m.header)
 
-    def _lease_region(self, m: pb.DataRef) -> tuple[MappedSegment, Any, list[_packing.TensorSpec]]:
+    def _lease_region(self, m: pb.DataRef) -> tuple[MappedSegment, int, list[_packing.TensorSpec]]:
+        """The lease's segment, where its data starts there, and its validated layout."""
         a = self._require_open()
         origin = m.origin
         self._check_not_released(m)
@@ -1287,8 +1298,7 @@ class RelayClient:
             raise StaleRefError(
                 "DataRef's lease was already read, reclaimed (TTL) or aborted; it cannot be read again"
             )
-        start = seg.slot_offset(lease.slot)
-        return seg, self._views[lease.segment][start : start + lease.length], specs
+        return seg, lease.offset, specs
 
     def _check_not_released(self, m: pb.DataRef) -> None:
         # Until the daemon clears the header the bytes are still there: a second

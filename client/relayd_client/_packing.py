@@ -455,9 +455,38 @@ def pack_into(
     requires grad is copied as data, and ``dst`` joins no graph.
     """
     _check_region(dst, "the destination")
+    _pack(dst, 0, dst.numel(), tensors, specs)
+
+
+def pack_at(
+    view: torch.Tensor,
+    start: int,
+    length: int,
+    tensors: Sequence[torch.Tensor],
+    specs: Sequence[TensorSpec],
+) -> None:
+    """``pack_into(view[start:start + length], ...)``, slicing only if a tensor needs it.
+
+    ``view`` is a whole mapped segment (checked when it was mapped). A put of
+    plain host tensors copies by address; building the slice alone was ~10%
+    of a put (measured).
+    """
+    if start < 0 or start + length > view.numel():
+        raise InvalidArgumentError(f"bytes {start}..{start + length} lie outside the segment")
+    _pack(view, start, length, tensors, specs)
+
+
+def _pack(
+    view: torch.Tensor,
+    start: int,
+    size: int,
+    tensors: Sequence[torch.Tensor],
+    specs: Sequence[TensorSpec],
+) -> None:
     if len(tensors) != len(specs):
         raise InvalidArgumentError(f"{len(tensors)} tensors but {len(specs)} layout entries")
-    base, size = dst.data_ptr(), dst.numel()
+    base = view.data_ptr() + start
+    dst = view if start == 0 and size == view.numel() else None
     with torch.no_grad():
         for spec in specs:
             src = tensors[spec.index]
@@ -480,6 +509,8 @@ def pack_into(
                 # ops (~10 us here) only to be asked for its data_ptr.
                 _memcpy(base + spec.offset, src.data_ptr(), spec.nbytes)
             else:
+                if dst is None:
+                    dst = view[start : start + size]
                 _typed_view(dst, spec, dt).copy_(src)
 
 
@@ -517,7 +548,15 @@ def unpack_bytes(data: bytes, specs: Sequence[TensorSpec]) -> list[torch.Tensor]
 
     The layout must already be validated against ``len(data)``.
     """
-    base = ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value or 0
+    return unpack_from(ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value or 0, specs)
+
+
+def unpack_from(base: int, specs: Sequence[TensorSpec]) -> list[torch.Tensor]:
+    """``unpack(copy=True)`` of the region at address ``base``, with no tensor around it.
+
+    The caller keeps the memory mapped and has validated the layout against
+    the region's length.
+    """
     out: list[torch.Tensor | None] = [None] * len(specs)
     for spec in specs:
         tensor = _empty(spec, _DTYPES[spec.dtype])

@@ -18,6 +18,7 @@ from relayd_client._packing import (
     dtype_from_name,
     dtype_name,
     flatten,
+    pack_at,
     pack_bytes,
     pack_into,
     payload_nbytes,
@@ -25,6 +26,7 @@ from relayd_client._packing import (
     rebuild,
     unpack,
     unpack_bytes,
+    unpack_from,
     validate_layout,
 )
 
@@ -209,6 +211,25 @@ def test_unpack_into_allocated_outputs_fills_those_very_tensors() -> None:
         unpack(region, specs, copy=False, out=out)
     with pytest.raises(ValueError, match="one allocate"):
         unpack(region, specs, copy=True, out=out[:1])
+
+
+def test_pack_at_and_unpack_from_match_the_sliced_region_paths() -> None:
+    # The put and get hot paths copy by address into a whole segment; plain
+    # and non-plain sources (the latter through a lazily built slice) alike.
+    views = _views()
+    tensors = [torch.arange(100, dtype=torch.int64), views["transpose"], views["conj"]]
+    specs, total = plan_layout(tensors)
+    start = 4096
+    segment = torch.full((start + total + 4096,), 0xCD, dtype=torch.uint8)
+    expected = segment.clone()
+    pack_into(expected[start : start + total], tensors, specs)
+    pack_at(segment, start, total, tensors, specs)
+    assert torch.equal(segment, expected)  # nothing written outside the lease
+    got = unpack_from(segment.data_ptr() + start, specs)
+    for g, t in zip(got, tensors, strict=True):
+        assert torch.equal(g, t.resolve_conj())
+    with pytest.raises(InvalidArgumentError, match="outside the segment"):
+        pack_at(segment, segment.numel() - total + 1, total, tensors, specs)
 
 
 def test_copy_true_works_from_a_misaligned_region_and_views_refuse_it() -> None:
