@@ -66,6 +66,8 @@ OFFLOAD_BYTES = 8 << 20
 RELEASE_LINGER_S = 0.002
 _ABORTED_MEMORY = 4096
 _LAYOUT_MEMORY = 256  # validated layouts remembered per client (see _checked_specs)
+_SHAPE_MEMORY = 256  # payload structures remembered per client (see _shape)
+_SHAPE_HEADER_BYTES = 4096  # a larger header is not worth keeping as part of a key
 # Idle grants a session keeps, in default grants' worth of slots.
 IDLE_GRANTS = 4
 # Re-attach after the daemon went away: retries back off from the first delay
@@ -122,6 +124,37 @@ class _Grant:
         self.pool = resp.pool or "shm"
 
 
+class _Shape:
+    """What a put derives from its payload's structure alone; remembered per structure.
+
+    A stage puts the same structure over and over (one hidden-state tensor
+    per chunk): the layout, the DataRef's constant fields and the routing
+    facts cost ~12 us to derive and nothing to look up (measured).
+    """
+
+    __slots__ = ("cuda_uuids", "has_cpu", "specs", "template", "total")
+
+    def __init__(
+        self, client: RelayClient, a: pb.AttachResponse, key: _ShapeKey, tensors: Sequence[Any]
+    ) -> None:
+        to_stage, codec, header, _ = key
+        specs, self.total = _packing.plan_layout(tensors, alignment=ALIGNMENT)
+        self.specs = _cuda.name_gpus(specs)
+        self.has_cpu = any(t.device.type == "cpu" for t in tensors)
+        self.cuda_uuids = _cuda.payload_facts([s.device for s in self.specs if s.nbytes]).cuda_uuids
+        # Every field but the per-put ones (object and request id, chunk, transport, lease).
+        self.template = client._new_msg(a, "", to_stage, -1)
+        self.template.ClearField("object_id")
+        self.template.ClearField("request_id")
+        self.template.header_codec = codec
+        self.template.header = header
+        _add_layout(self.template, self.specs)
+
+
+# (to_stage, header codec, header, per tensor: dtype, shape, device, layout, nested)
+_ShapeKey = tuple[str, "pb.HeaderCodec", bytes, tuple[tuple[Any, ...], ...]]
+
+
 class _Lease:
     __slots__ = ("grant", "id", "local", "nslots")
 
@@ -173,6 +206,8 @@ class RelayClient:
         self._aborted: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._released: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._valid_layouts: dict[tuple[tuple[_packing.TensorSpec, ...], int], None] = {}
+        self._shapes: dict[_ShapeKey, _Shape] = {}  # see _shape()
+        self._shapes_for: pb.AttachResponse | None = None
         # Object ids: unique per client without a uuid4 per put.
         self._object_prefix = secrets.token_hex(6) + "-"
         self._object_seq = itertools.count(1)
@@ -417,12 +452,13 @@ class RelayClient:
             header, codec = _codec.encode_pickle(tree), pb.HEADER_CODEC_PICKLE
         else:
             header, codec = _codec.encode(tree), pb.HEADER_CODEC_SAFE
-        specs, total = _packing.plan_layout(tensors, alignment=ALIGNMENT)
-        specs = _cuda.name_gpus(specs)
-        msg = self._new_msg(a, request_id, to_stage, -1 if chunk_id is None else chunk_id)
-        msg.header_codec = codec
-        msg.header = header
-        _add_layout(msg, specs)
+        shape = self._shape(a, to_stage, codec, header, tensors)
+        specs, total = shape.specs, shape.total
+        msg = pb.DataRef()
+        msg.CopyFrom(shape.template)
+        msg.object_id = f"{self._object_prefix}{next(self._object_seq)}"
+        msg.request_id = request_id
+        msg.chunk_id = -1 if chunk_id is None else chunk_id
         msg.refs.extend(r.proto for r in refs)
         if len(header) + total + 64 * len(specs) <= INLINE_LIMIT and not (
             chunk_id is not None and tensors
@@ -433,11 +469,7 @@ class RelayClient:
             return DataRef(msg)
         if request_id in self._aborted:
             raise AbortedError(f"request {request_id!r} was aborted")
-        route = await self._route(
-            to_stage,
-            any(t.device.type == "cpu" for t in tensors),
-            _cuda.payload_facts([s.device for s in specs if s.nbytes]).cuda_uuids,
-        )
+        route = await self._route(to_stage, shape.has_cpu, shape.cuda_uuids)
         # The registry says "same process"; the stage must also still be served
         # here (it may have closed since). A payload with forwarded refs goes
         # the normal way so that get() at the consumer materializes them.
@@ -452,6 +484,34 @@ class RelayClient:
             if gpu_ref is not None:
                 return gpu_ref
         return await self._publish(msg, tensors, specs, total, timeout)
+
+    def _shape(
+        self,
+        a: pb.AttachResponse,
+        to_stage: str,
+        codec: pb.HeaderCodec,
+        header: bytes,
+        tensors: Sequence[Any],
+    ) -> _Shape:
+        """The remembered :class:`_Shape` of this payload structure (made on first sight)."""
+        key: _ShapeKey = (
+            to_stage,
+            codec,
+            header,
+            tuple((t.dtype, t.shape, t.device, t.layout, t.is_nested) for t in tensors),
+        )
+        if len(header) > _SHAPE_HEADER_BYTES:  # not worth hashing and keeping
+            return _Shape(self, a, key, tensors)
+        if self._shapes_for is not a:  # a new session: new origin in every template
+            self._shapes.clear()
+            self._shapes_for = a
+        shape = self._shapes.get(key)
+        if shape is None:
+            shape = _Shape(self, a, key, tensors)
+            if len(self._shapes) >= _SHAPE_MEMORY:
+                self._shapes.clear()
+            self._shapes[key] = shape
+        return shape
 
     def _new_msg(
         self,

@@ -529,10 +529,21 @@ def pack_bytes(tensors: Sequence[torch.Tensor], specs: Sequence[TensorSpec], tot
     """
     if not total:
         return b""
-    if not all(_plain(tensors[spec.index]) for spec in specs if spec.nbytes):
+    if len(tensors) != len(specs) or not all(
+        _plain(tensors[spec.index]) for spec in specs if spec.nbytes
+    ):
         buf = bytearray(total)
         pack_into(torch.frombuffer(buf, dtype=torch.uint8), tensors, specs)
         return bytes(buf)
+    for spec in specs:  # reading by address: a wrong spec must not read past a tensor
+        src = tensors[spec.index]
+        if src.dtype != _DTYPES[spec.dtype] or tuple(src.shape) != spec.shape:
+            raise InvalidArgumentError(
+                f"tensor {spec.index} is {src.dtype} {tuple(src.shape)}, but its layout "
+                f"entry says {spec.dtype} {spec.shape}"
+            )
+        if spec.offset + spec.nbytes > total:
+            raise InvalidArgumentError(f"tensor {spec.index} ends past the {total} packed bytes")
     if len(specs) == 1 and specs[0].offset == 0 and specs[0].nbytes == total:
         return ctypes.string_at(tensors[0].data_ptr(), total)
     buf = bytearray(total)

@@ -66,6 +66,46 @@ def test_round_trip_nested_payloads_0_to_64mib(tmp_path: object) -> None:
         assert st["transfers_by_transport"]["shm"] == "4"
 
 
+def test_repeated_payload_structures_each_arrive_as_sent(tmp_path: object) -> None:
+    # A writer remembers what it derives from a payload's structure (layout,
+    # DataRef fields): payloads that differ only in shape, dtype or
+    # destination must each still arrive exactly as sent, with their own ids.
+    f32 = torch.arange(4096, dtype=torch.float32)
+    payloads = [
+        ("talker", {"h": f32}),
+        ("talker", {"h": torch.arange(8192, dtype=torch.float32)}),  # same header, other shape
+        ("talker", {"h": f32.double()}),  # other dtype
+        ("talker", {"h": f32.reshape(64, 64)}),  # same bytes, other shape
+        ("critic", {"h": f32}),  # other stage
+        ("talker", {"h": torch.arange(100_000, dtype=torch.float32)}),  # over the arena
+        ("talker", {"h": torch.arange(100_000, dtype=torch.int32)}),
+        ("talker", {"g": torch.arange(100_000, dtype=torch.int32)}),  # other header
+    ]
+
+    async def scenario(socket: str) -> set[str]:
+        object_ids = set()
+        async with (
+            RelayClient("thinker", socket) as w,
+            RelayClient(["talker", "critic"], socket) as r,
+        ):
+            for rnd in range(3):
+                for i, (stage, payload) in enumerate(payloads):
+                    ref = await w.put(payload, to_stage=stage, request_id=f"r{rnd}-{i}")
+                    ref = DataRef.from_bytes(ref.to_bytes())
+                    assert (ref.request_id, ref.to_stage, ref.chunk_id) == (
+                        f"r{rnd}-{i}",
+                        stage,
+                        None,
+                    )
+                    object_ids.add(ref.object_id)
+                    assert digest(await r.get(ref)) == digest(payload)
+        return object_ids
+
+    with running_daemon(str(tmp_path)) as d:
+        assert len(asyncio.run(asyncio.wait_for(scenario(d.socket), 60))) == 3 * len(payloads)
+        wait_until(lambda: _drained(d), 10, "arena back to zero")
+
+
 def test_thousand_concurrent_transfers_leave_arena_empty(tmp_path: object) -> None:
     with running_daemon(str(tmp_path), pool="64MiB") as d:
         writer = spawn_worker(
