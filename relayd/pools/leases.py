@@ -60,6 +60,8 @@ REQUEST_MEMORY = 300.0
 # ... but no more than this many records of requests with no lease left: at
 # thousands of requests a second, 300 s of them would be hundreds of MB.
 MAX_REQUEST_RECORDS = 1 << 16
+# Claims and releases held for leases whose Publish has not arrived yet.
+MAX_EARLY = 1 << 16
 # Abort tombstones of requests nobody wrote yet are the one record a client can
 # create without holding memory; cap them so Abort cannot grow the daemon.
 MAX_TOMBSTONES = 1 << 14
@@ -148,6 +150,10 @@ class Lease:
     published_at: float = 0.0
     nbytes: int = 0
     claimer: str = ""
+    # Found sealed in a dead writer's grant with no Reserve/Publish received
+    # (see _adopt_sealed): its request and stages are unknown, so any reader
+    # that names its lease id and generation may read and release it.
+    adopted: bool = False
 
 
 @dataclasses.dataclass(eq=False)
@@ -291,13 +297,13 @@ class LeaseManager:
             return
         session.state = SessionState.CLOSED
         session.sink = None
-        self._freed_out.pop(session_id, None)
         for lease_id in list(session.claimed):
             lease = self.leases.get(lease_id)
             if lease is not None and lease.state is LeaseState.CLAIMED:
                 self._free_lease(lease, ReclaimReason.READER_DIED)
         for grant in list(session.grants.values()):
-            self._orphan(grant)
+            self._orphan(grant, session)
+        self._freed_out.pop(session_id, None)  # after _orphan: adopting may free some
         session.grants.clear()
         session.granted_slots = 0
         session.pool_slots.clear()
@@ -306,7 +312,9 @@ class LeaseManager:
                 w.future.set_exception(SessionClosedError("session closed while waiting"))
         self._wake()
 
-    def _orphan(self, grant: Grant) -> None:
+    def _orphan(self, grant: Grant, writer: Session | None = None) -> None:
+        if writer is not None:
+            self._adopt_sealed(grant, writer)
         dropped = 0
         for lease in list(grant.leases.values()):
             if lease.state is LeaseState.RESERVED:
@@ -326,6 +334,68 @@ class LeaseManager:
             cursor = max(cursor, slot + n)
         if not grant.leases:
             self.grants.pop(grant.id, None)
+
+    def _adopt_sealed(self, grant: Grant, writer: Session) -> int:
+        """Publish what a dead writer sealed but never announced; returns how many.
+
+        A writer's Publish notices linger up to a couple of ms, so it can die
+        after handing out a DataRef the daemon has not heard of. Its slot
+        headers say what it sealed: a RESERVED lease whose header carries its
+        generation is published, and a header of this grant's generation over
+        slots no known lease covers is a lease whose Reserve never came.
+        """
+        if grant.run.pool != "shm":
+            return 0
+        adopted = 0
+        start, end = grant.run.slot, grant.run.slot + grant.run.nslots
+        busy = bytearray(grant.run.nslots)
+        for lease in list(grant.leases.values()):
+            first = lease.run.slot - start
+            busy[first : first + lease.run.nslots] = b"\x01" * lease.run.nslots
+            if lease.state is LeaseState.RESERVED:
+                length = self._sealed_length(lease)
+                if length is not None:
+                    self._published(lease, length, "shm")
+                    adopted += 1
+        slot = start
+        while slot < end:
+            gen, length = self.arena.header(grant.run.segment, slot)
+            nslots = max(1, -(-length // self.slot_size))
+            if (
+                busy[slot - start]
+                or gen >> GEN_SHIFT != grant.id
+                or not gen & ((1 << GEN_SHIFT) - 1)
+                or gen in self.leases
+                or slot + nslots > end
+                or any(busy[slot - start : slot - start + nslots])
+            ):
+                slot += 1
+                continue
+            lease = Lease(
+                id=gen,
+                generation=gen,
+                grant=grant,
+                run=Run(grant.run.segment, slot, nslots, grant.run.pool),
+                state=LeaseState.RESERVED,
+                request_id="",
+                from_stage=writer.stages[0] if writer.stages else "",
+                to_stage="",
+                writer=writer.id,
+                created=self.clock(),
+                adopted=True,
+            )
+            grant.leases[lease.id] = lease
+            self.leases[lease.id] = lease
+            self._published(lease, length, "shm")
+            adopted += 1
+            slot += nslots
+        if adopted:
+            log.info(
+                "published %d sealed leases of a writer that died before announcing them",
+                adopted,
+                extra={"session_id": writer.id},
+            )
+        return adopted
 
     # -- grants ---------------------------------------------------------------------
 
@@ -579,6 +649,13 @@ class LeaseManager:
         lease = self.leases.get(lease_id)
         if lease is None or lease.generation != generation:
             return False
+        if lease.state is LeaseState.RESERVED:
+            # Sealed, its Publish still on the way (it lingers): the copy is
+            # good, and the release waits for the Publish like a local one.
+            if self._sealed_length(lease) is None or len(self._early) >= MAX_EARLY:
+                return False
+            self._early.setdefault(lease_id, []).append(("peer", "", generation, self.clock()))
+            return True
         if lease.state is not LeaseState.PUBLISHED:
             return False
         self._free_lease(lease, None)
@@ -675,15 +752,23 @@ class LeaseManager:
                 session, pb.ERROR_CODE_INVALID_ARGUMENT, f"bad publish of lease {p.lease_id}"
             )
             return
+        self._published(lease, p.nbytes, transport_name(p.transport))
+
+    def _published(self, lease: Lease, nbytes: int, transport: str) -> None:
+        """``lease`` is sealed: readable, on the TTL clock, and owed what came early."""
         lease.state = LeaseState.PUBLISHED
         lease.published_at = self.clock()
-        lease.nbytes = min(p.nbytes, lease.run.nslots * self.slot_size)
-        self.hooks.transfer(transport_name(p.transport), 1, lease.nbytes)
+        lease.nbytes = min(nbytes, lease.run.nslots * self.slot_size)
+        self.hooks.transfer(transport, 1, lease.nbytes)
         req = self.requests.get(lease.request_id)
         if req is not None and req.aborted:
             self._free_lease(lease, ReclaimReason.ABORT)
             return
         for kind, sid, gen, _t in self._early.pop(lease.id, ()):
+            if kind == "peer":
+                if gen == lease.generation and self.leases.get(lease.id) is lease:
+                    self._free_lease(lease, None)
+                continue
             early = self.sessions.get(sid)
             if early is None:
                 continue
@@ -691,6 +776,20 @@ class LeaseManager:
                 self.on_claim(early, pb.Claim(lease_id=lease.id, generation=gen))
             else:
                 self.on_release(early, pb.Release(lease_id=lease.id, generation=gen))
+
+    def _sealed_length(self, lease: Lease) -> int | None:
+        """The length the writer sealed ``lease`` with, per its slot header; None if unsealed.
+
+        The header is written only once the bytes are in, so it is the truth
+        about a lease whose Publish notice has not arrived (it lingers; see
+        the client's SessionChannel.mark) or never will (the writer died).
+        """
+        if lease.run.pool != "shm":
+            return None
+        gen, length = self.arena.header(lease.run.segment, lease.run.slot)
+        if gen != lease.generation or length > lease.run.nslots * self.slot_size:
+            return None
+        return length
 
     def on_cancel(self, session: Session, c: pb.Cancel) -> None:
         lease = self.leases.get(c.lease_id)
@@ -702,14 +801,18 @@ class LeaseManager:
     ) -> Lease | None:
         lease = self.leases.get(lease_id)
         if lease is None or lease.state is LeaseState.RESERVED:
-            if len(self._early) < 65536:
+            if len(self._early) < MAX_EARLY:
                 self._early.setdefault(lease_id, []).append(
                     (kind, session.id, generation, self.clock())
                 )
             return None
         if lease.generation != generation:
             return None  # stale: the reader already saw that in the slot header
-        if lease.to_stage not in session.stages and lease.claimer != session.id:
+        if (
+            lease.to_stage not in session.stages
+            and lease.claimer != session.id
+            and not lease.adopted
+        ):
             self._event(
                 session,
                 pb.ERROR_CODE_PERMISSION_DENIED,

@@ -87,6 +87,91 @@ def test_writer_death_drops_reservations_keeps_published(arena: Arena) -> None:
     assert arena.used_bytes == 0 and not m.grants
 
 
+def _seal(arena: Arena, grant, slot: int, lease_id: int, length: int) -> None:  # type: ignore[no-untyped-def]
+    """What the client does at publish: the header, before any notice reaches the daemon."""
+    arena.segments[grant.run.segment].write_header(grant.run.slot + slot, lease_id, length)
+
+
+def test_writer_death_publishes_what_it_sealed_but_never_announced(arena: Arena) -> None:
+    # Publish notices linger in the client: a writer can die after sealing
+    # (and handing out) leases whose Reserve, or Publish, never arrived.
+    clock, reclaimed, wf, rf = Clock(), [], [], []  # type: ignore[var-annotated]
+    m = _manager(arena, clock, reclaimed)
+    w, r = _session(m, "thinker", wf), _session(m, "talker", rf)
+    other = _session(m, "critic", [])
+    grant = asyncio.run(m.grant(w, SLOT, 1.0))
+    base = m.new_generation_base(grant)
+    # Reserved and sealed, Publish lost: 2 slots at 0.
+    reserved = base + 1
+    m.on_reserve(w, pb.Reserve(lease_id=reserved, grant_id=grant.id, slot=grant.run.slot,
+                               nslots=2, generation=reserved, request_id="r", to_stage="talker",
+                               from_stage="thinker"))  # fmt: skip
+    _seal(arena, grant, 0, reserved, 2 * SLOT - 5)
+    # Neither notice arrived: 3 slots at 2 (a header on slot 2 only).
+    unknown = base + 2
+    _seal(arena, grant, 2, unknown, 2 * SLOT + 1)
+    # Reserved, never sealed: dropped as before.
+    dropped = base + 3
+    m.on_reserve(w, pb.Reserve(lease_id=dropped, grant_id=grant.id, slot=grant.run.slot + 5,
+                               nslots=1, generation=dropped, request_id="r", to_stage="talker",
+                               from_stage="thinker"))  # fmt: skip
+    # Headers that are not this grant's sealed leases are left alone.
+    _seal(arena, grant, 6, (grant.id + 1) << 32 | 7, 10)  # another grant's generation
+    _seal(arena, grant, 7, base + 4, 9 * SLOT)  # would run past the grant
+    # A reader released the unknown one early (its DataRef came before any notice).
+    m.on_release(r, pb.Release(lease_id=unknown, generation=unknown))
+    m.close_session(w.id)
+    assert reclaimed == ["writer_died"]
+    assert m.leases[reserved].state is LeaseState.PUBLISHED
+    assert m.leases[reserved].nbytes == 2 * SLOT - 5
+    assert unknown not in m.leases  # adopted, then freed by the early release
+    assert base + 4 not in m.leases and dropped not in m.leases
+    assert arena.used_bytes == 2 * SLOT  # only the sealed, unread lease holds slots
+    m.on_release(other, pb.Release(lease_id=reserved, generation=reserved))
+    assert reserved in m.leases  # known to be the talker's: the critic may not
+    m.on_release(r, pb.Release(lease_id=reserved, generation=reserved))
+    assert arena.used_bytes == 0 and not m.grants and not m.leases
+
+
+def test_an_adopted_lease_is_any_readers_and_expires_like_any_other(arena: Arena) -> None:
+    clock, reclaimed, wf = Clock(), [], []  # type: ignore[var-annotated]
+    m = _manager(arena, clock, reclaimed)
+    w = _session(m, "thinker", wf)
+    critic = _session(m, "critic", [])
+    grant = asyncio.run(m.grant(w, SLOT, 1.0))
+    base = m.new_generation_base(grant)
+    _seal(arena, grant, 0, base + 1, 100)
+    _seal(arena, grant, 3, base + 2, 100)
+    m.close_session(w.id)
+    assert m.leases[base + 1].adopted and m.leases[base + 2].adopted
+    # Its stages are unknown: whoever names lease id and generation reads it.
+    m.on_release(critic, pb.Release(lease_id=base + 1, generation=base + 1))
+    assert base + 1 not in m.leases
+    clock.now += 11.0
+    assert m.reap() == 1 and reclaimed == ["ttl"]
+    assert arena.used_bytes == 0 and not m.grants
+
+
+def test_a_peer_release_before_the_publish_waits_for_it(arena: Arena) -> None:
+    clock, reclaimed, wf = Clock(), [], []  # type: ignore[var-annotated]
+    m = _manager(arena, clock, reclaimed)
+    w = _session(m, "thinker", wf)
+    grant = asyncio.run(m.grant(w, SLOT, 1.0))
+    lid = m.new_generation_base(grant) + 1
+    m.on_reserve(w, pb.Reserve(lease_id=lid, grant_id=grant.id, slot=grant.run.slot, nslots=1,
+                               generation=lid, request_id="r", to_stage="talker",
+                               from_stage="thinker"))  # fmt: skip
+    assert not m.release_from_peer(lid, lid)  # not sealed: the peer's copy is void
+    _seal(arena, grant, 0, lid, 10)
+    assert not m.release_from_peer(lid, lid + 1)  # wrong generation
+    assert m.release_from_peer(lid, lid)  # sealed: good copy, the release waits
+    assert m.leases[lid].state is LeaseState.RESERVED
+    m.on_publish(w, pb.Publish(lease_id=lid, nbytes=10, transport=pb.TRANSPORT_SHM))
+    m.flush()
+    assert lid not in m.leases and reclaimed == []
+    assert [f.freed.lease_ids for f in wf if f.HasField("freed")] == [[lid]]
+
+
 def test_reader_death_while_claimed_frees(arena: Arena) -> None:
     clock, reclaimed, wf, rf = Clock(), [], [], []  # type: ignore[var-annotated]
     m = _manager(arena, clock, reclaimed)
