@@ -60,10 +60,10 @@ ALIGNMENT = 64
 # Copies this large run on a worker thread so the event loop keeps serving
 # other streams; below it the thread hop costs more than the copy.
 OFFLOAD_BYTES = 8 << 20
-# A copying reader's release waits this long for company (see SessionChannel.mark):
-# the daemon's Freed notices linger as long, so a writer short of space waits
-# at most twice this for the bytes a reader let go of.
-RELEASE_LINGER_S = 0.002
+# Publish, claim and release notices wait this long for company (see
+# SessionChannel.mark). The daemon's Freed notices linger as long, so a writer
+# short of space waits at most twice this for the bytes a reader let go of.
+NOTICE_LINGER_S = 0.002
 _ABORTED_MEMORY = 4096
 _LAYOUT_MEMORY = 256  # validated layouts remembered per client (see _checked_specs)
 _SHAPE_MEMORY = 256  # payload structures remembered per client (see _shape)
@@ -653,28 +653,26 @@ class RelayClient:
         gen = lease.id
         seg.write_header(lease.slot, gen, total)
         msg.transport = pb.TRANSPORT_SHM
-        msg.lease.CopyFrom(
-            pb.LeaseRef(
-                pool="shm",
-                segment=grant.segment,
-                slot=lease.slot,
-                nslots=lease.nslots,
-                offset=seg.slot_offset(lease.slot),
-                length=total,
-                generation=gen,
-                lease_id=lease.id,
-            )
-        )
+        out = msg.lease
+        out.pool = "shm"
+        out.segment = grant.segment
+        out.slot = lease.slot
+        out.nslots = lease.nslots
+        out.offset = seg.slot_offset(lease.slot)
+        out.length = total
+        out.generation = gen
+        out.lease_id = lease.id
         frame = self._session.pending
         frame.publish.append(
             pb.Publish(lease_id=lease.id, nbytes=total, transport=pb.TRANSPORT_SHM, ref=ref)
         )
-        # Sent at the end of this loop turn, not now: a synchronous send wakes
-        # the daemon while the put is still on the clock (measured ~250 us on
-        # two busy cores). A reader's claim or release that overtakes it is
-        # held by the daemon until the publish arrives; the slot header, not
-        # the daemon, is what makes the data safe to read meanwhile.
-        self._session.mark()
+        # The Publish lingers with other notices (one daemon wakeup per batch,
+        # not per put: the daemon's CPU per transfer halved, measured). The
+        # slot header just written, not the daemon, is what makes the data
+        # safe to read meanwhile: a reader's claim or release that overtakes
+        # the Publish is held until it lands, and if this process dies first
+        # the daemon publishes what the header says was sealed.
+        self._session.mark(linger=NOTICE_LINGER_S, holds=total)
         return DataRef(msg)
 
     async def _publish_socket(
@@ -967,6 +965,9 @@ class RelayClient:
             raise InvalidArgumentError(
                 "a done/error signal carries no payload; hand it to feed() and read stream()"
             )
+        # Whether or not the daemon has freed it yet (the writer's notices may
+        # still be on the way), an aborted request's data is not read here.
+        self._raise_if_aborted(m)
         transport = ref.transport
         if transport is Transport.LOCAL_OBJECT:
             return self._take_local(m)
@@ -1375,7 +1376,7 @@ class RelayClient:
         self._session.pending.claim.append(
             pb.Claim(lease_id=m.lease.lease_id, generation=m.lease.generation)
         )
-        self._session.mark(flush=flush, linger=RELEASE_LINGER_S)
+        self._session.mark(flush=flush, linger=NOTICE_LINGER_S)
 
     def _release(self, m: pb.DataRef) -> None:
         # Until the daemon zeroes the header the bytes are still there; a second
@@ -1386,7 +1387,7 @@ class RelayClient:
         self._session.pending.release.append(
             pb.Release(lease_id=m.lease.lease_id, generation=m.lease.generation)
         )
-        self._session.mark(linger=RELEASE_LINGER_S, holds=m.lease.length)
+        self._session.mark(linger=NOTICE_LINGER_S, holds=m.lease.length)
 
     # -- abort ----------------------------------------------------------------------
 
@@ -1396,6 +1397,7 @@ class RelayClient:
         a = self._require_open()
         assert self._stub is not None
         self._remember_aborted(request_id)
+        self._session.flush()  # lingering publishes first: Abort frees what they announce
         # local_object transfers never reach the daemon, so it cannot tell
         # this process's readers of the request; wake them here.
         for other in _local.clients():

@@ -195,6 +195,9 @@ def test_abort_frees_request_only_for_its_stages(tmp_path: object) -> None:
                 for i in range(3)
             ]
             other = await w.put(make_payload(9, MiB), to_stage="talker", request_id="keep")
+            # Inline: never in the daemon, so only the reader's own abort can stop it.
+            small = await w.put({"x": torch.ones(4)}, to_stage="talker", request_id="req")
+            assert small.transport is Transport.INLINE
             with pytest.raises(PermissionDeniedError):
                 await b.abort("req")
             assert d.status()["leases_by_state"]["published"] == "4"
@@ -203,6 +206,8 @@ def test_abort_frees_request_only_for_its_stages(tmp_path: object) -> None:
             assert d.status()["leases_by_state"]["published"] == "1"
             with pytest.raises(AbortedError):
                 await r.get(refs[0])
+            with pytest.raises(AbortedError):
+                await r.get(small)
             with pytest.raises(AbortedError):
                 await w.put(make_payload(1, MiB), to_stage="talker", request_id="req")
             assert digest(await r.get(other)) == digest(make_payload(9, MiB))
