@@ -647,15 +647,19 @@ class LeaseManager:
         """A peer pulled this lease: free it as its reader would. False: it was gone
         (read, expired, aborted) or never published, so the peer's copy is void."""
         lease = self.leases.get(lease_id)
-        if lease is None or lease.generation != generation:
-            return False
-        if lease.state is LeaseState.RESERVED:
-            # Sealed, its Publish still on the way (it lingers): the copy is
-            # good, and the release waits for the Publish like a local one.
-            if self._sealed_length(lease) is None or len(self._early) >= MAX_EARLY:
+        if lease is None or lease.state is LeaseState.RESERVED:
+            # The writer's notices linger: the peer may have read a lease whose
+            # Reserve and Publish are still on the way (its copy checked the
+            # sealed header). The release waits for them, like a local one.
+            known = lease is not None or (lease_id >> GEN_SHIFT) in self.grants
+            if not known or lease_id != generation or len(self._early) >= MAX_EARLY:
+                return False
+            if lease is not None and self._sealed_length(lease) is None:
                 return False
             self._early.setdefault(lease_id, []).append(("peer", "", generation, self.clock()))
             return True
+        if lease.generation != generation:
+            return False
         if lease.state is not LeaseState.PUBLISHED:
             return False
         self._free_lease(lease, None)

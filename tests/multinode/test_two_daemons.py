@@ -27,6 +27,7 @@ from relayd_client._proto import relay_pb2_grpc as pb_grpc
 
 from tests import _netns
 from tests._daemon import Daemon, free_port, run_worker, spawn_worker, wait_until
+from tests._workers import digest, make_payload
 
 try:
     import mooncake.engine  # noqa: F401
@@ -178,6 +179,33 @@ def test_round_trips_1b_to_64mib(pair: tuple[Node, Node]) -> None:
         check=True,
     ).stdout.decode()
     assert "node-a" in shown and " up " in shown
+
+
+def test_a_read_right_after_the_put_frees_the_origin_lease(pair: tuple[Node, Node]) -> None:
+    # The writer's notices linger a moment: the reader's daemon can pull and send
+    # ReleaseRemote before the origin daemon has heard of the lease. The release
+    # must still free it there (not leave it to the TTL, minutes away).
+    a, b = pair
+
+    def published_on_a() -> int:
+        return int(a.daemon.status().get("leases_by_state", {}).get("published", "0"))
+
+    async def scenario() -> None:
+        async with (
+            RelayClient("thinker", a.daemon.socket) as w,
+            RelayClient("talker", b.daemon.socket) as r,
+        ):
+            for i in range(12):
+                payload = make_payload(i, 300_000)
+                ref = await w.put(payload, to_stage="talker", request_id=f"q{i}")
+                assert digest(await r.get(ref.to_bytes())) == digest(payload)
+            # The writer stays attached (its event loop running) while we look.
+            deadline = time.monotonic() + 10
+            while published_on_a() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)  # polling a status RPC, bounded above
+            assert published_on_a() == 0
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
 
 
 def test_200_concurrent_transfers_respect_credits(pair: tuple[Node, Node]) -> None:

@@ -170,6 +170,16 @@ def test_a_peer_release_before_the_publish_waits_for_it(arena: Arena) -> None:
     m.flush()
     assert lid not in m.leases and reclaimed == []
     assert [f.freed.lease_ids for f in wf if f.HasField("freed")] == [[lid]]
+    # Before even the Reserve arrived: held for the lease the notices announce.
+    early = lid + 1
+    assert m.release_from_peer(early, early)
+    assert not m.release_from_peer((grant.id + 99) << 32 | 1, (grant.id + 99) << 32 | 1)
+    _seal(arena, grant, 1, early, 10)
+    m.on_reserve(w, pb.Reserve(lease_id=early, grant_id=grant.id, slot=grant.run.slot + 1,
+                               nslots=1, generation=early, request_id="r", to_stage="talker",
+                               from_stage="thinker"))  # fmt: skip
+    m.on_publish(w, pb.Publish(lease_id=early, nbytes=10, transport=pb.TRANSPORT_SHM))
+    assert early not in m.leases and arena.used_bytes == 8 * SLOT  # back in the grant
 
 
 def test_reader_death_while_claimed_frees(arena: Arena) -> None:
