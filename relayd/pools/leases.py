@@ -133,6 +133,9 @@ class Grant:
     run: Run
     leases: dict[int, Lease] = dataclasses.field(default_factory=dict)
     orphan: bool = False
+    # Highest lease id reserved in it: the writer numbers its leases upward and
+    # announces them in order, so an unknown id at or below this is gone.
+    last_lease: int = 0
 
 
 @dataclasses.dataclass(eq=False)
@@ -651,8 +654,11 @@ class LeaseManager:
             # The writer's notices linger: the peer may have read a lease whose
             # Reserve and Publish are still on the way (its copy checked the
             # sealed header). The release waits for them, like a local one.
-            known = lease is not None or (lease_id >> GEN_SHIFT) in self.grants
-            if not known or lease_id != generation or len(self._early) >= MAX_EARLY:
+            if lease is None:
+                grant = self.grants.get(lease_id >> GEN_SHIFT)
+                if grant is None or lease_id <= grant.last_lease:
+                    return False  # no such grant, or announced and already freed
+            if lease_id != generation or len(self._early) >= MAX_EARLY:
                 return False
             if lease is not None and self._sealed_length(lease) is None:
                 return False
@@ -739,6 +745,7 @@ class LeaseManager:
             )
             return
         grant.leases[lease.id] = lease
+        grant.last_lease = max(grant.last_lease, lease.id)
         self.leases[lease.id] = lease
         req = self._touch(lease.request_id, lease.created)
         if req.aborted and req.aborters and not req.aborters & {lease.from_stage, lease.to_stage}:

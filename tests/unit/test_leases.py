@@ -180,6 +180,7 @@ def test_a_peer_release_before_the_publish_waits_for_it(arena: Arena) -> None:
                                from_stage="thinker"))  # fmt: skip
     m.on_publish(w, pb.Publish(lease_id=early, nbytes=10, transport=pb.TRANSPORT_SHM))
     assert early not in m.leases and arena.used_bytes == 8 * SLOT  # back in the grant
+    assert not m.release_from_peer(early, early)  # announced and freed: nothing to hold
 
 
 def test_reader_death_while_claimed_frees(arena: Arena) -> None:
