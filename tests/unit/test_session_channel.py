@@ -92,8 +92,16 @@ def release(channel: SessionChannel, lease_id: int) -> None:
     channel.pending.release.append(pb.Release(lease_id=lease_id, generation=lease_id))
 
 
+def busy(channel: SessionChannel, daemon: Daemon) -> None:
+    """A frame just went out: the channel is busy, so lingering notices linger."""
+    channel.pending.report.append(pb.TransferReport(transport=pb.TRANSPORT_SHM, count=1))
+    channel.mark(flush=True)
+    assert len(daemon.ready()) == 1
+
+
 def test_a_release_lingers_past_the_turn_then_goes_out() -> None:
     async def scenario(channel: SessionChannel, daemon: Daemon) -> None:
+        busy(channel, daemon)
         release(channel, 1)
         channel.mark(linger=0.5, holds=4096)
         release(channel, 2)
@@ -108,6 +116,7 @@ def test_a_release_lingers_past_the_turn_then_goes_out() -> None:
 
 def test_a_sooner_notice_takes_the_lingering_ones_along() -> None:
     async def scenario(channel: SessionChannel, daemon: Daemon) -> None:
+        busy(channel, daemon)
         release(channel, 7)
         channel.mark(linger=LONG, holds=1)
         channel.pending.publish.append(pb.Publish(lease_id=8, nbytes=1))
@@ -123,6 +132,7 @@ def test_a_sooner_notice_takes_the_lingering_ones_along() -> None:
 
 def test_lingering_releases_go_at_once_when_they_hold_enough_bytes() -> None:
     async def scenario(channel: SessionChannel, daemon: Daemon) -> None:
+        busy(channel, daemon)
         release(channel, 1)
         channel.mark(linger=LONG, holds=LINGER_MAX_BYTES // 2)
         await turns()
@@ -137,6 +147,7 @@ def test_lingering_releases_go_at_once_when_they_hold_enough_bytes() -> None:
 
 def test_lingering_releases_go_at_once_when_there_are_enough_of_them() -> None:
     async def scenario(channel: SessionChannel, daemon: Daemon) -> None:
+        busy(channel, daemon)
         for lease_id in range(1, LINGER_MAX_NOTICES + 1):
             release(channel, lease_id)
             channel.mark(linger=LONG)
@@ -153,6 +164,7 @@ def test_lingering_releases_go_at_once_when_there_are_enough_of_them() -> None:
 
 def test_flush_true_writes_before_returning() -> None:
     async def scenario(channel: SessionChannel, daemon: Daemon) -> None:
+        busy(channel, daemon)
         release(channel, 3)
         channel.mark(linger=LONG)
         channel.pending.claim.append(pb.Claim(lease_id=4, generation=4))
@@ -160,5 +172,22 @@ def test_flush_true_writes_before_returning() -> None:
         (frame,) = daemon.ready()
         assert [r.lease_id for r in frame.release] == [3]
         assert [c.lease_id for c in frame.claim] == [4]
+
+    run(scenario)
+
+
+def test_a_lone_notice_on_an_idle_channel_goes_at_the_end_of_the_turn() -> None:
+    # Nothing would join it, and a timer is one more wakeup of this process.
+    async def scenario(channel: SessionChannel, daemon: Daemon) -> None:
+        release(channel, 5)
+        channel.mark(linger=LONG)
+        await turns()
+        (frame,) = daemon.ready()
+        assert [r.lease_id for r in frame.release] == [5]
+        # It made the channel busy: the next one lingers.
+        release(channel, 6)
+        channel.mark(linger=LONG)
+        await turns()
+        assert daemon.ready() == []
 
     run(scenario)
