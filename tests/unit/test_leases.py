@@ -45,11 +45,17 @@ def _session(m: LeaseManager, stage: str, frames: list[pb.SessionFrame]):  # typ
     return m.bind(s.id, s.token, frames.append, pid=1, uid=0, gid=0)
 
 
-def _publish(m, s, grant, slot: int, n: int, rid: str = "r", to: str = "talker") -> int:  # type: ignore[no-untyped-def]
-    lease_id = m.new_generation_base(grant) + slot + 1
+def _reserve(
+    m, s, grant, slot: int, n: int, lease_id: int, rid: str = "r", to: str = "talker"
+) -> None:  # type: ignore[no-untyped-def]
     m.on_reserve(s, pb.Reserve(lease_id=lease_id, grant_id=grant.id, slot=grant.run.slot + slot,
                                nslots=n, generation=lease_id, request_id=rid, to_stage=to,
                                from_stage=s.stages[0]))  # fmt: skip
+
+
+def _publish(m, s, grant, slot: int, n: int, rid: str = "r", to: str = "talker") -> int:  # type: ignore[no-untyped-def]
+    lease_id = m.new_generation_base(grant) + slot + 1
+    _reserve(m, s, grant, slot, n, lease_id, rid, to)
     m.on_publish(s, pb.Publish(lease_id=lease_id, nbytes=n * SLOT, transport=pb.TRANSPORT_SHM))
     return lease_id
 
@@ -103,18 +109,14 @@ def test_writer_death_publishes_what_it_sealed_but_never_announced(arena: Arena)
     base = m.new_generation_base(grant)
     # Reserved and sealed, Publish lost: 2 slots at 0.
     reserved = base + 1
-    m.on_reserve(w, pb.Reserve(lease_id=reserved, grant_id=grant.id, slot=grant.run.slot,
-                               nslots=2, generation=reserved, request_id="r", to_stage="talker",
-                               from_stage="thinker"))  # fmt: skip
+    _reserve(m, w, grant, 0, 2, reserved)
     _seal(arena, grant, 0, reserved, 2 * SLOT - 5)
     # Neither notice arrived: 3 slots at 2 (a header on slot 2 only).
     unknown = base + 2
     _seal(arena, grant, 2, unknown, 2 * SLOT + 1)
     # Reserved, never sealed: dropped as before.
     dropped = base + 3
-    m.on_reserve(w, pb.Reserve(lease_id=dropped, grant_id=grant.id, slot=grant.run.slot + 5,
-                               nslots=1, generation=dropped, request_id="r", to_stage="talker",
-                               from_stage="thinker"))  # fmt: skip
+    _reserve(m, w, grant, 5, 1, dropped)
     # Headers that are not this grant's sealed leases are left alone.
     _seal(arena, grant, 6, (grant.id + 1) << 32 | 7, 10)  # another grant's generation
     _seal(arena, grant, 7, base + 4, 9 * SLOT)  # would run past the grant
@@ -158,9 +160,7 @@ def test_a_peer_release_before_the_publish_waits_for_it(arena: Arena) -> None:
     w = _session(m, "thinker", wf)
     grant = asyncio.run(m.grant(w, SLOT, 1.0))
     lid = m.new_generation_base(grant) + 1
-    m.on_reserve(w, pb.Reserve(lease_id=lid, grant_id=grant.id, slot=grant.run.slot, nslots=1,
-                               generation=lid, request_id="r", to_stage="talker",
-                               from_stage="thinker"))  # fmt: skip
+    _reserve(m, w, grant, 0, 1, lid)
     assert not m.release_from_peer(lid, lid)  # not sealed: the peer's copy is void
     _seal(arena, grant, 0, lid, 10)
     assert not m.release_from_peer(lid, lid + 1)  # wrong generation
@@ -175,9 +175,7 @@ def test_a_peer_release_before_the_publish_waits_for_it(arena: Arena) -> None:
     assert m.release_from_peer(early, early)
     assert not m.release_from_peer((grant.id + 99) << 32 | 1, (grant.id + 99) << 32 | 1)
     _seal(arena, grant, 1, early, 10)
-    m.on_reserve(w, pb.Reserve(lease_id=early, grant_id=grant.id, slot=grant.run.slot + 1,
-                               nslots=1, generation=early, request_id="r", to_stage="talker",
-                               from_stage="thinker"))  # fmt: skip
+    _reserve(m, w, grant, 1, 1, early)
     m.on_publish(w, pb.Publish(lease_id=early, nbytes=10, transport=pb.TRANSPORT_SHM))
     assert early not in m.leases and arena.used_bytes == 8 * SLOT  # back in the grant
     assert not m.release_from_peer(early, early)  # announced and freed: nothing to hold
