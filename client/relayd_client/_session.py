@@ -2,11 +2,12 @@
 
 Notices (reserve, publish, claim, release, …) are appended to one pending
 ``SessionFrame`` and written together: at once (``flush=True``, for a claim
-before a long copy), at the end of the current event-loop turn (a publish:
-the daemon must hold the lease before a writer can die), or, for notices
-nothing waits on (a copying reader's release), up to ``linger`` seconds
-later with whatever else has gathered by then. Writing never waits: it is a
-non-blocking send into the socket buffer.
+before a long copy), at the end of the current event-loop turn (a cancel, a
+report), or, for notices nothing waits on (a publish, a view's claim, a
+release), up to ``linger`` seconds later with whatever else has gathered by
+then. A publish may linger because the slot header, not the notice, says a
+lease was sealed: the daemon reads it if the writer dies first. Writing never
+waits: it is a non-blocking send into the socket buffer.
 """
 
 from __future__ import annotations
