@@ -19,8 +19,29 @@ READY_TIMEOUT = 30.0
 
 
 def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now, below the kernel's ephemeral range.
+
+    ``bind(0)`` hands out an ephemeral port, and outgoing connections draw from
+    the same range (Mooncake opens many): one took a daemon's metrics port
+    between the test picking it and the daemon binding it. Below that range
+    only the listeners the tests start compete.
+    """
+    import random
     import socket
 
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 0
+    for _ in range(200 if ephemeral_low > 11_000 else 0):
+        port = random.randrange(10_000, ephemeral_low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
