@@ -562,19 +562,23 @@ def unpack_bytes(data: bytes, specs: Sequence[TensorSpec]) -> list[torch.Tensor]
     return unpack_from(ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value or 0, specs)
 
 
-def unpack_from(base: int, specs: Sequence[TensorSpec]) -> list[torch.Tensor]:
+def unpack_from(
+    base: int, specs: Sequence[TensorSpec], out: Sequence[torch.Tensor] | None = None
+) -> list[torch.Tensor]:
     """``unpack(copy=True)`` of the region at address ``base``, with no tensor around it.
 
     The caller keeps the memory mapped and has validated the layout against
-    the region's length.
+    the region's length. ``out``: as for :func:`unpack`.
     """
-    out: list[torch.Tensor | None] = [None] * len(specs)
-    for spec in specs:
-        tensor = _empty(spec, _DTYPES[spec.dtype])
+    result: list[torch.Tensor | None] = [None] * len(specs)
+    for k, spec in enumerate(specs):
+        tensor = _empty(spec, _DTYPES[spec.dtype]) if out is None else out[k]
         if spec.nbytes:
+            # A byte copy: plain memcpy for every dtype, bit exact (NaN
+            # payloads included) and with no alignment requirement on src.
             _memcpy(tensor.data_ptr(), base + spec.offset, spec.nbytes)
-        out[spec.index] = tensor
-    return out  # type: ignore[return-value]  # validated: every index filled once
+        result[spec.index] = tensor
+    return result  # type: ignore[return-value]  # validated: every index filled once
 
 
 def _empty(spec: TensorSpec, dt: torch.dtype) -> torch.Tensor:
@@ -619,17 +623,10 @@ def unpack(
         validate_layout(specs, src.numel())
     if out is not None and (not copy or len(out) != len(specs)):
         raise ValueError("out= takes one allocate()d tensor per spec, and only with copy=True")
+    if copy:
+        return unpack_from(src.data_ptr(), specs, out)
     result: list[torch.Tensor | None] = [None] * len(specs)
-    for k, spec in enumerate(specs):
+    for spec in specs:
         dt = _DTYPES[spec.dtype]
-        if not spec.nbytes:
-            tensor = _empty(spec, dt)
-        elif copy:
-            tensor = _empty(spec, dt) if out is None else out[k]
-            # A byte copy: plain memcpy for every dtype, bit exact (NaN
-            # payloads included) and with no alignment requirement on src.
-            _memcpy(tensor.data_ptr(), src.data_ptr() + spec.offset, spec.nbytes)
-        else:
-            tensor = _typed_view(src, spec, dt)
-        result[spec.index] = tensor
+        result[spec.index] = _typed_view(src, spec, dt) if spec.nbytes else _empty(spec, dt)
     return result  # type: ignore[return-value]  # validate_layout: every index filled once
