@@ -338,8 +338,8 @@ class LeaseManager:
         if not grant.leases:
             self.grants.pop(grant.id, None)
 
-    def _adopt_sealed(self, grant: Grant, writer: Session) -> int:
-        """Publish what a dead writer sealed but never announced; returns how many.
+    def _adopt_sealed(self, grant: Grant, writer: Session) -> None:
+        """Publish what a dead writer sealed but never announced.
 
         A writer's Publish notices linger up to a couple of ms, so it can die
         after handing out a DataRef the daemon has not heard of. Its slot
@@ -348,7 +348,7 @@ class LeaseManager:
         slots no known lease covers is a lease whose Reserve never came.
         """
         if grant.run.pool != "shm":
-            return 0
+            return
         adopted = 0
         start, end = grant.run.slot, grant.run.slot + grant.run.nslots
         busy = bytearray(grant.run.nslots)
@@ -398,7 +398,6 @@ class LeaseManager:
                 adopted,
                 extra={"session_id": writer.id},
             )
-        return adopted
 
     # -- grants ---------------------------------------------------------------------
 
