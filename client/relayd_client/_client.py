@@ -1002,7 +1002,9 @@ class RelayClient:
         # CUDA leaves go straight from the (pinned) arena to this process's GPU.
         on_gpu = _cuda.restores_on_gpu(specs)
         host_copy = copy and not on_gpu
-        if lease.length >= OFFLOAD_BYTES:
+        if host_copy and lease.length >= OFFLOAD_BYTES:
+            # Only a copy is worth a thread: a view is the same few
+            # microseconds at any size, and the hand-off alone costs ~100.
             self._claim(m)
             # Allocated on this thread, copied on a worker (see _packing.allocate).
             out = _packing.allocate(specs) if host_copy else None

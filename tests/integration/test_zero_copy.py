@@ -58,3 +58,55 @@ def test_buffer_writes_in_place_and_view_reads_in_place(tmp_path: object) -> Non
             10,
             "cancelled and released leases freed",
         )
+
+
+def test_a_large_view_stays_on_the_loop_and_in_the_arena(
+    tmp_path: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Above OFFLOAD_BYTES a copying get runs on a worker thread; a view must not.
+
+    A view copies nothing, so the thread hand-off would be all it costs (it
+    was ~250 us of a 16 MiB view's ~480 us, measured).
+    """
+    from relayd_client import _client
+
+    threaded: list[str] = []
+    real_to_thread = asyncio.to_thread
+
+    async def spy(func: object, /, *args: object, **kwargs: object) -> object:
+        threaded.append(getattr(func, "__name__", "?"))
+        return await real_to_thread(func, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_client.asyncio, "to_thread", spy)
+    n = _client.OFFLOAD_BYTES // 4 + 1024
+    payload = torch.arange(n, dtype=torch.int32)
+
+    async def write(w: RelayClient, request_id: str) -> DataRef:
+        # buffer(), as a put between two stages of one process goes by reference
+        like = {"x": torch.empty(n, dtype=torch.int32, device="meta")}
+        async with w.buffer(to_stage="talker", request_id=request_id, like=like) as out:
+            out.payload["x"].copy_(payload)
+        assert out.ref is not None
+        return out.ref
+
+    async def scenario(sock: str) -> None:
+        async with RelayClient("thinker", sock) as w, RelayClient("talker", sock) as r:
+            ref = await write(w, "v")
+            threaded.clear()
+            async with r.view(DataRef.from_bytes(ref.to_bytes())) as obj:
+                x = obj["x"]
+                seg = r._views[ref.proto.lease.segment]
+                start = seg.data_ptr()
+                assert start <= x.data_ptr() < start + seg.numel()  # in place, not a copy
+                assert torch.equal(x, payload)
+                del x, obj
+            assert threaded == []
+            ref = await write(w, "c")
+            threaded.clear()
+            got = await r.get(ref)
+            assert torch.equal(got["x"], payload)
+            assert threaded == ["unpack"]  # the copying read still leaves the loop
+
+    with running_daemon(str(tmp_path)) as d:
+        asyncio.run(asyncio.wait_for(scenario(d.socket), 60))
+        wait_until(lambda: d.pool()["used_bytes"] == 0, 10, "both leases released")
