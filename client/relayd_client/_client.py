@@ -68,6 +68,9 @@ _ABORTED_MEMORY = 4096
 _LAYOUT_MEMORY = 256  # validated layouts remembered per client (see _checked_specs)
 _SHAPE_MEMORY = 256  # payload structures remembered per client (see _shape)
 _SHAPE_HEADER_BYTES = 4096  # a larger header is not worth keeping as part of a key
+# A grant wait that ends this close to its deadline ran out of time; earlier,
+# the daemon refused it.
+DEADLINE_SLACK_S = 0.01
 # Idle grants a session keeps, in default grants' worth of slots.
 IDLE_GRANTS = 4
 # Re-attach after the daemon went away: retries back off from the first delay
@@ -155,6 +158,37 @@ class _Shape:
 _ShapeKey = tuple[str, "pb.HeaderCodec", bytes, tuple[tuple[Any, ...], ...]]
 
 
+class _GrantCall:
+    """A Grant call in flight for one pool; every put short of space waits on it."""
+
+    __slots__ = ("ended", "nslots", "task", "until")
+
+    def __init__(self, task: asyncio.Task[pb.GrantResponse], nslots: int, until: float) -> None:
+        self.task = task
+        self.nslots = nslots  # what it asked for
+        self.until = until  # its own deadline (monotonic)
+        self.ended = until
+        task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task[pb.GrantResponse]) -> None:
+        self.ended = time.monotonic()
+        _retrieve(task)  # the put that started it may have given up: its failure is seen
+
+    def refused(self, nslots: int) -> bool:
+        """Did the daemon say no to this ask, not merely run out of time waiting?
+
+        A refusal before the call's deadline means no amount of waiting makes
+        room (beyond the stage quota or the largest run), so it holds for any
+        put of at least the size asked.
+        """
+        exc = self.task.exception()
+        return (
+            isinstance(exc, ResourceExhaustedError)
+            and self.ended < self.until - DEADLINE_SLACK_S
+            and self.nslots <= nslots
+        )
+
+
 class _Lease:
     __slots__ = ("grant", "id", "local", "nslots")
 
@@ -201,8 +235,7 @@ class RelayClient:
         self._grants: dict[int, _Grant] = {}
         self._leases: dict[int, _Lease] = {}
         self._space = asyncio.Event()
-        self._grant_task: asyncio.Task[pb.GrantResponse] | None = None
-        self._gpu_grant_tasks: dict[str, asyncio.Task[pb.GrantResponse]] = {}  # by GPU pool
+        self._grant_calls: dict[str, _GrantCall] = {}  # by pool, "shm" included
         self._aborted: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._released: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._valid_layouts: dict[tuple[tuple[_packing.TensorSpec, ...], int], None] = {}
@@ -342,11 +375,11 @@ class RelayClient:
             # A put may be waiting on the grant call: let it fail by itself once
             # the channel is closed (a cancel would reach that put as
             # CancelledError), and only then forget the old grants.
-            pending, self._grant_task = self._grant_task, None
+            pending = self._grant_calls.pop("shm", None)
             await self._teardown()
             if pending is not None:
                 with contextlib.suppress(BaseException):
-                    await pending
+                    await pending.task
             self._grants.clear()
             self._leases.clear()
             self._held.clear()
@@ -383,13 +416,13 @@ class RelayClient:
     # -- end reconnect ----------------------------------------------------------------
 
     async def _teardown(self) -> None:
-        for gpu_task in self._gpu_grant_tasks.values():
-            gpu_task.cancel()
-        self._gpu_grant_tasks.clear()
-        if self._grant_task is not None:
-            self._grant_task.cancel()
+        calls = list(self._grant_calls.values())
+        self._grant_calls.clear()
+        for call in calls:
+            call.task.cancel()
+        for call in calls:
             with contextlib.suppress(BaseException):
-                await self._grant_task
+                await call.task
         await self._session.close()
         if self._channel is not None:
             await self._channel.close()
@@ -829,21 +862,16 @@ class RelayClient:
                 raise ResourceExhaustedError(
                     f"no space for {nbytes} bytes before the deadline (readers may be slow)"
                 )
-            task = self._grant_task if pool == "shm" else self._gpu_grant_tasks.get(pool)
-            if task is None or task.done():
+            call = self._grant_calls.get(pool)
+            if call is None or call.task.done():
                 # No idle grant could take this lease, so none is worth keeping
                 # against our quota while we ask for a bigger one.
                 self._return_idle_grants(pool)
                 task = asyncio.get_running_loop().create_task(
                     self._request_grant(nslots * a.slot_size, remaining, pool)
                 )
-                # The put that started it may give up first; its failure is
-                # then nobody's to raise, so mark it seen.
-                task.add_done_callback(_retrieve)
-                if pool == "shm":
-                    self._grant_task = task
-                else:
-                    self._gpu_grant_tasks[pool] = task
+                call = self._grant_calls[pool] = _GrantCall(task, nslots, deadline)
+            task = call.task
             self._space.clear()
             space = asyncio.ensure_future(self._space.wait())
             try:
@@ -853,16 +881,16 @@ class RelayClient:
             finally:
                 space.cancel()
             if task in done:
-                if self._grant_task is task:
-                    self._grant_task = None
-                elif self._gpu_grant_tasks.get(pool) is task:
-                    del self._gpu_grant_tasks[pool]
+                if self._grant_calls.get(pool) is call:
+                    del self._grant_calls[pool]
                 exc = task.exception()
-                # A grant that failed for a put with a shorter deadline is
-                # retried; only a failure within our own deadline is ours.
+                # A grant that timed out for a put with a shorter deadline is
+                # retried; a timeout within our own deadline, a refusal of
+                # this size or any other error is ours.
                 if exc is not None and (
                     not isinstance(exc, ResourceExhaustedError)
-                    or time.monotonic() >= deadline - 0.01
+                    or call.refused(nslots)
+                    or time.monotonic() >= deadline - DEADLINE_SLACK_S
                 ):
                     lease = self._alloc_local(nslots, pool)
                     if lease is not None:

@@ -247,6 +247,34 @@ def test_full_arena_gives_resource_exhausted_then_recovers(tmp_path: object) -> 
         assert _metric(d.scrape(), "relayd_reserve_wait_seconds_count") >= 1
 
 
+def test_a_put_beyond_the_stage_quota_fails_at_once_and_alone(tmp_path: object) -> None:
+    """No wait can make room for more than the quota: the put fails now, not at its deadline.
+
+    A smaller put that waited on the same Grant call is not failed with it.
+    """
+
+    async def scenario(sock: str) -> None:
+        async with RelayClient("thinker", sock, timeout=120) as w:
+            big = asyncio.ensure_future(
+                w.put(make_payload(0, 9 * MiB), to_stage="talker", request_id="big")
+            )
+            await asyncio.sleep(0)  # the big put's Grant call is in flight first
+            small = asyncio.ensure_future(
+                w.put(make_payload(1, 1 * MiB), to_stage="talker", request_id="small")
+            )
+            # Far below the 120 s deadline both puts would otherwise wait for.
+            done = await asyncio.wait_for(asyncio.gather(big, small, return_exceptions=True), 30)
+            assert isinstance(done[0], ResourceExhaustedError), done[0]
+            assert "quota" in str(done[0])
+            assert isinstance(done[1], DataRef), done[1]
+            async with RelayClient("talker", sock) as r:
+                assert digest(await r.get(done[1])) == digest(make_payload(1, 1 * MiB))
+
+    with running_daemon(str(tmp_path), pool="16MiB") as d:  # quota: half the arena
+        asyncio.run(asyncio.wait_for(scenario(d.socket), 60))
+        wait_until(lambda: _drained(d), 10, "arena back to zero")
+
+
 def test_stale_corrupt_and_old_epoch_refs_are_refused(tmp_path: object) -> None:
     async def first(sock: str) -> tuple[bytes, bytes]:
         async with RelayClient("thinker", sock) as w, RelayClient("talker", sock) as r:
