@@ -281,6 +281,42 @@ def test_freed_notices_linger_into_one_frame_and_a_grant_request_flushes_them(
     asyncio.run(go())
 
 
+def test_freed_notices_for_large_leases_go_at_once(
+    arena: Arena, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The linger holds back at most FREED_LINGER_MAX_BYTES of the writer's arena."""
+    from relayd.pools import leases
+
+    monkeypatch.setattr(leases, "FREED_LINGER_MAX_BYTES", 3 * SLOT)
+    wf, rf = [], []  # type: ignore[var-annotated]
+    m = LeaseManager(
+        arena, grant_bytes=8 * SLOT, lease_ttl=10.0, stage_quota_bytes=24 * SLOT,
+        max_sessions=8, clock=Clock(), freed_linger=60.0,
+    )  # fmt: skip
+    w, r = _session(m, "thinker", wf), _session(m, "talker", rf)
+
+    def freed() -> list[list[int]]:
+        return [list(f.freed.lease_ids) for f in wf if f.HasField("freed")]
+
+    async def go() -> None:
+        grant = await m.grant(w, SLOT, 1.0)
+        small = [_publish(m, w, grant, slot, 1, rid=f"s{slot}") for slot in range(2)]
+        big = _publish(m, w, grant, 2, 3, rid="big")
+        for lid in small:  # 2 slots: below the cap, they linger (a minute, here)
+            m.on_release(r, pb.Release(lease_id=lid, generation=lid))
+            m.flush()
+        assert freed() == []
+        m.on_release(r, pb.Release(lease_id=big, generation=big))
+        m.flush()  # now 5 slots' worth: everything pending goes in this turn
+        assert freed() == [[*small, big]]
+        last = _publish(m, w, grant, 5, 1, rid="last")
+        m.on_release(r, pb.Release(lease_id=last, generation=last))
+        m.flush()  # the count started over: one slot lingers again
+        assert freed() == [[*small, big]]
+
+    asyncio.run(go())
+
+
 def test_request_records_are_reaped_oldest_first_and_capped(
     arena: Arena, monkeypatch: pytest.MonkeyPatch
 ) -> None:
