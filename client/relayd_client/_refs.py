@@ -18,9 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._codec import RefSlot
+from ._codec import RefSlot, fill
 from ._dataref import DataRef
-from ._errors import CorruptRefError
 from ._proto import relay_pb2 as pb
 
 
@@ -75,22 +74,4 @@ class TensorRef:
 
 def substitute(tree: object, values: list[object]) -> object:
     """Put ``values[i]`` where :class:`RefSlot` ``i`` is; containers without one are kept."""
-    t = type(tree)
-    if t is RefSlot:
-        index: int = tree.index  # type: ignore[attr-defined]
-        if not 0 <= index < len(values):
-            raise CorruptRefError(
-                f"payload header refers to forwarded ref {index}, but the DataRef has {len(values)}"
-            )
-        return values[index]
-    if t is dict:
-        d: dict[object, object] = tree  # type: ignore[assignment]
-        out = {k: substitute(v, values) for k, v in d.items()}
-        return tree if all(out[k] is v for k, v in d.items()) else out
-    if t is list or t is tuple:
-        seq: list[object] | tuple[object, ...] = tree  # type: ignore[assignment]
-        items = [substitute(v, values) for v in seq]
-        if all(a is b for a, b in zip(items, seq, strict=True)):
-            return tree
-        return items if t is list else tuple(items)
-    return tree
+    return fill(tree, RefSlot, values, "forwarded ref", "the DataRef")
