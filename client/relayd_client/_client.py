@@ -640,7 +640,12 @@ class RelayClient:
         view = self._views[lease.grant.segment]
         try:
             if total >= OFFLOAD_BYTES:
-                await asyncio.to_thread(_packing.pack_at, view, start, total, tensors, specs)
+                # Addresses for the worker where it can (see _packing.Copy).
+                plan = _packing.pack_plan(view, start, total, tensors, specs)
+                if plan is not None:
+                    await asyncio.to_thread(_packing.run_copies, plan)
+                else:
+                    await asyncio.to_thread(_packing.pack_at, view, start, total, tensors, specs)
             elif total:
                 _packing.pack_at(view, start, total, tensors, specs)
         except BaseException:
@@ -1034,16 +1039,11 @@ class RelayClient:
             # Only a copy is worth a thread: a view is the same few
             # microseconds at any size, and the hand-off alone costs ~100.
             self._claim(m)
-            # Allocated on this thread, copied on a worker (see _packing.allocate).
-            out = _packing.allocate(specs) if host_copy else None
-            tensors = await asyncio.to_thread(
-                _packing.unpack,
-                view[start : start + lease.length],
-                specs,
-                copy=host_copy,
-                validated=True,
-                out=out,
-            )
+            # Allocated on this thread (see _packing.allocate), copied on a
+            # worker that is given addresses only (see _packing.Copy).
+            tensors = _packing.allocate(specs)
+            plan = _packing.copy_plan(view.data_ptr() + start, specs, tensors)
+            await asyncio.to_thread(_packing.run_copies, plan)
         elif host_copy:
             # By address: no slice of the segment to build (see _packing.pack_at).
             tensors = _packing.unpack_from(view.data_ptr() + start, specs)

@@ -398,6 +398,16 @@ def _typed_view(region: torch.Tensor, spec: TensorSpec, dt: torch.dtype) -> torc
     return region[spec.offset : spec.offset + spec.nbytes].view(dt).view(spec.shape)
 
 
+# One byte copy by address: (destination, source, nbytes). What a worker
+# thread is handed instead of tensors: concurrent.futures keeps a call's
+# arguments and result referenced until the worker runs again, so tensors
+# given to it can outlive the caller's use of them by a scheduling delay. A
+# reader's previous 16 MiB output, still alive there, made glibc grow the heap
+# for the next one and fault all of it in (~4,100 faults, a 12 ms p99, in
+# about one get in forty, measured). Addresses keep no memory alive.
+Copy = tuple[int, int, int]
+
+
 def _memcpy(dst: int, src: int, nbytes: int) -> None:
     """One single-threaded memcpy that releases the GIL.
 
@@ -439,9 +449,30 @@ def pack_at(
     plain host tensors copies by address; building the slice alone was ~10%
     of a put (measured).
     """
+    _check_span(view, start, length)
+    _pack(view, start, length, tensors, specs)
+
+
+def pack_plan(
+    view: torch.Tensor,
+    start: int,
+    length: int,
+    tensors: Sequence[torch.Tensor],
+    specs: Sequence[TensorSpec],
+) -> list[Copy] | None:
+    """:func:`pack_at`'s copies as addresses (see :data:`Copy`), checked as it checks them.
+
+    None when a tensor is not one plain run of host memory: torch must copy
+    it, so the caller uses :func:`pack_at`.
+    """
+    _check_span(view, start, length)
+    plan: list[Copy] = []
+    return plan if _pack(view, start, length, tensors, specs, plan) else None
+
+
+def _check_span(view: torch.Tensor, start: int, length: int) -> None:
     if start < 0 or start + length > view.numel():
         raise InvalidArgumentError(f"bytes {start}..{start + length} lie outside the segment")
-    _pack(view, start, length, tensors, specs)
 
 
 def _pack(
@@ -450,7 +481,9 @@ def _pack(
     size: int,
     tensors: Sequence[torch.Tensor],
     specs: Sequence[TensorSpec],
-) -> None:
+    plan: list[Copy] | None = None,
+) -> bool:
+    """Copy (or, given ``plan``, list the copies); False if ``plan`` cannot hold them all."""
     if len(tensors) != len(specs):
         raise InvalidArgumentError(f"{len(tensors)} tensors but {len(specs)} layout entries")
     base = view.data_ptr() + start
@@ -475,11 +508,17 @@ def _pack(
             if _plain(src):
                 # Straight to the address: a typed view costs three tensor
                 # ops (~10 us here) only to be asked for its data_ptr.
-                _memcpy(base + spec.offset, src.data_ptr(), spec.nbytes)
+                if plan is None:
+                    _memcpy(base + spec.offset, src.data_ptr(), spec.nbytes)
+                else:
+                    plan.append((base + spec.offset, src.data_ptr(), spec.nbytes))
+            elif plan is not None:
+                return False
             else:
                 if dst is None:
                     dst = view[start : start + size]
                 _typed_view(dst, spec, dt).copy_(src)
+    return True
 
 
 def _plain(src: torch.Tensor) -> bool:
@@ -530,17 +569,15 @@ def unpack_bytes(data: bytes, specs: Sequence[TensorSpec]) -> list[torch.Tensor]
     return unpack_from(ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value or 0, specs)
 
 
-def unpack_from(
-    base: int, specs: Sequence[TensorSpec], out: Sequence[torch.Tensor] | None = None
-) -> list[torch.Tensor]:
+def unpack_from(base: int, specs: Sequence[TensorSpec]) -> list[torch.Tensor]:
     """``unpack(copy=True)`` of the region at address ``base``, with no tensor around it.
 
     The caller keeps the memory mapped and has validated the layout against
-    the region's length. ``out``: as for :func:`unpack`.
+    the region's length.
     """
     result: list[torch.Tensor | None] = [None] * len(specs)
-    for k, spec in enumerate(specs):
-        tensor = _empty(spec, _DTYPES[spec.dtype]) if out is None else out[k]
+    for spec in specs:
+        tensor = _empty(spec, _DTYPES[spec.dtype])
         if spec.nbytes:
             # A byte copy: plain memcpy for every dtype, bit exact (NaN
             # payloads included) and with no alignment requirement on src.
@@ -558,14 +595,28 @@ def _empty(spec: TensorSpec, dt: torch.dtype) -> torch.Tensor:
 
 
 def allocate(specs: Sequence[TensorSpec]) -> list[torch.Tensor]:
-    """Fresh tensors for ``specs``, in spec order: what ``unpack(copy=True, out=...)`` fills.
+    """Fresh tensors for ``specs``, in index order: what :func:`copy_plan` fills.
 
     For a caller that copies on a worker thread but allocates on its own: glibc
     gives each thread its own arena, and a worker's arena hands large frees
     back to the kernel, so every copy there faults its output in again (~100
     faults and a 10 ms p99 per 16 MiB get, measured). The main arena keeps them.
     """
-    return [_empty(spec, _DTYPES[spec.dtype]) for spec in specs]
+    result: list[torch.Tensor | None] = [None] * len(specs)
+    for spec in specs:
+        result[spec.index] = _empty(spec, _DTYPES[spec.dtype])
+    return result  # type: ignore[return-value]  # validated: every index filled once
+
+
+def copy_plan(base: int, specs: Sequence[TensorSpec], out: Sequence[torch.Tensor]) -> list[Copy]:
+    """The copies that fill ``out`` (from :func:`allocate`) from the region at ``base``."""
+    return [(out[s.index].data_ptr(), base + s.offset, s.nbytes) for s in specs if s.nbytes]
+
+
+def run_copies(plan: Sequence[Copy]) -> None:
+    """Do the copies of :func:`copy_plan` or :func:`pack_plan` (on any thread)."""
+    for dst, src, nbytes in plan:
+        _memcpy(dst, src, nbytes)
 
 
 def unpack(
@@ -574,7 +625,6 @@ def unpack(
     *,
     copy: bool,
     validated: bool = False,
-    out: Sequence[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
     """The tensors described by ``specs`` in ``src``, in index order.
 
@@ -583,16 +633,13 @@ def unpack(
     each tensor is a fresh allocation filled by one byte copy, so the region
     can be released right after; with ``copy=False`` they are views into
     ``src`` and valid only while the region is. Empty tensors are always
-    fresh (there is nothing to view). ``out`` (copy only) are the
-    destinations, from :func:`allocate` with the same specs.
+    fresh (there is nothing to view).
     """
     _check_region(src, "the source")
     if not validated:  # callers that checked the same layout already skip the second pass
         validate_layout(specs, src.numel())
-    if out is not None and (not copy or len(out) != len(specs)):
-        raise ValueError("out= takes one allocate()d tensor per spec, and only with copy=True")
     if copy:
-        return unpack_from(src.data_ptr(), specs, out)
+        return unpack_from(src.data_ptr(), specs)
     result: list[torch.Tensor | None] = [None] * len(specs)
     for spec in specs:
         dt = _DTYPES[spec.dtype]

@@ -60,53 +60,71 @@ def test_buffer_writes_in_place_and_view_reads_in_place(tmp_path: object) -> Non
         )
 
 
-def test_a_large_view_stays_on_the_loop_and_in_the_arena(
+def test_large_copies_leave_the_loop_by_address_and_views_stay_on_it(
     tmp_path: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Above OFFLOAD_BYTES a copying get runs on a worker thread; a view must not.
+    """Above OFFLOAD_BYTES a put's and a copying get's bytes move on a worker thread.
 
-    A view copies nothing, so the thread hand-off would be all it costs (it
-    was ~250 us of a 16 MiB view's ~480 us, measured).
+    The worker gets addresses only: a tensor handed to it stays referenced
+    until it runs again, and a reader's previous output kept alive that way
+    made each ~40th 16 MiB get fault its output in anew (measured). A view
+    copies nothing, so it must not leave the loop at all: the hand-off was
+    all it cost (~250 us of a 16 MiB view's ~480 us, measured).
     """
-    from relayd_client import _client
+    from relayd_client import _client, _local
 
-    threaded: list[str] = []
+    threaded: list[tuple[object, ...]] = []
     real_to_thread = asyncio.to_thread
 
     async def spy(func: object, /, *args: object, **kwargs: object) -> object:
-        threaded.append(getattr(func, "__name__", "?"))
+        threaded.append(args)
         return await real_to_thread(func, *args, **kwargs)  # type: ignore[arg-type]
 
+    def tensors_in(args: object) -> int:
+        if isinstance(args, torch.Tensor):
+            return 1
+        if isinstance(args, (list, tuple)):
+            return sum(tensors_in(a) for a in args)
+        return 0
+
     monkeypatch.setattr(_client.asyncio, "to_thread", spy)
+    # Two stages of one process would hand puts over by reference.
+    monkeypatch.setattr(_local, "serves", lambda stage: False)
     n = _client.OFFLOAD_BYTES // 4 + 1024
     payload = torch.arange(n, dtype=torch.int32)
 
-    async def write(w: RelayClient, request_id: str) -> DataRef:
-        # buffer(), as a put between two stages of one process goes by reference
-        like = {"x": torch.empty(n, dtype=torch.int32, device="meta")}
-        async with w.buffer(to_stage="talker", request_id=request_id, like=like) as out:
-            out.payload["x"].copy_(payload)
-        assert out.ref is not None
-        return out.ref
-
     async def scenario(sock: str) -> None:
         async with RelayClient("thinker", sock) as w, RelayClient("talker", sock) as r:
-            ref = await write(w, "v")
+            like = {"x": torch.empty(n, dtype=torch.int32, device="meta")}
+            refs = []
+            for rid in ("v", "c"):
+                async with w.buffer(to_stage="talker", request_id=rid, like=like) as out:
+                    out.payload["x"].copy_(payload)
+                assert out.ref is not None
+                refs.append(out.ref)
             threaded.clear()
-            async with r.view(DataRef.from_bytes(ref.to_bytes())) as obj:
+            async with r.view(DataRef.from_bytes(refs[0].to_bytes())) as obj:
                 x = obj["x"]
-                seg = r._views[ref.proto.lease.segment]
+                seg = r._views[refs[0].proto.lease.segment]
                 start = seg.data_ptr()
                 assert start <= x.data_ptr() < start + seg.numel()  # in place, not a copy
                 assert torch.equal(x, payload)
                 del x, obj
             assert threaded == []
-            ref = await write(w, "c")
-            threaded.clear()
-            got = await r.get(ref)
+            got = await r.get(refs[1])
             assert torch.equal(got["x"], payload)
-            assert threaded == ["unpack"]  # the copying read still leaves the loop
+            assert len(threaded) == 1 and tensors_in(threaded) == 0
+            # A put: plain tensors go by address; one that torch must copy goes as is.
+            threaded.clear()
+            ref = await w.put({"x": payload}, to_stage="talker", request_id="p")
+            assert len(threaded) == 1 and tensors_in(threaded) == 0
+            assert torch.equal((await r.get(ref))["x"], payload)
+            strided = torch.arange(2 * n, dtype=torch.int32)[::2]
+            threaded.clear()
+            ref = await w.put({"x": strided}, to_stage="talker", request_id="s")
+            assert len(threaded) == 1 and tensors_in(threaded) == 2  # segment and source
+            assert torch.equal((await r.get(ref))["x"], strided)
 
     with running_daemon(str(tmp_path)) as d:
         asyncio.run(asyncio.wait_for(scenario(d.socket), 60))
-        wait_until(lambda: d.pool()["used_bytes"] == 0, 10, "both leases released")
+        wait_until(lambda: d.pool()["used_bytes"] == 0, 10, "every lease released")

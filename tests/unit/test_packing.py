@@ -15,15 +15,18 @@ from relayd_client._errors import CorruptRefError, InvalidArgumentError, UnsafeP
 from relayd_client._packing import (
     TensorSpec,
     allocate,
+    copy_plan,
     dtype_from_name,
     dtype_name,
     flatten,
     pack_at,
     pack_bytes,
     pack_into,
+    pack_plan,
     payload_nbytes,
     plan_layout,
     rebuild,
+    run_copies,
     unpack,
     unpack_bytes,
     unpack_from,
@@ -195,22 +198,40 @@ def test_copy_false_returns_views_and_copy_true_fresh_tensors() -> None:
     assert torch.equal(fresh, t)
 
 
-def test_unpack_into_allocated_outputs_fills_those_very_tensors() -> None:
-    # get() allocates on the loop's thread and copies on a worker: the copy must
-    # land in the tensors it was given, not in fresh ones.
+def test_copy_plans_fill_the_allocated_outputs_by_address_only() -> None:
+    # get() allocates on the loop's thread and copies on a worker, which gets
+    # addresses only: the copies must land in the tensors allocated, in index
+    # order, and a plan must hold no tensor (the worker would keep it alive).
     tensors = [torch.arange(10, dtype=torch.float64), torch.ones(3, 4, dtype=torch.bfloat16)]
     specs, total = plan_layout(tensors)
+    specs = list(reversed(specs))  # the table's order need not be index order
     region = torch.zeros(total, dtype=torch.uint8)
     pack_into(region, tensors, specs)
     out = allocate(specs)
     assert [(o.shape, o.dtype) for o in out] == [(t.shape, t.dtype) for t in tensors]
-    got = unpack(region, specs, copy=True, out=out)
-    assert [g.data_ptr() for g in got] == [o.data_ptr() for o in out]
-    assert all(torch.equal(g, t) for g, t in zip(got, tensors, strict=True))
-    with pytest.raises(ValueError, match="copy=True"):
-        unpack(region, specs, copy=False, out=out)
-    with pytest.raises(ValueError, match="one allocate"):
-        unpack(region, specs, copy=True, out=out[:1])
+    plan = copy_plan(region.data_ptr(), specs, out)
+    assert all(type(v) is int for copy in plan for v in copy)
+    run_copies(plan)
+    assert all(torch.equal(o, t) for o, t in zip(out, tensors, strict=True))
+
+
+def test_pack_plan_lists_pack_at_copies_or_declines_what_torch_must_copy() -> None:
+    tensors = [torch.arange(100, dtype=torch.int64), torch.zeros(0), torch.ones(7)]
+    specs, total = plan_layout(tensors)
+    segment = torch.full((64 + total + 64,), 0xCD, dtype=torch.uint8)
+    expected = segment.clone()
+    pack_at(expected, 64, total, tensors, specs)
+    plan = pack_plan(segment, 64, total, tensors, specs)
+    assert plan is not None and len(plan) == 2  # the empty tensor copies nothing
+    assert all(type(v) is int for copy in plan for v in copy)
+    run_copies(plan)
+    assert torch.equal(segment, expected)
+    strided = torch.ones(14)[::2]  # same dtype and shape, but not one run of memory
+    assert pack_plan(segment, 64, total, [tensors[0], tensors[1], strided], specs) is None
+    with pytest.raises(InvalidArgumentError, match="layout entry says"):
+        pack_plan(segment, 64, total, [tensors[0], tensors[1], torch.ones(8)], specs)
+    with pytest.raises(InvalidArgumentError, match="outside the segment"):
+        pack_plan(segment, segment.numel() - total + 1, total, tensors, specs)
 
 
 def test_pack_at_and_unpack_from_match_the_sliced_region_paths() -> None:
