@@ -443,9 +443,13 @@ class LeaseManager:
                 f"{self._quota(pool) * self.slot_size} in {pool}"
             )
         nslots = max(need, self.grant_slots) if need <= self.grant_slots else need
-        # Shrink the default grant when the pool is tight rather than wait for it.
+        # Shrink the default grant when the pool is tight rather than wait for
+        # it, and to what the stage's quota leaves: a default grant larger than
+        # the quota (--grant-size above --max-stage-bytes) would wait forever.
         if nslots > need and arena.largest_free_run() < nslots:
             nslots = need
+        if nslots > need:
+            nslots = max(need, min(nslots, self._stage_room(session, pool)))
         return await self._grant_slots(session, nslots, timeout, pool)
 
     async def _grant_slots(
@@ -511,20 +515,24 @@ class LeaseManager:
             return self.quota_slots
         return max(1, self.pools[pool].capacity_bytes // self.slot_size // 2)
 
-    def _over_stage_quota(self, session: Session, nslots: int, pool: str) -> bool:
-        """Would ``nslots`` more put one of the session's stages over its quota?
+    def _stage_room(self, session: Session, pool: str) -> int:
+        """Slots the session may still be granted before one of its stages hits its quota.
 
         The quota is per stage, summed over every session serving it, so a stage
         cannot take the node by opening more sessions. O(sessions), on grants only.
         """
         quota = self._quota(pool)
-        for stage in session.stages:
-            held = sum(
-                s.pool_slots.get(pool, 0) for s in self.sessions.values() if stage in s.stages
-            )
-            if held + nslots > quota:
-                return True
-        return False
+        held = max(
+            (
+                sum(s.pool_slots.get(pool, 0) for s in self.sessions.values() if stage in s.stages)
+                for stage in session.stages
+            ),
+            default=0,
+        )
+        return quota - held
+
+    def _over_stage_quota(self, session: Session, nslots: int, pool: str) -> bool:
+        return nslots > self._stage_room(session, pool)
 
     def _try_grant(self, session: Session, nslots: int, pool: str = "shm") -> Grant | None:
         if session.state is SessionState.CLOSED:

@@ -52,6 +52,29 @@ def test_stage_quota_is_shared_by_all_sessions_of_the_stage(arena: Arena) -> Non
     asyncio.run(m.grant(other, 16 * SLOT, 0.05))
 
 
+def test_default_grants_shrink_to_what_the_stage_quota_leaves(arena: Arena) -> None:
+    # --grant-size above --max-stage-bytes: a default-size grant could never
+    # fit, and every put waited for its deadline.
+    m = LeaseManager(arena, grant_bytes=8 * SLOT, lease_ttl=10.0, stage_quota_bytes=5 * SLOT,
+                     max_sessions=16)  # fmt: skip
+    a, b = _session(m, "thinker", []), _session(m, "thinker", [])
+
+    async def scenario() -> None:
+        first = await m.grant(a, SLOT, 0.05)
+        assert first.run.nslots == 5  # the whole quota, not the default 8
+        with pytest.raises(ResourceExhaustedError):
+            await m.grant(b, SLOT, 0.05)  # the stage has nothing left: it waits
+        m.return_grant(a, first.id)
+        second = await m.grant(b, 2 * SLOT, 0.05)
+        assert second.run.nslots == 5
+        m.return_grant(b, second.id)
+        # Another stage's grant leaves this one's room alone.
+        await m.grant(_session(m, "talker", []), SLOT, 0.05)
+        assert (await m.grant(a, 3 * SLOT, 0.05)).run.nslots == 5
+
+    asyncio.run(asyncio.wait_for(scenario(), 5))
+
+
 def test_grants_per_session_and_waiting_grant_calls_are_bounded(arena: Arena) -> None:
     m = _manager(arena, max_session_grants=2, max_grant_waits=1)
     s = _session(m, "thinker", [])
