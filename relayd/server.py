@@ -41,8 +41,9 @@ from .topology import Topology
 log = logging.getLogger(__name__)
 
 HOUSEKEEPING_INTERVAL = 0.5
-# Freed notices to a writer are batched this long (LeaseManager.flush says why).
-FREED_LINGER_S = 0.002
+# Freed notices to a writer are batched this long (LeaseManager.flush says
+# why), as clients batch theirs (the client's NOTICE_LINGER_S).
+FREED_LINGER_S = 0.025
 MAX_FETCH_TIMEOUT = 3600.0
 MAX_MESSAGE = 1 << 30
 

@@ -241,10 +241,12 @@ class LeaseManager:
         self._next_grant = 1
         self._next_session = 1
         self._waiters: collections.deque[_Waiter] = collections.deque()
-        # Claims/releases that overtook their Publish (two sockets, no global order).
-        self._early: dict[int, list[tuple[str, str, int, float]]] = {}
-        self._freed_out: dict[str, list[int]] = {}
-        self._freed_bytes = 0  # of arena behind them (approximate: only ever early)
+        # Claims/releases that overtook their Publish (two sockets, no global
+        # order): kind, session, generation, when, and the stages it served.
+        self._early: dict[int, list[tuple[str, str, int, float, tuple[str, ...]]]] = {}
+        self._freed_out: dict[str, list[int]] = {}  # by writer session
+        self._freed_bytes: dict[str, int] = {}  # the arena they give back, by session
+        self._freed_due: set[str] = set()  # sessions past FREED_LINGER_MAX_BYTES
         # Freed notices wait this long to be batched (0: sent at the end of each turn).
         self.freed_linger = freed_linger
         self._freed_timer: asyncio.TimerHandle | None = None
@@ -310,7 +312,10 @@ class LeaseManager:
                 self._free_lease(lease, ReclaimReason.READER_DIED)
         for grant in list(session.grants.values()):
             self._orphan(grant, session)
-        self._freed_out.pop(session_id, None)  # after _orphan: adopting may free some
+        # after _orphan: adopting may free some
+        self._freed_out.pop(session_id, None)
+        self._freed_bytes.pop(session_id, None)
+        self._freed_due.discard(session_id)
         session.grants.clear()
         session.granted_slots = 0
         session.pool_slots.clear()
@@ -415,7 +420,7 @@ class LeaseManager:
         if self._freed_out.get(session.id):
             # A writer asks for space only when its grants are full: what
             # readers freed in them (batched, see flush) may be enough.
-            self._send_freed()
+            self._send_freed([session.id])
         # -- limits: what one session may hold or wait for ---------------------------
         if len(session.grants) >= self.max_session_grants:
             raise ResourceExhaustedError(
@@ -468,10 +473,13 @@ class LeaseManager:
         self._waiters.append(waiter)
         self._wake()
         if not waiter.future.done():
-            # Sessions keep idle grants to skip round trips; ask for them now.
+            # Space is short, so nothing that would free some may linger: the
+            # Freed notices go now, and every other session is asked to return
+            # its idle grants and to send the releases it holds back.
+            self._send_freed()
             reclaim = pb.SessionFrame(event=[pb.Event(kind="reclaim")])
             for s in self.sessions.values():
-                if s.sink is not None and s is not session and s.grants:
+                if s.sink is not None and s is not session:
                     s.sink(reclaim)
         try:
             grant = await asyncio.wait_for(asyncio.shield(waiter.future), timeout=max(timeout, 0.0))
@@ -673,7 +681,7 @@ class LeaseManager:
                 return False
             if lease is not None and self._sealed_length(lease) is None:
                 return False
-            self._early.setdefault(lease_id, []).append(("peer", "", generation, self.clock()))
+            self._early.setdefault(lease_id, []).append(("peer", "", generation, self.clock(), ()))
             return True
         if lease.generation != generation:
             return False
@@ -786,13 +794,22 @@ class LeaseManager:
         if req is not None and req.aborted:
             self._free_lease(lease, ReclaimReason.ABORT)
             return
-        for kind, sid, gen, _t in self._early.pop(lease.id, ()):
+        for kind, sid, gen, _t, stages in self._early.pop(lease.id, ()):
+            if self.leases.get(lease.id) is not lease:
+                return  # an earlier notice freed it
             if kind == "peer":
-                if gen == lease.generation and self.leases.get(lease.id) is lease:
+                if gen == lease.generation:
                     self._free_lease(lease, None)
                 continue
             early = self.sessions.get(sid)
             if early is None:
+                # The reader read and went before the Publish landed (the
+                # writer's notices linger): what it said still holds. A claim
+                # it can no longer release ends as its death would have.
+                if gen == lease.generation and (lease.to_stage in stages or lease.adopted):
+                    self._free_lease(
+                        lease, None if kind == "release" else ReclaimReason.READER_DIED
+                    )
                 continue
             if kind == "claim":
                 self.on_claim(early, pb.Claim(lease_id=lease.id, generation=gen))
@@ -825,7 +842,7 @@ class LeaseManager:
         if lease is None or lease.state is LeaseState.RESERVED:
             if len(self._early) < MAX_EARLY:
                 self._early.setdefault(lease_id, []).append(
-                    (kind, session.id, generation, self.clock())
+                    (kind, session.id, generation, self.clock(), tuple(session.stages))
                 )
             return None
         if lease.generation != generation:
@@ -886,8 +903,12 @@ class LeaseManager:
                 self.grants.pop(grant.id, None)
             self._wake()
         else:
-            self._freed_out.setdefault(grant.session_id, []).append(lease.id)
-            self._freed_bytes += lease.run.nslots * self.slot_size
+            sid = grant.session_id
+            self._freed_out.setdefault(sid, []).append(lease.id)
+            held = self._freed_bytes.get(sid, 0) + lease.run.nslots * self.slot_size
+            self._freed_bytes[sid] = held
+            if held >= FREED_LINGER_MAX_BYTES:
+                self._freed_due.add(sid)
 
     def _free_lease(self, lease: Lease, reason: ReclaimReason | None) -> None:
         self._forget(lease)
@@ -911,29 +932,34 @@ class LeaseManager:
         it holds several idle grants' worth; a writer that runs short asks
         for a grant, which sends its notices at once (:meth:`grant`). So
         they can wait: batching turns one wakeup of the writer (and a send
-        here) per transfer into one per linger. Not past
-        ``FREED_LINGER_MAX_BYTES``, though: a writer that cannot reuse the
-        slots it just wrote takes cold ones, and copying into cache-cold
-        memory made 4 MiB transfers ~12% slower (measured).
+        here) per transfer into one per linger. Not once a writer's pending
+        notices give back ``FREED_LINGER_MAX_BYTES``, though: a writer that
+        cannot reuse the slots it just wrote takes cold ones, and copying into
+        cache-cold memory made 4 MiB transfers ~12% slower (measured). And not
+        while a Grant waits for space (see :meth:`_grant_slots`).
         """
-        if not self._freed_out:
+        if self.freed_linger <= 0 or any(not w.future.done() for w in self._waiters):
+            self._send_freed()
             return
-        if self.freed_linger > 0 and self._freed_bytes < FREED_LINGER_MAX_BYTES:
-            if self._freed_timer is None:
-                loop = asyncio.get_running_loop()
-                self._freed_timer = loop.call_later(self.freed_linger, self._send_freed)
-            return
-        self._send_freed()
+        if self._freed_due:
+            self._send_freed(list(self._freed_due))
+        if self._freed_out and self._freed_timer is None:
+            loop = asyncio.get_running_loop()
+            self._freed_timer = loop.call_later(self.freed_linger, self._send_freed)
 
-    def _send_freed(self) -> None:
-        if self._freed_timer is not None:
-            self._freed_timer.cancel()
-            self._freed_timer = None
-        out, self._freed_out = self._freed_out, {}
-        self._freed_bytes = 0
-        for sid, ids in out.items():
+    def _send_freed(self, sids: Iterable[str] | None = None) -> None:
+        """Freed frames to ``sids`` (default: every session with notices pending)."""
+        if sids is None:
+            if self._freed_timer is not None:
+                self._freed_timer.cancel()
+                self._freed_timer = None
+            sids = list(self._freed_out)
+        for sid in sids:
+            ids = self._freed_out.pop(sid, None)
+            self._freed_bytes.pop(sid, None)
+            self._freed_due.discard(sid)
             session = self.sessions.get(sid)
-            if session is not None and session.sink is not None:
+            if ids and session is not None and session.sink is not None:
                 session.sink(pb.SessionFrame(freed=pb.Freed(lease_ids=ids)))
 
     def _event(self, session: Session, code: pb.ErrorCode, message: str) -> None:

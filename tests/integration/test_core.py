@@ -275,6 +275,33 @@ def test_a_put_beyond_the_stage_quota_fails_at_once_and_alone(tmp_path: object) 
         wait_until(lambda: _drained(d), 10, "arena back to zero")
 
 
+def test_a_writer_short_of_space_gets_the_releases_readers_hold_back(
+    tmp_path: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Releases linger to share frames, but not while a writer waits for their space.
+
+    The readers' linger is made a minute here: only the daemon's reclaim,
+    sent when the writer's Grant has to wait, can bring the releases in time.
+    """
+    import relayd_client._client
+    import relayd_client._session
+
+    monkeypatch.setattr(relayd_client._client, "NOTICE_LINGER_S", 60.0)
+    monkeypatch.setattr(relayd_client._session, "LINGER_MAX_BYTES", 1 << 40)
+
+    async def scenario(sock: str) -> None:
+        async with RelayClient("thinker", sock, timeout=30) as w, RelayClient("talker", sock) as r:
+            for i in range(12):  # 12 MiB through an 8 MiB stage quota
+                ref = await w.put(make_payload(i, MiB), to_stage="talker", request_id=f"q{i}")
+                assert digest(await r.get(ref)) == digest(make_payload(i, MiB))
+            await r.get(await w.put(make_payload(99, MiB), to_stage="talker", request_id="x"))
+            r._session.flush()  # the last release would linger past the check below
+
+    with running_daemon(str(tmp_path), "--grant-size", "1MiB", pool="16MiB") as d:
+        asyncio.run(asyncio.wait_for(scenario(d.socket), 25))
+        wait_until(lambda: _drained(d), 10, "arena back to zero")
+
+
 def test_stale_corrupt_and_old_epoch_refs_are_refused(tmp_path: object) -> None:
     async def first(sock: str) -> tuple[bytes, bytes]:
         async with RelayClient("thinker", sock) as w, RelayClient("talker", sock) as r:

@@ -181,6 +181,29 @@ def test_a_peer_release_before_the_publish_waits_for_it(arena: Arena) -> None:
     assert not m.release_from_peer(early, early)  # announced and freed: nothing to hold
 
 
+def test_what_a_reader_said_before_the_publish_holds_after_it_is_gone(arena: Arena) -> None:
+    # The writer's notices linger, so a reader can read, release and close
+    # before the Reserve and Publish land; that must not leave the lease to the TTL.
+    clock, reclaimed, wf = Clock(), [], []  # type: ignore[var-annotated]
+    m = _manager(arena, clock, reclaimed)
+    w = _session(m, "thinker", wf)
+    grant = asyncio.run(m.grant(w, SLOT, 1.0))
+    base = m.new_generation_base(grant)
+    released, claimed, stranger = base + 1, base + 2, base + 3
+    r, other = _session(m, "talker", []), _session(m, "bystander", [])
+    m.on_release(r, pb.Release(lease_id=released, generation=released))
+    m.on_claim(r, pb.Claim(lease_id=claimed, generation=claimed))
+    m.on_release(other, pb.Release(lease_id=stranger, generation=stranger))  # not its stage
+    m.close_session(r.id)
+    m.close_session(other.id)
+    for k, lid in enumerate((released, claimed, stranger)):
+        _publish(m, w, grant, k, 1, rid=f"r{lid}")
+    assert released not in m.leases and claimed not in m.leases
+    assert reclaimed == ["reader_died"]  # the claim ended as the reader's death would
+    assert m.leases[stranger].state is LeaseState.PUBLISHED
+    assert not m._early
+
+
 def test_reader_death_while_claimed_frees(arena: Arena) -> None:
     clock, reclaimed, wf, rf = Clock(), [], [], []  # type: ignore[var-annotated]
     m = _manager(arena, clock, reclaimed)
@@ -313,6 +336,53 @@ def test_freed_notices_for_large_leases_go_at_once(
         m.on_release(r, pb.Release(lease_id=last, generation=last))
         m.flush()  # the count started over: one slot lingers again
         assert freed() == [[*small, big]]
+
+    asyncio.run(go())
+
+
+def test_freed_notices_linger_per_writer_and_not_while_space_is_short(
+    arena: Arena, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from relayd.pools import leases
+
+    monkeypatch.setattr(leases, "FREED_LINGER_MAX_BYTES", 2 * SLOT)
+    af, bf, rf, hf = [], [], [], []  # type: ignore[var-annotated]
+    m = LeaseManager(
+        arena, grant_bytes=8 * SLOT, lease_ttl=10.0, stage_quota_bytes=16 * SLOT,
+        max_sessions=8, clock=Clock(), freed_linger=60.0,
+    )  # fmt: skip
+    a, b = _session(m, "thinker", af), _session(m, "encoder", bf)
+    r, hog = _session(m, "talker", rf), _session(m, "hog", hf)
+
+    def freed(frames: list[pb.SessionFrame]) -> list[list[int]]:
+        return [list(f.freed.lease_ids) for f in frames if f.HasField("freed")]
+
+    def release(lease_id: int) -> None:
+        m.on_release(r, pb.Release(lease_id=lease_id, generation=lease_id))
+        m.flush()
+
+    async def go() -> None:
+        ga, gb = await m.grant(a, SLOT, 1.0), await m.grant(b, SLOT, 1.0)
+        a1, a2 = (_publish(m, a, ga, k, 1, rid=f"a{k}") for k in range(2))
+        b1, b2 = (_publish(m, b, gb, k, 1, rid=f"b{k}") for k in range(2))
+        release(a1)
+        release(b1)
+        assert freed(af) == freed(bf) == []  # one slot each: both linger
+        release(a2)  # a's two slots reach the cap; b's one does not
+        assert freed(af) == [[a1, a2]] and freed(bf) == []
+        # The hog takes the rest of the arena and asks for more: it waits.
+        hog_grant = await m.grant(hog, 16 * SLOT, 1.0)
+        waiting = asyncio.ensure_future(m.grant(hog, 8 * SLOT, 5.0))
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        assert freed(bf) == [[b1]]  # what lingered went when the wait began
+        # Every other session, readers without grants included, is asked to
+        # send what it holds back and return what it does not use.
+        assert any(ev.kind == "reclaim" for f in rf for ev in f.event)
+        release(b2)
+        assert freed(bf) == [[b1], [b2]]  # no lingering while space is short
+        m.return_grant(hog, hog_grant.id)
+        await asyncio.wait_for(waiting, 5)
 
     asyncio.run(go())
 
