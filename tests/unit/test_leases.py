@@ -32,12 +32,19 @@ def arena() -> Iterator[Arena]:
     a.close()
 
 
-def _manager(arena: Arena, clock: Clock, reclaimed: list[str]) -> LeaseManager:
+def _manager(
+    arena: Arena, clock: Clock, reclaimed: list[str], freed_linger: float = 0.0
+) -> LeaseManager:
     return LeaseManager(
         arena, grant_bytes=8 * SLOT, lease_ttl=10.0, stage_quota_bytes=24 * SLOT,
-        max_sessions=8, clock=clock,
+        max_sessions=8, clock=clock, freed_linger=freed_linger,
         hooks=Hooks(reclaimed=lambda reason, n: reclaimed.extend([reason.value] * n)),
     )  # fmt: skip
+
+
+def _freed(frames: list[pb.SessionFrame]) -> list[list[int]]:
+    """The lease ids of each Freed frame a writer got, in order."""
+    return [list(f.freed.lease_ids) for f in frames if f.HasField("freed")]
 
 
 def _session(m: LeaseManager, stage: str, frames: list[pb.SessionFrame]):  # type: ignore[no-untyped-def]
@@ -275,14 +282,8 @@ def test_freed_notices_linger_into_one_frame_and_a_grant_request_flushes_them(
     arena: Arena,
 ) -> None:
     clock, wf, rf = Clock(), [], []  # type: ignore[var-annotated]
-    m = LeaseManager(
-        arena, grant_bytes=8 * SLOT, lease_ttl=10.0, stage_quota_bytes=24 * SLOT,
-        max_sessions=8, clock=clock, freed_linger=0.05,
-    )  # fmt: skip
+    m = _manager(arena, clock, [], freed_linger=0.05)
     w, r = _session(m, "thinker", wf), _session(m, "talker", rf)
-
-    def freed() -> list[list[int]]:
-        return [list(f.freed.lease_ids) for f in wf if f.HasField("freed")]
 
     async def go() -> None:
         grant = await m.grant(w, SLOT, 1.0)
@@ -290,16 +291,16 @@ def test_freed_notices_linger_into_one_frame_and_a_grant_request_flushes_them(
         for lid in ids[:2]:
             m.on_release(r, pb.Release(lease_id=lid, generation=lid))
             m.flush()
-        assert freed() == []  # lingering, not lost
+        assert _freed(wf) == []  # lingering, not lost
         async with asyncio.timeout(5):
-            while not freed():
+            while not _freed(wf):
                 await asyncio.sleep(0.01)
-        assert freed() == [ids[:2]]  # both in one frame
+        assert _freed(wf) == [ids[:2]]  # both in one frame
         # A writer asking for space gets what is pending at once, before the linger.
         m.on_release(r, pb.Release(lease_id=ids[2], generation=ids[2]))
         m.flush()
         await m.grant(w, SLOT, 1.0)
-        assert freed() == [ids[:2], [ids[2]]]
+        assert _freed(wf) == [ids[:2], [ids[2]]]
 
     asyncio.run(go())
 
@@ -312,14 +313,8 @@ def test_freed_notices_for_large_leases_go_at_once(
 
     monkeypatch.setattr(leases, "FREED_LINGER_MAX_BYTES", 3 * SLOT)
     wf, rf = [], []  # type: ignore[var-annotated]
-    m = LeaseManager(
-        arena, grant_bytes=8 * SLOT, lease_ttl=10.0, stage_quota_bytes=24 * SLOT,
-        max_sessions=8, clock=Clock(), freed_linger=60.0,
-    )  # fmt: skip
+    m = _manager(arena, Clock(), [], freed_linger=60.0)
     w, r = _session(m, "thinker", wf), _session(m, "talker", rf)
-
-    def freed() -> list[list[int]]:
-        return [list(f.freed.lease_ids) for f in wf if f.HasField("freed")]
 
     async def go() -> None:
         grant = await m.grant(w, SLOT, 1.0)
@@ -328,14 +323,14 @@ def test_freed_notices_for_large_leases_go_at_once(
         for lid in small:  # 2 slots: below the cap, they linger (a minute, here)
             m.on_release(r, pb.Release(lease_id=lid, generation=lid))
             m.flush()
-        assert freed() == []
+        assert _freed(wf) == []
         m.on_release(r, pb.Release(lease_id=big, generation=big))
         m.flush()  # now 5 slots' worth: everything pending goes in this turn
-        assert freed() == [[*small, big]]
+        assert _freed(wf) == [[*small, big]]
         last = _publish(m, w, grant, 5, 1, rid="last")
         m.on_release(r, pb.Release(lease_id=last, generation=last))
         m.flush()  # the count started over: one slot lingers again
-        assert freed() == [[*small, big]]
+        assert _freed(wf) == [[*small, big]]
 
     asyncio.run(go())
 
@@ -347,15 +342,9 @@ def test_freed_notices_linger_per_writer_and_not_while_space_is_short(
 
     monkeypatch.setattr(leases, "FREED_LINGER_MAX_BYTES", 2 * SLOT)
     af, bf, rf, hf = [], [], [], []  # type: ignore[var-annotated]
-    m = LeaseManager(
-        arena, grant_bytes=8 * SLOT, lease_ttl=10.0, stage_quota_bytes=16 * SLOT,
-        max_sessions=8, clock=Clock(), freed_linger=60.0,
-    )  # fmt: skip
+    m = _manager(arena, Clock(), [], freed_linger=60.0)
     a, b = _session(m, "thinker", af), _session(m, "encoder", bf)
     r, hog = _session(m, "talker", rf), _session(m, "hog", hf)
-
-    def freed(frames: list[pb.SessionFrame]) -> list[list[int]]:
-        return [list(f.freed.lease_ids) for f in frames if f.HasField("freed")]
 
     def release(lease_id: int) -> None:
         m.on_release(r, pb.Release(lease_id=lease_id, generation=lease_id))
@@ -367,20 +356,20 @@ def test_freed_notices_linger_per_writer_and_not_while_space_is_short(
         b1, b2 = (_publish(m, b, gb, k, 1, rid=f"b{k}") for k in range(2))
         release(a1)
         release(b1)
-        assert freed(af) == freed(bf) == []  # one slot each: both linger
+        assert _freed(af) == _freed(bf) == []  # one slot each: both linger
         release(a2)  # a's two slots reach the cap; b's one does not
-        assert freed(af) == [[a1, a2]] and freed(bf) == []
+        assert _freed(af) == [[a1, a2]] and _freed(bf) == []
         # The hog takes the rest of the arena and asks for more: it waits.
         hog_grant = await m.grant(hog, 16 * SLOT, 1.0)
         waiting = asyncio.ensure_future(m.grant(hog, 8 * SLOT, 5.0))
         await asyncio.sleep(0)
         assert not waiting.done()
-        assert freed(bf) == [[b1]]  # what lingered went when the wait began
+        assert _freed(bf) == [[b1]]  # what lingered went when the wait began
         # Every other session, readers without grants included, is asked to
         # send what it holds back and return what it does not use.
         assert any(ev.kind == "reclaim" for f in rf for ev in f.event)
         release(b2)
-        assert freed(bf) == [[b1], [b2]]  # no lingering while space is short
+        assert _freed(bf) == [[b1], [b2]]  # no lingering while space is short
         m.return_grant(hog, hog_grant.id)
         await asyncio.wait_for(waiting, 5)
 
