@@ -81,6 +81,7 @@ IDLE_GRANTS = 4
 # the re-attach only up to its own deadline.
 RECONNECT_FIRST_DELAY = 0.05
 RECONNECT_MAX_DELAY = 2.0
+RECONNECT_CALLER_DELAY = 0.1  # between attempts while a call waits for one
 # The socket fallback moves whole packed regions in one gRPC message.
 _MAX_MESSAGE = 1 << 30
 _CHANNEL_OPTIONS = [
@@ -250,6 +251,8 @@ class RelayClient:
         self._draining = False
         self._lost = False
         self._reconnect_task: asyncio.Task[None] | None = None
+        self._reconnect_now = asyncio.Event()  # a call came: try again at once
+        self._reattach_waiters = 0  # calls waiting for the re-attach
         self._held: set[int] = set()
         # cross-node: object id -> the local DataRef a zero-copy get fetched it into
         self._fetched: dict[str, pb.DataRef] = {}
@@ -375,6 +378,7 @@ class RelayClient:
         """
         delay = RECONNECT_FIRST_DELAY
         while self.state is ClientState.OPENED:
+            self._reconnect_now.clear()  # a call from now on cuts the next wait short
             # A put may be waiting on the grant call: let it fail by itself once
             # the channel is closed (a cancel would reach that put as
             # CancelledError), and only then forget the old grants.
@@ -392,9 +396,14 @@ class RelayClient:
                     raise DaemonUnavailableError(f"no relayd socket at {self.socket}")
                 await self._connect()
             except (RelayError, OSError, ValueError) as exc:
-                log.debug("re-attach failed (%s); retrying in %.2fs", exc, delay)
-                # Backoff between attempts, not synchronization: nothing to wait on.
-                await asyncio.sleep(delay)
+                # Backoff between attempts while nobody needs the daemon; a call
+                # that does cuts it short and keeps attempts frequent until
+                # it has its answer, so the first call after a restart does
+                # not wait out a backoff grown while the daemon was gone.
+                wait = RECONNECT_CALLER_DELAY if self._reattach_waiters else delay
+                log.debug("re-attach failed (%s); retrying in %.2fs", exc, wait)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._reconnect_now.wait(), wait)
                 delay = min(delay * 2, RECONNECT_MAX_DELAY)
                 continue
             self._lost = False
@@ -408,6 +417,8 @@ class RelayClient:
             return
         if self._reconnect_task is None or self._reconnect_task.done():
             self._reconnect_task = asyncio.get_running_loop().create_task(self._reconnect())
+        self._reconnect_now.set()
+        self._reattach_waiters += 1
         limit = self.timeout if timeout is None else timeout
         try:
             await asyncio.wait_for(asyncio.shield(self._reconnect_task), max(limit, 0.0))
@@ -415,6 +426,8 @@ class RelayClient:
             raise DaemonUnavailableError(
                 f"the relayd daemon went away and did not come back within {limit:.3g}s"
             ) from None
+        finally:
+            self._reattach_waiters -= 1
 
     # -- end reconnect ----------------------------------------------------------------
 
