@@ -575,15 +575,11 @@ def unpack_from(base: int, specs: Sequence[TensorSpec]) -> list[torch.Tensor]:
     The caller keeps the memory mapped and has validated the layout against
     the region's length.
     """
-    result: list[torch.Tensor | None] = [None] * len(specs)
-    for spec in specs:
-        tensor = _empty(spec, _DTYPES[spec.dtype])
-        if spec.nbytes:
-            # A byte copy: plain memcpy for every dtype, bit exact (NaN
-            # payloads included) and with no alignment requirement on src.
-            _memcpy(tensor.data_ptr(), base + spec.offset, spec.nbytes)
-        result[spec.index] = tensor
-    return result  # type: ignore[return-value]  # validated: every index filled once
+    out = allocate(specs)
+    # Byte copies: plain memcpy for every dtype, bit exact (NaN payloads
+    # included) and with no alignment requirement on the source.
+    run_copies(copy_plan(base, specs, out))
+    return out
 
 
 def _empty(spec: TensorSpec, dt: torch.dtype) -> torch.Tensor:

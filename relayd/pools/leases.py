@@ -246,7 +246,6 @@ class LeaseManager:
         self._early: dict[int, list[tuple[str, str, int, float, tuple[str, ...]]]] = {}
         self._freed_out: dict[str, list[int]] = {}  # by writer session
         self._freed_bytes: dict[str, int] = {}  # the arena they give back, by session
-        self._freed_due: set[str] = set()  # sessions past FREED_LINGER_MAX_BYTES
         # Freed notices wait this long to be batched (0: sent at the end of each turn).
         self.freed_linger = freed_linger
         self._freed_timer: asyncio.TimerHandle | None = None
@@ -315,7 +314,6 @@ class LeaseManager:
         # after _orphan: adopting may free some
         self._freed_out.pop(session_id, None)
         self._freed_bytes.pop(session_id, None)
-        self._freed_due.discard(session_id)
         session.grants.clear()
         session.granted_slots = 0
         session.pool_slots.clear()
@@ -905,10 +903,9 @@ class LeaseManager:
         else:
             sid = grant.session_id
             self._freed_out.setdefault(sid, []).append(lease.id)
-            held = self._freed_bytes.get(sid, 0) + lease.run.nslots * self.slot_size
-            self._freed_bytes[sid] = held
-            if held >= FREED_LINGER_MAX_BYTES:
-                self._freed_due.add(sid)
+            self._freed_bytes[sid] = (
+                self._freed_bytes.get(sid, 0) + lease.run.nslots * self.slot_size
+            )
 
     def _free_lease(self, lease: Lease, reason: ReclaimReason | None) -> None:
         self._forget(lease)
@@ -941,8 +938,9 @@ class LeaseManager:
         if self.freed_linger <= 0 or any(not w.future.done() for w in self._waiters):
             self._send_freed()
             return
-        if self._freed_due:
-            self._send_freed(list(self._freed_due))
+        due = [sid for sid, n in self._freed_bytes.items() if n >= FREED_LINGER_MAX_BYTES]
+        if due:
+            self._send_freed(due)
         if self._freed_out and self._freed_timer is None:
             loop = asyncio.get_running_loop()
             self._freed_timer = loop.call_later(self.freed_linger, self._send_freed)
@@ -957,7 +955,6 @@ class LeaseManager:
         for sid in sids:
             ids = self._freed_out.pop(sid, None)
             self._freed_bytes.pop(sid, None)
-            self._freed_due.discard(sid)
             session = self.sessions.get(sid)
             if ids and session is not None and session.sink is not None:
                 session.sink(pb.SessionFrame(freed=pb.Freed(lease_ids=ids)))
