@@ -348,8 +348,8 @@ class LeaseManager:
     def _adopt_sealed(self, grant: Grant, writer: Session) -> None:
         """Publish what a dead writer sealed but never announced.
 
-        A writer's Publish notices linger up to a couple of ms, so it can die
-        after handing out a DataRef the daemon has not heard of. Its slot
+        A writer's Publish notices linger (up to the client's NOTICE_LINGER_S),
+        so it can die after handing out a DataRef the daemon has not heard of. Its slot
         headers say what it sealed: a RESERVED lease whose header carries its
         generation is published, and a header of this grant's generation over
         slots no known lease covers is a lease whose Reserve never came.
