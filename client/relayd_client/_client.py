@@ -19,7 +19,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -42,12 +42,12 @@ from ._errors import (
     StaleRefError,
     StreamError,
 )
+from ._grants import Grant, Lease, LeaseTable
 from ._proto import relay_pb2 as pb
 from ._proto import relay_pb2_grpc as pb_grpc
 from ._refs import TensorRef, substitute
 from ._session import SessionChannel
 from ._shm import MappedSegment
-from ._slots import SlotAllocator
 from ._status import from_rpc_error
 from ._streams import MAX_BUFFERED, Streams
 from ._transport import Transport
@@ -114,21 +114,10 @@ def default_socket() -> str:
     return os.path.join(tempfile.gettempdir(), f"relayd-{os.getuid()}", "relayd.sock")
 
 
-class _Grant:
-    __slots__ = (
-        "alloc", "base", "gen_base", "id", "live", "next_seq", "nslots", "pool", "segment"
-    )  # fmt: skip
-
-    def __init__(self, resp: pb.GrantResponse) -> None:
-        self.id = resp.grant_id
-        self.segment = resp.segment
-        self.base = resp.slot
-        self.nslots = resp.nslots
-        self.gen_base = resp.generation_base
-        self.alloc = SlotAllocator(resp.nslots)
-        self.next_seq = 1
-        self.live = 0
-        self.pool = resp.pool or "shm"
+def _grant(resp: pb.GrantResponse) -> Grant:
+    return Grant(
+        resp.grant_id, resp.segment, resp.slot, resp.nslots, resp.generation_base, resp.pool
+    )
 
 
 class _Shape:
@@ -162,6 +151,20 @@ class _Shape:
 _ShapeKey = tuple[str, "pb.HeaderCodec", bytes, tuple[tuple[Any, ...], ...]]
 
 
+class _PutPlan:
+    """A put past its shared, synchronous part: what remains is to route and write it."""
+
+    __slots__ = ("msg", "refs", "shape", "tensors")
+
+    def __init__(
+        self, msg: pb.DataRef, tensors: list[Any], shape: _Shape, refs: list[TensorRef]
+    ) -> None:
+        self.msg = msg
+        self.tensors = tensors
+        self.shape = shape
+        self.refs = refs
+
+
 class _GrantCall:
     """A Grant call in flight for one pool; every put short of space waits on it."""
 
@@ -193,20 +196,6 @@ class _GrantCall:
         )
 
 
-class _Lease:
-    __slots__ = ("grant", "id", "local", "nslots")
-
-    def __init__(self, grant: _Grant, local: int, nslots: int, lease_id: int) -> None:
-        self.grant = grant
-        self.local = local
-        self.nslots = nslots
-        self.id = lease_id
-
-    @property
-    def slot(self) -> int:
-        return self.grant.base + self.local
-
-
 class RelayClient:
     """Async client of the node's relayd.
 
@@ -232,12 +221,11 @@ class RelayClient:
         self.state = ClientState.UNOPENED
         self._channel: grpc.aio.Channel | None = None
         self._stub: pb_grpc.RelayStub | None = None
-        self._session = SessionChannel(self._on_frame, self._on_lost)
+        self._table = LeaseTable()
+        self._session = SessionChannel(self._on_frame, self._on_lost, self._table.lock)
         self._attach: pb.AttachResponse | None = None
         self._segments: list[MappedSegment] = []
         self._views: list[Any] = []
-        self._grants: dict[int, _Grant] = {}
-        self._leases: dict[int, _Lease] = {}
         self._space = asyncio.Event()
         self._grant_calls: dict[str, _GrantCall] = {}  # by pool, "shm" included
         self._aborted: collections.OrderedDict[str, None] = collections.OrderedDict()
@@ -387,10 +375,9 @@ class RelayClient:
             if pending is not None:
                 with contextlib.suppress(BaseException):
                     await pending.task
-            self._grants.clear()
-            self._leases.clear()
+            self._table.clear()
             self._held.clear()
-            self._session = SessionChannel(self._on_frame, self._on_lost)
+            self._session = SessionChannel(self._on_frame, self._on_lost, self._table.lock)
             try:
                 if not os.path.exists(self.socket):
                     raise DaemonUnavailableError(f"no relayd socket at {self.socket}")
@@ -489,6 +476,33 @@ class RelayClient:
         """
         await self._reattached(timeout)  # reconnect
         a = self._require_open()
+        plan = self._plan_put(a, obj, to_stage, request_id, chunk_id, pickle)
+        if isinstance(plan, DataRef):
+            return plan
+        msg, tensors, specs, total = plan.msg, plan.tensors, plan.shape.specs, plan.shape.total
+        shape, refs = plan.shape, plan.refs
+        route = await self._route(to_stage, shape.has_cpu, shape.cuda_uuids)
+        # The registry says "same process"; the stage must also still be served
+        # here (it may have closed since). A payload with forwarded refs goes
+        # the normal way so that get() at the consumer materializes them.
+        if route == pb.TRANSPORT_LOCAL_OBJECT and not refs and _local.serves(to_stage):
+            return self._put_local(obj, plan)
+        if self._gpu is not None and not refs and shape.cuda_uuids:
+            gpu_ref = await self._put_gpu(msg, tensors, specs, total, timeout, route)
+            if gpu_ref is not None:
+                return gpu_ref
+        return await self._publish(msg, tensors, specs, total, timeout)
+
+    def _plan_put(
+        self,
+        a: pb.AttachResponse,
+        obj: Any,
+        to_stage: str,
+        request_id: str,
+        chunk_id: int | None,
+        pickle: bool,
+    ) -> DataRef | _PutPlan:
+        """The part of a put both clients share: the finished DataRef when it goes inline."""
         _check_names(to_stage, request_id)
         if chunk_id is not None:
             if chunk_id < 0:
@@ -508,7 +522,8 @@ class RelayClient:
         msg.object_id = f"{self._object_prefix}{next(self._object_seq)}"
         msg.request_id = request_id
         msg.chunk_id = -1 if chunk_id is None else chunk_id
-        msg.refs.extend(r.proto for r in refs)
+        if refs:
+            msg.refs.extend(r.proto for r in refs)
         if len(header) + total + 64 * len(specs) <= INLINE_LIMIT and not (
             chunk_id is not None and tensors
         ):
@@ -518,21 +533,15 @@ class RelayClient:
             return DataRef(msg)
         if request_id in self._aborted:
             raise AbortedError(f"request {request_id!r} was aborted")
-        route = await self._route(to_stage, shape.has_cpu, shape.cuda_uuids)
-        # The registry says "same process"; the stage must also still be served
-        # here (it may have closed since). A payload with forwarded refs goes
-        # the normal way so that get() at the consumer materializes them.
-        if route == pb.TRANSPORT_LOCAL_OBJECT and not refs and _local.serves(to_stage):
-            msg.transport = pb.TRANSPORT_LOCAL_OBJECT
-            msg.object_id = f"{_local.process_tag()}-{msg.object_id}"
-            _local.put(obj, to_stage, request_id, msg.object_id)
-            self._report(pb.TRANSPORT_LOCAL_OBJECT, _packing.payload_nbytes(specs))
-            return DataRef(msg)
-        if self._gpu is not None and not refs:
-            gpu_ref = await self._put_gpu(msg, tensors, specs, total, timeout, route)
-            if gpu_ref is not None:
-                return gpu_ref
-        return await self._publish(msg, tensors, specs, total, timeout)
+        return _PutPlan(msg, tensors, shape, refs)
+
+    def _put_local(self, obj: Any, plan: _PutPlan) -> DataRef:
+        msg = plan.msg
+        msg.transport = pb.TRANSPORT_LOCAL_OBJECT
+        msg.object_id = f"{_local.process_tag()}-{msg.object_id}"
+        _local.put(obj, msg.to_stage, msg.request_id, msg.object_id)
+        self._report(pb.TRANSPORT_LOCAL_OBJECT, _packing.payload_nbytes(plan.shape.specs))
+        return DataRef(msg)
 
     def _shape(
         self,
@@ -671,33 +680,35 @@ class RelayClient:
 
     async def _open_lease(
         self, msg: pb.DataRef, total: int, timeout: float | None
-    ) -> tuple[_Lease, int]:
+    ) -> tuple[Lease, int]:
         """Reserve an arena lease for ``msg``; returns it and where its data starts in its segment."""
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         lease = await self._reserve(total, deadline)
         self._reserve_notice(lease, msg)
         return lease, self._segments[lease.grant.segment].slot_offset(lease.slot)
 
-    def _reserve_notice(self, lease: _Lease, msg: pb.DataRef) -> None:
-        self._session.pending.reserve.append(
-            pb.Reserve(
-                lease_id=lease.id,
-                grant_id=lease.grant.id,
-                slot=lease.slot,
-                nslots=lease.nslots,
-                generation=lease.id,
-                request_id=msg.request_id,
-                to_stage=msg.to_stage,
-                from_stage=self.stages[0],
+    def _reserve_notice(self, lease: Lease, msg: pb.DataRef) -> None:
+        with self._table.lock:
+            self._session.pending.reserve.append(
+                pb.Reserve(
+                    lease_id=lease.id,
+                    grant_id=lease.grant.id,
+                    slot=lease.slot,
+                    nslots=lease.nslots,
+                    generation=lease.id,
+                    request_id=msg.request_id,
+                    to_stage=msg.to_stage,
+                    from_stage=self.stages[0],
+                )
             )
-        )
 
-    def _cancel_lease(self, lease: _Lease) -> None:
-        self._session.pending.cancel.append(pb.Cancel(lease_id=lease.id))
-        self._free_local(lease)
-        self._session.mark()
+    def _cancel_lease(self, lease: Lease) -> None:
+        with self._table.lock:
+            self._session.pending.cancel.append(pb.Cancel(lease_id=lease.id))
+            self._free_local(lease)
+            self._session.mark()
 
-    def _seal_lease(self, msg: pb.DataRef, lease: _Lease, total: int, *, ref: bool) -> DataRef:
+    def _seal_lease(self, msg: pb.DataRef, lease: Lease, total: int, *, ref: bool) -> DataRef:
         """Stamp the generation, fill in the DataRef and publish it."""
         if msg.request_id in self._aborted:
             self._cancel_lease(lease)
@@ -716,17 +727,17 @@ class RelayClient:
         out.length = total
         out.generation = gen
         out.lease_id = lease.id
-        frame = self._session.pending
-        frame.publish.append(
-            pb.Publish(lease_id=lease.id, nbytes=total, transport=pb.TRANSPORT_SHM, ref=ref)
-        )
-        # The Publish lingers with other notices (one daemon wakeup per batch,
-        # not per put: the daemon's CPU per transfer halved, measured). The
-        # slot header just written, not the daemon, is what makes the data
-        # safe to read meanwhile: a reader's claim or release that overtakes
-        # the Publish is held until it lands, and if this process dies first
-        # the daemon publishes what the header says was sealed.
-        self._session.mark(linger=NOTICE_LINGER_S, holds=total)
+        with self._table.lock:
+            self._session.pending.publish.append(
+                pb.Publish(lease_id=lease.id, nbytes=total, transport=pb.TRANSPORT_SHM, ref=ref)
+            )
+            # The Publish lingers with other notices (one daemon wakeup per batch,
+            # not per put: the daemon's CPU per transfer halved, measured). The
+            # slot header just written, not the daemon, is what makes the data
+            # safe to read meanwhile: a reader's claim or release that overtakes
+            # the Publish is held until it lands, and if this process dies first
+            # the daemon publishes what the header says was sealed.
+            self._session.mark(linger=NOTICE_LINGER_S, holds=total)
         return DataRef(msg)
 
     async def _publish_socket(
@@ -819,9 +830,18 @@ class RelayClient:
         in their own puts; ``get`` at the consumer materializes the tensor.
         ``abort(request_id)`` frees it if it was not consumed.
         """
+        a = self._require_open()
+        msg, specs, total = self._plan_ref(a, tensor, consumer_stage, request_id)
+        # Always leased, even when tiny: the point is that forwarding stages
+        # carry a fixed-size reference, never the bytes.
+        await self._publish(msg, [tensor], specs, total, timeout, ref=True)
+        return TensorRef(msg)
+
+    def _plan_ref(
+        self, a: pb.AttachResponse, tensor: Any, consumer_stage: str, request_id: str
+    ) -> tuple[pb.DataRef, list[_packing.TensorSpec], int]:
         import torch
 
-        a = self._require_open()
         _check_names(consumer_stage, request_id)
         if not isinstance(tensor, torch.Tensor):
             raise InvalidArgumentError(f"ref() takes a tensor, got {type(tensor).__name__}")
@@ -830,10 +850,7 @@ class RelayClient:
         msg.header_codec = pb.HEADER_CODEC_SAFE
         msg.header = _codec.encode(_codec.TensorSlot(0))
         _add_layout(msg, specs)
-        # Always leased, even when tiny: the point is that forwarding stages
-        # carry a fixed-size reference, never the bytes.
-        await self._publish(msg, [tensor], specs, total, timeout, ref=True)
-        return TensorRef(msg)
+        return msg, specs, total
 
     # -- stream signals ------------------------------------------------------------
 
@@ -870,7 +887,7 @@ class RelayClient:
         msg.message = message[:4096]
         return DataRef(msg)
 
-    async def _reserve(self, nbytes: int, deadline: float, pool: str = "shm") -> _Lease:
+    async def _reserve(self, nbytes: int, deadline: float, pool: str = "shm") -> Lease:
         a = self._require_open()
         nslots = max(1, -(-nbytes // a.slot_size))
         while True:
@@ -952,54 +969,46 @@ class RelayClient:
             or resp.slot + resp.nslots > self._segments[resp.segment].nslots
         ):
             raise RelayError("daemon granted a run outside its arena")
-        if resp.grant_id in self._grants:
-            raise RelayError(f"daemon granted run {resp.grant_id} twice")
-        self._grants[resp.grant_id] = _Grant(resp)
+        try:
+            self._table.add(_grant(resp))
+        except ValueError:
+            raise RelayError(f"daemon granted run {resp.grant_id} twice") from None
         self._space.set()
 
-    def _alloc_local(self, nslots: int, pool: str = "shm") -> _Lease | None:
-        for grant in self._grants.values():
-            if grant.pool != pool:
-                continue
-            local = grant.alloc.allocate(nslots)
-            if local is not None:
-                lease_id = grant.gen_base + grant.next_seq
-                grant.next_seq += 1
-                grant.live += 1
-                lease = _Lease(grant, local, nslots, lease_id)
-                self._leases[lease_id] = lease
-                return lease
-        return None
+    def _alloc_local(self, nslots: int, pool: str = "shm") -> Lease | None:
+        return self._table.cut(nslots, pool)
 
-    def _free_local(self, lease: _Lease) -> None:
-        if self._leases.pop(lease.id, None) is None:
-            return
-        grant = lease.grant
-        grant.alloc.free(lease.local, lease.nslots)
-        grant.live -= 1
-        if self._gpu is not None:
-            self._gpu.forget(lease.id)
+    def _free_local(self, lease: Lease) -> None:
+        table = self._table
+        with table.lock:
+            if table.free(lease.id) is None:
+                return
+            grant = lease.grant
+            if self._gpu is not None:
+                self._gpu.forget(lease.id)
+            a = self._attach
+            if grant.live == 0 and a is not None:
+                # Keep idle grants up to a budget: a Freed notice can trail the
+                # reader's ack, and re-granting costs a gRPC round trip (~1 ms,
+                # half a 16 MiB copy). The daemon asks for them back under pressure.
+                budget = IDLE_GRANTS * max(a.default_grant_bytes // a.slot_size, 1)
+                if table.idle_slots(grant.pool) > budget:
+                    self._give_back(grant)
+        self._space_freed()
+
+    def _space_freed(self) -> None:
         self._space.set()
-        a = self._attach
-        if grant.live == 0 and a is not None:
-            # Keep idle grants up to a budget: a Freed notice can trail the
-            # reader's ack, and re-granting costs a gRPC round trip (~1 ms,
-            # half a 16 MiB copy). The daemon asks for them back under pressure.
-            budget = IDLE_GRANTS * max(a.default_grant_bytes // a.slot_size, 1)
-            idle = sum(
-                g.nslots for g in self._grants.values() if g.live == 0 and g.pool == grant.pool
-            )
-            if idle > budget:
-                self._give_back(grant)
 
-    def _give_back(self, grant: _Grant) -> None:
-        del self._grants[grant.id]
-        self._session.pending.return_grant.append(pb.ReturnGrant(grant_id=grant.id))
-        self._session.mark()
+    def _give_back(self, grant: Grant) -> None:
+        with self._table.lock:
+            self._table.drop(grant.id)
+            self._session.pending.return_grant.append(pb.ReturnGrant(grant_id=grant.id))
+            self._session.mark()
 
     def _return_idle_grants(self, pool: str | None = None) -> None:
-        for g in [g for g in self._grants.values() if g.live == 0 and pool in (None, g.pool)]:
-            self._give_back(g)
+        with self._table.lock:
+            for g in self._table.idle(pool):
+                self._give_back(g)
 
     # -- get ------------------------------------------------------------------------
 
@@ -1009,17 +1018,7 @@ class RelayClient:
         ref = ref if isinstance(ref, DataRef) else DataRef.from_bytes(ref)
         await self._reattached(None)  # reconnect
         m = ref.proto
-        if m.to_stage not in self.stages:
-            raise PermissionDeniedError(
-                f"DataRef is addressed to stage {m.to_stage!r}; this client serves {self.stages}"
-            )
-        if m.kind != KIND_DATA:
-            raise InvalidArgumentError(
-                "a done/error signal carries no payload; hand it to feed() and read stream()"
-            )
-        # Whether or not the daemon has freed it yet (the writer's notices may
-        # still be on the way), an aborted request's data is not read here.
-        self._raise_if_aborted(m)
+        self._check_readable(m)
         transport = ref.transport
         if transport is Transport.LOCAL_OBJECT:
             return self._take_local(m)
@@ -1027,10 +1026,7 @@ class RelayClient:
             return await self._get_forwarded(m, copy)
         tree = self._decode_header(m)
         if transport is Transport.INLINE:
-            data = m.inline_data
-            # One allocation and a memcpy per tensor, straight from the bytes.
-            specs = self._checked_specs(m, len(data))
-            tensors = _packing.unpack_bytes(data, specs)
+            specs, tensors = self._read_inline(m)
             if _cuda.restores_on_gpu(specs):  # small CUDA leaves travel inline too
                 tensors = await _cuda.restore_on_device(tensors, specs, copy=False)
             return _packing.rebuild(tree, tensors)
@@ -1063,27 +1059,62 @@ class RelayClient:
             tensors = _packing.allocate(specs)
             plan = _packing.copy_plan(view.data_ptr() + start, specs, tensors)
             await asyncio.to_thread(_packing.run_copies, plan)
-        elif host_copy:
-            # By address: no slice of the segment to build (see _packing.pack_at).
-            tensors = _packing.unpack_from(view.data_ptr() + start, specs)
         else:
-            # A view (or a GPU restore) outlives this turn: the daemon must
-            # know who holds the lease before its TTL could reclaim it
-            # (seconds), so the claim may linger like a release and often
-            # shares its frame. A short copy is released in this same turn,
-            # and the release alone says all the claim would.
-            self._claim(m, flush=False)
-            region = view[start : start + lease.length]
-            tensors = _packing.unpack(region, specs, copy=False, validated=True)
+            tensors = self._read_region(m, view, start, specs, host_copy)
         if on_gpu:
             tensors = await _cuda.restore_on_device(tensors, specs, copy)
+        self._end_read(m, seg, copy)
+        return _packing.rebuild(tree, tensors)
+
+    def _check_readable(self, m: pb.DataRef) -> None:
+        if m.to_stage not in self.stages:
+            raise PermissionDeniedError(
+                f"DataRef is addressed to stage {m.to_stage!r}; this client serves {self.stages}"
+            )
+        if m.kind != KIND_DATA:
+            raise InvalidArgumentError(
+                "a done/error signal carries no payload; hand it to feed() and read stream()"
+            )
+        # Whether or not the daemon has freed it yet (the writer's notices may
+        # still be on the way), an aborted request's data is not read here.
+        self._raise_if_aborted(m)
+
+    def _read_inline(self, m: pb.DataRef) -> tuple[list[_packing.TensorSpec], list[Any]]:
+        data = m.inline_data
+        # One allocation and a memcpy per tensor, straight from the bytes.
+        specs = self._checked_specs(m, len(data))
+        return specs, _packing.unpack_bytes(data, specs)
+
+    def _read_region(
+        self,
+        m: pb.DataRef,
+        view: Any,
+        start: int,
+        specs: list[_packing.TensorSpec],
+        host_copy: bool,
+    ) -> list[Any]:
+        """Copies (or views) of a validated lease's tensors, on the calling thread."""
+        if host_copy:
+            # By address: no slice of the segment to build (see _packing.pack_at).
+            return _packing.unpack_from(view.data_ptr() + start, specs)
+        # A view (or a GPU restore) outlives this turn: the daemon must
+        # know who holds the lease before its TTL could reclaim it
+        # (seconds), so the claim may linger like a release and often
+        # shares its frame. A short copy is released in this same turn,
+        # and the release alone says all the claim would.
+        self._claim(m, flush=False)
+        region = view[start : start + m.lease.length]
+        return _packing.unpack(region, specs, copy=False, validated=True)
+
+    def _end_read(self, m: pb.DataRef, seg: MappedSegment, copy: bool) -> None:
+        """The seqlock's second check, then release a copy or hold a view's lease."""
+        lease = m.lease
         if seg.read_header(lease.slot)[0] != lease.generation:
             raise StaleRefError("the lease was reclaimed while it was being read; data discarded")
         if copy:
             self._release(m)
         else:
             self._held.add(lease.lease_id)
-        return _packing.rebuild(tree, tensors)
 
     # -- GPU paths (see _cuda) ----------------------------------------------------------
 
@@ -1171,10 +1202,11 @@ class RelayClient:
                 lease_id=lease.id,
             )
         )
-        self._session.pending.publish.append(
-            pb.Publish(lease_id=lease.id, nbytes=total, transport=pb.TRANSPORT_CUDA_IPC_POOL)
-        )
-        self._session.mark(flush=True)
+        with self._table.lock:
+            self._session.pending.publish.append(
+                pb.Publish(lease_id=lease.id, nbytes=total, transport=pb.TRANSPORT_CUDA_IPC_POOL)
+            )
+            self._session.mark(flush=True)
         return DataRef(msg)
 
     async def _get_gpu(self, m: pb.DataRef, transport: Transport, copy: bool) -> list[Any]:
@@ -1422,21 +1454,23 @@ class RelayClient:
             raise AbortedError(f"request {m.request_id!r} was aborted")
 
     def _claim(self, m: pb.DataRef, flush: bool = True) -> None:
-        self._session.pending.claim.append(
-            pb.Claim(lease_id=m.lease.lease_id, generation=m.lease.generation)
-        )
-        self._session.mark(flush=flush, linger=NOTICE_LINGER_S)
+        with self._table.lock:
+            self._session.pending.claim.append(
+                pb.Claim(lease_id=m.lease.lease_id, generation=m.lease.generation)
+            )
+            self._session.mark(flush=flush, linger=NOTICE_LINGER_S)
 
     def _release(self, m: pb.DataRef) -> None:
         # Until the daemon zeroes the header the bytes are still there; a second
         # read by this process must fail all the same, not depend on timing.
-        self._released[m.lease.lease_id] = None
-        while len(self._released) > _ABORTED_MEMORY:
-            self._released.popitem(last=False)
-        self._session.pending.release.append(
-            pb.Release(lease_id=m.lease.lease_id, generation=m.lease.generation)
-        )
-        self._session.mark(linger=NOTICE_LINGER_S, holds=m.lease.length)
+        with self._table.lock:
+            self._released[m.lease.lease_id] = None
+            while len(self._released) > _ABORTED_MEMORY:
+                self._released.popitem(last=False)
+            self._session.pending.release.append(
+                pb.Release(lease_id=m.lease.lease_id, generation=m.lease.generation)
+            )
+            self._session.mark(linger=NOTICE_LINGER_S, holds=m.lease.length)
 
     # -- abort ----------------------------------------------------------------------
 
@@ -1477,7 +1511,7 @@ class RelayClient:
     def _on_frame(self, frame: pb.SessionFrame) -> None:
         if frame.HasField("freed"):
             for lease_id in frame.freed.lease_ids:
-                lease = self._leases.get(lease_id)
+                lease = self._table.leases.get(lease_id)
                 if lease is not None:
                     self._free_local(lease)
         for ab in frame.aborted:
@@ -1511,21 +1545,27 @@ class RelayClient:
     def _report(self, transport: pb.Transport, nbytes: int, count: int = 1) -> None:
         if not count:
             return
-        entry = self._reports.setdefault(transport, [0, 0])
-        entry[0] += count
-        entry[1] += nbytes
-        if entry[0] == count:  # first since the last flush
-            asyncio.get_running_loop().call_later(0.2, self._flush_reports)
+        with self._table.lock:
+            entry = self._reports.setdefault(transport, [0, 0])
+            entry[0] += count
+            entry[1] += nbytes
+            if entry[0] == count:  # first since the last flush
+                self._later(0.2, self._flush_reports)
+
+    def _later(self, delay: float, callback: Callable[[], None]) -> None:
+        """Run ``callback`` on the client's loop ``delay`` s from now."""
+        asyncio.get_running_loop().call_later(delay, callback)
 
     def _flush_reports(self) -> None:
-        if not self._reports or self._session.closed:
-            return
-        reports, self._reports = self._reports, {}
-        for transport, (count, nbytes) in reports.items():
-            self._session.pending.report.append(
-                pb.TransferReport(transport=transport, count=count, bytes=nbytes)
-            )
-        self._session.mark(flush=True)
+        with self._table.lock:
+            if not self._reports or self._session.closed:
+                return
+            reports, self._reports = self._reports, {}
+            for transport, (count, nbytes) in reports.items():
+                self._session.pending.report.append(
+                    pb.TransferReport(transport=transport, count=count, bytes=nbytes)
+                )
+            self._session.mark(flush=True)
 
 
 class OutBuffer:

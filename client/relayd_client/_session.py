@@ -8,6 +8,11 @@ release), up to ``linger`` seconds later with whatever else has gathered by
 then. A publish may linger because the slot header, not the notice, says a
 lease was sealed: the daemon reads it if the writer dies first. Writing never
 waits: it is a non-blocking send into the socket buffer.
+
+Threads other than the loop's may append notices and mark too (the blocking
+client's callers), holding :attr:`SessionChannel.lock` for both; the loop
+then sends the frame, so a caller thread never writes to the socket and
+never waits for the loop.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import itertools
 import logging
 import math
 import struct
+import threading
 from collections.abc import Callable
 
 from ._errors import DaemonUnavailableError, RelayError, RelayTimeoutError, error_from_code
@@ -40,8 +46,16 @@ _ANSWER_GRACE = 1.0
 
 class SessionChannel:
     def __init__(
-        self, on_frame: Callable[[pb.SessionFrame], None], on_lost: Callable[[], None]
+        self,
+        on_frame: Callable[[pb.SessionFrame], None],
+        on_lost: Callable[[], None],
+        lock: threading.RLock | None = None,
     ) -> None:
+        # Guards the pending frame against callers on other threads; the
+        # frame handler runs under it too (it frees leases those callers cut).
+        self.lock = lock if lock is not None else threading.RLock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._arming = False  # a caller thread asked the loop for a linger timer
         self._on_frame = on_frame
         self._on_lost = on_lost
         self._reader: asyncio.StreamReader | None = None
@@ -61,7 +75,7 @@ class SessionChannel:
     async def connect(
         self, path: str, session_id: str, token: bytes, timeout: float, shm_nonce: bytes = b""
     ) -> None:
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         try:
             self._reader, self._writer = await asyncio.wait_for(
                 asyncio.open_unix_connection(path), timeout
@@ -99,6 +113,9 @@ class SessionChannel:
         ~20% higher p50 from it, measured). A sooner mark takes the lingering
         notices along.
         """
+        if self._loop is not None and asyncio._get_running_loop() is not self._loop:
+            self._mark_from_thread(flush, linger, holds)
+            return
         self._dirty = True
         if flush:
             self.flush()
@@ -119,20 +136,58 @@ class SessionChannel:
         else:
             self._soon()
 
+    def _mark_from_thread(self, flush: bool, linger: float, holds: int) -> None:
+        """:meth:`mark` for a caller off the loop (it holds :attr:`lock`).
+
+        Same batching, but the loop sends: a frame due now costs the caller
+        one self-pipe write, a lingering one nothing once the loop has armed
+        its timer.
+        """
+        loop = self._loop
+        with self.lock:
+            self._dirty = True
+            if loop is None or self._scheduled or self.closed:
+                return  # not connected yet, or a flush is on its way
+            now = flush or linger <= 0.0
+            if not now:
+                self._lingered += 1
+                self._lingered_bytes += holds
+                now = (
+                    self._lingered >= LINGER_MAX_NOTICES
+                    or self._lingered_bytes >= LINGER_MAX_BYTES
+                    or loop.time() - self._sent_at >= linger
+                )
+            try:
+                if now:
+                    self._scheduled = True
+                    loop.call_soon_threadsafe(self.flush)
+                elif self._lingering is None and not self._arming:
+                    self._arming = True
+                    loop.call_soon_threadsafe(self._arm, linger)
+            except RuntimeError:  # the loop is closed: so is the session
+                pass
+
+    def _arm(self, linger: float) -> None:
+        with self.lock:
+            self._arming = False
+            if self._dirty and not self._scheduled and self._lingering is None:
+                self._lingering = asyncio.get_running_loop().call_later(linger, self.flush)
+
     def _soon(self) -> None:
         self._scheduled = True
         asyncio.get_running_loop().call_soon(self.flush)
 
     def flush(self) -> None:
-        self._scheduled = False
-        self._lingered = self._lingered_bytes = 0
-        if self._lingering is not None:
-            self._lingering.cancel()
-            self._lingering = None
-        if not self._dirty:
-            return
-        frame, self._pending, self._dirty = self._pending, pb.SessionFrame(), False
-        self._sent_at = asyncio.get_running_loop().time()
+        with self.lock:
+            self._scheduled = False
+            self._lingered = self._lingered_bytes = 0
+            if self._lingering is not None:
+                self._lingering.cancel()
+                self._lingering = None
+            if not self._dirty:
+                return
+            frame, self._pending, self._dirty = self._pending, pb.SessionFrame(), False
+            self._sent_at = asyncio.get_running_loop().time()
         self._write(frame)
 
     def _write(self, frame: pb.SessionFrame) -> None:
@@ -192,7 +247,8 @@ class SessionChannel:
                         self._bound.set_exception(error_from_code(ev.code, ev.message))
                 if frame.fetched:
                     self._answer(frame)
-                self._on_frame(frame)
+                with self.lock:
+                    self._on_frame(frame)
         except (asyncio.IncompleteReadError, ConnectionError, OSError):
             pass
         except asyncio.CancelledError:

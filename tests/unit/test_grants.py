@@ -1,0 +1,141 @@
+"""The writer's local allocator (leases cut from held grants), without a daemon."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from relayd_client._grants import LIFO_DEPTH, Grant, LeaseTable
+
+
+def _table(*sizes: int) -> LeaseTable:
+    t = LeaseTable()
+    base = 0
+    for i, n in enumerate(sizes):
+        t.add(Grant(i + 1, 0, base, n, (i + 1) << 32, "shm"))
+        base += n
+    return t
+
+
+def test_the_run_freed_last_is_reused_first() -> None:
+    t = _table(32)
+    leases = [t.cut(2) for _ in range(8)]
+    assert all(le is not None for le in leases)
+    a, b = leases[2], leases[5]
+    assert a is not None and b is not None
+    t.free(a.id)
+    t.free(b.id)
+    again = t.cut(2)
+    assert again is not None and again.slot == b.slot  # newest first, not lowest first
+    again2 = t.cut(2)
+    assert again2 is not None and again2.slot == a.slot
+
+
+def test_steady_state_stop_and_wait_stays_on_one_run() -> None:
+    # put, the reader releases, the daemon's Freed arrives, put again: the
+    # same slots every time, not a walk through the whole grant.
+    t = _table(64)
+    slots = set()
+    for _ in range(100):
+        le = t.cut(4)
+        assert le is not None
+        slots.add(le.slot)
+        t.free(le.id)
+    assert len(slots) == 1
+
+
+def test_a_recent_run_of_another_size_is_not_split() -> None:
+    t = _table(16)
+    big = t.cut(8)
+    assert big is not None
+    t.free(big.id)
+    small = t.cut(2)
+    assert small is not None and small.slot == 0  # first fit; LIFO only for the same size
+
+
+def test_ids_are_unique_and_carry_the_grant_base() -> None:
+    t = _table(4, 4)
+    ids = []
+    for _ in range(8):
+        le = t.cut(1)
+        assert le is not None
+        ids.append(le.id)
+        assert le.id >> 32 == le.grant.id
+    assert len(set(ids)) == 8
+    assert t.cut(1) is None
+
+
+def test_free_twice_is_a_no_op_and_other_pools_are_separate() -> None:
+    t = _table(4)
+    t.add(Grant(9, 0, 0, 4, 9 << 32, "gpu0"))
+    le = t.cut(4)
+    assert le is not None and le.grant.pool == "shm"
+    assert t.free(le.id) is le
+    assert t.free(le.id) is None
+    gle = t.cut(4, "gpu0")
+    assert gle is not None and gle.grant.id == 9
+    with pytest.raises(ValueError):
+        t.add(Grant(9, 0, 0, 4, 0, "gpu0"))
+
+
+def test_cuts_from_many_threads_never_overlap() -> None:
+    t = _table(256)
+    taken: list[tuple[int, int]] = []
+    lock = threading.Lock()
+
+    def worker(n: int) -> None:
+        for _ in range(300):
+            le = t.cut(n)
+            if le is None:
+                continue
+            with lock:
+                taken.append((le.slot, le.nslots))
+                for s, c in taken[:-1]:
+                    assert s + c <= le.slot or le.slot + le.nslots <= s
+            with lock:
+                taken.remove((le.slot, le.nslots))
+            t.free(le.id)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in (1, 2, 3, 5)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert not t.leases
+    g = next(iter(t))
+    assert g.alloc.free_slots == 256 and g.alloc.free_runs() == [(0, 256)] and g.live == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 9), st.integers(0, 1000)), max_size=120))
+def test_no_overlap_and_free_map_invariants(ops: list[tuple[bool, int, int]]) -> None:
+    nslots = 48
+    t = _table(nslots)
+    live: dict[int, tuple[int, int]] = {}
+    for cut, n, pick in ops:
+        if cut or not live:
+            le = t.cut(n)
+            if le is None:
+                free = t.grants[1].alloc.free_runs()
+                assert all(length < n for _, length in free)
+                continue
+            run = (le.local, le.nslots)
+            for s, c in live.values():
+                assert s + c <= run[0] or run[0] + run[1] <= s, "leases overlap"
+            assert run[0] >= 0 and run[0] + run[1] <= nslots
+            live[le.id] = run
+        else:
+            lease_id = sorted(live)[pick % len(live)]
+            assert t.free(lease_id) is not None
+            del live[lease_id]
+        g = t.grants[1]
+        assert g.live == len(live)
+        used = sum(c for _, c in live.values())
+        assert g.alloc.free_slots == nslots - used
+        runs = g.alloc.free_runs()
+        for (s1, l1), (s2, _) in itertools.pairwise(runs):
+            assert s1 + l1 < s2, "free runs must be disjoint and coalesced"
+        assert len(g.recent) <= LIFO_DEPTH
