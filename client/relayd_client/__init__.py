@@ -8,6 +8,8 @@
     # in the talker
         obj = await client.get(DataRef.from_bytes(wire))
 
+``SyncRelayClient`` does the same without an event loop, from any thread.
+
 Importing this package never imports the daemon's dependencies (uvloop,
 prometheus-client, Mooncake).
 """
@@ -41,6 +43,7 @@ from ._transport import Transport
 
 if TYPE_CHECKING:
     from ._client import ClientState, RelayClient
+    from ._sync import SyncRelayClient
 
 __version__ = "0.1.0"
 
@@ -52,6 +55,10 @@ def __getattr__(name: str) -> Any:
         from . import _client
 
         return getattr(_client, name)
+    if name == "SyncRelayClient":
+        from . import _sync
+
+        return _sync.SyncRelayClient
     raise AttributeError(f"module 'relayd_client' has no attribute {name!r}")
 
 
@@ -76,6 +83,7 @@ __all__ = [
     "StaleEpochError",
     "StaleRefError",
     "StreamError",
+    "SyncRelayClient",
     "TensorRef",
     "Transport",
     "UnsafePayloadError",

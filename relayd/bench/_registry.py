@@ -127,6 +127,13 @@ RELAYD: tuple[Entry, ...] = (
         size_note=_SHM_NOTE,
     ),
     Entry(
+        "relayd-sync",
+        "relayd.bench._relayd:RelaydSync",
+        "blocking client (SyncRelayClient), reader get() copies",
+        needs_daemon=True,
+        requires=(*_CLIENT, "relayd_client:SyncRelayClient"),
+    ),
+    Entry(
         "relayd-shm-view",
         "relayd.bench._relayd:RelaydShmView",
         "daemon arena, reader view() zero-copy",

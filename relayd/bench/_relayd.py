@@ -16,9 +16,13 @@ import contextlib
 from typing import Any
 
 import torch
-from relayd_client import DataRef, RelayClient  # type: ignore[import-not-found, unused-ignore]
+from relayd_client import (  # type: ignore[import-not-found, unused-ignore]
+    DataRef,
+    RelayClient,
+    SyncRelayClient,
+)
 
-from relayd.bench._api import AsyncLocalMethod, AsyncPairMethod
+from relayd.bench._api import AsyncLocalMethod, AsyncPairMethod, PairMethod
 
 WRITER_STAGE = "bench-writer"
 READER_STAGE = "bench-reader"
@@ -115,6 +119,47 @@ class RelaydMooncake(RelaydShm):
 
     def _reader_socket(self) -> str | None:
         return self.ctx.reader_socket
+
+
+class RelaydSync(PairMethod):
+    """The blocking client: put and get on the caller's thread, no event loop in the hooks."""
+
+    def _stages(self) -> tuple[str, str]:
+        k = self.ctx.stream_index
+        return f"{WRITER_STAGE}-{k}", f"{READER_STAGE}-{k}"
+
+    def setup_writer(self, size: int, source: torch.Tensor) -> bytes:
+        self.size = size
+        self.source = source
+        self.client = SyncRelayClient(stage=self._stages()[0], socket=self.ctx.socket)
+        self.client.open()
+        return b""
+
+    def send(self, i: int) -> bytes:
+        ref = self.client.put(
+            {"t": self.source},
+            to_stage=self._stages()[1],
+            request_id=self.ctx.request_id(self.size, i),
+        )
+        if i == 0:
+            self.extra["transport"] = transport_name(ref)
+        wire: bytes = ref.to_bytes()
+        return wire
+
+    def teardown_writer(self) -> None:
+        self.client.close()
+
+    def setup_reader(self, size: int, blob: bytes) -> None:
+        self.client = SyncRelayClient(stage=self._stages()[1], socket=self.ctx.socket)
+        self.client.open()
+
+    def recv(self, notify: memoryview) -> torch.Tensor:
+        obj = self.client.get(DataRef.from_bytes(bytes(notify)))
+        tensor: torch.Tensor = obj["t"]
+        return tensor
+
+    def teardown_reader(self) -> None:
+        self.client.close()
 
 
 class RelaydLocal(AsyncLocalMethod):

@@ -15,7 +15,7 @@ def test_public_api() -> None:
             "DrainingError", "ErrorCode", "InternalError", "InvalidArgumentError", "NotFoundError",
             "PeerUnavailableError", "PermissionDeniedError", "RelayClient", "RelayError",
             "RelayTimeoutError", "ResourceExhaustedError", "SessionClosedError", "StaleEpochError",
-            "StaleRefError", "StreamError", "TensorRef", "Transport", "UnsafePayloadError",
+            "StaleRefError", "StreamError", "SyncRelayClient", "TensorRef", "Transport", "UnsafePayloadError",
             "VersionMismatchError",
         ]
     )  # fmt: skip

@@ -1,0 +1,461 @@
+"""SyncRelayClient: the blocking client, for callers on threads with no event loop.
+
+Puts and gets on the shared arena (and inline ones) run entirely on the
+caller's thread: cut a lease from a held grant, copy, stamp the slot header,
+build the DataRef; check, copy out, release. Their notices join the session's
+pending frame, and a private event loop on one background thread sends them
+in batches and reads the daemon's frames (Freed, registry, reclaim, aborts).
+That loop also runs what is slow and rare - attach, grant requests, route
+look-ups, abort, re-attach, GPU and cross-node paths - through the async
+client's own code, so both clients share one implementation and raise the
+same errors.
+
+Threads share one lock around the lease bookkeeping and the pending frame;
+nobody holds it during a copy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import threading
+from collections.abc import AsyncGenerator, Callable, Coroutine, Iterator, Sequence
+from typing import Any, TypeVar, cast
+
+from . import _cuda, _local, _packing, _remote
+from ._client import OFFLOAD_BYTES, ClientState, RelayClient
+from ._dataref import DataRef
+from ._errors import (
+    AbortedError,
+    DrainingError,
+    InvalidArgumentError,
+    RelayTimeoutError,
+    SessionClosedError,
+)
+from ._grants import Lease
+from ._proto import relay_pb2 as pb
+from ._refs import TensorRef
+from ._transport import Transport
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# How long a blocking call waits for the loop beyond its own deadline (the
+# async machinery enforces that deadline; this only guards a stuck loop).
+LOOP_GRACE_S = 5.0
+# How long close() waits for the loop thread to finish.
+CLOSE_JOIN_S = 10.0
+
+
+class _LoopThread:
+    """A private event loop on a daemon thread."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self._main, name="relayd-sync-loop", daemon=True)
+        self.thread.start()
+
+    def _main(self) -> None:
+        loop = self.loop
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_forever()
+        finally:
+            tasks = asyncio.all_tasks(loop)
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
+
+    def run(self, coro: Coroutine[Any, Any, T], wait: float | None) -> T:
+        """Run ``coro`` on the loop and block for its result, up to ``wait`` seconds."""
+        if threading.current_thread() is self.thread:
+            coro.close()
+            raise InvalidArgumentError("a SyncRelayClient cannot be called from its own loop")
+        try:
+            fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        except RuntimeError:  # the loop is closed
+            coro.close()
+            raise SessionClosedError("SyncRelayClient is closed") from None
+        try:
+            return fut.result(wait)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise RelayTimeoutError(f"relayd call did not finish within {wait:.3g}s") from None
+        except concurrent.futures.CancelledError:
+            raise SessionClosedError("SyncRelayClient was closed during the call") from None
+
+    def call_soon(self, callback: Callable[[], object]) -> None:
+        with contextlib.suppress(RuntimeError):  # closed: nothing left to wake
+            self.loop.call_soon_threadsafe(callback)
+
+    def stop(self) -> None:
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(self.loop.stop)
+        if threading.current_thread() is not self.thread:
+            self.thread.join(CLOSE_JOIN_S)
+
+
+class _LoopClient(RelayClient):
+    """The async client on the private loop; the few loop-bound steps made thread-safe."""
+
+    loop_thread: _LoopThread | None = None
+
+    def _off_loop(self) -> _LoopThread | None:
+        lt = self.loop_thread
+        if lt is not None and asyncio._get_running_loop() is not lt.loop:
+            return lt
+        return None
+
+    def _space_freed(self) -> None:
+        lt = self._off_loop()
+        if lt is None:
+            super()._space_freed()
+        else:
+            lt.call_soon(self._space.set)
+
+    def _later(self, delay: float, callback: Callable[[], None]) -> None:
+        lt = self._off_loop()
+        if lt is None:
+            super()._later(delay, callback)
+        else:
+            lt.call_soon(lambda: asyncio.get_running_loop().call_later(delay, callback))
+
+
+class SyncRelayClient:
+    """Blocking client of the node's relayd, safe to share between threads.
+
+    The same operations, arguments and errors as :class:`RelayClient`, without
+    ``await``: ``with SyncRelayClient(stage="talker") as c: obj = c.get(ref)``.
+    A closed client cannot be reopened.
+    """
+
+    def __init__(
+        self,
+        stage: str | Sequence[str],
+        socket: str | None = None,
+        *,
+        timeout: float = 10.0,
+        allow_pickle: bool = False,
+    ) -> None:
+        self._client = _LoopClient(stage, socket, timeout=timeout, allow_pickle=allow_pickle)
+        self._loop: _LoopThread | None = None
+        self._state_lock = threading.Lock()
+
+    # -- facts ----------------------------------------------------------------------
+
+    @property
+    def stages(self) -> tuple[str, ...]:
+        return self._client.stages
+
+    @property
+    def socket(self) -> str:
+        return self._client.socket
+
+    @property
+    def timeout(self) -> float:
+        return self._client.timeout
+
+    @property
+    def state(self) -> ClientState:
+        return self._client.state
+
+    @property
+    def node_id(self) -> str:
+        return self._client.node_id
+
+    @property
+    def daemon_epoch(self) -> str:
+        return self._client.daemon_epoch
+
+    @property
+    def session_id(self) -> str:
+        return self._client.session_id
+
+    @property
+    def socket_fallback(self) -> bool:
+        return self._client.socket_fallback
+
+    # -- lifecycle ------------------------------------------------------------------
+
+    def __enter__(self) -> SyncRelayClient:
+        self.open()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def open(self) -> None:
+        with self._state_lock:
+            c = self._client
+            if c.state is ClientState.OPENED:
+                return
+            if c.state is ClientState.CLOSED:
+                raise SessionClosedError(
+                    "a closed SyncRelayClient cannot be reopened; make a new one"
+                )
+            lt = self._loop = _LoopThread()
+            c.loop_thread = lt
+            try:
+                lt.run(c.open(), c.timeout * 2 + LOOP_GRACE_S)
+            except BaseException:
+                c.state = ClientState.CLOSED
+                lt.stop()
+                raise
+
+    def close(self) -> None:
+        """Close the session; safe from any thread, and more than once."""
+        with self._state_lock:
+            c, lt = self._client, self._loop
+            if c.state is ClientState.CLOSED:
+                return
+            if lt is None:
+                c.state = ClientState.CLOSED
+                return
+            try:
+                lt.run(c.close(), c.timeout + LOOP_GRACE_S)
+            except Exception as exc:  # closing anyway
+                log.debug("closing the relayd session: %s", exc)
+            finally:
+                c.state = ClientState.CLOSED
+                lt.stop()
+
+    def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        lt = self._loop
+        if lt is None:
+            coro.close()
+            self._client._require_open()  # raises the async client's error
+            raise SessionClosedError("SyncRelayClient is not open")
+        wait = self._client.timeout if timeout is None else timeout
+        return lt.run(coro, 2 * max(wait, 0.0) + LOOP_GRACE_S)
+
+    @contextlib.contextmanager
+    def _closing_guard(self) -> Iterator[None]:
+        """A hot-path step that lost its mapping to a concurrent close() says so."""
+        try:
+            yield
+        except (ValueError, IndexError, KeyError):
+            if self._client.state is ClientState.CLOSED:
+                raise SessionClosedError("SyncRelayClient was closed during the call") from None
+            raise
+
+    # -- put ------------------------------------------------------------------------
+
+    def put(
+        self,
+        obj: Any,
+        *,
+        to_stage: str,
+        request_id: str,
+        chunk_id: int | None = None,
+        timeout: float | None = None,
+        pickle: bool = False,
+    ) -> DataRef:
+        """Publish ``obj`` for ``to_stage``; see :meth:`RelayClient.put`."""
+        c = self._client
+        if c._lost:  # re-attach first, on the loop
+            return self._run(
+                c.put(
+                    obj,
+                    to_stage=to_stage,
+                    request_id=request_id,
+                    chunk_id=chunk_id,
+                    timeout=timeout,
+                    pickle=pickle,
+                ),
+                timeout,
+            )
+        a = c._require_open()
+        with self._closing_guard():
+            plan = c._plan_put(a, obj, to_stage, request_id, chunk_id, pickle)
+            if isinstance(plan, DataRef):
+                return plan
+            shape = plan.shape
+            cached = c._routes.get((to_stage, shape.has_cpu, shape.cuda_uuids))
+            if cached is not None:
+                route = int(cached.transport)
+            else:
+                route = self._run(c._route(to_stage, shape.has_cpu, shape.cuda_uuids))
+            if route == pb.TRANSPORT_LOCAL_OBJECT and not plan.refs and _local.serves(to_stage):
+                return c._put_local(obj, plan)
+            if c._gpu is not None and not plan.refs and shape.cuda_uuids:
+                gpu_ref = self._run(
+                    c._put_gpu(plan.msg, plan.tensors, shape.specs, shape.total, timeout, route),
+                    timeout,
+                )
+                if gpu_ref is not None:
+                    return gpu_ref
+            return self._publish(plan.msg, plan.tensors, shape.specs, shape.total, timeout)
+
+    def _publish(
+        self,
+        msg: pb.DataRef,
+        tensors: Sequence[Any],
+        specs: Sequence[_packing.TensorSpec],
+        total: int,
+        timeout: float | None,
+        *,
+        ref: bool = False,
+    ) -> DataRef:
+        c = self._client
+        if msg.request_id in c._aborted:
+            raise AbortedError(f"request {msg.request_id!r} was aborted")
+        if c._draining:
+            raise DrainingError("relayd is draining; no new transfers")
+        if c.socket_fallback:
+            return self._run(c._publish_socket(msg, tensors, specs, total, timeout, ref=ref))
+        a = c._require_open()
+        nslots = max(1, -(-total // a.slot_size))
+        with c._table.lock:
+            lease: Lease | None = c._alloc_local(nslots)
+            if lease is not None:
+                c._reserve_notice(lease, msg)
+        if lease is None:  # no room in the grants held: ask the daemon, on the loop
+            lease, _ = self._run(c._open_lease(msg, total, timeout), timeout)
+        segment = lease.grant.segment
+        view = c._views[segment]  # held: the mapping outlives a concurrent close
+        start = c._segments[segment].slot_offset(lease.slot)
+        try:
+            if total:
+                _packing.pack_at(view, start, total, tensors, specs)
+        except BaseException:
+            c._cancel_lease(lease)
+            raise
+        return c._seal_lease(msg, lease, total, ref=ref)
+
+    def ref(
+        self,
+        tensor: Any,
+        *,
+        consumer_stage: str,
+        request_id: str,
+        timeout: float | None = None,
+    ) -> TensorRef:
+        """Publish ``tensor`` once for ``consumer_stage``; see :meth:`RelayClient.ref`."""
+        c = self._client
+        if c._lost:
+            return self._run(
+                c.ref(
+                    tensor, consumer_stage=consumer_stage, request_id=request_id, timeout=timeout
+                ),
+                timeout,
+            )
+        a = c._require_open()
+        with self._closing_guard():
+            msg, specs, total = c._plan_ref(a, tensor, consumer_stage, request_id)
+            self._publish(msg, [tensor], specs, total, timeout, ref=True)
+        return TensorRef(msg)
+
+    def put_done(self, to_stage: str, request_id: str, *, chunks: int | None = None) -> DataRef:
+        """The end-of-stream signal; see :meth:`RelayClient.put_done`."""
+        with self._client._table.lock:
+            return self._client.put_done(to_stage, request_id, chunks=chunks)
+
+    def put_error(self, to_stage: str, request_id: str, message: str) -> DataRef:
+        """The stream-failed signal; see :meth:`RelayClient.put_error`."""
+        with self._client._table.lock:
+            return self._client.put_error(to_stage, request_id, message)
+
+    # -- get ------------------------------------------------------------------------
+
+    def get(self, ref: DataRef | bytes, *, copy: bool = True) -> Any:
+        """The payload ``ref`` stands for; see :meth:`RelayClient.get`."""
+        ref = ref if isinstance(ref, DataRef) else DataRef.from_bytes(ref)
+        c = self._client
+        if c._lost:
+            return self._run(c.get(ref, copy=copy))
+        m = ref.proto
+        c._check_readable(m)
+        transport = ref.transport
+        if transport is Transport.LOCAL_OBJECT:
+            return c._take_local(m)
+        with self._closing_guard():
+            if (
+                m.refs
+                or transport not in (Transport.SHM, Transport.INLINE)
+                or c.socket_fallback
+                or (transport is Transport.SHM and _remote.is_foreign(ref, c.node_id))
+            ):
+                return self._run(c.get(ref, copy=copy))
+            tree = c._decode_header(m)
+            if transport is Transport.INLINE:
+                specs, tensors = c._read_inline(m)
+                if _cuda.restores_on_gpu(specs):
+                    tensors = self._run(_cuda.restore_on_device(tensors, specs, copy=False))
+                return _packing.rebuild(tree, tensors)
+            seg, start, specs = c._lease_region(m)
+            if _cuda.restores_on_gpu(specs):
+                return self._run(c.get(ref, copy=copy))
+            if copy and m.lease.length >= OFFLOAD_BYTES:
+                # A long copy: the daemon learns who reads the lease first.
+                c._claim(m)
+            view = c._views[m.lease.segment]
+            tensors = c._read_region(m, view, start, specs, copy)
+            c._end_read(m, seg, copy)
+            return _packing.rebuild(tree, tensors)
+
+    def release(self, ref: DataRef) -> None:
+        """Release a ``get(copy=False)``; see :meth:`RelayClient.release`."""
+        with self._client._table.lock:
+            self._client.release(ref)
+
+    @contextlib.contextmanager
+    def view(self, ref: DataRef | bytes) -> Iterator[Any]:
+        """``with client.view(ref) as obj``: zero-copy tensors valid inside the block."""
+        ref = ref if isinstance(ref, DataRef) else DataRef.from_bytes(ref)
+        obj = self.get(ref, copy=False)
+        try:
+            yield obj
+        finally:
+            if ref.transport in (Transport.SHM, Transport.SOCKET) and not self.socket_fallback:
+                self.release(ref)
+
+    # -- slow, rare: on the loop -----------------------------------------------------
+
+    def abort(self, request_id: str) -> int:
+        """Free every lease of ``request_id`` on this node; see :meth:`RelayClient.abort`."""
+        return self._run(self._client.abort(request_id))
+
+    def feed(self, ref: DataRef | bytes) -> None:
+        """Hand the client a stream DataRef the app received; see :meth:`RelayClient.feed`."""
+        c = self._client
+
+        async def feed() -> None:
+            c.feed(ref)
+
+        self._run(feed())
+
+    def stream(
+        self, request_id: str, *, from_stage: str, timeout: float | None = None
+    ) -> Iterator[Any]:
+        """``for chunk in client.stream(rid, from_stage=...)``; see :meth:`RelayClient.stream`."""
+        agen = cast(
+            "AsyncGenerator[Any, None]",
+            self._client.stream(request_id, from_stage=from_stage, timeout=timeout),
+        )
+
+        async def step() -> Any:
+            return await agen.__anext__()
+
+        lt = self._loop
+        if lt is None:
+            self._client._require_open()
+            raise SessionClosedError("SyncRelayClient is not open")
+        # Each step waits up to the stream's own per-chunk timeout (None: as
+        # long as the stream takes, like the async client).
+        wait = None if timeout is None else 2 * timeout + LOOP_GRACE_S
+        try:
+            while True:
+                try:
+                    item = lt.run(step(), wait)
+                except StopAsyncIteration:
+                    return
+                yield item
+        finally:
+            with contextlib.suppress(Exception):
+                lt.run(agen.aclose(), LOOP_GRACE_S)
