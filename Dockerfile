@@ -4,16 +4,21 @@
 #
 #   docker build -t relayd:0.1.0 .
 #
-# torch: a base image that already has torch keeps it (pass one as BASE_IMAGE; it
-# must be Debian-based with python3.11 and pip). On the default base, pip takes
-# torch from the index: PyPI's default Linux build is the CUDA one, which bundles
-# the CUDA runtime (the driver comes from the host through the NVIDIA container
-# runtime). For a CPU-only image add the CPU constraints and the CPU wheel index;
-# pip reads both from the environment, so the install line stays the README's:
+# torch: a base image that already has torch keeps it (pass one as BASE_IMAGE).
+# On the default base, pip takes torch from the index: PyPI's default Linux
+# build is the CUDA one, which bundles the CUDA runtime (the driver comes from
+# the host through the NVIDIA container runtime). For a CPU-only image add the
+# CPU constraints (torch==...+cpu) and PyTorch's CPU wheel index; pip reads both
+# from the environment, so the install line stays the README's:
 #
 #   docker build -t relayd:0.1.0-cpu \
 #     --build-arg PIP_CONSTRAINT=constraints/cpu.txt \
 #     --build-arg PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu .
+#
+# BASE_IMAGE must be Debian-based with python3.11 and a pip that may install into
+# that Python: the python:* images qualify. Debian's own python3 refuses
+# system-wide installs (PEP 668, "externally-managed-environment"); on such a
+# base create a venv first and put its bin/ on PATH.
 
 # Pinned by tag. Pin by digest as well (python:3.11-slim-bookworm@sha256:...)
 # where your registry mirror lets you resolve it; tags are moved by rebuilds.

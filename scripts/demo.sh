@@ -5,5 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
 . .venv/bin/activate
-pip install -q --disable-pip-version-check -c constraints/cpu.txt ./client '.[mooncake]'
+# The CPU build of torch (constraints/cpu.txt; scripts/_pip_cpu.sh says where
+# pip finds it); on a GPU node install by hand without it.
+. scripts/_pip_cpu.sh
+pip install -q --disable-pip-version-check "${PIP_CPU_ARGS[@]}" ./client '.[mooncake]'
 exec relayd demo "$@"

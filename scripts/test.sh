@@ -16,9 +16,11 @@ fi
 
 python3 -m venv .venv
 . .venv/bin/activate
-# constraints/cpu.txt pins the CPU build of torch on machines without a GPU;
-# GPU nodes run the same line without -c and keep their own torch.
-pip install -q --disable-pip-version-check -c constraints/cpu.txt -e ./client -e '.[test,mooncake,bench]'
+# constraints/cpu.txt pins the CPU build of torch on machines without a GPU
+# (scripts/_pip_cpu.sh says where pip finds it); GPU nodes run the same line
+# without "${PIP_CPU_ARGS[@]}" and keep their own torch.
+. scripts/_pip_cpu.sh
+pip install -q --disable-pip-version-check "${PIP_CPU_ARGS[@]}" -e ./client -e '.[test,mooncake,bench]'
 
 python scripts/gen_protos.py --check
 ruff check .
