@@ -1,23 +1,31 @@
 #!/usr/bin/env bash
-# relayd GPU device checks: the GPU test suite, then the GPU benchmark.
+# relayd GPU device checks: offline install, IPC smoke test, GPU tests, GPU benchmark.
 #
 #   bash tests/gpu/run_device_checks.sh [RESULTS_DIR]
 #
 # RESULTS_DIR defaults to $OUT when set, else ./gpu-results. Written there:
-# summary.md (read this first; written whatever happens), env.txt,
-# gpu-tests.log, gpu-tests.xml, gpu-bench.txt, gpu-bench.json, logs/ (the
-# test daemon's log).
+# summary.md (read this first; written whatever happens), install.txt,
+# ipc-smoke.{md,json,log}, env.txt, gpu-tests.log, gpu-tests.xml,
+# gpu-bench.txt, gpu-bench.json, logs/ (the test daemon's log).
 #
-# Installs nothing from the network. It expects, already installed: torch
-# with CUDA, grpcio, grpcio-health-checking, protobuf and prometheus-client
-# (daemon and client); pytest for the tests (pytest-timeout and uvloop are
-# optional). relayd and relayd_client run from this tree through PYTHONPATH,
-# installed or not. PYTHON=/path/to/python picks the interpreter (default:
-# the first of python3, python that imports torch).
+# Steps, in this order, each under its own timeout against one deadline
+# (the whole run ends within 6 minutes):
 #
-# The whole run is bounded: every step runs under `timeout` against one
-# deadline, so the script ends within 5 minutes (tests ~1.5 min, benchmark
-# ~1 min on one GPU).
+# 1. install: the wheels of scripts/gpu-wheels.sh (GPU_WHEELS, default
+#    ./gpu-wheels) go offline (pip --no-index --no-deps) into a private
+#    target directory (GPU_SITE, default ./.gpu-site), put first on
+#    PYTHONPATH; the versions in effect afterwards are printed. No wheels:
+#    the machine's own packages are used, and the summary says so.
+# 2. smoke: a two-process test of the raw CUDA calls (IPC memory handle,
+#    interprocess event, cudaHostRegister on /dev/shm), each reported works
+#    or fails. No CUDA device: reported, nothing after this runs (exit 2).
+# 3. env: every runtime dependency imports, and so does this tree's code.
+# 4. tests: pytest -m gpu tests/gpu.
+# 5. benchmark: relayd bench --gpu --quick.
+#
+# relayd and relayd_client run from this tree through PYTHONPATH, installed
+# or not. PYTHON=/path/to/python picks the interpreter (default: the first
+# of python3, python that imports torch).
 #
 # Exit: 0 all passed; 1 a test or the benchmark failed (or timed out);
 # 2 no CUDA device (GPU tests skipped, nothing measured); 3 a dependency is
@@ -25,13 +33,16 @@
 set -u -o pipefail
 
 START=$SECONDS
-DEADLINE=$((START + 285)) # 15 s spare under 5 minutes
+DEADLINE=$((START + 345)) # 15 s spare under 6 minutes
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 RESULTS="${1:-${OUT:-./gpu-results}}"
 mkdir -p "$RESULTS/logs"
 RESULTS="$(cd "$RESULTS" && pwd)"
 cd "$ROOT" || exit 3
-export PYTHONPATH="$ROOT/client:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+WHEELS="${GPU_WHEELS:-$ROOT/gpu-wheels}"
+SITE="${GPU_SITE:-$ROOT/.gpu-site}"
+export PYTHONPATH="$SITE:$ROOT/client:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
 export RELAYD_GPU_LOGDIR="$RESULTS/logs"
 export PYTHONUNBUFFERED=1
 SUMMARY="$RESULTS/summary.md"
@@ -45,7 +56,7 @@ bounded() {
   rest=$(left)
   ((rest < limit)) && limit=$rest
   if ((limit < 5)); then
-    echo "skipped: no time left before the 5-minute deadline" >&2
+    echo "skipped: no time left before the 6-minute deadline" >&2
     return 124
   fi
   if command -v timeout >/dev/null 2>&1; then
@@ -88,6 +99,83 @@ if [ -z "$PY" ]; then
   exit 3
 fi
 
+# -- 1. install the carried wheels offline, before anything imports them -------
+rm -rf "$SITE"
+mkdir -p "$SITE"
+shopt -s nullglob
+wheels=("$WHEELS"/*.whl)
+shopt -u nullglob
+{
+  if [ "${#wheels[@]}" -eq 0 ]; then
+    echo "no wheels in $WHEELS (run scripts/gpu-wheels.sh where there is network): using the machine's packages"
+  else
+    echo "installing ${#wheels[@]} wheels offline from $WHEELS into $SITE"
+    # One wheel at a time: a wheel for another Python (the machine's is not
+    # 3.12?) is reported and skipped, the others still go in.
+    failed=0
+    have_pip=1
+    "$PY" -m pip --version >/dev/null 2>&1 || have_pip=0
+    for w in "${wheels[@]}"; do
+      if [ "$have_pip" -eq 0 ]; then
+        # No pip in this interpreter: a wheel is a zip laid out for site-packages.
+        "$PY" -m zipfile -e "$w" "$SITE" && echo "unpacked (no pip) $(basename "$w")" ||
+          { failed=$((failed + 1)) && echo "FAILED to unpack $(basename "$w")"; }
+      # --no-deps: the folder holds the dependencies too; nothing may come from an index.
+      elif out=$(bounded 60 "$PY" -m pip install --no-index --no-deps --find-links "$WHEELS" \
+        --target "$SITE" --upgrade --quiet "$w" 2>&1); then
+        echo "installed $(basename "$w")"
+      else
+        failed=$((failed + 1))
+        echo "FAILED $(basename "$w"): $(printf '%s' "$out" | grep -m1 -E 'ERROR|error' || printf '%s' "$out" | tail -1)"
+      fi
+    done
+    if [ "$failed" -eq 0 ]; then
+      echo "offline install: ok"
+    else
+      echo "offline install: $failed of ${#wheels[@]} wheels FAILED: the machine's own packages stand in for them"
+    fi
+  fi
+  bounded 60 "$PY" - <<'EOF'
+import importlib, importlib.metadata as md, os
+for dist, mod in (("grpcio", "grpc"), ("grpcio-health-checking", "grpc_health"),
+                  ("protobuf", "google.protobuf"), ("prometheus-client", "prometheus_client"),
+                  ("uvloop", "uvloop"), ("typing-extensions", "typing_extensions"),
+                  ("numpy", "numpy"), ("pytest", "pytest"), ("torch", "torch")):
+    try:
+        m = importlib.import_module(mod)
+        where = os.path.dirname(getattr(m, "__file__", None) or "?")
+        try:
+            version = getattr(m, "__version__", None) or md.version(dist)
+        except md.PackageNotFoundError:
+            version = "?"
+        print(f"version {dist} {version} from {where}")
+    except Exception as exc:
+        print(f"version {dist} ABSENT ({type(exc).__name__}: {exc})")
+EOF
+} 2>&1 | tee "$RESULTS/install.txt"
+note "" "## install" ""
+while IFS= read -r line; do note "- $line"; done <"$RESULTS/install.txt"
+
+# -- 2. two-process smoke test of the raw CUDA calls -----------------------------
+bounded 120 "$PY" -m tests.gpu._ipc_smoke --timeout 60 \
+  --json "$RESULTS/ipc-smoke.json" --md "$RESULTS/ipc-smoke.md" >"$RESULTS/ipc-smoke.log" 2>&1
+SMOKE_RC=$?
+cat "$RESULTS/ipc-smoke.log"
+note ""
+if [ -s "$RESULTS/ipc-smoke.md" ]; then
+  cat "$RESULTS/ipc-smoke.md" >>"$SUMMARY"
+else
+  note "## CUDA IPC smoke test" "" "**the smoke test itself failed (exit $SMOKE_RC)**:" '```'
+  tail -15 "$RESULTS/ipc-smoke.log" >>"$SUMMARY"
+  note '```'
+fi
+if [ "$SMOKE_RC" -eq 2 ]; then
+  note "" "**NO CUDA DEVICE**: GPU tests and benchmark not run." "" "elapsed: $((SECONDS - START)) s"
+  echo "no CUDA device; summary: $SUMMARY"
+  exit 2
+fi
+
+# -- 3. environment --------------------------------------------------------------
 # Fail clearly, before anything runs, when a dependency is missing.
 bounded 60 "$PY" - >"$RESULTS/env.txt" 2>&1 <<'EOF'
 import importlib, importlib.util, sys
@@ -101,7 +189,7 @@ def absent(mod):
 print(f"python {sys.executable} {sys.version.split()[0]}")
 missing = [pkg for mod, pkg in need.items() if absent(mod)]
 if missing:
-    print("MISSING Python packages: " + ", ".join(missing) + " (this script installs nothing)")
+    print("MISSING Python packages: " + ", ".join(missing) + " (carry them: scripts/gpu-wheels.sh)")
     sys.exit(3)
 # The repository's own code must import with the installed versions
 # (generated protobuf/grpc code checks the runtime's version).
@@ -122,6 +210,7 @@ if not torch.cuda.is_available():
 EOF
 ENV_RC=$?
 cat "$RESULTS/env.txt"
+note "" "## environment" ""
 while IFS= read -r line; do note "- $line"; done <"$RESULTS/env.txt"
 if [ "$ENV_RC" -ne 0 ] && [ "$ENV_RC" -ne 2 ]; then
   note "" "**not run**: $(grep -m1 MISSING "$RESULTS/env.txt" || echo "environment check failed (exit $ENV_RC)")"
@@ -131,7 +220,7 @@ fi
 NO_CUDA=0
 [ "$ENV_RC" -eq 2 ] && NO_CUDA=1
 
-# -- tests (skipped, and counted as skipped, without a CUDA device) -------------
+# -- 4. tests -------------------------------------------------------------------
 TESTS_RC=3 TESTS_RAN=0
 if grep -q "^pytest: yes" "$RESULTS/env.txt"; then
   # pytest-timeout is optional: without it the ini's `timeout` key is unknown,
@@ -150,7 +239,7 @@ else
   echo "MISSING: pytest is not installed: GPU tests not run" | tee "$RESULTS/gpu-tests.log"
 fi
 
-# -- benchmark -------------------------------------------------------------------
+# -- 5. benchmark ---------------------------------------------------------------
 bounded 80 "$PY" -m relayd.bench --gpu --quick --json "$RESULTS/gpu-bench.json" 2>&1 |
   tee "$RESULTS/gpu-bench.txt"
 BENCH_RC=${PIPESTATUS[0]}
