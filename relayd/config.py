@@ -21,6 +21,8 @@ import tomllib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from relayd_client._session import session_socket_path
+
 ENV_PREFIX = "RELAYD_"
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
@@ -277,7 +279,7 @@ class Settings:
 
     @property
     def session_socket(self) -> str:
-        return self.socket + ".session"
+        return session_socket_path(self.socket)
 
     @property
     def stage_quota_bytes(self) -> int:

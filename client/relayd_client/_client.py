@@ -46,7 +46,7 @@ from ._grants import Grant, Lease, LeaseTable
 from ._proto import relay_pb2 as pb
 from ._proto import relay_pb2_grpc as pb_grpc
 from ._refs import TensorRef, substitute
-from ._session import SessionChannel
+from ._session import SessionChannel, session_socket_path
 from ._shm import MappedSegment
 from ._status import from_rpc_error
 from ._streams import MAX_BUFFERED, Streams
@@ -294,7 +294,7 @@ class RelayClient:
             )
             nonce = self._map_segments(self._attach)
             await self._session.connect(
-                self._attach.session_socket,
+                session_socket_path(self.socket),
                 self._attach.session_id,
                 self._attach.session_token,
                 self.timeout,

@@ -42,6 +42,17 @@ LINGER_MAX_NOTICES = 512
 LINGER_MAX_BYTES = 2 << 20
 # A fetch's answer may trail its own deadline by the daemon's clean-up.
 _ANSWER_GRACE = 1.0
+SESSION_SOCKET_SUFFIX = ".session"
+
+
+def session_socket_path(socket: str) -> str:
+    """The session socket beside the gRPC socket ``socket``.
+
+    A client derives it from the path it was given rather than taking the
+    daemon's own: a daemon in a container reports its ``/run/relayd``, which
+    the client may reach through another directory (a volume mounted elsewhere).
+    """
+    return socket + SESSION_SOCKET_SUFFIX
 
 
 class SessionChannel:
