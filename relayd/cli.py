@@ -49,6 +49,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from . import _logging, preflight
     from ._systemd import SystemdNotifier
     from .loops import loop_factory
+    from .rundir import UnsafeRuntimeDirError
     from .server import Daemon, SocketInUseError
 
     flags = {
@@ -81,7 +82,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         return rc
-    except SocketInUseError as exc:
+    except (SocketInUseError, UnsafeRuntimeDirError) as exc:
         print(f"relayd: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     except RelayError as exc:  # peer settings, Mooncake start-up: the message says what to fix

@@ -26,7 +26,7 @@ from relayd_client._errors import PeerUnavailableError, SessionClosedError
 from relayd_client._proto import relay_pb2 as pb
 from relayd_client._proto import relay_pb2_grpc as pb_grpc
 
-from . import __version__
+from . import __version__, rundir
 from ._systemd import SystemdNotifier
 from .config import Settings
 from .metrics import Metrics
@@ -304,9 +304,8 @@ class Daemon:
     def _take_socket_lock(self) -> None:
         """One daemon per socket: an flock beside it, released by the kernel if we die."""
         path = self.settings.socket
-        directory = os.path.dirname(path) or "."
-        os.makedirs(directory, mode=0o755, exist_ok=True)
-        fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        rundir.prepare(os.path.dirname(path), self.settings.socket_mode)
+        fd = rundir.open_lock(path + ".lock")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -321,6 +320,7 @@ class Daemon:
         self._lock_fd = fd
         # Whatever socket files exist belong to a dead daemon: replace them.
         for stale in (path, self.settings.session_socket):
+            rundir.check_leftover(stale)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(stale)
 

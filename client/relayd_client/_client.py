@@ -24,7 +24,7 @@ from typing import Any
 
 import grpc
 
-from . import _codec, _cuda, _local, _packing, _remote
+from . import _codec, _cuda, _local, _packing, _peer, _remote
 from ._dataref import KIND_DATA, KIND_DONE, KIND_ERROR, VERSION, DataRef
 from ._errors import (
     AbortedError,
@@ -211,6 +211,7 @@ class RelayClient:
         *,
         timeout: float = 10.0,
         allow_pickle: bool = False,
+        daemon_uid: int | None = None,
     ) -> None:
         self.stages = (stage,) if isinstance(stage, str) else tuple(stage)
         if not self.stages or not all(isinstance(s, str) and s for s in self.stages):
@@ -218,6 +219,9 @@ class RelayClient:
         self.socket = socket or default_socket()
         self.timeout = timeout
         self.allow_pickle = allow_pickle
+        # Only a daemon running as one of these uids is sent anything (see _peer).
+        self._trusted = _peer.trusted_uids(self.socket, daemon_uid)
+        self._pinned: _peer.PinnedSocket | None = None
         self.state = ClientState.UNOPENED
         self._channel: grpc.aio.Channel | None = None
         self._stub: pb_grpc.RelayStub | None = None
@@ -269,17 +273,16 @@ class RelayClient:
             return
         if self.state is ClientState.CLOSED:
             raise SessionClosedError("a closed RelayClient cannot be reopened; make a new one")
-        if not os.path.exists(self.socket):
-            raise DaemonUnavailableError(
-                f"no relayd socket at {self.socket}; is `relayd serve` running?"
-            )
         await self._connect()
         self.state = ClientState.OPENED
         _local.serve(self.stages, self)
 
     async def _connect(self) -> None:
         """Attach, map the arena, bind the session socket; undo everything on failure."""
-        self._channel = grpc.aio.insecure_channel(f"unix:{self.socket}", options=_CHANNEL_OPTIONS)
+        self._pinned = _peer.PinnedSocket(self.socket, self._trusted, self.timeout)
+        self._channel = grpc.aio.insecure_channel(
+            f"unix:{self._pinned.address}", options=_CHANNEL_OPTIONS
+        )
         self._stub = pb_grpc.RelayStub(self._channel)
         try:
             self._attach = await self._stub.Attach(
@@ -299,6 +302,7 @@ class RelayClient:
                 self._attach.session_token,
                 self.timeout,
                 shm_nonce=nonce,
+                trusted=self._trusted,
             )
         except grpc.RpcError as exc:
             await self._teardown()
@@ -379,8 +383,6 @@ class RelayClient:
             self._held.clear()
             self._session = SessionChannel(self._on_frame, self._on_lost, self._table.lock)
             try:
-                if not os.path.exists(self.socket):
-                    raise DaemonUnavailableError(f"no relayd socket at {self.socket}")
                 await self._connect()
             except (RelayError, OSError, ValueError) as exc:
                 # Backoff between attempts while nobody needs the daemon; a call
@@ -430,6 +432,9 @@ class RelayClient:
         if self._channel is not None:
             await self._channel.close()
             self._channel = None
+        if self._pinned is not None:
+            self._pinned.close()
+            self._pinned = None
         self._unmap()
 
     # -- facts ----------------------------------------------------------------------

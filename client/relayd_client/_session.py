@@ -26,6 +26,7 @@ import struct
 import threading
 from collections.abc import Callable
 
+from . import _peer
 from ._errors import DaemonUnavailableError, RelayError, RelayTimeoutError, error_from_code
 from ._proto import relay_pb2 as pb
 
@@ -84,15 +85,31 @@ class SessionChannel:
         self.closed = False
 
     async def connect(
-        self, path: str, session_id: str, token: bytes, timeout: float, shm_nonce: bytes = b""
+        self,
+        path: str,
+        session_id: str,
+        token: bytes,
+        timeout: float,
+        shm_nonce: bytes = b"",
+        *,
+        trusted: frozenset[int] | None = None,
     ) -> None:
+        """Connect and bind; with ``trusted``, only to a daemon running as one of those uids."""
         loop = self._loop = asyncio.get_running_loop()
         try:
-            self._reader, self._writer = await asyncio.wait_for(
-                asyncio.open_unix_connection(path), timeout
-            )
+            reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(path), timeout)
+        except PermissionError as exc:
+            raise _peer.permission_problem(path, exc) from None
         except (OSError, TimeoutError) as exc:
             raise DaemonUnavailableError(f"cannot open session socket {path}: {exc}") from None
+        self._reader, self._writer = reader, writer
+        if trusted is not None:
+            try:
+                _peer.check_peer(writer.get_extra_info("socket"), path, trusted)
+            except BaseException:
+                writer.close()
+                self._writer = None
+                raise
         self._bound = loop.create_future()
         self._task = loop.create_task(self._read_loop(), name="relayd-session-reader")
         self._write(

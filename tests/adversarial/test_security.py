@@ -55,7 +55,7 @@ print(data.hex())
 def open_dir() -> Iterator[str]:
     """A directory anyone may enter, so file permissions are not what refuses the probe."""
     path = tempfile.mkdtemp(prefix="relayd-sec-", dir="/tmp")
-    os.chmod(path, 0o777)
+    os.chmod(path, 0o755)
     yield path
     shutil.rmtree(path, ignore_errors=True)
 

@@ -1,0 +1,68 @@
+"""What a process of another local user tries against a daemon; run by _users.run_as.
+
+Prints one JSON object: what worked, or the error type and message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import mmap
+import os
+import sys
+from typing import Any
+
+
+async def attach(socket: str, stage: str) -> dict[str, Any]:
+    import torch
+    from relayd_client import RelayClient
+
+    async with RelayClient(stage, socket, timeout=5) as c:
+        data = torch.arange(1 << 18, dtype=torch.int32)
+        ref = await c.put({"x": data}, to_stage=stage, request_id="as-user")
+        back = await c.get(ref)
+        same = (
+            hashlib.sha256(back["x"].numpy().tobytes()).hexdigest()
+            == hashlib.sha256(data.numpy().tobytes()).hexdigest()
+        )
+        return {"ok": same, "socket_fallback": c.socket_fallback, "session": c.session_id}
+
+
+def map_segments(prefix: str) -> dict[str, Any]:
+    """Open and map, read-write, every /dev/shm file whose name starts with ``prefix``."""
+    mapped, denied = 0, 0
+    for name in sorted(os.listdir("/dev/shm")):
+        if not name.startswith(prefix) or name.endswith(".lock"):
+            continue
+        try:
+            fd = os.open(os.path.join("/dev/shm", name), os.O_RDWR)
+        except PermissionError:
+            denied += 1
+            continue
+        try:
+            mm = mmap.mmap(fd, os.fstat(fd).st_size)
+            mm.close()
+            mapped += 1
+        finally:
+            os.close(fd)
+    return {"mapped": mapped, "denied": denied}
+
+
+def main(argv: list[str]) -> int:
+    action, *args = argv
+    try:
+        if action == "attach":
+            out = asyncio.run(asyncio.wait_for(attach(*args), 60))
+        elif action == "map":
+            out = map_segments(*args)
+        else:
+            raise SystemExit(f"unknown action {action}")
+    except Exception as exc:
+        out = {"error": type(exc).__name__, "message": str(exc)}
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
