@@ -117,6 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress on stderr")
     p.add_argument("--list", action="store_true", help="list the methods and exit")
     p.add_argument("--gpu", action="store_true", help="run the GPU benchmarks instead")
+    p.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="instead: time each step of a put and a get of both clients, in one process "
+        "(per --sizes; with --quick, fewer transfers)",
+    )
     return p
 
 
@@ -185,6 +191,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.gpu:
         return _run_gpu(args)
     opts = _options(args, parser)
+    if args.breakdown:
+        from relayd.bench import _breakdown
+
+        sys.stdout.write(_breakdown.run(opts.sizes, opts.scale, opts.socket, opts.shm_pool_size))
+        return 0
     if args.plot:
         try:
             _plot.check_available()

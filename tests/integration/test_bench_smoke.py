@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -117,3 +118,39 @@ def test_quick_relayd_mooncake_runs_on_two_daemons_beside_raw_mooncake(tmp_path:
     assert not [n for n in os.listdir(SHM) if pair in n or n.startswith(run["shm_prefix"])]
     assert run["leftover_segments"] == [] and run["warnings"] == []
     assert _bench_segments() <= before
+
+
+def test_quick_relayd_sync_beside_the_async_client(tmp_path: Path) -> None:
+    methods = ["floor", "relayd-shm", "relayd-sync"]
+    doc, _ = _bench(tmp_path, methods, list(SIZES))
+    cells = {(r["method"], r["size"]): r for r in doc["results"]}
+    for size in SIZES.values():
+        _assert_ok(cells["relayd-sync", size])
+    assert cells["relayd-sync", SIZES["4K"]]["extra"]["transport"] == "inline"
+    assert cells["relayd-sync", SIZES["1M"]]["extra"]["transport"] == "shm"
+    assert doc["run"]["leftover_segments"] == []
+
+
+def test_breakdown_prints_every_step_for_both_clients() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "relayd.bench", "--breakdown", "--quick", "--sizes", "4K,256K"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert "async 4KiB" in lines[0] and "sync 256KiB" in lines[0]
+    rows = {}
+    for line in lines[1:]:
+        label, *values = re.split(r"\s{2,}", line.strip())
+        rows[label] = values
+    from relayd.bench._breakdown import GET_STEPS, PUT_STEPS
+
+    for label, _ in PUT_STEPS + GET_STEPS:
+        assert label in rows, label
+    # the shm cells of the copy steps hold numbers for both clients
+    assert all(float(v) > 0 for v in rows["copy in"][-2:])
+    assert all(float(v) > 0 for v in rows["allocate + copy out"][-2:])
+    assert rows["transport"] == ["inline", "inline", "shm", "shm"]

@@ -1,0 +1,302 @@
+"""``relayd bench --breakdown``: where a put and a get spend their time, step by step.
+
+One process, warm, a writer and a reader client of one daemon (the process-local
+stage table hidden, so the bytes go through the arena as between processes).
+Each transfer is put, ``to_bytes``, ``from_bytes``, get, stop-and-wait. For
+the timed pass the client's own steps are wrapped with ``perf_counter_ns``
+(the wrappers are installed here, on the two client objects and the modules
+they call, and removed after: the clients carry no instrumentation of their
+own, so it costs nothing when not measuring). An untimed pass before it gives
+the real per-call totals; "other" is what the steps do not cover, wrapper
+overhead included (~0.2 us a step).
+
+Rows are medians over the measured transfers, in microseconds, for both
+clients (``RelayClient`` and ``SyncRelayClient``), next to a hot memcpy of
+the same size (the copy's own cost) and the number of distinct lease slots
+the writer used in steady state (LIFO reuse keeps it small: warm memory).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from relayd.bench import _daemon
+from relayd.bench._stats import fmt_size
+
+WRITER, READER = "breakdown-writer", "breakdown-reader"
+WARMUP, MEASURED = 100, 400
+MIN_MEASURED = 40
+
+# (row label, side, where: "client" for a client method, else "module:attr")
+PUT_STEPS: tuple[tuple[str, str], ...] = (
+    ("flatten payload", "_packing:flatten"),
+    ("header encode", "_codec:encode"),
+    ("shape lookup", "client:_shape"),
+    ("plan (DataRef fields, inline check)", "client:_plan_put"),
+    ("route (cached)", "client:_route"),
+    ("lease cut (allocator)", "client:_alloc_local"),
+    ("reserve notice", "client:_reserve_notice"),
+    ("copy in", "_packing:pack_at"),
+    ("seal: slot header, lease fields, publish notice", "client:_seal_lease"),
+    ("DataRef serialize + crc (to_bytes)", "dataref:to_bytes"),
+)
+GET_STEPS: tuple[tuple[str, str], ...] = (
+    ("DataRef parse + validate (from_bytes)", "dataref:from_bytes"),
+    ("stage, kind, abort checks", "client:_check_readable"),
+    ("header decode", "client:_decode_header"),
+    ("lease checks + layout check", "client:_lease_region"),
+    ("allocate + copy out", "client:_read_region"),
+    ("header re-check + release notice", "client:_end_read"),
+    ("rebuild payload", "_packing:rebuild"),
+)
+# Steps nested in another step: shown, but not subtracted twice from "other".
+NESTED = {"_packing:flatten", "_codec:encode", "client:_shape"}
+
+
+class _Timers:
+    def __init__(self) -> None:
+        self.samples: dict[str, list[int]] = {}
+        self.current: dict[str, int] = {}
+
+    def wrap(self, key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        current = self.current
+        clock = time.perf_counter_ns
+
+        if asyncio.iscoroutinefunction(fn):
+
+            async def timed_async(*a: Any, **kw: Any) -> Any:
+                t0 = clock()
+                try:
+                    return await fn(*a, **kw)
+                finally:
+                    current[key] = current.get(key, 0) + clock() - t0
+
+            return timed_async
+
+        def timed(*a: Any, **kw: Any) -> Any:
+            t0 = clock()
+            try:
+                return fn(*a, **kw)
+            finally:
+                current[key] = current.get(key, 0) + clock() - t0
+
+        return timed
+
+    def commit(self) -> None:
+        for key, ns in self.current.items():
+            self.samples.setdefault(key, []).append(ns)
+        self.current.clear()
+
+    def median_us(self, key: str) -> float | None:
+        values = self.samples.get(key)
+        return statistics.median(values) / 1000 if values else None
+
+
+@contextlib.contextmanager
+def _instrumented(timers: _Timers, writer: Any, reader: Any) -> Iterator[None]:
+    """Wrap every step on the two (inner) client objects and the shared modules."""
+    from relayd_client import _codec, _packing  # type: ignore[import-not-found, unused-ignore]
+    from relayd_client._dataref import DataRef  # type: ignore[import-not-found, unused-ignore]
+
+    modules = {"_packing": _packing, "_codec": _codec}
+    undo: list[tuple[Any, str, Any]] = []  # (owner, attribute, what was there; None: delete)
+    try:
+        for steps, client in ((PUT_STEPS, writer), (GET_STEPS, reader)):
+            for _, where in steps:
+                scope, attr = where.split(":")
+                if scope == "client":
+                    setattr(client, attr, timers.wrap(where, getattr(client, attr)))
+                    undo.append((client, attr, None))
+                    continue
+                owner: Any = DataRef if scope == "dataref" else modules[scope]
+                original = owner.__dict__[attr]
+                if isinstance(original, classmethod):
+                    setattr(owner, attr, classmethod(timers.wrap(where, original.__func__)))
+                else:
+                    setattr(owner, attr, timers.wrap(where, original))
+                undo.append((owner, attr, original))
+        yield
+    finally:
+        for owner, attr, original in reversed(undo):
+            if original is None:
+                delattr(owner, attr)
+            else:
+                setattr(owner, attr, original)
+
+
+def _payload(size: int) -> dict[str, torch.Tensor]:
+    return {"t": torch.randint(0, 256, (size,), dtype=torch.uint8)}
+
+
+class _Result:
+    def __init__(self) -> None:
+        self.put_us: float = 0.0
+        self.get_us: float = 0.0
+        self.steps: dict[str, float | None] = {}
+        self.slots = 0
+        self.transport = ""
+
+
+def _measure_sync(sock: str, size: int, warmup: int, measured: int) -> _Result:
+    from relayd_client import DataRef, SyncRelayClient  # type: ignore[import-not-found, unused-ignore]
+
+    out = _Result()
+    payload = _payload(size)
+    with SyncRelayClient(WRITER, sock) as w, SyncRelayClient(READER, sock) as r:
+        clock = time.perf_counter_ns
+        puts: list[int] = []
+        gets: list[int] = []
+        slots: set[int] = set()
+        for i in range(warmup + measured):
+            t0 = clock()
+            ref = w.put(payload, to_stage=READER, request_id=f"b{i}")
+            t1 = clock()
+            wire = ref.to_bytes()
+            t2 = clock()
+            r.get(DataRef.from_bytes(wire))
+            t3 = clock()
+            if i >= warmup:
+                puts.append(t1 - t0)
+                gets.append(t3 - t2)
+                slots.add(ref.proto.lease.slot)
+        out.put_us = statistics.median(puts) / 1000
+        out.get_us = statistics.median(gets) / 1000
+        out.slots = len(slots) if ref.proto.HasField("lease") else 0
+        out.transport = str(ref.transport.value)
+        timers = _Timers()
+        with _instrumented(timers, w._client, r._client):
+            for i in range(measured):
+                ref = w.put(payload, to_stage=READER, request_id=f"s{i}")
+                r.get(DataRef.from_bytes(ref.to_bytes()))
+                timers.commit()
+        out.steps = {where: timers.median_us(where) for _, where in PUT_STEPS + GET_STEPS}
+    return out
+
+
+async def _measure_async(sock: str, size: int, warmup: int, measured: int) -> _Result:
+    from relayd_client import DataRef, RelayClient  # type: ignore[import-not-found, unused-ignore]
+
+    out = _Result()
+    payload = _payload(size)
+    async with RelayClient(WRITER, sock) as w, RelayClient(READER, sock) as r:
+        clock = time.perf_counter_ns
+        puts: list[int] = []
+        gets: list[int] = []
+        slots: set[int] = set()
+        for i in range(warmup + measured):
+            t0 = clock()
+            ref = await w.put(payload, to_stage=READER, request_id=f"b{i}")
+            t1 = clock()
+            wire = ref.to_bytes()
+            t2 = clock()
+            await r.get(DataRef.from_bytes(wire))
+            t3 = clock()
+            if i >= warmup:
+                puts.append(t1 - t0)
+                gets.append(t3 - t2)
+                slots.add(ref.proto.lease.slot)
+            await asyncio.sleep(0)  # the loop reads the daemon's frames, as between transfers
+        out.put_us = statistics.median(puts) / 1000
+        out.get_us = statistics.median(gets) / 1000
+        out.slots = len(slots) if ref.proto.HasField("lease") else 0
+        out.transport = str(ref.transport.value)
+        timers = _Timers()
+        with _instrumented(timers, w, r):
+            for i in range(measured):
+                ref = await w.put(payload, to_stage=READER, request_id=f"s{i}")
+                await r.get(DataRef.from_bytes(ref.to_bytes()))
+                timers.commit()
+                await asyncio.sleep(0)
+        out.steps = {where: timers.median_us(where) for _, where in PUT_STEPS + GET_STEPS}
+    return out
+
+
+def _memcpy_us(size: int, n: int) -> float:
+    src = _payload(size)["t"]
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter_ns()
+        dst.copy_(src)
+        times.append(time.perf_counter_ns() - t0)
+    return statistics.median(times) / 1000
+
+
+def run(sizes: tuple[int, ...], scale: float, socket: str | None, pool: str) -> str:
+    """Measure both clients at each size and return the table."""
+    import relayd_client._local  # type: ignore[import-not-found, unused-ignore]
+
+    torch.set_num_threads(1)
+    # Both stages live in this process: without this the registry would hand
+    # objects over by reference (local_object) and no bytes would move.
+    relayd_client._local.serves = lambda stage: False
+    warmup = max(MIN_MEASURED // 2, int(WARMUP * scale))
+    measured = max(MIN_MEASURED, int(MEASURED * scale))
+    with contextlib.ExitStack() as stack:
+        if socket is None:
+            tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="relayd-bd-")))
+            daemon = _daemon.start(tmp, pool, 30.0)
+            stack.callback(daemon.stop)
+            socket = daemon.socket
+        results: dict[tuple[str, int], _Result] = {}
+        for size in sizes:
+            n = max(MIN_MEASURED, measured * (256 << 10) // max(size, 256 << 10))
+            results["async", size] = asyncio.run(_measure_async(socket, size, warmup, n))
+            results["sync", size] = _measure_sync(socket, size, warmup, n)
+        memcpy = {size: _memcpy_us(size, measured) for size in sizes}
+    return render(sizes, results, memcpy)
+
+
+def _fmt(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}"
+
+
+def render(
+    sizes: tuple[int, ...], results: dict[tuple[str, int], _Result], memcpy: dict[int, float]
+) -> str:
+    cols = [(c, s) for s in sizes for c in ("async", "sync")]
+    head = ["step (median us, one process, warm)"] + [f"{c} {fmt_size(s)}" for c, s in cols]
+    rows: list[list[str]] = []
+
+    def add(label: str, values: list[float | None]) -> None:
+        rows.append([label] + [_fmt(v) for v in values])
+
+    add("put: total (uninstrumented)", [results[k].put_us for k in cols])
+    for label, where in PUT_STEPS:
+        add(f"  {label}", [results[k].steps.get(where) for k in cols])
+    add("  other", [_other(results[k], PUT_STEPS, results[k].put_us) for k in cols])
+    add("get: total (uninstrumented)", [results[k].get_us for k in cols])
+    for label, where in GET_STEPS:
+        add(f"  {label}", [results[k].steps.get(where) for k in cols])
+    add("  other", [_other(results[k], GET_STEPS, results[k].get_us) for k in cols])
+    add("memcpy, hot, same size", [memcpy[s] for _, s in cols])
+    rows.append(["distinct lease slots in steady state"] + [str(results[k].slots) for k in cols])
+    rows.append(["transport"] + [results[k].transport for k in cols])
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    return "".join(_line(r, widths) for r in [head, *rows])
+
+
+def _line(cells: list[str], widths: list[int]) -> str:
+    out = [cells[0].ljust(widths[0])]
+    out += [c.rjust(w) for c, w in zip(cells[1:], widths[1:], strict=True)]
+    return "  ".join(out).rstrip() + "\n"
+
+
+def _other(res: _Result, steps: tuple[tuple[str, str], ...], total: float) -> float | None:
+    covered = [
+        v
+        for _, w in steps
+        if w not in NESTED and w != "dataref:to_bytes" and (v := res.steps.get(w)) is not None
+    ]
+    if not covered:
+        return None
+    return total - float(sum(covered))
