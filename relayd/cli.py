@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -18,6 +19,11 @@ from typing import Any
 from . import __version__, config
 
 EXIT_CONFIG = 2
+# A reader that closes the pipe early (`relayd status | head`): exit as if by
+# SIGPIPE, as other command-line tools do.
+EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE
+# `drain --wait`: beyond the grace, the daemon closes its servers and unmaps.
+DRAIN_WAIT_MARGIN = 30.0
 
 
 def _client_socket(args: argparse.Namespace) -> str:
@@ -38,8 +44,44 @@ def _status_dict(socket_path: str, timeout: float = 5.0) -> dict[str, Any]:
     )
 
 
-def _fail_unreachable(socket_path: str, exc: Exception) -> int:
-    print(f"relayd: cannot reach the daemon on {socket_path}: {exc}", file=sys.stderr)
+def _json_text(value: Any, *, indent: int | None = 2) -> str:
+    """``--json`` output: numbers as numbers, enum values by their short names.
+
+    ``value`` is a status dict from :func:`_status_dict` or a list of its leases.
+    """
+    from google.protobuf.json_format import ParseDict
+    from relayd_client._proto import relay_pb2 as pb
+
+    from .status_view import to_plain
+
+    if isinstance(value, list):
+        plain: Any = [to_plain(ParseDict(x, pb.LeaseStatus())) for x in value]
+    else:
+        plain = to_plain(ParseDict(value, pb.StatusResponse(), ignore_unknown_fields=True))
+    return json.dumps(plain, indent=indent, sort_keys=True)
+
+
+def _unreachable_message(socket_path: str, exc: BaseException) -> str:
+    """What the client library would say, never a raw gRPC error object."""
+    import grpc
+    from relayd_client._errors import DaemonUnavailableError, RelayError
+    from relayd_client._status import from_rpc_error
+
+    if not os.path.exists(socket_path):
+        return (
+            f"no relayd socket at {socket_path}; start the daemon with `relayd serve` "
+            "or name its socket with --socket (or RELAYD_SOCKET)"
+        )
+    err = from_rpc_error(exc) if isinstance(exc, grpc.RpcError) else exc
+    if isinstance(err, DaemonUnavailableError):
+        return f"no relayd answers on {socket_path} ({err}); start it with `relayd serve`"
+    if isinstance(err, RelayError):
+        return f"{type(err).__name__} from relayd on {socket_path}: {err}"
+    return f"cannot reach relayd on {socket_path}: {err}"
+
+
+def _fail_unreachable(socket_path: str, exc: BaseException) -> int:
+    print(f"relayd: {_unreachable_message(socket_path, exc)}", file=sys.stderr)
     return 1
 
 
@@ -101,7 +143,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     except Exception as exc:
         return _fail_unreachable(path, exc)
     if args.json:
-        print(json.dumps(data, indent=2, sort_keys=True))
+        print(_json_text(data))
     else:
         from .inspect import render_status
 
@@ -121,7 +163,7 @@ def cmd_leases(args: argparse.Namespace) -> int:
     if args.request:
         leases = [d for d in leases if d.get("request_id") == args.request]
     if args.json:
-        print(json.dumps(leases, indent=2, sort_keys=True))
+        print(_json_text(leases))
     else:
         from .inspect import render_leases
 
@@ -142,7 +184,7 @@ def cmd_top(args: argparse.Namespace) -> int:
             except Exception as exc:
                 return _fail_unreachable(path, exc)
             if args.json:
-                print(json.dumps(data, sort_keys=True), flush=True)
+                print(_json_text(data, indent=None), flush=True)
             else:
                 if sys.stdout.isatty():
                     sys.stdout.write("\x1b[H\x1b[2J")
@@ -156,6 +198,25 @@ def cmd_top(args: argparse.Namespace) -> int:
     return 0
 
 
+def _daemon_gone(socket_path: str) -> bool:
+    """The daemon removed its socket and let go of the lock beside it (its last steps)."""
+    import fcntl
+
+    if os.path.exists(socket_path):
+        return False
+    try:
+        fd = os.open(socket_path + ".lock", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+    return True
+
+
 def cmd_drain(args: argparse.Namespace) -> int:
     import grpc
     from relayd_client._proto import relay_pb2 as pb
@@ -164,12 +225,25 @@ def cmd_drain(args: argparse.Namespace) -> int:
     path = _client_socket(args)
     try:
         with grpc.insecure_channel(f"unix:{path}") as channel:
-            pb_grpc.RelayStub(channel).Drain(
+            resp = pb_grpc.RelayStub(channel).Drain(
                 pb.DrainRequest(grace_seconds=args.grace or 0), timeout=5
             )
     except Exception as exc:
         return _fail_unreachable(path, exc)
-    print(f"relayd on {path}: draining")
+    grace = resp.grace_seconds
+    print(f"relayd on {path}: draining; leases in flight get up to {grace:g}s to be read")
+    if not args.wait:
+        return 0
+    deadline = time.monotonic() + grace + DRAIN_WAIT_MARGIN
+    while not _daemon_gone(path):
+        if time.monotonic() > deadline:
+            print(
+                f"relayd: still running on {path} {grace + DRAIN_WAIT_MARGIN:g}s later",
+                file=sys.stderr,
+            )
+            return 1
+        time.sleep(0.1)
+    print(f"relayd on {path}: stopped")
     return 0
 
 
@@ -184,7 +258,12 @@ def cmd_health(args: argparse.Namespace) -> int:
                 health_pb2.HealthCheckRequest(service=""), timeout=args.timeout
             )
     except Exception as exc:
-        print(f"relayd: health check on {target} failed: {exc}", file=sys.stderr)
+        if not args.address:
+            return _fail_unreachable(_client_socket(args), exc)
+        from relayd_client._status import from_rpc_error
+
+        err = from_rpc_error(exc) if isinstance(exc, grpc.RpcError) else exc
+        print(f"relayd: health check on {target} failed: {err}", file=sys.stderr)
         return 1
     name = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
     print(name)
@@ -232,7 +311,14 @@ def build_parser() -> argparse.ArgumentParser:
     top.set_defaults(func=cmd_top)
 
     dr = client_cmd("drain", "drain and stop the daemon (same as SIGTERM)")
-    dr.add_argument("--grace", type=float, default=0.0, help="override the drain grace period")
+    dr.add_argument(
+        "--grace",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="how long in-flight leases may still be read (default: the daemon's drain_grace)",
+    )
+    dr.add_argument("--wait", action="store_true", help="return once the daemon has stopped")
     dr.set_defaults(func=cmd_drain)
 
     he = client_cmd("health", "exit 0 when the daemon is SERVING")
@@ -258,4 +344,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return bench_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
-    return int(args.func(args))
+    try:
+        rc = int(args.func(args))
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # Python would report the failed flush at exit; stdout goes nowhere now.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+    return rc

@@ -87,6 +87,7 @@ def default_runtime_dir() -> pathlib.Path:
 
 
 def default_socket_path() -> str:
+    """relayd.sock in $RUNTIME_DIRECTORY, $XDG_RUNTIME_DIR/relayd or /tmp/relayd-<uid>."""
     return str(default_runtime_dir() / "relayd.sock")
 
 
@@ -106,7 +107,7 @@ def default_shm_pool_size() -> int:
 
 
 def default_node_id() -> str:
-    """Stable per host: /etc/machine-id's prefix when present, else the hostname."""
+    """The hostname and /etc/machine-id's prefix (the hostname alone without one)."""
     try:
         mid = pathlib.Path("/etc/machine-id").read_text().strip()
         if mid:
@@ -149,7 +150,7 @@ class Settings:
         factory=default_shm_pool_size,
         parse=parse_size,
         metavar="SIZE",
-        help="SHM arena size (e.g. 256MiB); default sized to the machine",
+        help="SHM arena size (e.g. 256MiB)",
     )
     shm_segment_size: int = _field(
         1 << 30,
@@ -290,16 +291,49 @@ def _fields() -> list[dataclasses.Field[Any]]:
     return list(dataclasses.fields(Settings))
 
 
+def _format_size(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n and n % (1 << shift) == 0:
+            return f"{n >> shift}{unit}"
+    return str(n)
+
+
+def default_text(f: dataclasses.Field[Any]) -> str:
+    """A setting's default as ``--help`` shows it; computed ones by what they compute."""
+    if f.default_factory is not dataclasses.MISSING:
+        doc = (f.default_factory.__doc__ or "computed at start").strip()
+        return doc.split("\n")[0].rstrip(".")
+    value: Any = f.default
+    if f.metadata["parse"] is parse_size:
+        return _format_size(int(value))
+    if f.name == "socket_mode":
+        return f"{value:o}"
+    if isinstance(value, tuple):
+        return ",".join(map(str, value)) or "none"
+    if value == "":
+        return "empty"
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def env_name(name: str) -> str:
+    return ENV_PREFIX + name.upper()
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One ``--flag`` per setting; unset flags stay None so lower layers show through."""
-    parser.add_argument("--config", metavar="FILE", help="TOML config file (keys = setting names)")
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        help=f"TOML config file (keys = setting names) [env {env_name('config')}]",
+    )
     for f in _fields():
+        shown = default_text(f).replace("%", "%%")
         parser.add_argument(
             "--" + f.name.replace("_", "-"),
             dest=f.name,
             default=None,
             metavar=f.metadata["metavar"],
-            help=f.metadata["help"],
+            help=f"{f.metadata['help']} [default: {shown}; env {env_name(f.name)}]",
         )
 
 
@@ -335,7 +369,7 @@ def load(
         for key, value in section.items():
             values[key.replace("-", "_")] = _coerce(key.replace("-", "_"), value)
     for f in _fields():
-        raw = env.get(ENV_PREFIX + f.name.upper())
+        raw = env.get(env_name(f.name))
         if raw is not None:
             values[f.name] = _coerce(f.name, raw)
     for key, value in (flags or {}).items():

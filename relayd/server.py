@@ -222,6 +222,11 @@ class Daemon:
     async def shutdown(self) -> None:
         if self.state == DaemonState.STOPPED:
             return
+        if self._lock_fd < 0:
+            # Start-up stopped before it owned the socket (another daemon holds
+            # it): this process started nothing, so it reports no stop either.
+            self.state = DaemonState.STOPPED
+            return
         was_serving = hasattr(self, "manager")
         self.state = DaemonState.DRAINING
         if was_serving:
@@ -268,6 +273,11 @@ class Daemon:
         self._release_socket_lock()
         self.state = DaemonState.STOPPED
         log.info("relayd stopped")
+
+    @property
+    def drain_grace(self) -> float:
+        """The grace the drain gives in-flight leases (a Drain call may have changed it)."""
+        return self._grace
 
     def request_stop(self, *, grace: float | None = None) -> None:
         if grace is not None:

@@ -141,4 +141,4 @@ class RelayService(RoutingService, pb_grpc.RelayServicer):
         if grace is not None and not grace <= MAX_DRAIN_GRACE:
             raise InvalidArgumentError(f"grace_seconds must be at most {MAX_DRAIN_GRACE:g}")
         self.daemon.request_stop(grace=grace)
-        return pb.DrainResponse(accepted=True)
+        return pb.DrainResponse(accepted=True, grace_seconds=self.daemon.drain_grace)

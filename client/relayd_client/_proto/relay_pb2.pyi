@@ -623,10 +623,12 @@ class DrainRequest(_message.Message):
     def __init__(self, grace_seconds: _Optional[float] = ...) -> None: ...
 
 class DrainResponse(_message.Message):
-    __slots__ = ("accepted",)
+    __slots__ = ("accepted", "grace_seconds")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    GRACE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
-    def __init__(self, accepted: _Optional[bool] = ...) -> None: ...
+    grace_seconds: float
+    def __init__(self, accepted: _Optional[bool] = ..., grace_seconds: _Optional[float] = ...) -> None: ...
 
 class Bind(_message.Message):
     __slots__ = ("session_id", "session_token", "shm_nonce")
