@@ -120,6 +120,46 @@ def fill(
     return tree
 
 
+def refilled_fresh(tree: object) -> bool:
+    """Does :func:`fill` return new containers for every list and dict of ``tree``?
+
+    True when each of them holds a placeholder somewhere below it (tuples
+    and leaves cannot be changed, so they may be shared); False for any other
+    type.
+    """
+    try:
+        _holds_slot(tree)
+    except _Shared:
+        return False
+    return True
+
+
+class _Shared(Exception):
+    pass
+
+
+def _holds_slot(tree: object) -> bool:
+    t = type(tree)
+    if t is TensorSlot or t is RefSlot:
+        return True
+    if t is dict:
+        found = False
+        for value in tree.values():  # type: ignore[attr-defined]
+            found = _holds_slot(value) or found
+        if not found:
+            raise _Shared
+        return True
+    if t is list:
+        if not any([_holds_slot(v) for v in tree]):  # type: ignore[attr-defined]
+            raise _Shared
+        return True
+    if t is tuple:
+        return any([_holds_slot(v) for v in tree])  # type: ignore[attr-defined]
+    if t in LEAVES:
+        return False
+    raise _Shared  # anything else might be changed by whoever gets it
+
+
 # First byte of every safe header: "binary header, format 1". It is not a
 # valid pickle opening (0x80), so the two codecs can never be mistaken.
 FORMAT_MAGIC = 0xB1

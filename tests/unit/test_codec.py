@@ -418,3 +418,34 @@ def test_safe_decoder_refuses_pickle() -> None:
     assert PICKLED[0] == 0x80
     with pytest.raises(CorruptRefError):
         decode(PICKLED)
+
+
+def test_refilled_fresh_only_when_every_list_and_dict_holds_a_placeholder() -> None:
+    from relayd_client._codec import RefSlot, TensorSlot, refilled_fresh
+
+    t0 = TensorSlot(0)
+    assert refilled_fresh({"t": t0, "n": 3, "k": (1, "a")})
+    assert refilled_fresh([t0, {"r": RefSlot(0)}])
+    assert refilled_fresh(t0) and refilled_fresh(7) and refilled_fresh((1, 2))
+    assert not refilled_fresh({"t": t0, "meta": {"a": 1}})  # "meta" would be shared
+    assert not refilled_fresh([t0, []])
+    assert not refilled_fresh({"t": t0, "s": (1, [2])})  # a list inside a tuple
+
+
+def test_remembered_headers_never_share_a_container_between_gets() -> None:
+    import torch
+    from relayd_client._client import RelayClient
+    from relayd_client._packing import rebuild
+    from relayd_client._proto import relay_pb2 as pb
+
+    c = RelayClient("x", "/nonexistent")
+    for tree in (
+        {"t": TensorSlot(0), "meta": {"a": [1]}},
+        {"t": TensorSlot(0), "l": [TensorSlot(0)]},
+    ):
+        m = pb.DataRef(header_codec=pb.HEADER_CODEC_SAFE, header=encode(tree))
+        first = rebuild(c._decode_header(m), [torch.ones(1)])
+        second = rebuild(c._decode_header(m), [torch.ones(1)])
+        for key in first:
+            if isinstance(first[key], dict | list):
+                assert first[key] is not second[key]
