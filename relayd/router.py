@@ -17,9 +17,9 @@ Rows, checked top to bottom; the first match wins::
     4  socket            same node, but the writer or the reader cannot map the
                          daemon's SHM (also: reader unknown and the writer cannot)
     -  shm               reader unknown (not attached yet)
-    5  cuda_ipc_direct   payload only CUDA tensors, all on GPUs both ends use
-                         (by UUID), reader wants GPU tensors, handle metadata
-                         <= 64 KiB
+    5  cuda_ipc_direct   the writer opted in, payload only CUDA tensors, all on
+                         GPUs both ends use (by UUID), reader wants GPU tensors,
+                         handle metadata <= 64 KiB
     6  cuda_ipc_pool     same node, GPU -> GPU, not direct, and every source GPU
                          can reach the reader's GPU (peer access; same UUID counts)
     7  shm               otherwise: no CUDA tensors, CPU and CUDA tensors mixed,
@@ -54,6 +54,13 @@ Why this order, and where it departs from the table in DESIGN.md:
   fed from it by the daemon, and a remote daemon pulls it with Mooncake.
 * **direct before pool, pool before shm.** direct moves no bytes; the pool is a
   device-to-device copy; shm goes through host memory twice.
+* **direct only where the writer opted in.** A direct ref is PyTorch's storage
+  handle: its reference count is given back only by a read, so an unread,
+  aborted or expired ref keeps the writer's memory for the life of its process,
+  and nothing outlives the writer. The pool has leases (abort, TTL, reclaim) and
+  costs one device-to-device copy, so it is the default for same-GPU edges;
+  ``PayloadFacts.direct_allowed`` (the writer's ``cuda_ipc_direct=True``) says
+  the writer takes on PyTorch's contract (see ``relayd_client._cuda``).
 
 ``PayloadFacts`` are measured by the writer from the actual tensors; a
 ``Placement``'s ``can_map_shm`` is proven by the daemon (the client mapped a
@@ -108,6 +115,7 @@ class PayloadFacts:
     has_cpu_tensors: bool = False
     is_chunk: bool = False
     chunk_meta_has_tensor: bool = False
+    direct_allowed: bool = False  # the writer opted into cuda_ipc_direct
 
     def __post_init__(self) -> None:
         _check_uuids("cuda_uuids", self.cuda_uuids)
@@ -183,7 +191,8 @@ def route(
     meta_fits = facts.inline_meta_bytes <= DIRECT_META_LIMIT
 
     # 5 cuda_ipc_direct
-    if src and not facts.has_cpu_tensors and wants_gpu and meta_fits and src <= shared:
+    direct_ok = src and not facts.has_cpu_tensors and wants_gpu and meta_fits and src <= shared
+    if direct_ok and facts.direct_allowed:
         return Route(Transport.CUDA_IPC_DIRECT, f"same GPU {_gpus(src)}, handles only")
 
     # 6 cuda_ipc_pool, else 7 shm with the reason the GPU rows did not apply
@@ -201,7 +210,9 @@ def route(
     for s in sorted(src):  # sorted: the same missing pair is named every time
         if s != dst and not peer_access(s, dst):
             return Route(Transport.SHM, f"no peer access {_gpu(s)} -> {_gpu(dst)}")
-    if not meta_fits:
+    if direct_ok:
+        not_direct = "direct not opted into by the writer"
+    elif not meta_fits:
         not_direct = f"handle metadata {facts.inline_meta_bytes} B > 64 KiB"
     elif not src <= frozenset(reader.gpu_uuids):
         not_direct = "different GPUs"

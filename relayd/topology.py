@@ -156,6 +156,7 @@ class Topology:
             is_chunk=req.is_chunk,
             chunk_meta_has_tensor=req.chunk_meta_has_tensor,
             cuda_uuids=_gpu_uuids(req.cuda_uuids),
+            direct_allowed=req.allow_cuda_ipc_direct,
         )
         chosen = route(
             writer, self.registry.lookup(req.to_stage), facts, peer_access=gpu_peer_access

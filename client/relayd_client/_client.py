@@ -14,6 +14,7 @@ import asyncio
 import collections
 import contextlib
 import enum
+import functools
 import itertools
 import logging
 import os
@@ -203,6 +204,11 @@ class RelayClient:
     ``stage`` names the stage(s) this process serves; a DataRef addressed to
     another stage is refused. Use as ``async with RelayClient(...) as c:``;
     a closed client cannot be reopened.
+
+    ``cuda_ipc_direct=True`` lets same-GPU puts travel as PyTorch storage
+    handles instead of through the daemon's GPU pool; the writer then keeps
+    PyTorch's IPC contract (every ref read exactly once, tensors alive and
+    unmodified, its process running until read; see ``_cuda``).
     """
 
     def __init__(
@@ -213,6 +219,7 @@ class RelayClient:
         timeout: float = 10.0,
         allow_pickle: bool = False,
         daemon_uid: int | None = None,
+        cuda_ipc_direct: bool = False,
     ) -> None:
         self.stages = (stage,) if isinstance(stage, str) else tuple(stage)
         if not self.stages or not all(isinstance(s, str) and s for s in self.stages):
@@ -223,6 +230,7 @@ class RelayClient:
         # Only a daemon running as one of these uids is sent anything (see _peer).
         self._trusted = _peer.trusted_uids(self.socket, daemon_uid)
         self._pinned: _peer.PinnedSocket | None = None
+        self.cuda_ipc_direct = cuda_ipc_direct
         self.state = ClientState.UNOPENED
         self._channel: grpc.aio.Channel | None = None
         self._stub: pb_grpc.RelayStub | None = None
@@ -430,6 +438,9 @@ class RelayClient:
         for call in calls:
             with contextlib.suppress(BaseException):
                 await call.task
+        if self._gpu is not None:
+            # GPU grants go back with the session: no copy may still be queued into them.
+            await self._gpu.settle(self.timeout)
         await self._session.close()
         if self._channel is not None:
             await self._channel.close()
@@ -677,7 +688,18 @@ class RelayClient:
                 if plan is not None:
                     await asyncio.to_thread(_packing.run_copies, plan)
                 else:
-                    await asyncio.to_thread(_packing.pack_at, view, start, total, tensors, specs)
+                    # CUDA leaves: the copy runs on the caller's streams, after its producer.
+                    streams = _cuda.worker_streams(tensors)
+                    await asyncio.to_thread(
+                        _cuda.run_on_worker,
+                        streams,
+                        _packing.pack_at,
+                        view,
+                        start,
+                        total,
+                        tensors,
+                        specs,
+                    )
             elif total:
                 _packing.pack_at(view, start, total, tensors, specs)
         except BaseException:
@@ -806,6 +828,7 @@ class RelayClient:
                     has_cpu_tensors=has_cpu,
                     cuda_uuids=list(cuda_uuids),
                     inline_meta_bytes=_cuda.direct_meta_estimate(len(cuda_uuids)),
+                    allow_cuda_ipc_direct=self.cuda_ipc_direct,
                 ),
                 timeout=self.timeout,
             )
@@ -986,13 +1009,18 @@ class RelayClient:
         return self._table.cut(nslots, pool)
 
     def _free_local(self, lease: Lease) -> None:
+        if self._gpu is not None and lease.grant.pool != "shm":
+            # Not before the writer's copy into these slots is complete.
+            self._gpu.free_slots(lease.id, functools.partial(self._slots_back, lease))
+            return
+        self._slots_back(lease)
+
+    def _slots_back(self, lease: Lease) -> None:
         table = self._table
         with table.lock:
             if table.free(lease.id) is None:
                 return
             grant = lease.grant
-            if self._gpu is not None:
-                self._gpu.forget(lease.id)
             a = self._attach
             if grant.live == 0 and a is not None:
                 # Keep idle grants up to a budget: a Freed notice can trail the
@@ -1133,8 +1161,13 @@ class RelayClient:
         total: int,
         timeout: float | None,
         route: int,
+        streams: Sequence[Any] = (),
     ) -> DataRef | None:
-        """A GPU transport for this put, or None when it goes through shm."""
+        """A GPU transport for this put, or None when it goes through shm.
+
+        ``streams``: the producer's current streams when this runs on another
+        thread than the producer's (the blocking client's loop thread).
+        """
         gpu = self._gpu
         if gpu is None or self.socket_fallback:
             return None
@@ -1143,37 +1176,48 @@ class RelayClient:
             return None
         if self._draining:
             raise DrainingError("relayd is draining; no new transfers")
-        if transport is Transport.CUDA_IPC_DIRECT and self._put_direct(msg, tensors, specs):
+        if transport is Transport.CUDA_IPC_DIRECT and self._put_direct(
+            msg, tensors, specs, streams
+        ):
             self._report(pb.TRANSPORT_CUDA_IPC_DIRECT, total)
             return DataRef(msg)
         if not gpu.has_pool_for(specs):
             return None
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        return await self._put_pool(msg, tensors, specs, total, deadline)
+        return await self._put_pool(msg, tensors, specs, total, deadline, streams)
 
-    def _put_direct(self, msg: pb.DataRef, tensors: list[Any], specs: list[Any]) -> bool:
+    def _put_direct(
+        self, msg: pb.DataRef, tensors: list[Any], specs: list[Any], streams: Sequence[Any] = ()
+    ) -> bool:
         """cuda_ipc_direct: storage handles in the DataRef; False if they do not fit."""
-        try:
-            for layout, spec in zip(msg.tensors, specs, strict=True):
+        # None: PyTorch will not re-export memory it imported over CUDA IPC (a
+        # stage forwarding a zero-copy get) or memory of an allocator without
+        # IPC (cudaMallocAsync); the pool path copies it instead.
+        handles = _cuda.export_all_direct(tensors, specs, streams=streams)
+        if handles is not None:
+            for layout, spec, h in zip(msg.tensors, specs, handles, strict=True):
                 layout.device = spec.device
-                if spec.nbytes:
-                    layout.cuda_ipc.CopyFrom(_cuda.export_direct(tensors[spec.index]))
-        except RuntimeError as exc:
-            # PyTorch will not re-export memory it imported over CUDA IPC (a
-            # stage forwarding a zero-copy get) or memory of an allocator without
-            # IPC (cudaMallocAsync); the pool path copies it instead.
-            log.debug("direct CUDA IPC not possible (%s); using the GPU pool", exc)
-        else:
+                if h is not None:
+                    layout.cuda_ipc.CopyFrom(h)
             msg.transport = pb.TRANSPORT_CUDA_IPC_DIRECT
             if msg.ByteSize() <= _cuda.DIRECT_META_LIMIT:
                 return True
+            for h in handles:  # too big after all: the counts taken go back
+                if h is not None and h.ref_counter_handle:
+                    _cuda._release_counter(h)
         msg.transport = pb.TRANSPORT_UNSPECIFIED
         for layout in msg.tensors:
             layout.ClearField("cuda_ipc")
         return False
 
     async def _put_pool(
-        self, msg: pb.DataRef, tensors: list[Any], specs: list[Any], total: int, deadline: float
+        self,
+        msg: pb.DataRef,
+        tensors: list[Any],
+        specs: list[Any],
+        total: int,
+        deadline: float,
+        streams: Sequence[Any] = (),
     ) -> DataRef:
         """cuda_ipc_pool: copy into a lease of the source GPU's pool, event in the DataRef."""
         gpu = self._gpu
@@ -1184,7 +1228,7 @@ class RelayClient:
         self._reserve_notice(lease, msg)
         try:
             region = gpu.pool_region(desc.name, lease.slot, total)
-            event, handle = _cuda.write_pool(region, tensors, specs)
+            event, handle = _cuda.write_pool(region, tensors, specs, streams)
             gpu.keep_event(lease.id, event)
             if msg.request_id in self._aborted:
                 raise AbortedError(f"request {msg.request_id!r} was aborted")
@@ -1228,7 +1272,11 @@ class RelayClient:
             if any(_cuda.leaf_gpu(s.device) is None for s in specs if s.nbytes):
                 raise CorruptRefError("a direct CUDA IPC DataRef holds a CPU tensor")
             handles = [t.cuda_ipc for t in m.tensors]
-            return await _cuda.read_direct(specs, handles, copy)
+            # A second read would give PyTorch's IPC count back twice (freeing early).
+            key = (m.origin.daemon_epoch, m.object_id)
+            gpu.direct_reads.claim(key, "this direct CUDA IPC DataRef")
+            deadline = time.monotonic() + self.timeout
+            return await _cuda.read_direct(specs, handles, copy, deadline)
         specs = self._checked_specs(m, m.lease.length)
         self._check_not_released(m)
         try:
@@ -1238,7 +1286,8 @@ class RelayClient:
             raise
         self._claim(m)
         try:
-            tensors = await _cuda.read_pool(region, specs, bytes(m.cuda_event))
+            deadline = time.monotonic() + self.timeout
+            tensors = await _cuda.read_pool(region, specs, bytes(m.cuda_event), deadline)
         except BaseException:
             # Nothing usable was read (e.g. the writer died before its event could
             # be opened): release rather than hold the claim until this session ends.

@@ -27,21 +27,53 @@ cuda_ipc_pool (writer and reader in different processes, GPU -> GPU):
   event after the copies and sends the event's IPC handle in the DataRef
   (``cuda_event``); it keeps the event alive until the daemon frees the lease;
 * the reader opens that event on the device its copy runs on (opening it on
-  the source device can hang cross-GPU), makes its current stream wait on
-  it, copies into a fresh tensor on its own device (peer to peer; staged
-  through host memory where the two GPUs have no peer access), waits for its
-  own copy off the event loop, checks the lease's generation again and
-  releases. The writer's stream is never synchronized by anyone.
+  the source device can hang cross-GPU), makes a dedicated per-device copy
+  stream wait on it (never its compute stream: the model's own work would
+  stall behind the writer's queue), copies into a fresh tensor on its own
+  device (peer to peer; staged through host memory on a worker thread where
+  the two GPUs have no peer access), orders its current stream after the
+  copy, waits for the copy with a deadline (a dead writer's event may never
+  fire), checks the lease's generation again and releases;
+* before a lease's slots go back to the writer's grant (the reader's
+  release, abort, TTL), and before a writer lets its grants go (close,
+  re-attach), the writer's copy into them must be known complete
+  (:class:`._gpu_order.WriterFences`): a copy still queued would overwrite
+  the next lease in those slots, and no generation check can see that;
+* a lease is readable only while its writer's session lives: its event is
+  the writer's, and CUDA leaves an imported event undefined once its
+  exporter destroyed it, so the daemon reclaims a writer's published GPU
+  leases when its session ends (a reader gets StaleRefError, never garbage);
+  a writer that closes settles its copies first and keeps its events alive
+  for a while in case a reader had opened one already;
+* pools are imported per daemon epoch: attaching to a new epoch drops the
+  old epoch's mappings (:func:`forget_pools`), which otherwise hold that GPU
+  memory until the process exits.
 
-cuda_ipc_direct (writer and reader share the GPU): each CUDA tensor travels
-as its PyTorch storage handle (``UntypedStorage._share_cuda_``, the way
-``torch.multiprocessing`` sends CUDA tensors) in ``TensorLayout.cuda_ipc``;
-there is no pool and no lease. PyTorch's IPC contract applies: **the writer
-must keep the tensors alive, unmodified, and its process running until the
-reader is done with them** (PyTorch's cross-process refcount keeps freed
-memory out of reuse while a reader holds it, but it cannot outlive the
-writer's process). ``get(copy=True)`` hands the reader its own copy;
-``copy=False`` a tensor sharing the writer's memory.
+cuda_ipc_direct (writer and reader share the GPU) is **opt-in**
+(``RelayClient(..., cuda_ipc_direct=True)``; the router takes it only then):
+each CUDA tensor travels as its PyTorch storage handle
+(``UntypedStorage._share_cuda_``, the way ``torch.multiprocessing`` sends
+CUDA tensors) in ``TensorLayout.cuda_ipc``; there is no pool and no lease.
+Why opt-in rather than the default with lease-like bookkeeping: PyTorch
+counts one reference per share and only a reader's import releases it, so
+a ref that is never read (dropped, aborted, expired) keeps the writer's
+block and its event in PyTorch's limbo for the life of the writer's process,
+every share past ~1,000 outstanding synchronizes the whole stream inside
+``put``, and nothing outlives the writer's process. Making abort and TTL
+reach the writer would need a lease per direct put, notices to the writer
+and a writer-side table of tensors to release: the pool path already is
+that machinery, costs one device-to-device copy, and fails safe. So the
+default is the pool, and a stage that opts into direct takes on PyTorch's
+contract: **read every ref exactly once, keep the tensors alive, unmodified,
+and the writer's process running until the reader is done.** Within that
+contract this module: refuses a second read in the same process
+(:class:`._gpu_order.ReadOnce`); releases the counts already taken when an
+export fails midway and the put falls back to the pool; caches mappings per
+(handle, offset) in PyTorch's own ``shared_cache`` (a hit releases the new
+share's count, as ``torch.multiprocessing`` does); and drops imported
+storages on a worker thread (PyTorch synchronizes a stream when it frees
+one). ``get(copy=True)`` hands the reader its own copy; ``copy=False`` a
+tensor sharing the writer's memory.
 
 The route. The daemon's router picks the transport from both ends'
 placements (it knows the reader's GPUs from its Attach and the peer-access
@@ -61,10 +93,12 @@ import dataclasses
 import functools
 import logging
 import sys
+import time
 from collections.abc import Collection, Sequence
 from typing import Any
 
-from ._errors import CorruptRefError, PeerUnavailableError, RelayError
+from . import _gpu_order
+from ._errors import CorruptRefError, PeerUnavailableError, RelayError, RelayTimeoutError
 from ._proto import relay_pb2 as pb
 from ._transport import Transport
 
@@ -221,9 +255,10 @@ def choose_gpu_transport(
 
 # ---------------------------------------------------------------- pool import
 
-# (pool name, handle) -> the pool as a uint8 tensor on this process's ordinal
-# of its GPU. Process-wide: any number of clients share one import.
-_POOLS: dict[tuple[str, bytes], Any] = {}
+# (node, daemon epoch, pool name, handle) -> the pool as a uint8 tensor on
+# this process's ordinal of its GPU. Process-wide: any number of clients
+# share one import.
+_POOLS: dict[tuple[str, str, str, bytes], Any] = {}
 pool_imports = 0  # how many imports this process made (tests check "once")
 # handle -> the memory behind it, for pools this process exported itself (a
 # daemon with a client in the same process): cudaIpcOpenMemHandle refuses a
@@ -240,13 +275,13 @@ def forget_own_export(handle: bytes) -> None:
     _OWN_EXPORTS.pop(bytes(handle), None)
 
 
-def import_pool(desc: pb.CudaPool) -> Any:
-    """The daemon's pool ``desc`` mapped into this process, imported at most once."""
+def import_pool(desc: pb.CudaPool, node: str = "", epoch: str = "") -> Any:
+    """The pool ``desc`` of daemon ``(node, epoch)`` mapped into this process, imported at most once."""
     global pool_imports
     own = _OWN_EXPORTS.get(bytes(desc.storage.handle))
     if own is not None:
         return own
-    key = (desc.name, bytes(desc.storage.handle))
+    key = (node, epoch, desc.name, bytes(desc.storage.handle))
     cached = _POOLS.get(key)
     if cached is not None:
         return cached
@@ -296,18 +331,36 @@ def _open_storage(
     return out.set_(storage, storage_offset, tuple(shape), tuple(stride))
 
 
-def forget_pools() -> None:
-    """Drop this process's pool imports (a new daemon epoch exports new pools)."""
-    _POOLS.clear()
+def forget_pools(node: str, keep_epoch: str, collect: bool = True) -> int:
+    """Drop this process's imports of node ``node``'s pools from epochs other than
+    ``keep_epoch`` (a restarted daemon exports new pools; the old mappings
+    would hold that GPU memory until this process exits). Returns how many.
+    """
+    stale = [k for k in _POOLS if k[0] == node and k[1] != keep_epoch]
+    for key in stale:
+        del _POOLS[key]
+    if stale and collect:
+        # The dropped tensors were the last holders of the mappings; what
+        # PyTorch still keeps of them for IPC goes now, not at exit.
+        _tc().ipc_collect()
+    return len(stale)
 
 
 # ---------------------------------------------------------------- pool copies
 
 
-def write_pool(region: Any, tensors: Sequence[Any], specs: Sequence[Any]) -> tuple[Any, bytes]:
+def write_pool(
+    region: Any, tensors: Sequence[Any], specs: Sequence[Any], streams: Sequence[Any] = ()
+) -> tuple[Any, bytes]:
     """Enqueue each tensor's copy into ``region`` (a uint8 slice of an imported pool)
-    on the current stream of the pool's device; returns the interprocess event
-    recorded after the copies and its IPC handle. Nothing waits here."""
+    on the current stream of the pool's device, or on the producer's ``streams``
+    when this runs on another thread than the producer's (see
+    :func:`worker_streams`); returns the interprocess event recorded after the
+    copies and its IPC handle. Nothing waits here."""
+    return run_on_worker(streams, _write_pool, region, tensors, specs)  # type: ignore[no-any-return]
+
+
+def _write_pool(region: Any, tensors: Sequence[Any], specs: Sequence[Any]) -> tuple[Any, bytes]:
     import torch
 
     from ._packing import dtype_from_name
@@ -345,12 +398,23 @@ def reader_device() -> Any:
     return torch.device("cuda", torch.cuda.current_device()) if uses_cuda() else torch.device("cpu")
 
 
-async def read_pool(region: Any, specs: Sequence[Any], event_handle: bytes) -> list[Any]:
+# A dedicated copy stream per device for reads (see _gpu_order.DedicatedStreams).
+_COPY_STREAMS = _gpu_order.DedicatedStreams(lambda index: _tc().Stream(device=index))
+# Destinations of copies abandoned at their deadline: the copy may still run.
+_ABANDONED = _gpu_order.Quarantine()
+
+
+async def read_pool(
+    region: Any, specs: Sequence[Any], event_handle: bytes, deadline: float
+) -> list[Any]:
     """Copy the tensors out of a pool lease once the writer's event fired.
 
     Returns fresh tensors: CUDA leaves on :func:`reader_device`, CPU leaves
     (there are none on this path today) on CPU. Returns only when the copies
-    are complete, so the lease can be released right after.
+    are complete, so the lease can be released right after, and the
+    caller's streams may use the tensors at once. RelayTimeoutError when
+    they are not complete by ``deadline`` (a writer that died may leave an
+    event that never fires).
     """
     import torch
 
@@ -365,49 +429,75 @@ async def read_pool(region: Any, specs: Sequence[Any], event_handle: bytes) -> l
                 f"cannot open the writer's CUDA event ({exc}); a writer that died before "
                 "its copy was confirmed leaves nothing safe to read"
             ) from exc
-    if dst.type == "cpu":
-        # GPU -> CPU into pageable memory blocks the calling thread: not the loop's.
-        return await asyncio.to_thread(_copy_out, region, specs, dst, ready)
-    out = _copy_out(region, specs, dst, ready)
-    with torch.cuda.device(dst):
-        done = _tc().Event()
-        done.record(torch.cuda.current_stream(dst))
-    await wait_event(done)
+    src_index = region.device.index
+    devices = [src_index] + ([dst.index] if dst.type == "cuda" and dst.index != src_index else [])
+    streams = [_COPY_STREAMS.get(i) for i in devices]
+    same_or_peer = dst.type == "cuda" and peer_access(
+        local_uuids()[src_index], local_uuids()[dst.index]
+    )
+    # Allocated on the caller's current stream, which uses (and frees) them.
+    out: list[Any] = [None] * len(specs)
+    for spec in specs:
+        out[spec.index] = _empty_like_spec(spec, dst)
+    args = (region, specs, out, ready, streams, same_or_peer)
+    if _gpu_order.copy_in_worker(dst.type == "cuda", same_or_peer):
+        done = await asyncio.to_thread(
+            _gpu_order.run_on_streams, streams, torch.cuda.stream, _copy_out, *args
+        )
+    else:
+        done = _gpu_order.run_on_streams(streams, torch.cuda.stream, _copy_out, *args)
+    try:
+        await _gpu_order.wait_event(done, deadline, "the copy out of the GPU pool")
+    except RelayTimeoutError:
+        # The streams wait on an event that may never fire: later reads get
+        # new ones, and the destinations stay held until the copy is done.
+        _ABANDONED.hold(done, out, ready, region)
+        for i in devices:
+            _COPY_STREAMS.discard(i)
+        raise
     return out
 
 
-def _copy_out(region: Any, specs: Sequence[Any], dst: Any, ready: Any) -> list[Any]:
+def _copy_out(
+    region: Any,
+    specs: Sequence[Any],
+    out: list[Any],
+    ready: Any,
+    streams: Sequence[Any],
+    same_or_peer: bool,
+) -> Any:
+    """Enqueue the copies on the current (dedicated) streams; returns the event after them."""
     import torch
 
-    # Every stream a copy below may run on waits for the writer: the
-    # destination's, and the pool device's (cross-device and device-to-host
-    # copies run on the source device's current stream). Current streams are
-    # per thread, so this runs in the thread that copies.
-    torch.cuda.current_stream(region.device).wait_event(ready)
-    if dst.type == "cuda" and dst != region.device:
-        torch.cuda.current_stream(dst).wait_event(ready)
-    out: list[Any] = [None] * len(specs)
-    src_uuid = local_uuids()[region.device.index]
-    same_or_peer = dst.type == "cpu" or peer_access(src_uuid, local_uuids()[dst.index])
+    # Every stream a copy below may run on waits for the writer: the pool
+    # device's and the destination's (cross-device copies synchronize both).
+    for s in streams:
+        s.wait_event(ready)
+    dst = out[0].device if out else region.device  # every leaf lands on one device
     with torch.no_grad():
         for spec in specs:
-            tensor = _empty_like_spec(spec, dst)
-            if spec.nbytes:
-                src = region[spec.offset : spec.offset + spec.nbytes]
-                flat = tensor.view(-1).view(torch.uint8)
-                if same_or_peer:
-                    flat.copy_(src, non_blocking=dst.type == "cuda")
-                else:
-                    # No peer access: through host memory, explicitly.
-                    flat.copy_(src.to("cpu"), non_blocking=False)
-            out[spec.index] = tensor
-    return out
+            if not spec.nbytes:
+                continue
+            src = region[spec.offset : spec.offset + spec.nbytes]
+            flat = out[spec.index].view(-1).view(torch.uint8)
+            if same_or_peer or dst.type == "cpu":
+                flat.copy_(src, non_blocking=dst.type == "cuda")
+            else:
+                # No peer access: through host memory, explicitly (blocks: a worker thread).
+                flat.copy_(src.to("cpu"), non_blocking=False)
+    done = _tc().Event()
+    done.record(streams[-1])
+    return done
 
 
-async def wait_event(event: Any) -> None:
-    """Wait for a CUDA event without blocking the event loop."""
-    if not event.query():
-        await asyncio.to_thread(event.synchronize)
+async def wait_event(event: Any, deadline: float | None = None, what: str = "a GPU copy") -> None:
+    """Wait for a CUDA event without blocking the event loop, up to ``deadline``."""
+    limit = time.monotonic() + _GPU_WAIT_S if deadline is None else deadline
+    await _gpu_order.wait_event(event, limit, what)
+
+
+# How long a GPU copy of this process's own may take when no deadline is given.
+_GPU_WAIT_S = 60.0
 
 
 # ---------------------------------------------------------------- direct
@@ -438,6 +528,49 @@ def export_direct(tensor: Any) -> pb.CudaIpcHandle:
     return h
 
 
+def export_all_direct(
+    tensors: Sequence[Any],
+    specs: Sequence[Any],
+    export: Any = None,
+    release: Any = None,
+    streams: Sequence[Any] = (),
+) -> list[pb.CudaIpcHandle | None] | None:
+    """One handle per spec (None for an empty tensor), or None if one cannot be exported.
+
+    ``_share_cuda_`` records the event a reader waits on on the current
+    stream: the producer's ``streams`` when this runs on another thread.
+
+    Each export takes a PyTorch IPC reference count that only a reader's
+    import gives back; when a later tensor fails (memory PyTorch imported
+    itself, an allocator without IPC), the counts already taken are given
+    back here, or the writer's blocks would stay in limbo.
+    """
+    export = export or export_direct
+    release = release or _release_counter
+    out: list[pb.CudaIpcHandle | None] = []
+
+    def export_each() -> None:
+        for spec in specs:
+            out.append(export(tensors[spec.index]) if spec.nbytes else None)
+
+    try:
+        run_on_worker(streams, export_each)
+    except RuntimeError as exc:
+        log.debug("direct CUDA IPC not possible (%s); using the GPU pool", exc)
+        for h in out:
+            if h is not None and h.ref_counter_handle:
+                release(h)
+        return None
+    return out
+
+
+def _release_counter(h: pb.CudaIpcHandle) -> None:
+    import torch
+
+    storage: Any = torch.UntypedStorage
+    storage._release_ipc_counter_cuda(h.ref_counter_handle, h.ref_counter_offset)
+
+
 def check_direct_handle(h: pb.CudaIpcHandle, shape: Sequence[int], itemsize: int) -> None:
     """A view that stays inside its storage (the handle came off the wire)."""
     if len(h.stride) != len(shape) or any(s < 0 for s in h.stride):
@@ -447,8 +580,50 @@ def check_direct_handle(h: pb.CudaIpcHandle, shape: Sequence[int], itemsize: int
         raise CorruptRefError("direct CUDA handle: the view reaches past its storage")
 
 
+def _open_direct(ordinal: int, h: pb.CudaIpcHandle) -> Any:
+    """The writer's storage behind ``h``, through PyTorch's own cache per (handle, offset).
+
+    As ``torch.multiprocessing.reductions.rebuild_cuda_tensor`` does: a
+    storage this process still holds is reused, and the new share's
+    reference count is released at once (the held storage already counts).
+    """
+    import torch
+    from torch.multiprocessing import reductions as _reductions
+
+    reductions: Any = _reductions  # untyped
+    key = (bytes(h.handle), int(h.storage_offset_bytes))
+    storage: Any = torch.UntypedStorage
+    cached = reductions.storage_from_cache(storage, key)
+    if cached is not None:
+        if h.ref_counter_handle:
+            storage._release_ipc_counter_cuda(h.ref_counter_handle, h.ref_counter_offset)
+        direct_cache_hits.append(key)
+        return cached
+    try:
+        opened = storage._new_shared_cuda(
+            ordinal,
+            h.handle,
+            h.storage_bytes,
+            h.storage_offset_bytes,
+            h.ref_counter_handle,
+            h.ref_counter_offset,
+            h.event_handle,
+            h.event_sync_required,
+        )
+    except RuntimeError as exc:
+        raise PeerUnavailableError(
+            f"cannot open a CUDA IPC handle on cuda:{ordinal}: {exc}"
+        ) from exc
+    reductions.shared_cache[key] = reductions.StorageWeakRef(opened)
+    return opened
+
+
+# (handle, offset) of each direct read served from the cache (tests read it).
+direct_cache_hits: list[tuple[bytes, int]] = []
+
+
 async def read_direct(
-    specs: Sequence[Any], handles: Sequence[pb.CudaIpcHandle], copy: bool
+    specs: Sequence[Any], handles: Sequence[pb.CudaIpcHandle], copy: bool, deadline: float
 ) -> list[Any]:
     """Open each tensor's storage on this process's ordinal of its GPU."""
     import torch
@@ -471,7 +646,10 @@ async def read_direct(
             )
         itemsize = dtype_from_name(spec.dtype).itemsize
         check_direct_handle(h, spec.shape, itemsize)
-        tensor = _open_storage(ordinal, h, spec.dtype, spec.shape, h.stride, h.storage_offset)
+        storage = _open_direct(ordinal, h)
+        tensor = torch.empty((0,), dtype=dtype_from_name(spec.dtype), device=f"cuda:{ordinal}")
+        tensor.set_(storage, h.storage_offset, tuple(spec.shape), tuple(h.stride))
+        storage = None  # only the tensors hold it: see the drop below
         if copy or tensor.device != dst:
             shared.append(tensor)
             tensor = tensor.to(dst, copy=True, non_blocking=dst.type == "cuda")
@@ -481,8 +659,40 @@ async def read_direct(
         with torch.cuda.device(dst):
             done = _tc().Event()
             done.record(torch.cuda.current_stream(dst))
-        await wait_event(done)
+        try:
+            await wait_event(done, deadline, "the copy out of a direct CUDA IPC tensor")
+        except RelayTimeoutError:
+            _ABANDONED.hold(done, out, shared)
+            raise
+    if shared:
+        # Freeing an imported storage synchronizes a stream (PyTorch's IPC
+        # deleter): on a worker thread, not the event loop.
+        await asyncio.to_thread(_drop, shared)
     return out
+
+
+def _drop(objs: list[Any]) -> None:
+    objs.clear()
+
+
+# ---------------------------------------------------------------- shm writes
+
+
+def worker_streams(tensors: Sequence[Any]) -> tuple[Any, ...]:
+    """The calling thread's current stream on each device of the CUDA tensors, for
+    :func:`run_on_worker`: a copy on a worker thread must run after the
+    producer's work on these streams (see :func:`._gpu_order.caller_streams`)."""
+    if not uses_cuda():
+        return ()
+    devices = (t.device.index if t.is_cuda else None for t in tensors)
+    return _gpu_order.caller_streams(devices, _tc().current_stream)
+
+
+def run_on_worker(streams: Sequence[Any], fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` on this (worker) thread with the caller's ``streams`` current."""
+    if not streams:
+        return fn(*args)
+    return _gpu_order.run_on_streams(streams, _tc().stream, fn, *args)
 
 
 # ---------------------------------------------------------------- pinned staging
@@ -556,7 +766,9 @@ def _clear_cuda_error() -> None:
             ctypes.CDLL(path).cudaGetLastError()
 
 
-async def restore_on_device(tensors: list[Any], specs: Sequence[Any], copy: bool) -> list[Any]:
+async def restore_on_device(
+    tensors: list[Any], specs: Sequence[Any], copy: bool, deadline: float | None = None
+) -> list[Any]:
     """Put the CUDA leaves of an shm read back on this process's GPU.
 
     ``tensors`` are views into the arena (or copies when ``copy`` is set for
@@ -582,16 +794,28 @@ async def restore_on_device(tensors: list[Any], specs: Sequence[Any], copy: bool
         with torch.cuda.device(dst):
             done = _tc().Event()
             done.record(torch.cuda.current_stream(dst))
-        await wait_event(done)
+        await wait_event(done, deadline, "the copy from the arena to the GPU")
     return out
 
 
 # ---------------------------------------------------------------- per-client state
 
 
+# Events of a closed client's published pool leases, kept until the time
+# given (a reader may have opened one already; see the module doc).
+_LINGERING: list[tuple[float, Any]] = []
+LINGER_EVENTS_S = 30.0
+
+
+def _linger(events: Sequence[Any], now: float) -> None:
+    _LINGERING[:] = [(t, e) for t, e in _LINGERING if t > now]
+    _LINGERING.extend((now + LINGER_EVENTS_S, e) for e in events)
+
+
 class GpuSide:
     """One RelayClient's GPU state: the daemon's pools, their slot headers,
-    the events of unread pool leases, the pinned arena and known readers."""
+    the writer's fences of its pool leases, direct refs read, the pinned
+    arena and known readers."""
 
     def __init__(self, attach: pb.AttachResponse, views: Sequence[Any]) -> None:
         from ._shm import HEADER_STRIDE, MappedSegment
@@ -602,7 +826,10 @@ class GpuSide:
         self.pools: dict[str, pb.CudaPool] = {p.gpu_uuid: p for p in attach.cuda_pools}
         self.by_name: dict[str, pb.CudaPool] = {p.name: p for p in attach.cuda_pools}
         self.headers: dict[str, MappedSegment] = {}
-        self.events: dict[int, Any] = {}
+        self.fences = _gpu_order.WriterFences()
+        self.direct_reads = _gpu_order.ReadOnce()
+        # A new epoch of this node's daemon: the old one's pools are gone.
+        forget_pools(self.node_id, self.epoch)
         # Benchmarks and tests pin a GPU transport here instead of asking the
         # router (two stages in one benchmark cannot be placed apart).
         self.force: Transport | None = None
@@ -653,7 +880,7 @@ class GpuSide:
     def pool_region(self, pool: str, slot: int, nbytes: int) -> Any:
         desc = self.by_name[pool]
         start = slot * desc.slot_size
-        return import_pool(desc)[start : start + nbytes]
+        return import_pool(desc, self.node_id, self.epoch)[start : start + nbytes]
 
     def lease_region(self, m: pb.DataRef) -> tuple[Any, Any]:
         """(header segment, pool region) of a cuda_ipc_pool DataRef, checked."""
@@ -680,22 +907,41 @@ class GpuSide:
         seg = self.headers[lease.pool]
         gen, length = seg.read_header(lease.slot)
         if gen != lease.generation or length != lease.length:
-            raise StaleRefError("DataRef's GPU lease was already read, reclaimed (TTL) or aborted")
+            raise StaleRefError(
+                "DataRef's GPU lease was already read, reclaimed (TTL), aborted, or its "
+                "writer's session ended (GPU pool leases do not outlive their writer)"
+            )
         return seg, self.pool_region(lease.pool, lease.slot, lease.length)
 
     def keep_event(self, lease_id: int, event: Any) -> None:
-        # The reader opens the event by handle; it must exist until then.
-        self.events[lease_id] = event
+        # The reader opens the event by handle; it must exist until then, and
+        # the lease's slots are not reused before it fired.
+        self.fences.add(lease_id, event)
 
-    def forget(self, lease_id: int) -> None:
-        self.events.pop(lease_id, None)
+    def free_slots(self, lease_id: int, release: Any) -> bool:
+        """Hand a lease's slots back through ``release`` once the writer's copy
+        into them is known complete; True if that was now."""
+        return self.fences.free(lease_id, release)
+
+    async def settle(self, timeout: float) -> None:
+        """Before the grants go (close, re-attach): every queued copy into them is done."""
+        late = await self.fences.settle(time.monotonic() + timeout)
+        if late:
+            log.error(
+                "%d copies into GPU leases were still queued after %.1f s; their slots may "
+                "be overwritten once the daemon reuses them",
+                late,
+                timeout,
+            )
 
     def close(self) -> None:
         unpin_host(self._pinned)
         for seg in self.headers.values():
             seg.close()
         self.headers.clear()
-        self.events.clear()
+        self.fences.cancel()
+        _linger(list(self.fences.events.values()), time.monotonic())
+        self.fences.events.clear()
         self._views.clear()
 
 

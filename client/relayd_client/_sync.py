@@ -284,8 +284,12 @@ class SyncRelayClient:
             if route == pb.TRANSPORT_LOCAL_OBJECT and not plan.refs and _local.serves(to_stage):
                 return c._put_local(obj, plan)
             if c._gpu is not None and not plan.refs and shape.cuda_uuids:
+                # The copies are enqueued on the loop thread: after this thread's producer.
+                streams = _cuda.worker_streams(plan.tensors)
                 gpu_ref = self._run(
-                    c._put_gpu(plan.msg, plan.tensors, shape.specs, shape.total, timeout, route),
+                    c._put_gpu(
+                        plan.msg, plan.tensors, shape.specs, shape.total, timeout, route, streams
+                    ),
                     timeout,
                 )
                 if gpu_ref is not None:

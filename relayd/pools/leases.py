@@ -326,8 +326,13 @@ class LeaseManager:
         if writer is not None:
             self._adopt_sealed(grant, writer)
         dropped = 0
+        # A GPU pool lease is read by waiting on its writer's CUDA event, which
+        # dies with the writer (using it after that is undefined), and a writer
+        # killed with its copy queued may leave the event looking complete:
+        # published GPU leases go with their writer, unread, never served.
+        gpu = grant.run.pool != "shm"
         for lease in list(grant.leases.values()):
-            if lease.state is LeaseState.RESERVED:
+            if lease.state is LeaseState.RESERVED or (gpu and lease.state is LeaseState.PUBLISHED):
                 self._forget(lease)
                 dropped += 1
         if dropped:

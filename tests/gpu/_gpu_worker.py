@@ -6,19 +6,30 @@ before attaching, so the daemon learns this process's GPU (its edges can be
 routed cuda_ipc_direct / cuda_ipc_pool); without it the process attaches as
 a CPU stage and initializes CUDA only when a command needs it.
 
+``--direct`` opts the writer into cuda_ipc_direct.
+
 Commands: ``put`` (answers with the DataRef at once, without waiting for
-the GPU: the reader must cope with a writer whose copies are still queued),
-``digest`` (the SHA-256 of a payload put earlier, after a device sync; the
-payload is then dropped), ``get``, ``facts``.
+the GPU: the reader must cope with a writer whose copies are still queued;
+``side``: the producer and the put run on a side stream; ``keep=false``:
+the writer drops its tensors right after the put, answering with their
+digest first), ``digest`` (the SHA-256 of a payload put earlier, after a
+device sync; the payload is then dropped), ``get``, ``get_many``,
+``put_many`` (many small puts, optionally aborted unread: latency of the
+first and last 200, GPU memory before and after), ``abort``, ``mem``,
+``close`` (the client closes, the process stays), ``facts``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import gc
 import hashlib
 import json
+import statistics
 import sys
+import time
 from typing import Any
 
 import torch
@@ -76,6 +87,15 @@ def heavy_source(nbytes: int, seed: int) -> torch.Tensor:
     )
 
 
+def mem() -> dict[str, int]:
+    """This process's allocated GPU bytes, and the device's free bytes (all processes)."""
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.ipc_collect()
+    free, _total = torch.cuda.mem_get_info()
+    return {"allocated": int(torch.cuda.memory_allocated()), "free": int(free)}
+
+
 def make_payload(where: str, seed: int, nbytes: int, heavy: bool) -> dict[str, Any]:
     g = torch.Generator().manual_seed(seed)
     main = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
@@ -90,18 +110,28 @@ def make_payload(where: str, seed: int, nbytes: int, heavy: bool) -> dict[str, A
     return out
 
 
+def expected_digest(seed: int, nbytes: int) -> str:
+    """The digest of ``make_payload("cuda", seed, nbytes, heavy=False)``, computed on the CPU."""
+    g = torch.Generator().manual_seed(seed)
+    main = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+    half = torch.randn(64, 33, generator=g).to(torch.bfloat16)
+    return digest({"seed": seed, "hidden": main, "extra": half.t()})
+
+
 async def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--socket", required=True)
     p.add_argument("--stage", required=True)
     p.add_argument("--cuda-first", action="store_true")
     p.add_argument("--device", type=int, default=0)
+    p.add_argument("--direct", action="store_true")
     args = p.parse_args()
     if args.cuda_first:
         torch.cuda.set_device(args.device)
         torch.cuda.init()
     kept: dict[str, Any] = {}  # rid -> payload: the writer keeps its tensors alive
-    async with RelayClient(args.stage, args.socket, timeout=30.0) as client:
+    client = RelayClient(args.stage, args.socket, timeout=30.0, cuda_ipc_direct=args.direct)
+    async with client:
         print(json.dumps({"ready": True}), flush=True)
         loop = asyncio.get_running_loop()
         while True:
@@ -111,24 +141,32 @@ async def main() -> None:
             cmd = json.loads(line)
             try:
                 if cmd["op"] == "put":
-                    payload = make_payload(
-                        cmd.get("where", "cuda"),
-                        cmd["seed"],
-                        cmd["nbytes"],
-                        cmd.get("heavy", False),
-                    )
-                    ref = await client.put(payload, to_stage=cmd["to"], request_id=cmd["rid"])
-                    # Is this GPU still busy (the source or its copy into the lease)?
-                    pending = (
-                        torch.cuda.is_initialized() and not torch.cuda.current_stream().query()
-                    )
-                    kept[cmd["rid"]] = payload
+                    side = cmd.get("side", False)
+                    stream = torch.cuda.Stream() if side else None
+                    with torch.cuda.stream(stream) if side else contextlib.nullcontext():
+                        payload = make_payload(
+                            cmd.get("where", "cuda"),
+                            cmd["seed"],
+                            cmd["nbytes"],
+                            cmd.get("heavy", False),
+                        )
+                        ref = await client.put(payload, to_stage=cmd["to"], request_id=cmd["rid"])
+                        # Is this GPU still busy (the source or its copy into the lease)?
+                        pending = (
+                            torch.cuda.is_initialized() and not torch.cuda.current_stream().query()
+                        )
                     answer = {
                         "ref": ref.to_bytes().hex(),
                         "transport": ref.transport.value,
                         "pending": pending,
                     }
+                    if cmd.get("keep", True):
+                        kept[cmd["rid"]] = payload
+                    # else: the writer lets go of its tensors right after put
+                    del payload
                 elif cmd["op"] == "digest":
+                    if torch.cuda.is_initialized():
+                        torch.cuda.synchronize()  # a side stream's producer is done too
                     answer = {"digest": digest(kept.pop(cmd["rid"]))}
                 elif cmd["op"] == "get":
                     ref = DataRef.from_bytes(bytes.fromhex(cmd["ref"]))
@@ -138,6 +176,47 @@ async def main() -> None:
                         "devices": devices(obj),
                         "transport": ref.transport.value,
                     }
+                elif cmd["op"] == "get_many":
+                    digests = []
+                    for hexref in cmd["refs"]:
+                        obj = await client.get(DataRef.from_bytes(bytes.fromhex(hexref)))
+                        digests.append(digest(obj))
+                        del obj
+                    answer = {"digests": digests}
+                elif cmd["op"] == "put_many":
+                    before = mem()
+                    lat, refs, transports = [], [], set()
+                    for i in range(cmd["n"]):
+                        payload = make_payload("cuda", i, cmd["nbytes"], False)
+                        rid = f"{cmd['rid']}-{i}"
+                        t0 = time.perf_counter()
+                        ref = await client.put(payload, to_stage=cmd["to"], request_id=rid)
+                        lat.append(time.perf_counter() - t0)
+                        transports.add(ref.transport.value)
+                        if cmd.get("abort"):
+                            await client.abort(rid)
+                        else:
+                            refs.append(ref.to_bytes().hex())
+                            kept[rid] = payload
+                        del payload
+                    answer = {
+                        "first_ms": statistics.median(lat[:200]) * 1e3,
+                        "last_ms": statistics.median(lat[-200:]) * 1e3,
+                        "transports": sorted(transports),
+                        "refs": refs,
+                        "before": before,
+                        "after": mem(),
+                    }
+                elif cmd["op"] == "drop_kept":
+                    kept.clear()
+                    answer = mem()
+                elif cmd["op"] == "abort":
+                    answer = {"freed": await client.abort(cmd["rid"])}
+                elif cmd["op"] == "mem":
+                    answer = mem()
+                elif cmd["op"] == "close":
+                    await client.close()
+                    answer = {"closed": True}
                 elif cmd["op"] == "facts":
                     gpu = client._gpu
                     answer = {

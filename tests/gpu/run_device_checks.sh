@@ -250,12 +250,21 @@ timed() { [ "$1" -eq 124 ] || [ "$1" -eq 137 ] && echo ", TIMED OUT"; }
   if [ "$NO_CUDA" -eq 1 ]; then
     echo "**NO CUDA DEVICE**: GPU tests skipped, nothing measured."
     echo
+  elif grep -q " 1 device(s)" "$RESULTS/env.txt"; then
+    echo "**one GPU**: the cross-GPU pool path (with and without peer access) was not exercised."
+    echo
   fi
   echo "## tests (exit $TESTS_RC$(timed "$TESTS_RC")$([ "$TESTS_RAN" -eq 0 ] && echo ', NOT RUN'))"
   echo
   echo '```'
   grep -E "(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)( |$)|^(FAILED|ERROR) |[0-9]+ (passed|failed|skipped|error)" \
     "$RESULTS/gpu-tests.log" | tail -30
+  echo '```'
+  echo
+  echo "### figures"
+  echo
+  echo '```'
+  sed -n '/relayd fault and adversarial figures/,$p' "$RESULTS/gpu-tests.log" | grep -E "^[a-z].*: " | head -20
   echo '```'
   echo
   echo "## benchmark (exit $BENCH_RC$(timed "$BENCH_RC"))"

@@ -3,8 +3,9 @@
 Skipped (and counted as skipped) without a CUDA device. Routes come from the
 daemon: a writer that attaches before touching CUDA is a "placement without
 GPU", so same-GPU traffic goes through the pool; one that initializes CUDA
-first shares the reader's GPU and gets cuda_ipc_direct. A reader must be
-attached before the put, or the daemon routes through shm (reader unknown).
+first shares the reader's GPU, and gets cuda_ipc_direct only if it opted in
+(``--direct``), else the pool. A reader must be attached before the put, or
+the daemon routes through shm (reader unknown).
 
 One daemon serves the whole module (a daemon with a GPU pool takes seconds
 to start, and tests/gpu/run_device_checks.sh has five minutes for tests and
@@ -36,6 +37,7 @@ pytestmark = [
 ]
 
 from tests._daemon import _DAEMONS, _SPAWNED, Daemon, wait_until  # noqa: E402
+from tests._figures import record  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KiB, MiB = 1 << 10, 1 << 20
@@ -85,11 +87,15 @@ PIN = _memlock_allows_pinning(ARENA)
 class Stage:
     """One stage process speaking JSON lines; started without waiting (see :func:`_stages`)."""
 
-    def __init__(self, socket: str, stage: str, *, cuda_first: bool, device: int = 0) -> None:
+    def __init__(
+        self, socket: str, stage: str, *, cuda_first: bool, device: int = 0, direct: bool = False
+    ) -> None:
         self.stage = stage
         args = [sys.executable, "-m", "tests.gpu._gpu_worker", "--socket", socket, "--stage", stage]
         if cuda_first:
             args += ["--cuda-first", "--device", str(device)]
+        if direct:
+            args += ["--direct"]
         self.proc = subprocess.Popen(
             args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=ROOT, env=ENV
         )
@@ -142,10 +148,11 @@ class Stage:
 
 
 def _stages(d: Daemon, *specs: tuple[Any, ...]) -> list[Stage]:
-    """Start stage processes side by side (``(name, cuda_first[, device])``), then
-    wait until each has attached, in order."""
-    stages = [Stage(d.socket, name, cuda_first=cuda, device=dev) for name, cuda, dev in
-              (tuple(s) + (0,) * (3 - len(s)) for s in specs)]  # fmt: skip
+    """Start stage processes side by side (``(name, cuda_first[, device[, direct]])``),
+    then wait until each has attached, in order."""
+    stages = [Stage(d.socket, name, cuda_first=cuda, device=dev, direct=direct)
+              for name, cuda, dev, direct in
+              ((tuple(s) + (0, False)[len(s) - 2:])[:4] for s in specs)]  # fmt: skip
     return [s.ready() for s in stages]
 
 
@@ -248,11 +255,17 @@ def test_pool_round_trip_same_gpu_and_one_import_per_process(daemon: Daemon) -> 
 
 
 def test_direct_round_trip(daemon: Daemon) -> None:
-    w, r = _stages(daemon, ("direct-thinker", True), ("direct-talker", True))
+    w, r = _stages(daemon, ("direct-thinker", True, 0, True), ("direct-talker", True))
     for i, n in enumerate((256 * KiB, 8 * MiB, 64 * MiB)):
         put, got = _round_trip(w, r, n, seed=100 + i)
         assert put["transport"] == "cuda_ipc_direct" and got["devices"] == ["cuda", "cuda"]
     assert _pool_used(daemon) == 0  # no pool, no lease
+
+
+def test_same_gpu_uses_the_pool_unless_the_writer_opts_into_direct(daemon: Daemon) -> None:
+    w, r = _stages(daemon, ("nodirect-thinker", True), ("nodirect-talker", True))
+    put, got = _round_trip(w, r, 1 * MiB, seed=150)
+    assert put["transport"] == "cuda_ipc_pool" and got["devices"] == ["cuda", "cuda"]
 
 
 def test_gpu_to_cpu_reader_gets_cpu_tensors(daemon: Daemon) -> None:
@@ -315,3 +328,150 @@ def test_kill_9_writer_and_reader_returns_the_pool_to_zero(daemon: Daemon) -> No
     put, _ = _round_trip(w2, r2, 8 * MiB, seed=700)
     assert put["transport"] == "cuda_ipc_pool"
     wait_until(lambda: _drained(daemon), 10, "GPU pool to drain")
+
+
+# -- issue: what a reading against PyTorch's IPC rules found ----------------------------
+
+
+def test_shm_put_from_a_side_stream_producer_on_a_worker_thread_is_exact(daemon: Daemon) -> None:
+    """GPU -> CPU through shm at >= 8 MiB: the device-to-host copy runs on a
+    worker thread, which must run it after the producer's side stream."""
+    from relayd_client._client import OFFLOAD_BYTES
+
+    w, r = _stages(daemon, ("side-thinker", True), ("side-talker", False))
+    pending = []
+    for i, n in enumerate((OFFLOAD_BYTES, 32 * MiB + 5)):
+        rid = f"side{i}"
+        put = w.call(op="put", to=r.stage, rid=rid, seed=800 + i, nbytes=n, heavy=True, side=True)
+        assert put["transport"] == "shm"
+        pending.append(put["pending"])
+        got = r.call(op="get", ref=put["ref"])
+        assert got["digest"] == w.call(op="digest", rid=rid)["digest"], f"stale bytes at {n} B"
+    # The put waits for its copy; "pending" only says the side stream was busy before.
+    record("shm side-stream put: side stream still busy after put", str(pending))
+
+
+def test_direct_busy_writer_dropped_tensors_read_twice_and_2000_puts(daemon: Daemon) -> None:
+    from tests.gpu._gpu_worker import expected_digest
+
+    w, r = _stages(daemon, ("d2-thinker", True, 0, True), ("d2-talker", True))
+    # The writer's GPU still busy when the reader reads.
+    put, _got = _round_trip(w, r, 32 * MiB, seed=900, heavy=True)
+    assert put["transport"] == "cuda_ipc_direct"
+    # The writer drops its tensors right after put: PyTorch's count keeps the block.
+    put = w.call(op="put", to=r.stage, rid="d2-drop", seed=901, nbytes=4 * MiB, keep=False)
+    assert put["transport"] == "cuda_ipc_direct"
+    assert r.call(op="get", ref=put["ref"])["digest"] == expected_digest(901, 4 * MiB)
+    # The same ref read twice: refused, before PyTorch's count is released again.
+    assert r.call_error(op="get", ref=put["ref"]).startswith("StaleRefError")
+    # 2,000 direct puts, each read once: the writer's memory comes back, puts stay flat.
+    n, size = 2000, 64 * KiB
+    many = w.call(op="put_many", to=r.stage, rid="d2m", n=n, nbytes=size)
+    assert many["transports"] == ["cuda_ipc_direct"]
+    digests = r.call(op="get_many", refs=many["refs"])["digests"]
+    assert digests == [expected_digest(i, size) for i in range(n)]
+    after = w.call(op="drop_kept")
+    grown = after["allocated"] - many["before"]["allocated"]
+    record(
+        "direct 2000 puts",
+        f"put median first/last 200: {many['first_ms']:.3f}/{many['last_ms']:.3f} ms; "
+        f"writer allocated +{grown} B after release",
+    )
+    assert grown <= 2 * MiB, f"the writer kept {grown} B after every ref was read once"
+
+
+def test_2000_same_gpu_puts_aborted_unread_leak_nothing(daemon: Daemon) -> None:
+    """The default for a same-GPU edge is the pool: an unread, aborted put frees
+    its lease, and the writer's memory is untouched (no PyTorch IPC count)."""
+    w, r = _stages(daemon, ("ab-thinker", True), ("ab-talker", True))
+    many = w.call(op="put_many", to=r.stage, rid="ab", n=2000, nbytes=64 * KiB, abort=True)
+    assert many["transports"] == ["cuda_ipc_pool"]
+    grown = many["after"]["allocated"] - many["before"]["allocated"]
+    free_drop = many["before"]["free"] - many["after"]["free"]
+    record(
+        "pool 2000 aborted puts",
+        f"put median first/last 200: {many['first_ms']:.3f}/{many['last_ms']:.3f} ms; "
+        f"writer allocated +{grown} B, device free -{free_drop} B",
+    )
+    assert grown <= 2 * MiB
+    wait_until(lambda: _drained(daemon), 10, "GPU pool to drain after the aborts")
+
+
+def test_pool_writer_closes_with_its_copy_queued(daemon: Daemon) -> None:
+    r, w = _stages(daemon, ("close-talker", True), ("close-thinker", False))
+    put = w.call(op="put", to=r.stage, rid="c1", seed=1000, nbytes=32 * MiB, heavy=True)
+    assert put["transport"] == "cuda_ipc_pool"
+    assert w.call(op="close") == {"closed": True}  # settles its copies, then goes
+    # Its event goes with it: the lease is reclaimed, never served.
+    err = r.call_error(op="get", ref=put["ref"])
+    assert err.startswith("StaleRefError"), err
+    wait_until(lambda: _drained(daemon), 10, "GPU pool to drain after the writer closed")
+
+
+def test_pool_writer_killed_with_its_copy_queued(daemon: Daemon) -> None:
+    r, w = _stages(daemon, ("kq-talker", True), ("kq-thinker", False))
+    put = w.call(op="put", to=r.stage, rid="kq1", seed=1100, nbytes=32 * MiB, heavy=True)
+    assert put["transport"] == "cuda_ipc_pool"
+    w.kill()
+    wait_until(
+        lambda: len(daemon.status().get("sessions", [])) == 1, 10, "the writer's session to end"
+    )
+    err = r.call_error(op="get", ref=put["ref"])  # within CALL_TIMEOUT: never a hang
+    assert err.startswith("StaleRefError"), err
+    wait_until(lambda: _drained(daemon), 10, "GPU pool to drain after the writer died")
+
+
+def test_writers_and_readers_random_sizes_aborts_and_slot_reuse(daemon: Daemon) -> None:
+    import random
+
+    r1, r2, w1, w2 = _stages(
+        daemon, ("mx-talker1", True), ("mx-talker2", True), ("mx-thinker1", False),
+        ("mx-thinker2", False),
+    )  # fmt: skip
+    rng = random.Random(18)
+    sizes = (64 * KiB, 300 * KiB + 7, 1 * MiB, 3 * MiB + 1, 8 * MiB + 3)
+    checked = aborted = 0
+    for i in range(40):
+        w, r = (w1, w2)[i % 2], (r1, r2)[(i // 2) % 2]
+        n, rid = rng.choice(sizes), f"mx{i}"
+        put = w.call(op="put", to=r.stage, rid=rid, seed=1200 + i, nbytes=n, heavy=i % 9 == 0)
+        assert put["transport"] == "cuda_ipc_pool"
+        if rng.random() < 0.25:
+            w.call(op="abort", rid=rid)
+            err = r.call_error(op="get", ref=put["ref"])
+            assert err.startswith(("AbortedError", "StaleRefError")), err
+            w.call(op="digest", rid=rid)  # drop it
+            aborted += 1
+            continue
+        got = r.call(op="get", ref=put["ref"])
+        assert got["digest"] == w.call(op="digest", rid=rid)["digest"], f"bytes differ: put {i}"
+        checked += 1
+    assert checked and aborted
+    wait_until(lambda: _drained(daemon), 10, "GPU pool to drain")
+
+
+def test_daemon_restart_gives_the_old_pools_gpu_memory_back(
+    tmp_path_factory: pytest.TempPathFactory, gpu_daemon: Daemon
+) -> None:
+    pin = [] if PIN else ["--pin-host-memory", "off"]
+    d = Daemon(
+        str(tmp_path_factory.mktemp("restart")),
+        "--gpu-pool-size", str(GPU_POOL), *pin,
+        pool=str(ARENA), env=ENV, node_id="gpurestart",
+    )  # fmt: skip
+    d.start()
+    try:
+        r, w = _stages(d, ("rs-talker", True), ("rs-thinker", False))
+        put, _ = _round_trip(w, r, 1 * MiB, seed=1300)
+        assert put["transport"] == "cuda_ipc_pool"  # both processes imported the pool
+        before = r.call(op="mem")["free"]
+        assert d.stop() == 0
+        d.start()  # a new epoch, a new pool
+        put, _ = _round_trip(w, r, 1 * MiB, seed=1301)  # re-attached, new pool imported
+        assert put["transport"] == "cuda_ipc_pool"
+        after = r.call(op="mem")["free"]
+        record("daemon restart", f"device free before {before} B, after {after} B")
+        # The old epoch's pool would still be held by both clients' mappings.
+        assert before - after < GPU_POOL // 2, f"{before - after} B not given back"
+    finally:
+        d.stop()

@@ -8,6 +8,7 @@ with the arena run unchanged.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -250,12 +251,24 @@ def test_gpu_pool_reclaims_on_writer_and_reader_death(arena: Arena, gpu_pool: Cu
     unread = _publish(m, w, grant, 1, 1)
     assert unread in m.leases
     m.on_claim(r, pb.Claim(lease_id=read, generation=read))
-    m.close_session(w.id)  # published leases outlive their writer
-    assert gpu_pool.used_bytes == 2 * SLOT
+    m.close_session(w.id)
+    # An unread GPU lease goes with its writer (its CUDA event does); the one
+    # a reader is copying out of stays until that reader lets go.
+    assert unread not in m.leases and gpu_pool.header(0, grant.run.slot + 1) == (0, 0)
+    assert reclaimed == ["writer_died"] and gpu_pool.used_bytes == SLOT
     m.close_session(r.id)  # the claimed one dies with its reader
-    assert reclaimed == ["reader_died"] and gpu_pool.used_bytes == SLOT
+    assert reclaimed == ["writer_died", "reader_died"] and gpu_pool.used_bytes == 0
     m.drop_all()
     assert gpu_pool.used_bytes == 0 and arena.used_bytes == 0
+
+
+def test_published_shm_leases_still_outlive_their_writer(arena: Arena, gpu_pool: CudaPool) -> None:
+    m = _manager(arena, gpu_pool, [])
+    w = _session(m, "thinker", [])
+    grant = asyncio.run(m.grant(w, SLOT, 1.0))
+    lid = _publish(m, w, grant, 0, 1)
+    m.close_session(w.id)
+    assert lid in m.leases and arena.used_bytes == SLOT
 
 
 def test_full_gpu_pool_does_not_block_arena_waiters(arena: Arena, gpu_pool: CudaPool) -> None:
@@ -315,6 +328,9 @@ def test_daemon_routes_gpu_edges_with_the_probed_peer_matrix(
     other = Placement("n", "p:3", "ipc", True, (GPU_B,), ("talker",))
     facts = PayloadFacts(encoded_bytes=1 << 20, inline_meta_bytes=400, cuda_uuids=(GPU_A,))
     peers = cuda_pools.peer_access
+    # Same GPU: the pool, unless the writer opted into direct.
+    assert route(writer, same, facts, peer_access=peers).transport is Transport.CUDA_IPC_POOL
+    facts = dataclasses.replace(facts, direct_allowed=True)
     assert route(writer, same, facts, peer_access=peers).transport is Transport.CUDA_IPC_DIRECT
     # An unprobed pair stages through shm, up front.
     assert route(writer, other, facts, peer_access=peers).transport is Transport.SHM
@@ -361,6 +377,23 @@ def test_pool_import_happens_once_per_process(fake_gpu: list[int]) -> None:
     assert fake_gpu == [0] and _cuda.pool_imports == before + 1
     _cuda.import_pool(_pool_desc(b"n" * 65))  # a new daemon epoch exports a new handle
     assert fake_gpu == [0, 0] and _cuda.pool_imports == before + 2
+
+
+def test_reattach_to_a_new_epoch_forgets_the_old_pools(
+    fake_gpu: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    collected: list[int] = []
+    monkeypatch.setattr(
+        _cuda, "_tc", lambda: type("C", (), {"ipc_collect": lambda: collected.append(1)})
+    )
+    old = _cuda.import_pool(_pool_desc(b"h" * 65), "node-a", "e1")
+    other_node = _cuda.import_pool(_pool_desc(b"x" * 65), "node-b", "e1")
+    assert _cuda.forget_pools("node-a", "e1") == 0 and collected == []  # same epoch: kept
+    assert _cuda.import_pool(_pool_desc(b"h" * 65), "node-a", "e1") is old
+    assert _cuda.forget_pools("node-a", "e2") == 1 and collected == [1]
+    # node-a's old mapping is gone (re-imported if named again); node-b's is not.
+    assert _cuda.import_pool(_pool_desc(b"x" * 65), "node-b", "e1") is other_node
+    assert set(_cuda._POOLS) == {("node-b", "e1", _pool_desc(b"x" * 65).name, b"x" * 65)}
 
 
 def test_pool_import_checks_visibility_and_size(

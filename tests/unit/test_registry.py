@@ -75,7 +75,7 @@ def test_restart_on_another_gpu_returns_new_placement(reg: StageRegistry) -> Non
     new = place(2, "talker", gpus=(GPU_B,), start=2)  # same pid reused, new start time
     reg.register("w", writer)
     reg.register("talker-1", old)
-    facts = PayloadFacts(1 << 20, inline_meta_bytes=1024, cuda_uuids=(GPU_A,))
+    facts = PayloadFacts(1 << 20, inline_meta_bytes=1024, cuda_uuids=(GPU_A,), direct_allowed=True)
     before = reg.version
     assert route(writer, reg.lookup("talker"), facts).transport is Transport.CUDA_IPC_DIRECT
 

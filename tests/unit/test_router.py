@@ -49,9 +49,12 @@ def proc(pid: int, *, node: str = "n1", gpus: tuple[str, ...] = (), shm: bool = 
     )
 
 
-def cuda(*uuids: str, size: int = MiB, meta: int = 2048, cpu: bool = False) -> PayloadFacts:
+def cuda(
+    *uuids: str, size: int = MiB, meta: int = 2048, cpu: bool = False, direct: bool = True
+) -> PayloadFacts:
+    """A CUDA payload; ``direct``: the writer opted into cuda_ipc_direct."""
     return PayloadFacts(encoded_bytes=size, inline_meta_bytes=meta, cuda_uuids=uuids,
-                        has_cpu_tensors=cpu)  # fmt: skip
+                        has_cpu_tensors=cpu, direct_allowed=direct)  # fmt: skip
 
 
 def cpu_only(size: int = MiB) -> PayloadFacts:
@@ -134,6 +137,12 @@ CASES = [
     ("direct-rejected-meta-over-limit-pool",
      W_A, R_A, cuda(GPU_A, meta=DIRECT_META_LIMIT + 1), {}, POOL, "metadata 65537 B > 64 KiB"),
     ("direct-rejected-mixed-cpu", W_A, R_A, cuda(GPU_A, cpu=True), {}, SHM, "mixed CPU and CUDA"),
+    # direct is the writer's opt-in: without it a same-GPU edge uses the pool
+    ("direct-not-opted-in-pool",
+     W_A, R_A, cuda(GPU_A, direct=False), {}, POOL, "direct not opted into by the writer"),
+    ("direct-not-opted-in-two-gpus-no-peer-shm",
+     proc(1, gpus=(GPU_A, GPU_B)), proc(2, gpus=(GPU_B, GPU_A)), cuda(GPU_A, GPU_B, direct=False),
+     {}, SHM, "no peer access"),
     ("writer-placement-stale-pool",
      proc(1), R_A, cuda(GPU_A), {}, POOL, "writer placement lacks"),
     # 6 cuda_ipc_pool

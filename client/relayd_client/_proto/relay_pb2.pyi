@@ -493,7 +493,7 @@ class EdgeStatus(_message.Message):
     def __init__(self, from_stage: _Optional[str] = ..., to_stage: _Optional[str] = ..., transport: _Optional[_Union[Transport, str]] = ..., reason: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
 
 class RouteRequest(_message.Message):
-    __slots__ = ("session_id", "session_token", "from_stage", "to_stage", "encoded_bytes", "inline_meta_bytes", "cuda_uuids", "has_cpu_tensors", "is_chunk", "chunk_meta_has_tensor")
+    __slots__ = ("session_id", "session_token", "from_stage", "to_stage", "encoded_bytes", "inline_meta_bytes", "cuda_uuids", "has_cpu_tensors", "is_chunk", "chunk_meta_has_tensor", "allow_cuda_ipc_direct")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FROM_STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -504,6 +504,7 @@ class RouteRequest(_message.Message):
     HAS_CPU_TENSORS_FIELD_NUMBER: _ClassVar[int]
     IS_CHUNK_FIELD_NUMBER: _ClassVar[int]
     CHUNK_META_HAS_TENSOR_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_CUDA_IPC_DIRECT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     session_token: bytes
     from_stage: str
@@ -514,7 +515,8 @@ class RouteRequest(_message.Message):
     has_cpu_tensors: bool
     is_chunk: bool
     chunk_meta_has_tensor: bool
-    def __init__(self, session_id: _Optional[str] = ..., session_token: _Optional[bytes] = ..., from_stage: _Optional[str] = ..., to_stage: _Optional[str] = ..., encoded_bytes: _Optional[int] = ..., inline_meta_bytes: _Optional[int] = ..., cuda_uuids: _Optional[_Iterable[str]] = ..., has_cpu_tensors: _Optional[bool] = ..., is_chunk: _Optional[bool] = ..., chunk_meta_has_tensor: _Optional[bool] = ...) -> None: ...
+    allow_cuda_ipc_direct: bool
+    def __init__(self, session_id: _Optional[str] = ..., session_token: _Optional[bytes] = ..., from_stage: _Optional[str] = ..., to_stage: _Optional[str] = ..., encoded_bytes: _Optional[int] = ..., inline_meta_bytes: _Optional[int] = ..., cuda_uuids: _Optional[_Iterable[str]] = ..., has_cpu_tensors: _Optional[bool] = ..., is_chunk: _Optional[bool] = ..., chunk_meta_has_tensor: _Optional[bool] = ..., allow_cuda_ipc_direct: _Optional[bool] = ...) -> None: ...
 
 class RouteResponse(_message.Message):
     __slots__ = ("transport", "reason", "registry_version")
