@@ -18,6 +18,8 @@ import logging
 import sys
 from typing import Any, TextIO
 
+from relayd_client._names import printable
+
 LEVELS = ("debug", "info", "warning", "error", "critical")
 
 # Attributes every LogRecord has; anything else on a record came from ``extra``.
@@ -83,7 +85,10 @@ class TextFormatter(logging.Formatter):
     """``2024-05-01T12:00:00.000Z INFO relayd.server: message key=value ...``"""
 
     def format(self, record: logging.LogRecord) -> str:
-        line = f"{_timestamp(record)} {record.levelname} {record.name}: {record.getMessage()}"
+        # One record, one line: a client's request id must not forge another record
+        # or reach the operator's terminal as escape sequences.
+        message = printable(record.getMessage())
+        line = f"{_timestamp(record)} {record.levelname} {record.name}: {message}"
         fields = extras(record)
         if fields:
             line += " " + " ".join(f"{k}={_logfmt_value(v)}" for k, v in fields.items())
@@ -150,4 +155,4 @@ def _logfmt_value(value: Any) -> str:
         .replace("\r", "\\r")
         .replace("\t", "\\t")
     )
-    return f'"{escaped}"'
+    return f'"{printable(escaped)}"'

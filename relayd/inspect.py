@@ -14,6 +14,8 @@ import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from relayd_client._names import printable
+
 WIDTH = 80
 BAR_WIDTH = 10
 OLDEST_SHOWN = 5
@@ -128,6 +130,8 @@ def _table(cols: Sequence[_Col], rows: Sequence[Sequence[str]], indent: int = 2)
     """Columns as wide as their content. To fit :data:`WIDTH`, shrinkable columns give way
     first, then optional ones are dropped (rightmost first)."""
     gap = 2
+    # Request ids, stage names and peer errors come from clients and peers.
+    rows = [[printable(cell) for cell in row] for row in rows]
     keep = list(range(len(cols)))
     while True:
         widths = {i: max([len(cols[i].header), *(len(r[i]) for r in rows)]) for i in keep}
@@ -160,9 +164,9 @@ def _table(cols: Sequence[_Col], rows: Sequence[Sequence[str]], indent: int = 2)
 def _flow(title: str, pieces: Iterable[str]) -> list[str]:
     """``TITLE  a  b  c`` wrapped at :data:`WIDTH`, continuation lines indented."""
     lines: list[str] = []
-    line = _fit(title, WIDTH)
+    line = _fit(printable(title), WIDTH)
     for piece in pieces:
-        piece = _fit(piece, WIDTH - 4)
+        piece = _fit(printable(piece), WIDTH - 4)
         if len(line) + 2 + len(piece) > WIDTH:
             lines.append(line)
             line = "   " + piece

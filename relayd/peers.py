@@ -72,7 +72,7 @@ from relayd_client._status import from_rpc_error
 from relayd_client._transport import Transport
 
 from .pools.leases import Lease, Session, SessionState
-from .transports.base import MemoryRegion, PullError, PullOp
+from .transports.base import MemoryRegion, PullError, PullOp, PullTimeoutError
 from .transports.credits import CreditPool
 
 if TYPE_CHECKING:
@@ -567,6 +567,13 @@ class PeerManager:
             except PullError as err:
                 if err.in_flight:
                     settle = err.settled
+                if isinstance(err, PullTimeoutError) and budget >= self.settings.peer_timeout:
+                    # peer_timeout, not the reader's own deadline, ran out: the peer
+                    # stopped answering, which is what a dead peer is to the reader.
+                    raise PeerUnavailableError(
+                        f"peer {peer.address} did not answer within peer_timeout "
+                        f"({self.settings.peer_timeout:g}s): {err}"
+                    ) from err
                 raise
             except asyncio.CancelledError:
                 # Bytes may still land: keep the run and the credit until they stop.

@@ -44,6 +44,7 @@ from ._errors import (
     StreamError,
 )
 from ._grants import Grant, Lease, LeaseTable
+from ._names import check_request_id, check_stage
 from ._proto import relay_pb2 as pb
 from ._proto import relay_pb2_grpc as pb_grpc
 from ._refs import TensorRef, substitute
@@ -222,8 +223,10 @@ class RelayClient:
         cuda_ipc_direct: bool = False,
     ) -> None:
         self.stages = (stage,) if isinstance(stage, str) else tuple(stage)
-        if not self.stages or not all(isinstance(s, str) and s for s in self.stages):
+        if not self.stages:
             raise InvalidArgumentError("stage must be a non-empty name or list of names")
+        for name in self.stages:
+            check_stage(name, "stage")
         self.socket = socket or default_socket()
         self.timeout = timeout
         self.allow_pickle = allow_pickle
@@ -1550,6 +1553,7 @@ class RelayClient:
 
     async def abort(self, request_id: str) -> int:
         """Free every lease of ``request_id`` on this node; returns how many were freed."""
+        check_request_id(request_id)
         await self._reattached(None)  # reconnect
         a = self._require_open()
         assert self._stub is not None
@@ -1704,10 +1708,9 @@ def _specs(m: pb.DataRef) -> list[_packing.TensorSpec]:
 
 
 def _check_names(to_stage: str, request_id: str) -> None:
-    if not to_stage or len(to_stage) > 128:
-        raise InvalidArgumentError("to_stage must be 1-128 characters")
-    if not request_id or len(request_id) > 256:
-        raise InvalidArgumentError("request_id must be 1-256 characters")
+    """The rules attach applies to stage names, here, before anything is written."""
+    check_stage(to_stage, "to_stage")
+    check_request_id(request_id)
 
 
 def _namespaces() -> dict[str, str]:

@@ -56,6 +56,12 @@ class DataRef:
 
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview) -> DataRef:
+        if not isinstance(data, bytes | bytearray | memoryview):
+            # Like bad magic: whatever this is, it is not a DataRef (a str is
+            # often one the application turned into text and forgot to decode).
+            raise CorruptRefError(
+                f"not a relayd DataRef: {type(data).__name__}, not the bytes of DataRef.to_bytes()"
+            )
         data = bytes(data)
         if len(data) < _PREFIX.size:
             raise CorruptRefError(f"DataRef of {len(data)} bytes is truncated")

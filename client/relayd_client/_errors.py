@@ -16,9 +16,9 @@ One root, one subclass per wire error code::
     ├── StaleEpochError             - the DataRef comes from a daemon that has since restarted
     ├── AbortedError                - the request was aborted
     ├── DrainingError               - the daemon is shutting down and refuses new work
-    ├── RelayTimeoutError           - a wait ran past its deadline
+    ├── RelayTimeoutError           - a wait ran past the caller's own deadline
     ├── SessionClosedError          - the client was closed (or never opened)
-    ├── PeerUnavailableError        - a remote daemon did not answer in time
+    ├── PeerUnavailableError        - a remote daemon is dead, unreachable or stopped answering
     └── StreamError                 - the writer ended the stream with put_error()
 
 Every error crossing gRPC carries its code in the ``relayd-error-code``
@@ -155,7 +155,7 @@ class SessionClosedError(RelayError):
 
 
 class PeerUnavailableError(RelayError):
-    """A peer daemon is unavailable."""
+    """A peer daemon is unavailable: dead, unreachable, or silent for --peer-timeout."""
 
     code = ErrorCode.PEER_UNAVAILABLE
 

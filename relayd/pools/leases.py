@@ -443,12 +443,14 @@ class LeaseManager:
         if need > arena.max_run_slots():
             raise ResourceExhaustedError(
                 f"{min_bytes} bytes exceed the largest possible run in {pool} "
-                f"({arena.max_run_slots() * self.slot_size} bytes); raise its size"
+                f"({arena.max_run_slots() * self.slot_size} bytes); raise "
+                f"{_size_flag(pool, self.arena.name)} (and --shm-segment-size for the arena)"
             )
         if need > self._quota(pool):
             raise ResourceExhaustedError(
                 f"{min_bytes} bytes exceed the per-stage quota of "
-                f"{self._quota(pool) * self.slot_size} in {pool}"
+                f"{self._quota(pool) * self.slot_size} bytes in {pool}; raise "
+                f"{_quota_flag(pool, self.arena.name)}"
             )
         nslots = max(need, self.grant_slots) if need <= self.grant_slots else need
         # Shrink the default grant when the pool is tight rather than wait for
@@ -613,7 +615,8 @@ class LeaseManager:
         need = max(1, -(-nbytes // self.slot_size))
         if need > self.arena.max_run_slots() or need > self.quota_slots:
             raise ResourceExhaustedError(
-                f"{nbytes} bytes exceed the largest run this daemon can hold for one reader"
+                f"{nbytes} bytes exceed the largest run this daemon can hold for one reader; "
+                "raise --shm-pool-size (and --max-stage-bytes)"
             )
         # Waits fairly with the writers, counted against the reader's quota while
         # it waits; once granted the daemon owns the run, not the session.
@@ -1090,3 +1093,15 @@ class LeaseManager:
 
     def new_generation_base(self, grant: Grant) -> int:
         return grant.id << GEN_SHIFT
+
+
+def _size_flag(pool: str, arena_name: str) -> str:
+    """The serve flag that sizes ``pool``."""
+    return "--shm-pool-size" if pool == arena_name else "--gpu-pool-size"
+
+
+def _quota_flag(pool: str, arena_name: str) -> str:
+    """The serve flag that bounds one stage's share of ``pool``."""
+    if pool == arena_name:
+        return "--max-stage-bytes (default: half of --shm-pool-size)"
+    return "--gpu-pool-size (a stage may hold half of a GPU pool)"

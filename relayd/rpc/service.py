@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from relayd_client._errors import (
@@ -10,6 +9,7 @@ from relayd_client._errors import (
     SessionClosedError,
     VersionMismatchError,
 )
+from relayd_client._names import check_request_id, check_stage
 from relayd_client._proto import relay_pb2 as pb
 from relayd_client._proto import relay_pb2_grpc as pb_grpc
 
@@ -21,7 +21,6 @@ if TYPE_CHECKING:
     from ..server import Daemon
 
 PROTOCOL_VERSION = pb.PROTOCOL_VERSION_CURRENT
-_NAME_RE = re.compile(r"^[A-Za-z0-9_.:/@-]{1,128}$")
 MAX_GRANT_BYTES = 1 << 40
 MAX_DRAIN_GRACE = 3600.0
 
@@ -30,11 +29,7 @@ Ctx: TypeAlias = Any
 
 
 def check_name(kind: str, value: str) -> str:
-    if not _NAME_RE.match(value):
-        raise InvalidArgumentError(
-            f"{kind} {value[:64]!r} must be 1-128 characters of letters, digits and _.:/@-"
-        )
-    return value
+    return check_stage(value, kind)
 
 
 class RelayService(RoutingService, pb_grpc.RelayServicer):
@@ -111,8 +106,7 @@ class RelayService(RoutingService, pb_grpc.RelayServicer):
     async def Abort(self, request: pb.AbortRequest, context: Ctx) -> pb.AbortResponse:
         m = self.daemon.manager
         session = m.authenticate(request.session_id, request.session_token)
-        if not request.request_id or len(request.request_id) > 256:
-            raise InvalidArgumentError("request_id must be 1-256 characters")
+        check_request_id(request.request_id)
         n, nbytes = m.abort(session, request.request_id)
         if self.daemon.peers is not None:
             # abort frees the request on every node; peers never propagate it further.

@@ -435,3 +435,40 @@ def test_two_daemons_in_separate_network_namespaces(
         for d in (b, a):
             if d.proc is not None and d.proc.poll() is None:
                 d.stop()
+
+
+def test_frozen_origin_daemon_is_peer_unavailable(pair: tuple[Node, Node]) -> None:
+    """A writer's daemon that stops answering mid-stream (SIGSTOP) is the same error for the
+    reader as a dead one: PeerUnavailableError, not a bare timeout."""
+    a, b = pair
+    writer = spawn_worker(
+        [
+            "write",
+            "--socket",
+            a.daemon.socket,
+            "--split",
+            "--count",
+            "2",
+            "--sizes",
+            str(MiB),
+            "--hold",
+        ]
+    )
+    refs = [_readline(writer, 30) for _ in range(2)]
+    assert _readline(writer, 10) == "HOLDING"
+    reader = spawn_worker(["read", "--socket", b.daemon.socket])
+    assert _readline(reader, 30) == "READY"
+    wait_until(lambda: "thinker" in b.peer(a.address).get("stages", []), 10, "b to know thinker")
+    _send(reader, refs[0])
+    assert _readline(reader, 10) == refs[0].split()[1]
+    assert a.daemon.proc is not None
+    a.daemon.proc.send_signal(signal.SIGSTOP)
+    try:
+        _send(reader, refs[1])
+        got = _readline(reader, PEER_TIMEOUT * 4 + 10)
+        assert got.startswith("ERR PeerUnavailableError "), got
+        wait_until(lambda: b.used() == 0, 10, "the reader's arena back to zero")
+    finally:
+        a.daemon.proc.send_signal(signal.SIGCONT)
+    _send(reader, "")
+    assert reader.wait(timeout=10) == 0

@@ -1,0 +1,49 @@
+"""The rules for stage names and request ids, shared by client and daemon.
+
+A stage name must pass the same check at ``put(to_stage=...)`` as at attach,
+or a put addressed to a name no stage can ever attach under waits for its
+TTL. Request ids are the application's own (often a UUID or an HTTP request
+id), so any printable text is allowed; control characters are not, because
+ids end up in ``relayd leases``/``top`` tables and in the daemon's log.
+Whatever reaches a terminal or a log still goes through :func:`printable`:
+the daemon also shows what older or hostile clients sent.
+"""
+
+from __future__ import annotations
+
+import re
+
+from ._errors import InvalidArgumentError
+
+STAGE_NAME_MAX = 128
+REQUEST_ID_MAX = 256
+_STAGE_NAME_RE = re.compile(rf"[A-Za-z0-9_.:/@-]{{1,{STAGE_NAME_MAX}}}")
+
+
+def check_stage(value: object, what: str = "stage name") -> str:
+    """``value`` if it is a valid stage name, else InvalidArgumentError saying why."""
+    if not isinstance(value, str) or not _STAGE_NAME_RE.fullmatch(value):
+        shown = printable(value if isinstance(value, str) else repr(value))[:64]
+        raise InvalidArgumentError(
+            f"{what} {shown!r} must be 1-{STAGE_NAME_MAX} characters of letters, digits and _.:/@-"
+        )
+    return value
+
+
+def check_request_id(value: object) -> str:
+    """``value`` if it is a valid request id, else InvalidArgumentError saying why."""
+    if not isinstance(value, str) or not 1 <= len(value) <= REQUEST_ID_MAX:
+        raise InvalidArgumentError(f"request_id must be 1-{REQUEST_ID_MAX} characters")
+    if not value.isprintable():
+        raise InvalidArgumentError(
+            f"request_id {printable(value)[:64]!r} contains a control character "
+            "(newline, tab, escape, ...)"
+        )
+    return value
+
+
+def printable(text: str) -> str:
+    """``text`` with every non-printable character escaped (``\\n``, ``\\x1b``)."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
