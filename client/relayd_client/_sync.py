@@ -21,6 +21,7 @@ import concurrent.futures
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import AsyncGenerator, Callable, Coroutine, Iterator, Sequence
 from typing import Any, TypeVar, cast
 
@@ -257,19 +258,22 @@ class SyncRelayClient:
         pickle: bool = False,
     ) -> DataRef:
         """Publish ``obj`` for ``to_stage``; see :meth:`RelayClient.put`."""
+        started = time.perf_counter_ns()
+        ref = self._put(obj, to_stage, request_id, chunk_id, timeout, pickle)
+        return self._client._put_finished(ref, started)
+
+    def _put(
+        self,
+        obj: Any,
+        to_stage: str,
+        request_id: str,
+        chunk_id: int | None,
+        timeout: float | None,
+        pickle: bool,
+    ) -> DataRef:
         c = self._client
         if c._lost:  # re-attach first, on the loop
-            return self._run(
-                c.put(
-                    obj,
-                    to_stage=to_stage,
-                    request_id=request_id,
-                    chunk_id=chunk_id,
-                    timeout=timeout,
-                    pickle=pickle,
-                ),
-                timeout,
-            )
+            return self._run(c._put(obj, to_stage, request_id, chunk_id, timeout, pickle), timeout)
         a = c._require_open()
         with self._closing_guard():
             plan = c._plan_put(a, obj, to_stage, request_id, chunk_id, pickle)
@@ -369,10 +373,14 @@ class SyncRelayClient:
 
     def get(self, ref: DataRef | bytes, *, copy: bool = True) -> Any:
         """The payload ``ref`` stands for; see :meth:`RelayClient.get`."""
+        started = time.perf_counter_ns()
         ref = ref if isinstance(ref, DataRef) else DataRef.from_bytes(ref)
+        return self._client._get_finished(ref, self._get(ref, copy), started)
+
+    def _get(self, ref: DataRef, copy: bool) -> Any:
         c = self._client
         if c._lost:
-            return self._run(c.get(ref, copy=copy))
+            return self._run(c._get(ref, copy))
         m = ref.proto
         c._check_readable(m)
         transport = ref.transport
@@ -385,7 +393,7 @@ class SyncRelayClient:
                 or c.socket_fallback
                 or (transport is Transport.SHM and _remote.is_foreign(ref, c.node_id))
             ):
-                return self._run(c.get(ref, copy=copy))
+                return self._run(c._get(ref, copy))
             tree = c._decode_header(m)
             if transport is Transport.INLINE:
                 specs, tensors = c._read_inline(m)
@@ -394,7 +402,7 @@ class SyncRelayClient:
                 return _packing.rebuild(tree, tensors)
             seg, start, specs = c._lease_region(m)
             if _cuda.restores_on_gpu(specs):
-                return self._run(c.get(ref, copy=copy))
+                return self._run(c._get(ref, copy))
             if copy and m.lease.length >= OFFLOAD_BYTES:
                 # A long copy: the daemon learns who reads the lease first.
                 c._claim(m)

@@ -301,3 +301,38 @@ def test_put_get_from_a_plain_thread_in_a_fresh_process(tmp_path: object) -> Non
         )
         assert cp.returncode == 0, cp.stderr
         assert cp.stdout.strip() == "no loop in the caller shm"
+
+
+def test_every_put_and_get_of_both_clients_ends_in_one_place(
+    tmp_path: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[str] = []
+    monkeypatch.setattr(
+        RelayClient, "_put_finished", lambda self, ref, t0: seen.append("put") or ref
+    )
+    monkeypatch.setattr(
+        RelayClient, "_get_finished", lambda self, ref, obj, t0: seen.append("get") or obj
+    )
+    x = torch.arange(100_000)
+    with running_daemon(str(tmp_path), pool="32MiB") as d:
+        with (
+            SyncRelayClient("thinker", d.socket) as w,
+            SyncRelayClient("talker", d.socket) as r,
+        ):
+            tref = w.ref(x, consumer_stage="talker", request_id="f")
+            for payload in ({"x": x}, {"small": 1}, {"t": tref}):
+                r.get(w.put(payload, to_stage="talker", request_id="f"))
+        assert seen == ["put", "get"] * 3
+
+        async def async_side() -> None:
+            async with (
+                RelayClient("thinker", d.socket) as aw,
+                RelayClient("talker", d.socket) as ar,
+            ):
+                tref = await aw.ref(x, consumer_stage="talker", request_id="g")
+                for payload in ({"x": x}, {"small": 1}, {"t": tref}):
+                    await ar.get(await aw.put(payload, to_stage="talker", request_id="g"))
+
+        seen.clear()
+        asyncio.run(asyncio.wait_for(async_side(), 60))
+        assert seen == ["put", "get"] * 3
