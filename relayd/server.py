@@ -123,6 +123,7 @@ class Daemon:
             max_session_grants=s.max_session_grants,
             max_grant_waits=s.max_grant_waits,
             freed_linger=FREED_LINGER_S,
+            gpu_work_may_run=cuda_pools.gpu_work_may_run if self.cuda_pools else None,
             hooks=Hooks(
                 reclaimed=lambda reason, n: m.reclaimed.labels(reason.value).inc(n),
                 transfer=self._count_transfer,

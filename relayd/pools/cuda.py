@@ -9,7 +9,9 @@ One pool per visible GPU when ``gpu_pool_size > 0`` and CUDA is present:
   hands its memory to anything else. ``PYTORCH_CUDA_ALLOC_CONF`` with
   ``expandable_segments:True`` is refused at preflight: memory from
   expandable segments is mapped with the virtual memory API and cannot be
-  exported with ``cudaIpcGetMemHandle``.
+  exported with ``cudaIpcGetMemHandle`` (newer PyTorch exports it as a cuMem
+  shareable handle instead, which a reader in another container or sandbox
+  may be unable to import, with no fallback; relayd's pools use neither).
 * **Cut into slots** by :class:`relayd_client._slots.SlotAllocator`, the
   arena's allocator, and leased by :class:`relayd.pools.leases.LeaseManager`
   under the arena's rules (grants, generations, TTL, backpressure, reclaim):
@@ -281,6 +283,34 @@ def open_pools(settings: Settings, *, prefix: str, mode: int = 0o600) -> list[Cu
     if missing:
         log.info("no peer access between %s: those edges stage through shm", ", ".join(missing))
     return pools
+
+
+# PF_EXITING in /proc/<pid>/stat's flags: set when a process starts to exit,
+# before its file descriptors (its session socket, its CUDA device) close.
+_PF_EXITING = 0x4
+
+
+def gpu_work_may_run(pid: int, proc: str = "/proc") -> bool:
+    """For :class:`relayd.pools.leases.LeaseManager`: can process ``pid``, whose
+    session has ended, still have GPU work running?
+
+    Only while it is exiting (a killed writer's queued copies run until its
+    CUDA context is torn down, after its socket closed). A process that is
+    gone or a zombie has no context left; one that lives on closed its
+    session itself, and a client settles its copies before it does. An
+    unknown pid (0: another pid namespace) cannot be watched.
+    """
+    if pid <= 0:
+        return False
+    try:
+        with open(f"{proc}/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    fields = stat.rpartition(b")")[2].split()
+    if len(fields) < 7 or fields[0] in (b"Z", b"X", b"x"):
+        return False
+    return bool(int(fields[6]) & _PF_EXITING)
 
 
 # Probed once at start by open_pools; what the router asks per GPU pair.

@@ -70,6 +70,10 @@ MAX_TOMBSTONES = 1 << 14
 FREED_LINGER_MAX_BYTES = 2 << 20
 
 
+# The longest a dead GPU writer's runs wait for it to finish exiting.
+GPU_FENCE_LIMIT_S = 60.0
+
+
 class LeaseState(enum.Enum):
     RESERVED = pb.LEASE_STATE_RESERVED
     PUBLISHED = pb.LEASE_STATE_PUBLISHED
@@ -136,6 +140,7 @@ class Grant:
     run: Run
     leases: dict[int, Lease] = dataclasses.field(default_factory=dict)
     orphan: bool = False
+    writer_pid: int = 0  # of the session that held it, once it is an orphan
     # Highest lease id reserved in it: the writer numbers its leases upward and
     # announces them in order, so an unknown id at or below this is gone.
     last_lease: int = 0
@@ -218,6 +223,7 @@ class LeaseManager:
         clock: Callable[[], float] = time.monotonic,
         pools: Mapping[str, Pool] = {},
         freed_linger: float = 0.0,
+        gpu_work_may_run: Callable[[int], bool] | None = None,
     ) -> None:
         self.arena = arena
         self.slot_size = arena.slot_size
@@ -249,6 +255,10 @@ class LeaseManager:
         # Freed notices wait this long to be batched (0: sent at the end of each turn).
         self.freed_linger = freed_linger
         self._freed_timer: asyncio.TimerHandle | None = None
+        # GPU pool runs of a gone writer wait here while ``gpu_work_may_run``
+        # (its pid) says its queued copies could still land in them.
+        self.gpu_work_may_run = gpu_work_may_run
+        self._fenced: list[tuple[Run, int, float]] = []
 
     # -- sessions -----------------------------------------------------------------
 
@@ -338,14 +348,17 @@ class LeaseManager:
         if dropped:
             self.hooks.reclaimed(ReclaimReason.WRITER_DIED, dropped)
         grant.orphan = True
+        if writer is not None:
+            grant.writer_pid = writer.pid
         # Give back every part of the run no published lease sits on.
         kept = sorted((lease.run.slot, lease.run.nslots) for lease in grant.leases.values())
         cursor = grant.run.slot
         end = grant.run.slot + grant.run.nslots
         for slot, n in [*kept, (end, 0)]:
             if slot > cursor:
-                pool = self.pools[grant.run.pool]
-                pool.free(Run(grant.run.segment, cursor, slot - cursor, grant.run.pool))
+                self._orphan_run_back(
+                    Run(grant.run.segment, cursor, slot - cursor, grant.run.pool), grant
+                )
             cursor = max(cursor, slot + n)
         if not grant.leases:
             self.grants.pop(grant.id, None)
@@ -904,7 +917,7 @@ class LeaseManager:
         pool.clear_header(lease.run.segment, lease.run.slot)
         grant = lease.grant
         if grant.orphan:
-            pool.free(lease.run)
+            self._orphan_run_back(lease.run, grant)
             if not grant.leases:
                 self.grants.pop(grant.id, None)
             self._wake()
@@ -914,6 +927,39 @@ class LeaseManager:
             self._freed_bytes[sid] = (
                 self._freed_bytes.get(sid, 0) + lease.run.nslots * self.slot_size
             )
+
+    def _orphan_run_back(self, run: Run, grant: Grant) -> None:
+        """A run of an orphaned grant goes back to its pool.
+
+        Not a GPU run while its writer may still run GPU work: a writer killed
+        with a copy queued into it is still exiting when its session's socket
+        closes (its CUDA context goes with its last file descriptors), and the
+        copy could land on the next lease in those slots. Such runs are
+        released by :meth:`reap` once the writer has exited.
+        """
+        may_run = self.gpu_work_may_run
+        if run.pool != "shm" and may_run is not None and may_run(grant.writer_pid):
+            self._fenced.append((run, grant.writer_pid, self.clock()))
+            return
+        self.pools[run.pool].free(run)
+
+    def _release_fenced(self, now: float) -> None:
+        keep: list[tuple[Run, int, float]] = []
+        released = False
+        for run, pid, since in self._fenced:
+            assert self.gpu_work_may_run is not None
+            if self.gpu_work_may_run(pid) and now - since < GPU_FENCE_LIMIT_S:
+                keep.append((run, pid, since))
+                continue
+            if now - since >= GPU_FENCE_LIMIT_S:
+                log.error(
+                    "GPU writer %d still exiting after %.0f s; its slots go back", pid, now - since
+                )
+            self.pools[run.pool].free(run)
+            released = True
+        self._fenced = keep
+        if released:
+            self._wake()
 
     def _free_lease(self, lease: Lease, reason: ReclaimReason | None) -> None:
         self._forget(lease)
@@ -1032,6 +1078,8 @@ class LeaseManager:
         ]  # fmt: skip
         for lease in expired:
             self._free_lease(lease, ReclaimReason.TTL)
+        if self._fenced:
+            self._release_fenced(now)
         for s in [s for s in self.sessions.values() if s.state is SessionState.PENDING]:
             if now - s.created > BIND_DEADLINE:
                 self.close_session(s.id)

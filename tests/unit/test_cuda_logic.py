@@ -12,6 +12,7 @@ import dataclasses
 import os
 from collections.abc import Iterator
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from relayd_client import CorruptRefError, ResourceExhaustedError, _cuda
@@ -260,6 +261,88 @@ def test_gpu_pool_reclaims_on_writer_and_reader_death(arena: Arena, gpu_pool: Cu
     assert reclaimed == ["writer_died", "reader_died"] and gpu_pool.used_bytes == 0
     m.drop_all()
     assert gpu_pool.used_bytes == 0 and arena.used_bytes == 0
+
+
+def test_a_dying_gpu_writers_slots_wait_until_it_has_exited(
+    arena: Arena, gpu_pool: CudaPool
+) -> None:
+    """Defect: slots went back while a killed writer's copy into them could still
+    run; the next lease there would be overwritten with no generation change."""
+    from relayd.pools import leases
+
+    exiting = {7: True}
+    now = [1000.0]
+    m = LeaseManager(
+        arena, grant_bytes=4 * SLOT, lease_ttl=10.0, stage_quota_bytes=24 * SLOT,
+        max_sessions=8, pools={gpu_pool.name: gpu_pool}, clock=lambda: now[0],
+        gpu_work_may_run=lambda pid: exiting.get(pid, False),
+    )  # fmt: skip
+    s = m.open_session(pid=7, stages=["thinker"], gpu_uuids=[GPU_A])
+    w = m.bind(s.id, s.token, [].append, pid=7, uid=0, gid=0)
+    grant = asyncio.run(m.grant(w, 4 * SLOT, 1.0, gpu_pool.name))
+    _publish(m, w, grant, 0, 2)
+    m.close_session(w.id)  # killed: its socket closed while it is still exiting
+    assert m.leases == {} and gpu_pool.used_bytes == 4 * SLOT  # unread lease gone, slots held
+    m.reap()
+    assert gpu_pool.used_bytes == 4 * SLOT
+    exiting[7] = False  # exited (or a zombie): its CUDA context is gone
+    m.reap()
+    assert gpu_pool.used_bytes == 0 and gpu_pool.free_slots == gpu_pool.nslots
+    # A writer that never finishes exiting holds them at most GPU_FENCE_LIMIT_S.
+    exiting[8] = True
+    s = m.open_session(pid=8, stages=["thinker"], gpu_uuids=[GPU_A])
+    w = m.bind(s.id, s.token, [].append, pid=8, uid=0, gid=0)
+    asyncio.run(m.grant(w, 2 * SLOT, 1.0, gpu_pool.name))
+    m.close_session(w.id)
+    assert gpu_pool.used_bytes == 4 * SLOT  # a whole grant's run
+    now[0] += leases.GPU_FENCE_LIMIT_S
+    m.reap()
+    assert gpu_pool.used_bytes == 0
+
+
+def test_a_writer_that_closed_and_lives_on_gives_gpu_slots_back_at_once(
+    arena: Arena, gpu_pool: CudaPool
+) -> None:
+    asked: list[int] = []
+    m = LeaseManager(
+        arena, grant_bytes=4 * SLOT, lease_ttl=10.0, stage_quota_bytes=24 * SLOT,
+        max_sessions=8, pools={gpu_pool.name: gpu_pool},
+        gpu_work_may_run=lambda pid: asked.append(pid) or False,
+    )  # fmt: skip
+    s = m.open_session(pid=9, stages=["thinker"], gpu_uuids=[GPU_A])
+    w = m.bind(s.id, s.token, [].append, pid=9, uid=0, gid=0)
+    asyncio.run(m.grant(w, 4 * SLOT, 1.0, gpu_pool.name))
+    m.close_session(w.id)
+    assert gpu_pool.used_bytes == 0 and asked == [9]
+
+
+def test_gpu_work_may_run_only_while_a_process_exits(tmp_path: Any) -> None:
+    import subprocess
+    import sys
+
+    from relayd.pools.cuda import gpu_work_may_run
+    from tests._daemon import wait_until
+
+    assert gpu_work_may_run(os.getpid()) is False  # alive, not exiting
+    assert gpu_work_may_run(0) is False and gpu_work_may_run(2**22 + 17) is False
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+
+        def zombie() -> bool:
+            with open(f"/proc/{child.pid}/stat", "rb") as f:
+                return f.read().rpartition(b")")[2].split()[0] == b"Z"
+
+        wait_until(zombie, 30, "the child to exit unreaped")
+        assert gpu_work_may_run(child.pid) is False
+    finally:
+        child.wait(10)
+    # An exiting process (PF_EXITING in the flags field), as /proc shows it.
+    (tmp_path / "4321").mkdir()
+    stat = "4321 (py thon) R 1 4321 4321 0 -1 {flags} 0 0 0 0\n"
+    (tmp_path / "4321" / "stat").write_text(stat.format(flags=0x400044))
+    assert gpu_work_may_run(4321, proc=str(tmp_path)) is True
+    (tmp_path / "4321" / "stat").write_text(stat.format(flags=0x400040))
+    assert gpu_work_may_run(4321, proc=str(tmp_path)) is False
 
 
 def test_published_shm_leases_still_outlive_their_writer(arena: Arena, gpu_pool: CudaPool) -> None:
