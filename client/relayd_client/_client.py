@@ -43,6 +43,7 @@ from ._errors import (
     StaleRefError,
     StreamError,
 )
+from ._gpu_order import ReadOnce
 from ._grants import Grant, Lease, LeaseTable
 from ._names import check_request_id, check_stage
 from ._proto import relay_pb2 as pb
@@ -259,6 +260,7 @@ class RelayClient:
         self._reconnect_now = asyncio.Event()  # a call came: try again at once
         self._reattach_waiters = 0  # calls waiting for the re-attach
         self._held: set[int] = set()
+        self._inline_reads = ReadOnce()  # (epoch, object id) of inline DataRefs read
         # cross-node: object id -> the local DataRef a zero-copy get fetched it into
         self._fetched: dict[str, pb.DataRef] = {}
         self._reports: dict[pb.Transport, list[int]] = {}
@@ -1143,10 +1145,20 @@ class RelayClient:
         self._raise_if_aborted(m)
 
     def _read_inline(self, m: pb.DataRef) -> tuple[list[_packing.TensorSpec], list[Any]]:
-        data = m.inline_data
-        # One allocation and a memcpy per tensor, straight from the bytes.
-        specs = self._checked_specs(m, len(data))
-        return specs, _packing.unpack_bytes(data, specs)
+        """An inline DataRef's tensors, once: the same rule as a lease's, kept by the
+        reader because inline bytes never reach the daemon."""
+        key = (m.origin.daemon_epoch, m.object_id)
+        with self._table.lock:  # two threads of a blocking client may race for it
+            self._inline_reads.claim(key, "this inline DataRef")
+        try:
+            data = m.inline_data
+            # One allocation and a memcpy per tensor, straight from the bytes.
+            specs = self._checked_specs(m, len(data))
+            return specs, _packing.unpack_bytes(data, specs)
+        except BaseException:
+            with self._table.lock:
+                self._inline_reads.forget(key)
+            raise
 
     def _read_region(
         self,
