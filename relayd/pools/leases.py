@@ -341,8 +341,18 @@ class LeaseManager:
         # killed with its copy queued may leave the event looking complete:
         # published GPU leases go with their writer, unread, never served.
         gpu = grant.run.pool != "shm"
+        # A writer killed mid-copy (still exiting): a reader copying out of one
+        # of its leases may have seen the event complete too early; clearing
+        # the header makes that reader's check after its copy fail (its slots
+        # are held until the writer has exited, see _orphan_run_back).
+        killed = gpu and writer is not None and self._may_run(writer.pid)
         for lease in list(grant.leases.values()):
-            if lease.state is LeaseState.RESERVED or (gpu and lease.state is LeaseState.PUBLISHED):
+            state = lease.state
+            if (
+                state is LeaseState.RESERVED
+                or (gpu and state is LeaseState.PUBLISHED)
+                or (killed and state is LeaseState.CLAIMED)
+            ):
                 self._forget(lease)
                 dropped += 1
         if dropped:
@@ -937,18 +947,19 @@ class LeaseManager:
         copy could land on the next lease in those slots. Such runs are
         released by :meth:`reap` once the writer has exited.
         """
-        may_run = self.gpu_work_may_run
-        if run.pool != "shm" and may_run is not None and may_run(grant.writer_pid):
+        if run.pool != "shm" and self._may_run(grant.writer_pid):
             self._fenced.append((run, grant.writer_pid, self.clock()))
             return
         self.pools[run.pool].free(run)
+
+    def _may_run(self, pid: int) -> bool:
+        return self.gpu_work_may_run is not None and self.gpu_work_may_run(pid)
 
     def _release_fenced(self, now: float) -> None:
         keep: list[tuple[Run, int, float]] = []
         released = False
         for run, pid, since in self._fenced:
-            assert self.gpu_work_may_run is not None
-            if self.gpu_work_may_run(pid) and now - since < GPU_FENCE_LIMIT_S:
+            if self._may_run(pid) and now - since < GPU_FENCE_LIMIT_S:
                 keep.append((run, pid, since))
                 continue
             if now - since >= GPU_FENCE_LIMIT_S:
