@@ -240,6 +240,12 @@ class Settings:
         metavar="N",
         help="slot runs one session may hold at once (a client needs a few)",
     )
+    max_uid_sessions: int = _field(
+        0,
+        parse=int,
+        metavar="N",
+        help="session-socket connections (so sessions) one uid may hold; 0: half of max_sessions",
+    )
     max_grant_waits: int = _field(
         4,
         parse=int,
@@ -281,6 +287,12 @@ class Settings:
     @property
     def session_socket(self) -> str:
         return session_socket_path(self.socket)
+
+    @property
+    def uid_session_limit(self) -> int:
+        return (
+            self.max_uid_sessions if self.max_uid_sessions > 0 else max(1, self.max_sessions // 2)
+        )
 
     @property
     def stage_quota_bytes(self) -> int:

@@ -33,8 +33,17 @@ from .metrics import Metrics
 from .peers import PeerConfigError, PeerManager
 from .pools import cuda as cuda_pools
 from .pools.arena import Arena, remove_stale_segments
-from .pools.leases import Hooks, LeaseManager, LeaseState, ReclaimReason, Session, SessionState
-from .rpc.service import RelayService
+from .pools.leases import (
+    BIND_DEADLINE,
+    Hooks,
+    LeaseManager,
+    LeaseState,
+    ReclaimReason,
+    Session,
+    SessionState,
+)
+from .rpc.limits import UidLimits
+from .rpc.service import MAX_UNBOUND_SESSIONS, RelayService
 from .rpc.session import Admission, SessionProtocol
 from .topology import Topology
 
@@ -45,7 +54,39 @@ HOUSEKEEPING_INTERVAL = 0.5
 # why), as clients batch theirs (the client's NOTICE_LINGER_S).
 FREED_LINGER_S = 0.025
 MAX_FETCH_TIMEOUT = 3600.0
-MAX_MESSAGE = 1 << 30
+# Besides the packed bytes of the largest put, a socket-fallback message carries
+# its DataRef (at most MAX_DATAREF) and framing.
+_MESSAGE_OVERHEAD = (4 << 20) + (64 << 10)
+GRPC_KEEPALIVE_MS = 60_000
+GRPC_KEEPALIVE_TIMEOUT_MS = 20_000
+
+
+def max_message_bytes(arena: Arena) -> int:
+    """The largest legitimate message: a socket-fallback put of the largest run the arena has."""
+    return arena.max_run_slots() * arena.slot_size + _MESSAGE_OVERHEAD
+
+
+def grpc_server_options(settings: Settings, arena: Arena) -> list[tuple[str, int]]:
+    """Bounds on every gRPC connection, bound to a session or not.
+
+    gRPC does not tell the daemon who connects, so these bound connections as
+    such: a handshake and any idle spell end at the bind deadline, the number of
+    connections is capped at --max-sessions (every client holds one) plus room
+    for clients between Attach and bind and for operators, and no
+    message may exceed the largest legitimate one (the socket fallback's put).
+    """
+    limit = max_message_bytes(arena)
+    deadline_ms = int(BIND_DEADLINE * 1000)
+    return [
+        ("grpc.so_reuseport", 0),
+        ("grpc.max_receive_message_length", limit),
+        ("grpc.max_send_message_length", limit),
+        ("grpc.server_handshake_timeout_ms", deadline_ms),
+        ("grpc.max_connection_idle_ms", deadline_ms),
+        ("grpc.max_allowed_incoming_connections", settings.max_sessions + MAX_UNBOUND_SESSIONS),
+        ("grpc.keepalive_time_ms", GRPC_KEEPALIVE_MS),
+        ("grpc.keepalive_timeout_ms", GRPC_KEEPALIVE_TIMEOUT_MS),
+    ]
 
 
 class DaemonState:
@@ -139,14 +180,7 @@ class Daemon:
         await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.health.set("relayd.v1.Relay", health_pb2.HealthCheckResponse.NOT_SERVING)
 
-        # Large messages: the socket fallback moves a whole packed put in one call.
-        server = grpc.aio.server(
-            options=[
-                ("grpc.so_reuseport", 0),
-                ("grpc.max_receive_message_length", MAX_MESSAGE),
-                ("grpc.max_send_message_length", MAX_MESSAGE),
-            ]
-        )
+        server = grpc.aio.server(options=grpc_server_options(s, self.arena))
         pb_grpc.add_RelayServicer_to_server(RelayService(self), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         with self._umask():
@@ -156,6 +190,7 @@ class Daemon:
         self._servers.append(server)
 
         admission = Admission(s.allow_uid or (os.getuid(),), s.allow_gid or (os.getgid(),))
+        limits = UidLimits(s.uid_session_limit)
         loop = asyncio.get_running_loop()
         with self._umask():
             self._session_server = await loop.create_unix_server(
@@ -169,6 +204,7 @@ class Daemon:
                         on_closed=self.topology.closed,
                         on_ref=self.count_ref,
                         on_fetch=self._fetch_on_session,
+                        limits=limits,
                     )
                 ),
                 path=s.session_socket,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from relayd_client._errors import (
@@ -13,16 +14,19 @@ from relayd_client._names import check_request_id, check_stage
 from relayd_client._proto import relay_pb2 as pb
 from relayd_client._proto import relay_pb2_grpc as pb_grpc
 
-from ..pools.leases import SessionState
+from ..pools.leases import LeaseManager, SessionState
 from .errors import mapped
 from .routing import RoutingService
 
 if TYPE_CHECKING:
     from ..server import Daemon
 
+log = logging.getLogger(__name__)
+
 PROTOCOL_VERSION = pb.PROTOCOL_VERSION_CURRENT
 MAX_GRANT_BYTES = 1 << 40
 MAX_DRAIN_GRACE = 3600.0
+MAX_UNBOUND_SESSIONS = 64
 
 # grpc ships no type stubs; the servicer context is untyped.
 Ctx: TypeAlias = Any
@@ -30,6 +34,22 @@ Ctx: TypeAlias = Any
 
 def check_name(kind: str, value: str) -> str:
     return check_stage(value, kind)
+
+
+def _make_room_for_attach(m: LeaseManager) -> None:
+    """Keep at most MAX_UNBOUND_SESSIONS sessions waiting for their bind.
+
+    gRPC does not say who attaches, so an Attach flood cannot be charged to a
+    uid; instead the oldest unbound session gives way. A real client binds
+    within milliseconds of its Attach, so the sessions that give way are the
+    flood's own, and --max-sessions stays free for clients that bind.
+    """
+    pending = [s for s in m.sessions.values() if s.state is SessionState.PENDING]
+    for stale in sorted(pending, key=lambda s: s.created)[
+        : len(pending) - MAX_UNBOUND_SESSIONS + 1
+    ]:
+        log.info("unbound session dropped for a newer attach", extra={"session_id": stale.id})
+        m.close_session(stale.id)
 
 
 class RelayService(RoutingService, pb_grpc.RelayServicer):
@@ -49,6 +69,7 @@ class RelayService(RoutingService, pb_grpc.RelayServicer):
         if len(request.gpu_uuids) > 64 or len(request.namespaces) > 8:
             raise InvalidArgumentError("too many GPUs or namespaces in attach")
         d = self.daemon
+        _make_room_for_attach(d.manager)
         session = d.manager.open_session(
             pid=request.pid,
             stages=stages,

@@ -24,16 +24,25 @@ from relayd_client._errors import (
 )
 from relayd_client._proto import relay_pb2 as pb
 
-from ..pools.leases import LeaseManager, Session, transport_name
+from ..pools.leases import BIND_DEADLINE, LeaseManager, Session, transport_name
+from .limits import UidLimits
 
 log = logging.getLogger(__name__)
 
 MAX_FRAME = 4 << 20
+# Until a connection is bound, nothing but a Bind frame (~100 bytes) is due:
+# a larger length prefix closes it at once instead of pinning a buffer.
+UNBOUND_MAX_FRAME = 4096
 # Cross-node reads one session may have waiting; more are refused. The pulls
 # themselves are bounded by the peer credits; this only bounds what a session
 # can make the daemon hold (a task and a DataRef each).
 MAX_FETCH_CALLS = 4096
 _LEN = struct.Struct("<I")
+_REFUSAL_CODES = {
+    "uid": pb.ERROR_CODE_PERMISSION_DENIED,
+    "limit": pb.ERROR_CODE_RESOURCE_EXHAUSTED,
+    "bind_timeout": pb.ERROR_CODE_TIMEOUT,
+}
 _CREDS = struct.Struct("3i")
 
 
@@ -71,6 +80,8 @@ class SessionProtocol(asyncio.Protocol):
         on_closed: Callable[[str], None] = lambda session_id: None,
         on_ref: Callable[[int], None] = lambda nbytes: None,
         on_fetch: Callable[[Session, bytes, float], Awaitable[pb.FetchResponse]] | None = None,
+        limits: UidLimits | None = None,
+        bind_deadline: float = BIND_DEADLINE,
     ) -> None:
         self.manager = manager
         self.admission = admission
@@ -87,6 +98,10 @@ class SessionProtocol(asyncio.Protocol):
         self.session: Session | None = None
         self.creds = (0, -1, -1)
         self._buf = bytearray()
+        self.limits = limits
+        self._counted_uid: int | None = None  # the uid whose share this connection holds
+        self.bind_deadline = bind_deadline
+        self._bind_timer: asyncio.TimerHandle | None = None
 
     # -- asyncio.Protocol -----------------------------------------------------------
 
@@ -104,6 +119,26 @@ class SessionProtocol(asyncio.Protocol):
             self._refuse(
                 "uid", f"pid {pid} uid {uid} gid {gid} is not allowed (--allow-uid/--allow-gid)"
             )
+            return
+        if self.limits is not None:
+            if not self.limits.open(uid):
+                self._refuse(
+                    "limit",
+                    f"uid {uid} already holds {self.limits.per_uid} session connections "
+                    "(--max-uid-sessions)",
+                )
+                return
+            self._counted_uid = uid
+        # Bound or gone by the deadline: a connection that never binds holds a
+        # descriptor and a place in its uid's share for nothing.
+        self._bind_timer = asyncio.get_running_loop().call_later(
+            self.bind_deadline, self._bind_expired
+        )
+
+    def _bind_expired(self) -> None:
+        self._bind_timer = None
+        if self.session is None and self.transport is not None:
+            self._refuse("bind_timeout", f"no session bound within {self.bind_deadline:g}s")
 
     def data_received(self, data: bytes) -> None:
         self._buf += data
@@ -112,8 +147,13 @@ class SessionProtocol(asyncio.Protocol):
         try:
             while len(buf) - pos >= 4:
                 (n,) = _LEN.unpack_from(buf, pos)
-                if n > MAX_FRAME:
-                    self._refuse("protocol", f"frame of {n} bytes exceeds {MAX_FRAME}")
+                limit = MAX_FRAME if self.session is not None else UNBOUND_MAX_FRAME
+                if n > limit:
+                    self._refuse(
+                        "protocol",
+                        f"frame of {n} bytes exceeds {limit}"
+                        + ("" if self.session is not None else " before a session is bound"),
+                    )
                     return
                 if len(buf) - pos - 4 < n:
                     break
@@ -131,6 +171,13 @@ class SessionProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
+        self._buf = bytearray()  # an unfinished frame must not outlive its connection
+        if self._bind_timer is not None:
+            self._bind_timer.cancel()
+            self._bind_timer = None
+        if self._counted_uid is not None and self.limits is not None:
+            self.limits.close(self._counted_uid)
+            self._counted_uid = None
         # Nobody is left to read the answers; each pull's own clean-up frees its run.
         for task in self._fetches.values():
             task.cancel()
@@ -157,9 +204,7 @@ class SessionProtocol(asyncio.Protocol):
                     event=[
                         pb.Event(
                             kind="error",
-                            code=pb.ERROR_CODE_PERMISSION_DENIED
-                            if reason == "uid"
-                            else pb.ERROR_CODE_INVALID_ARGUMENT,
+                            code=_REFUSAL_CODES.get(reason, pb.ERROR_CODE_INVALID_ARGUMENT),
                             message=message,
                         )
                     ]
@@ -167,6 +212,7 @@ class SessionProtocol(asyncio.Protocol):
             )
             self.transport.close()
             self.transport = None
+            self._buf = bytearray()
 
     def _handle(self, f: pb.SessionFrame) -> None:
         m = self.manager
@@ -184,6 +230,9 @@ class SessionProtocol(asyncio.Protocol):
                 self._refuse("token", str(err))
                 return
             self.session = session
+            if self._bind_timer is not None:
+                self._bind_timer.cancel()
+                self._bind_timer = None
             log.info(
                 "session bound",
                 extra={"session_id": session.id, "pid": pid, "stage": ",".join(session.stages)},

@@ -122,7 +122,9 @@ def test_allow_uid_admits_that_uid(open_dir: str) -> None:
 
 
 def test_session_limit(tmp_path: object) -> None:
-    d = start_daemon(str(tmp_path), unique_node(), "--max-sessions", "2", pool="16MiB")
+    # One uid holds every session here: its own share must not be what refuses.
+    d = start_daemon(str(tmp_path), unique_node(), "--max-sessions", "2",
+                     "--max-uid-sessions", "3", pool="16MiB")  # fmt: skip
 
     async def scenario() -> None:
         async with RelayClient("a", d.socket), RelayClient("b", d.socket):
