@@ -5,12 +5,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# Mooncake's wheel links libibverbs/libnuma/libcurl; CI runs as root on a bare machine.
-if ! ldconfig -p | grep -q 'libibverbs.so.1'; then
+# Mooncake's wheel links libibverbs/libnuma/libcurl, and tests/deploy checks the
+# firewall recipe with nft; CI runs as root on a bare machine.
+missing=()
+ldconfig -p | grep -q 'libibverbs.so.1' || missing+=(libibverbs1 libnuma1 libcurl4)
+command -v nft >/dev/null || [ -x /usr/sbin/nft ] || missing+=(nftables)
+if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
-    apt-get update -qq && apt-get install -y -qq --no-install-recommends libibverbs1 libnuma1 libcurl4 >/dev/null
+    apt-get update -qq && apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
   else
-    echo "note: libibverbs1 missing and not root; multinode tests will be skipped" >&2
+    echo "note: ${missing[*]} missing and not root; multinode and nftables tests will be skipped" >&2
   fi
 fi
 
