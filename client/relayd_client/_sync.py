@@ -35,7 +35,6 @@ from ._errors import (
     RelayTimeoutError,
     SessionClosedError,
 )
-from ._grants import Lease
 from ._proto import relay_pb2 as pb
 from ._refs import TensorRef
 from ._transport import Transport
@@ -317,17 +316,12 @@ class SyncRelayClient:
             raise DrainingError("relayd is draining; no new transfers")
         if c.socket_fallback:
             return self._run(c._publish_socket(msg, tensors, specs, total, timeout, ref=ref))
-        a = c._require_open()
-        nslots = max(1, -(-total // a.slot_size))
-        with c._table.lock:
-            lease: Lease | None = c._alloc_local(nslots)
-            if lease is not None:
-                c._reserve_notice(lease, msg)
-        if lease is None:  # no room in the grants held: ask the daemon, on the loop
-            lease, _ = self._run(c._open_lease(msg, total, timeout), timeout)
+        cut = c._lease_now(msg, total)
+        if cut is None:  # no room in the grants held: ask the daemon, on the loop
+            cut = self._run(c._open_lease(msg, total, timeout), timeout)
+        lease, start = cut
         segment = lease.grant.segment
         view = c._views[segment]  # held: the mapping outlives a concurrent close
-        start = c._segments[segment].slot_offset(lease.slot)
         try:
             if total:
                 _packing.pack_at(view, start, total, tensors, specs)
