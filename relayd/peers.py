@@ -44,9 +44,10 @@ import contextlib
 import ctypes
 import dataclasses
 import logging
-import pathlib
+import os
 import secrets
 import socket
+import stat
 import struct
 import time
 from collections.abc import Iterable
@@ -104,9 +105,18 @@ def load_token(path: str) -> bytes:
             "secret (e.g. `head -c 32 /dev/urandom | base64 > token`, same file on every node)"
         )
     try:
-        token = pathlib.Path(path).read_bytes().strip()
+        with open(path, "rb") as fh:
+            mode = os.fstat(fh.fileno()).st_mode
+            token = fh.read().strip()
     except OSError as exc:
         raise PeerConfigError(f"cannot read --peer-token-file {path}: {exc.strerror}") from exc
+    if mode & 0o007:
+        # Whoever can read the token can join as a peer: pull, release, abort.
+        raise PeerConfigError(
+            f"--peer-token-file {path} is open to every user on this host (mode "
+            f"{stat.S_IMODE(mode):04o}); make it private: chmod 600 {path} (or 640 with "
+            "relayd's group)"
+        )
     if len(token) < 16:
         raise PeerConfigError(f"the peer token in {path} is shorter than 16 bytes; make it longer")
     return token

@@ -65,6 +65,7 @@ ROLES = ["hold-grant", "writer-published", "read-before-get", "read-mid-pull", "
 def _start_pair(tmp: pathlib.Path) -> tuple[Daemon, Daemon]:
     token = tmp / "token"
     token.write_text(f"{secrets.token_hex(16)}\n")
+    token.chmod(0o600)
     ports = [free_port(), free_port()]
     tag = secrets.token_hex(3)
     daemons = []

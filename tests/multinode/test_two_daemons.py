@@ -50,6 +50,7 @@ CREDITS = 4
 def _token(tmp: pathlib.Path, name: str, value: str) -> str:
     path = tmp / name
     path.write_text(value + "\n")
+    path.chmod(0o600)  # relayd refuses a token other users can read
     return str(path)
 
 

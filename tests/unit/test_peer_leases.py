@@ -110,11 +110,22 @@ def test_peer_token_file_is_required_and_checked(tmp_path: pathlib.Path) -> None
         load_token(str(tmp_path / "missing"))
     short = tmp_path / "short"
     short.write_text("abc\n")
+    short.chmod(0o600)
     with pytest.raises(PeerConfigError, match="shorter than 16"):
         load_token(str(short))
     good = tmp_path / "good"
     good.write_text("  0123456789abcdef0123 \n")
-    assert load_token(str(good)) == b"0123456789abcdef0123"
+    for mode in (0o644, 0o602, 0o604):
+        good.chmod(mode)
+        with pytest.raises(PeerConfigError) as err:
+            load_token(str(good))
+        assert str(err.value) == (
+            f"--peer-token-file {good} is open to every user on this host (mode {mode:04o}); "
+            f"make it private: chmod 600 {good} (or 640 with relayd's group)"
+        )
+    for mode in (0o600, 0o640, 0o400):
+        good.chmod(mode)
+        assert load_token(str(good)) == b"0123456789abcdef0123"
 
 
 def test_peer_entries_resolve_to_every_address() -> None:
