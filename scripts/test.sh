@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up a virtual environment and run everything CI runs: lint, types, the
 # whole test suite (unit, integration, faults, adversarial, multinode with a
-# real Mooncake engine, deploy checks) and a quick benchmark smoke run.
+# real Mooncake engine, deploy checks) and a quick benchmark smoke run; then,
+# in a second environment, the sglang-omni and vllm-omni integration tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -31,3 +32,11 @@ ruff check .
 ruff format --check .
 mypy
 python -m pytest "$@"
+
+# The framework integrations against sglang-omni's and vllm-omni's released
+# code, in their own environment (CI runs this script without arguments).
+if [ $# -eq 0 ]; then
+  deactivate
+  ./scripts/frameworks-env.sh
+  RELAYD_TEST_FRAMEWORKS=1 .venv-frameworks/bin/python -m pytest tests/frameworks
+fi
