@@ -19,7 +19,8 @@ One root, one subclass per wire error code::
     ├── RelayTimeoutError           - a wait ran past the caller's own deadline
     ├── SessionClosedError          - the client was closed (or never opened)
     ├── PeerUnavailableError        - a remote daemon is dead, unreachable or stopped answering
-    └── StreamError                 - the writer ended the stream with put_error()
+    ├── StreamError                 - the writer ended the stream with put_error()
+    └── KeyExistsError              - a keyed put named a key its consumer has not read yet
 
 Every error crossing gRPC carries its code in the ``relayd-error-code``
 trailing metadata; :func:`error_from_code` turns it back into the class above,
@@ -52,6 +53,7 @@ class ErrorCode(enum.IntEnum):
     SESSION_CLOSED = 15
     PEER_UNAVAILABLE = 16
     STREAM_ERROR = 17
+    KEY_EXISTS = 220
 
 
 class RelayError(Exception):
@@ -166,6 +168,12 @@ class StreamError(RelayError):
     code = ErrorCode.STREAM_ERROR
 
 
+class KeyExistsError(RelayError):
+    """The key is already waiting, unread, for the same consumer stage."""
+
+    code = ErrorCode.KEY_EXISTS
+
+
 _BY_CODE: dict[ErrorCode, type[RelayError]] = {
     cls.code: cls
     for cls in (
@@ -173,6 +181,7 @@ _BY_CODE: dict[ErrorCode, type[RelayError]] = {
         VersionMismatchError, DaemonUnavailableError, ResourceExhaustedError,
         PermissionDeniedError, NotFoundError, StaleRefError, StaleEpochError, AbortedError,
         DrainingError, RelayTimeoutError, SessionClosedError, PeerUnavailableError, StreamError,
+        KeyExistsError,
     )
 }  # fmt: skip
 

@@ -42,6 +42,7 @@ STATUS_FOR_CODE: dict[ErrorCode, grpc.StatusCode] = {
     ErrorCode.SESSION_CLOSED: grpc.StatusCode.FAILED_PRECONDITION,
     ErrorCode.PEER_UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
     ErrorCode.STREAM_ERROR: grpc.StatusCode.ABORTED,
+    ErrorCode.KEY_EXISTS: grpc.StatusCode.ALREADY_EXISTS,
 }
 
 _FALLBACK: dict[grpc.StatusCode, type[RelayError]] = {

@@ -12,8 +12,8 @@ def test_public_api() -> None:
     assert sorted(relayd_client.__all__) == sorted(
         [
             "AbortedError", "ClientState", "CorruptRefError", "DaemonUnavailableError", "DataRef",
-            "DrainingError", "ErrorCode", "InternalError", "InvalidArgumentError", "NotFoundError",
-            "PeerUnavailableError", "PermissionDeniedError", "RelayClient", "RelayError",
+            "DrainingError", "ErrorCode", "InternalError", "InvalidArgumentError", "KeyExistsError",
+            "NotFoundError", "PeerUnavailableError", "PermissionDeniedError", "RelayClient", "RelayError",
             "RelayTimeoutError", "ResourceExhaustedError", "SessionClosedError", "StaleEpochError",
             "StaleRefError", "StreamError", "SyncRelayClient", "TensorRef", "Transport", "UnsafePayloadError",
             "VersionMismatchError",

@@ -32,6 +32,7 @@ class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_CODE_SESSION_CLOSED: _ClassVar[ErrorCode]
     ERROR_CODE_PEER_UNAVAILABLE: _ClassVar[ErrorCode]
     ERROR_CODE_STREAM_ERROR: _ClassVar[ErrorCode]
+    ERROR_CODE_KEY_EXISTS: _ClassVar[ErrorCode]
 
 class Transport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -76,6 +77,7 @@ ERROR_CODE_UNSAFE_PAYLOAD: ErrorCode
 ERROR_CODE_SESSION_CLOSED: ErrorCode
 ERROR_CODE_PEER_UNAVAILABLE: ErrorCode
 ERROR_CODE_STREAM_ERROR: ErrorCode
+ERROR_CODE_KEY_EXISTS: ErrorCode
 TRANSPORT_UNSPECIFIED: Transport
 TRANSPORT_INLINE: Transport
 TRANSPORT_LOCAL_OBJECT: Transport
@@ -758,8 +760,52 @@ class FetchResult(_message.Message):
     message: str
     def __init__(self, call_id: _Optional[int] = ..., response: _Optional[_Union[FetchResponse, _Mapping]] = ..., code: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ...) -> None: ...
 
+class KeyedPut(_message.Message):
+    __slots__ = ("call_id", "key", "data_ref")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    DATA_REF_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    key: str
+    data_ref: bytes
+    def __init__(self, call_id: _Optional[int] = ..., key: _Optional[str] = ..., data_ref: _Optional[bytes] = ...) -> None: ...
+
+class KeyedTake(_message.Message):
+    __slots__ = ("call_id", "key", "from_stage", "to_stage", "timeout_seconds")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    FROM_STAGE_FIELD_NUMBER: _ClassVar[int]
+    TO_STAGE_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    key: str
+    from_stage: str
+    to_stage: str
+    timeout_seconds: float
+    def __init__(self, call_id: _Optional[int] = ..., key: _Optional[str] = ..., from_stage: _Optional[str] = ..., to_stage: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class DiscardCall(_message.Message):
+    __slots__ = ("call_id", "data_ref")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_REF_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    data_ref: bytes
+    def __init__(self, call_id: _Optional[int] = ..., data_ref: _Optional[bytes] = ...) -> None: ...
+
+class KeyedResult(_message.Message):
+    __slots__ = ("call_id", "code", "message", "data_ref")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    DATA_REF_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    code: ErrorCode
+    message: str
+    data_ref: bytes
+    def __init__(self, call_id: _Optional[int] = ..., code: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ..., data_ref: _Optional[bytes] = ...) -> None: ...
+
 class SessionFrame(_message.Message):
-    __slots__ = ("bind", "reserve", "publish", "claim", "release", "cancel", "return_grant", "report", "fetch", "freed", "aborted", "event", "fetched")
+    __slots__ = ("bind", "reserve", "publish", "claim", "release", "cancel", "return_grant", "report", "fetch", "freed", "aborted", "event", "fetched", "keyed_put", "keyed_take", "discard", "keyed_result")
     BIND_FIELD_NUMBER: _ClassVar[int]
     RESERVE_FIELD_NUMBER: _ClassVar[int]
     PUBLISH_FIELD_NUMBER: _ClassVar[int]
@@ -773,6 +819,10 @@ class SessionFrame(_message.Message):
     ABORTED_FIELD_NUMBER: _ClassVar[int]
     EVENT_FIELD_NUMBER: _ClassVar[int]
     FETCHED_FIELD_NUMBER: _ClassVar[int]
+    KEYED_PUT_FIELD_NUMBER: _ClassVar[int]
+    KEYED_TAKE_FIELD_NUMBER: _ClassVar[int]
+    DISCARD_FIELD_NUMBER: _ClassVar[int]
+    KEYED_RESULT_FIELD_NUMBER: _ClassVar[int]
     bind: Bind
     reserve: _containers.RepeatedCompositeFieldContainer[Reserve]
     publish: _containers.RepeatedCompositeFieldContainer[Publish]
@@ -786,7 +836,11 @@ class SessionFrame(_message.Message):
     aborted: _containers.RepeatedCompositeFieldContainer[Aborted]
     event: _containers.RepeatedCompositeFieldContainer[Event]
     fetched: _containers.RepeatedCompositeFieldContainer[FetchResult]
-    def __init__(self, bind: _Optional[_Union[Bind, _Mapping]] = ..., reserve: _Optional[_Iterable[_Union[Reserve, _Mapping]]] = ..., publish: _Optional[_Iterable[_Union[Publish, _Mapping]]] = ..., claim: _Optional[_Iterable[_Union[Claim, _Mapping]]] = ..., release: _Optional[_Iterable[_Union[Release, _Mapping]]] = ..., cancel: _Optional[_Iterable[_Union[Cancel, _Mapping]]] = ..., return_grant: _Optional[_Iterable[_Union[ReturnGrant, _Mapping]]] = ..., report: _Optional[_Iterable[_Union[TransferReport, _Mapping]]] = ..., fetch: _Optional[_Iterable[_Union[FetchCall, _Mapping]]] = ..., freed: _Optional[_Union[Freed, _Mapping]] = ..., aborted: _Optional[_Iterable[_Union[Aborted, _Mapping]]] = ..., event: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., fetched: _Optional[_Iterable[_Union[FetchResult, _Mapping]]] = ...) -> None: ...
+    keyed_put: _containers.RepeatedCompositeFieldContainer[KeyedPut]
+    keyed_take: _containers.RepeatedCompositeFieldContainer[KeyedTake]
+    discard: _containers.RepeatedCompositeFieldContainer[DiscardCall]
+    keyed_result: _containers.RepeatedCompositeFieldContainer[KeyedResult]
+    def __init__(self, bind: _Optional[_Union[Bind, _Mapping]] = ..., reserve: _Optional[_Iterable[_Union[Reserve, _Mapping]]] = ..., publish: _Optional[_Iterable[_Union[Publish, _Mapping]]] = ..., claim: _Optional[_Iterable[_Union[Claim, _Mapping]]] = ..., release: _Optional[_Iterable[_Union[Release, _Mapping]]] = ..., cancel: _Optional[_Iterable[_Union[Cancel, _Mapping]]] = ..., return_grant: _Optional[_Iterable[_Union[ReturnGrant, _Mapping]]] = ..., report: _Optional[_Iterable[_Union[TransferReport, _Mapping]]] = ..., fetch: _Optional[_Iterable[_Union[FetchCall, _Mapping]]] = ..., freed: _Optional[_Union[Freed, _Mapping]] = ..., aborted: _Optional[_Iterable[_Union[Aborted, _Mapping]]] = ..., event: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., fetched: _Optional[_Iterable[_Union[FetchResult, _Mapping]]] = ..., keyed_put: _Optional[_Iterable[_Union[KeyedPut, _Mapping]]] = ..., keyed_take: _Optional[_Iterable[_Union[KeyedTake, _Mapping]]] = ..., discard: _Optional[_Iterable[_Union[DiscardCall, _Mapping]]] = ..., keyed_result: _Optional[_Iterable[_Union[KeyedResult, _Mapping]]] = ...) -> None: ...
 
 class ArenaSegment(_message.Message):
     __slots__ = ("index", "base", "size", "data_offset", "nslots")
@@ -871,3 +925,17 @@ class AbortRemoteResponse(_message.Message):
     LEASES_FREED_FIELD_NUMBER: _ClassVar[int]
     leases_freed: int
     def __init__(self, leases_freed: _Optional[int] = ...) -> None: ...
+
+class PeerKeyedPutRequest(_message.Message):
+    __slots__ = ("node_id", "key", "data_ref")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    DATA_REF_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    key: str
+    data_ref: bytes
+    def __init__(self, node_id: _Optional[str] = ..., key: _Optional[str] = ..., data_ref: _Optional[bytes] = ...) -> None: ...
+
+class PeerKeyedPutResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -480,6 +480,11 @@ class PeerStub:
                 request_serializer=relayd_dot_v1_dot_relay__pb2.AbortRemoteRequest.SerializeToString,
                 response_deserializer=relayd_dot_v1_dot_relay__pb2.AbortRemoteResponse.FromString,
                 _registered_method=True)
+        self.KeyedPut = channel.unary_unary(
+                '/relayd.v1.Peer/KeyedPut',
+                request_serializer=relayd_dot_v1_dot_relay__pb2.PeerKeyedPutRequest.SerializeToString,
+                response_deserializer=relayd_dot_v1_dot_relay__pb2.PeerKeyedPutResponse.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -509,6 +514,14 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KeyedPut(self, request, context):
+        """Indexes a keyed DataRef for a stage this daemon serves; KEY_EXISTS when
+        that key is still unread.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -531,6 +544,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.AbortRemote,
                     request_deserializer=relayd_dot_v1_dot_relay__pb2.AbortRemoteRequest.FromString,
                     response_serializer=relayd_dot_v1_dot_relay__pb2.AbortRemoteResponse.SerializeToString,
+            ),
+            'KeyedPut': grpc.unary_unary_rpc_method_handler(
+                    servicer.KeyedPut,
+                    request_deserializer=relayd_dot_v1_dot_relay__pb2.PeerKeyedPutRequest.FromString,
+                    response_serializer=relayd_dot_v1_dot_relay__pb2.PeerKeyedPutResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -641,6 +659,33 @@ class Peer:
             '/relayd.v1.Peer/AbortRemote',
             relayd_dot_v1_dot_relay__pb2.AbortRemoteRequest.SerializeToString,
             relayd_dot_v1_dot_relay__pb2.AbortRemoteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KeyedPut(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/relayd.v1.Peer/KeyedPut',
+            relayd_dot_v1_dot_relay__pb2.PeerKeyedPutRequest.SerializeToString,
+            relayd_dot_v1_dot_relay__pb2.PeerKeyedPutResponse.FromString,
             options,
             channel_credentials,
             insecure,
