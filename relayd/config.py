@@ -252,6 +252,12 @@ class Settings:
         metavar="N",
         help="Grant calls of one session waiting for space at once",
     )
+    max_stage_keys: int = _field(
+        4096,
+        parse=int,
+        metavar="N",
+        help="unread keyed puts one consumer stage may have waiting on this node",
+    )
     loop: str = _field("auto", metavar="auto|asyncio|uvloop", help="event loop implementation")
     log_format: str = _field("text", metavar="text|json|logfmt", help="log line format")
     log_level: str = _field("info", metavar="LEVEL", help="debug, info, warning or error")
@@ -279,8 +285,18 @@ class Settings:
             raise ConfigError(
                 f"mooncake_protocol must be tcp or rdma, not {self.mooncake_protocol!r}"
             )
-        if min(self.max_sessions, self.max_session_grants, self.max_grant_waits) < 1:
-            raise ConfigError("max_sessions, max_session_grants and max_grant_waits must be >= 1")
+        if (
+            min(
+                self.max_sessions,
+                self.max_session_grants,
+                self.max_grant_waits,
+                self.max_stage_keys,
+            )
+            < 1
+        ):
+            raise ConfigError(
+                "max_sessions, max_session_grants, max_grant_waits and max_stage_keys must be >= 1"
+            )
         if self.lease_ttl <= 0 or self.reserve_timeout <= 0 or self.peer_credits <= 0:
             raise ConfigError("lease_ttl, reserve_timeout and peer_credits must be positive")
 

@@ -639,6 +639,50 @@ class PeerManager:
             log.warning("pull into lease %d still in flight; its run stays quarantined", lease.id)
             quarantine.add_done_callback(drop)
 
+    # -- keyed delivery and discard (see relayd.rpc.keyed) -----------------------------
+
+    def serving(self, stage: str) -> PeerState | None:
+        """A live peer that serves ``stage`` (the first by address when several do)."""
+        for _address, peer in sorted(self.peers.items()):
+            if peer.up and stage in peer.stages:
+                return peer
+        return None
+
+    async def keyed_put(self, peer: PeerState, key: str, data_ref: bytes) -> None:
+        """Hand a keyed DataRef to the peer that serves its consumer; its errors are ours."""
+        if peer.stub is None:
+            raise PeerUnavailableError(f"peer {peer.address} is not connected")
+        try:
+            await peer.stub.KeyedPut(
+                pb.PeerKeyedPutRequest(node_id=self.settings.node_id, key=key, data_ref=data_ref),
+                timeout=self.settings.peer_timeout,
+                metadata=self.metadata(),
+            )
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+
+    async def release_now(self, m: pb.DataRef) -> bool:
+        """Free a lease of another node now (a discard); False when it was gone already."""
+        peer = self._peer_for(m)
+        if peer.stub is None:
+            raise PeerUnavailableError(f"peer {peer.address} is not connected")
+        try:
+            resp = await peer.stub.ReleaseRemote(
+                pb.ReleaseRemoteRequest(
+                    lease_id=m.lease.lease_id,
+                    generation=m.lease.generation,
+                    node_id=self.settings.node_id,
+                ),
+                timeout=self.settings.peer_timeout,
+                metadata=self.metadata(),
+            )
+        except grpc.RpcError as exc:
+            err = from_rpc_error(exc)
+            raise PeerUnavailableError(
+                f"peer {peer.address} did not free the lease: {err.message or err}"
+            ) from None
+        return bool(resp.released)
+
     # -- abort ------------------------------------------------------------------------
 
     def _note_origin(self, request_id: str, address: str) -> None:

@@ -29,6 +29,7 @@ from relayd_client._proto import relay_pb2_grpc as pb_grpc
 from . import __version__, rundir
 from ._systemd import SystemdNotifier
 from .config import Settings
+from .keys import KeyIndex, LeaseKey
 from .metrics import Metrics
 from .peers import PeerConfigError, PeerManager
 from .pools import cuda as cuda_pools
@@ -42,6 +43,7 @@ from .pools.leases import (
     Session,
     SessionState,
 )
+from .rpc.keyed import KeyedCalls
 from .rpc.limits import UidLimits
 from .rpc.service import MAX_UNBOUND_SESSIONS, RelayService
 from .rpc.session import Admission, SessionProtocol
@@ -112,6 +114,8 @@ class Daemon:
         self.arena: Arena
         self.manager: LeaseManager
         self.topology: Topology
+        self.keys: KeyIndex
+        self.keyed = KeyedCalls(self)
         self.health = health.aio.HealthServicer()
         self._servers: list[grpc.aio.Server] = []
         self._session_server: asyncio.AbstractServer | None = None
@@ -176,6 +180,7 @@ class Daemon:
         self.topology = Topology(
             s.node_id, self.arena, self.manager, on_socket_session=m.socket_fallback.inc
         )
+        self.keys = KeyIndex(max_stage_keys=s.max_stage_keys, ttl=s.lease_ttl)
         m.attach_state(self._snapshot_threadsafe)
         await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.health.set("relayd.v1.Relay", health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -205,6 +210,7 @@ class Daemon:
                         on_ref=self.count_ref,
                         on_fetch=self._fetch_on_session,
                         limits=limits,
+                        keyed=self.keyed,
                     )
                 ),
                 path=s.session_socket,
@@ -254,6 +260,7 @@ class Daemon:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), timeout=interval)
             self.manager.reap()
+            self.keys.reap(self._lease_alive)
             self.notifier.watchdog()
 
     async def shutdown(self) -> None:
@@ -413,6 +420,11 @@ class Daemon:
         self, session: Session, data_ref: bytes, asked: float
     ) -> pb.FetchResponse:
         return await self.fetch(session, data_ref, self.fetch_timeout(asked))
+
+    def _lease_alive(self, lease: LeaseKey) -> bool:
+        """Whether a keyed entry's lease may still be read (leases of other nodes: their TTL)."""
+        node, lease_id = lease
+        return node != self.settings.node_id or lease_id in self.manager.leases
 
     def _count_transfer(self, transport: str, count: int, nbytes: int) -> None:
         # Once per transfer: labels() costs more than the rest of a publish.

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, TypeAlias
 
-from relayd_client._errors import InvalidArgumentError
+from relayd_client._errors import InvalidArgumentError, PermissionDeniedError
 from relayd_client._proto import relay_pb2 as pb
 from relayd_client._proto import relay_pb2_grpc as pb_grpc
 
@@ -54,4 +54,16 @@ class PeerService(pb_grpc.PeerServicer):
         if not request.request_id or len(request.request_id) > 256:
             raise InvalidArgumentError("request_id must be 1-256 characters")
         freed = self.peers.daemon.manager.abort_from_peer(request.request_id)
+        self.peers.daemon.keys.abort(request.request_id)
         return pb.AbortRemoteResponse(leases_freed=freed)
+
+    @mapped
+    async def KeyedPut(
+        self, request: pb.PeerKeyedPutRequest, context: Ctx
+    ) -> pb.PeerKeyedPutResponse:
+        self.peers.authenticate(context, "keyed put")
+        peer = self.peers.by_node.get(request.node_id)
+        if peer is None or not peer.up:
+            raise PermissionDeniedError(f"node {request.node_id[:64]!r} is not a connected peer")
+        self.peers.daemon.keyed.put_from_peer(request.node_id, request.key, request.data_ref)
+        return pb.PeerKeyedPutResponse()

@@ -129,6 +129,7 @@ class RelayService(RoutingService, pb_grpc.RelayServicer):
         session = m.authenticate(request.session_id, request.session_token)
         check_request_id(request.request_id)
         n, nbytes = m.abort(session, request.request_id)
+        self.daemon.keys.abort(request.request_id, session.stages)
         if self.daemon.peers is not None:
             # abort frees the request on every node; peers never propagate it further.
             n += await self.daemon.peers.abort_remote(request.request_id)

@@ -14,7 +14,7 @@ import logging
 import socket
 import struct
 from collections.abc import Awaitable, Callable, Collection
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from relayd_client._errors import (
     InternalError,
@@ -27,6 +27,9 @@ from relayd_client._proto import relay_pb2 as pb
 from ..pools.leases import BIND_DEADLINE, LeaseManager, Session, transport_name
 from .limits import UidLimits
 
+if TYPE_CHECKING:
+    from .keyed import KeyedCalls
+
 log = logging.getLogger(__name__)
 
 MAX_FRAME = 4 << 20
@@ -37,6 +40,9 @@ UNBOUND_MAX_FRAME = 4096
 # themselves are bounded by the peer credits; this only bounds what a session
 # can make the daemon hold (a task and a DataRef each).
 MAX_FETCH_CALLS = 4096
+# Keyed puts, takes (a waiting get is one) and discards one session may have
+# in flight; more are refused, as for fetches.
+MAX_KEYED_CALLS = 4096
 _LEN = struct.Struct("<I")
 _REFUSAL_CODES = {
     "uid": pb.ERROR_CODE_PERMISSION_DENIED,
@@ -82,6 +88,7 @@ class SessionProtocol(asyncio.Protocol):
         on_fetch: Callable[[Session, bytes, float], Awaitable[pb.FetchResponse]] | None = None,
         limits: UidLimits | None = None,
         bind_deadline: float = BIND_DEADLINE,
+        keyed: KeyedCalls | None = None,
     ) -> None:
         self.manager = manager
         self.admission = admission
@@ -94,6 +101,8 @@ class SessionProtocol(asyncio.Protocol):
         self.on_ref = on_ref
         self.on_fetch = on_fetch
         self._fetches: dict[int, asyncio.Task[None]] = {}
+        self.keyed = keyed
+        self._keyed: dict[int, asyncio.Task[None]] = {}
         self.transport: asyncio.Transport | None = None
         self.session: Session | None = None
         self.creds = (0, -1, -1)
@@ -179,9 +188,10 @@ class SessionProtocol(asyncio.Protocol):
             self.limits.close(self._counted_uid)
             self._counted_uid = None
         # Nobody is left to read the answers; each pull's own clean-up frees its run.
-        for task in self._fetches.values():
+        for task in [*self._fetches.values(), *self._keyed.values()]:
             task.cancel()
         self._fetches.clear()
+        self._keyed.clear()
         if self.session is not None:
             log.info("session closed", extra={"session_id": self.session.id, "pid": self.creds[0]})
             self.manager.close_session(self.session.id)
@@ -264,6 +274,13 @@ class SessionProtocol(asyncio.Protocol):
                 self.on_report(transport_name(rep.transport), rep.count, rep.bytes)
         for call in f.fetch:
             self._start_fetch(session, call)
+        # After the notices: a keyed put's Publish travels in the same frame.
+        for kp in f.keyed_put:
+            self._start_keyed(session, kp.call_id, "put", kp)
+        for kt in f.keyed_take:
+            self._start_keyed(session, kt.call_id, "take", kt)
+        for dc in f.discard:
+            self._start_keyed(session, dc.call_id, "discard", dc)
 
     # -- cross-node reads -----------------------------------------------------------
 
@@ -307,6 +324,60 @@ class SessionProtocol(asyncio.Protocol):
         else:
             result = pb.FetchResult(call_id=call_id, response=outcome)
         self.send(pb.SessionFrame(fetched=[result]))
+
+    # -- keyed delivery and discard (see relayd.rpc.keyed) ------------------------------
+
+    def _start_keyed(
+        self,
+        session: Session,
+        call_id: int,
+        kind: str,
+        call: pb.KeyedPut | pb.KeyedTake | pb.DiscardCall,
+    ) -> None:
+        if call_id in self._keyed:
+            self._keyed_answer(call_id, InvalidArgumentError(f"call {call_id} is in flight"))
+        elif self.keyed is None:
+            self._keyed_answer(call_id, InternalError("this daemon does not serve keyed calls"))
+        elif len(self._keyed) >= MAX_KEYED_CALLS:
+            self._keyed_answer(
+                call_id, ResourceExhaustedError(f"{MAX_KEYED_CALLS} keyed calls already in flight")
+            )
+        else:
+            task = asyncio.get_running_loop().create_task(self._keyed_call(session, kind, call))
+            self._keyed[call_id] = task
+
+    async def _keyed_call(
+        self, session: Session, kind: str, call: pb.KeyedPut | pb.KeyedTake | pb.DiscardCall
+    ) -> None:
+        keyed = self.keyed
+        assert keyed is not None
+        outcome: bytes | RelayError = b""
+        try:
+            if isinstance(call, pb.KeyedPut):
+                await keyed.put(session, call)
+            elif isinstance(call, pb.KeyedTake):
+                outcome = await keyed.take(session, call)
+            else:
+                await keyed.discard(session, call)
+        except RelayError as err:
+            outcome = err
+        except Exception as exc:  # a bug: say so to the caller, keep the session
+            log.exception("keyed %s failed", kind, extra={"session_id": session.id})
+            outcome = InternalError(f"{type(exc).__name__}: {exc}")
+        finally:
+            self._keyed.pop(call.call_id, None)
+        self._keyed_answer(call.call_id, outcome)
+
+    def _keyed_answer(self, call_id: int, outcome: bytes | RelayError) -> None:
+        if isinstance(outcome, RelayError):
+            result = pb.KeyedResult(
+                call_id=call_id,
+                code=cast(pb.ErrorCode, int(outcome.code)),
+                message=outcome.message or str(outcome),
+            )
+        else:
+            result = pb.KeyedResult(call_id=call_id, data_ref=outcome)
+        self.send(pb.SessionFrame(keyed_result=[result]))
 
 
 def protocol_factory(**kwargs: Any) -> Callable[[], SessionProtocol]:
