@@ -25,7 +25,7 @@ from typing import Any
 
 import grpc
 
-from . import _codec, _cuda, _local, _packing, _peer, _remote
+from . import _codec, _cuda, _keyed, _local, _packing, _peer, _remote
 from ._dataref import KIND_DATA, KIND_DONE, KIND_ERROR, VERSION, DataRef
 from ._errors import (
     AbortedError,
@@ -45,6 +45,7 @@ from ._errors import (
 )
 from ._gpu_order import ReadOnce
 from ._grants import Grant, Lease, LeaseTable
+from ._keys import check_key
 from ._names import check_request_id, check_stage
 from ._proto import relay_pb2 as pb
 from ._proto import relay_pb2_grpc as pb_grpc
@@ -247,6 +248,7 @@ class RelayClient:
         self._grant_calls: dict[str, _GrantCall] = {}  # by pool, "shm" included
         self._aborted: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._released: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._discarded = _keyed.Marks()
         self._valid_layouts: dict[tuple[tuple[bytes, ...], int], list[_packing.TensorSpec]] = {}
         self._headers: dict[bytes, Any] = {}  # see _decode_header
         self._shapes: dict[_ShapeKey, _Shape] = {}  # see _shape()
@@ -489,6 +491,7 @@ class RelayClient:
         chunk_id: int | None = None,
         timeout: float | None = None,
         pickle: bool = False,
+        key: str | None = None,
     ) -> DataRef:
         """Publish ``obj`` for ``to_stage``; returns the DataRef to hand to the reader.
 
@@ -496,9 +499,24 @@ class RelayClient:
         here waits for the reader (waiting first would deadlock a writer whose
         space or credits are all held by DataRefs it has not handed out yet).
         Only a full arena makes a put wait, for space freed by readers.
+
+        With ``key``, the application need not carry the DataRef: the
+        consumer stage finds the payload with ``get_key(key,
+        from_stage=<this stage>)`` (or ``poll_key``/``take_key``), on any
+        node. The put then waits for its daemon to index it (one round trip
+        on the session socket; a Peer call when the consumer is served on
+        another node) and raises :class:`KeyExistsError` while the same key
+        from this stage is still unread by ``to_stage``, or
+        :class:`ResourceExhaustedError` when that stage has ``max_stage_keys``
+        unread keys; a failed keyed put leaves nothing behind. The entry goes
+        when it is read, when ``request_id`` is aborted and with the lease TTL.
         """
+        if key is not None:
+            check_key(key)
         started = time.perf_counter_ns()
         ref = await self._put(obj, to_stage, request_id, chunk_id, timeout, pickle)
+        if key is not None:
+            await _keyed.index(self, ref, key, self.timeout if timeout is None else timeout)
         return self._put_finished(ref, started)
 
     def _put_finished(self, ref: DataRef, started_ns: int) -> DataRef:
@@ -1591,17 +1609,99 @@ class RelayClient:
             )
             self._session.mark(flush=flush, linger=NOTICE_LINGER_S)
 
-    def _release(self, m: pb.DataRef) -> None:
+    def _remember_released(self, lease_id: int) -> None:
         # Until the daemon zeroes the header the bytes are still there; a second
         # read by this process must fail all the same, not depend on timing.
         with self._table.lock:
-            self._released[m.lease.lease_id] = None
+            self._released[lease_id] = None
             while len(self._released) > _ABORTED_MEMORY:
                 self._released.popitem(last=False)
+
+    def _release(self, m: pb.DataRef) -> None:
+        with self._table.lock:
+            self._remember_released(m.lease.lease_id)
             self._session.pending.release.add(
                 lease_id=m.lease.lease_id, generation=m.lease.generation
             )
             self._session.mark(linger=NOTICE_LINGER_S, holds=m.lease.length)
+
+    # -- keyed delivery and discard (see _keyed) ----------------------------------------
+
+    async def take_key(
+        self,
+        key: str,
+        *,
+        from_stage: str,
+        to_stage: str | None = None,
+        timeout: float | None = None,
+    ) -> DataRef | None:
+        """The DataRef put under ``key`` by ``from_stage`` for ``to_stage``, consumed.
+
+        Waits in the daemon up to ``timeout`` seconds (None: the client's
+        default) for the put, then raises :class:`RelayTimeoutError`;
+        ``timeout=0`` polls: None when there is no entry yet. Read the
+        DataRef with :meth:`get` or :meth:`view` (zero-copy), or free it
+        with :meth:`discard`. ``to_stage`` defaults to the client's stage
+        (required when it serves several; it must be one of them, else
+        :class:`PermissionDeniedError`). A key read, discarded or expired
+        before raises :class:`StaleRefError`; one of an aborted request
+        :class:`AbortedError`.
+        """
+        wait = self.timeout if timeout is None else timeout
+        await self._reattached(wait)
+        self._require_open()
+        return await _keyed.take(self, key, from_stage, to_stage, wait)
+
+    async def get_key(
+        self,
+        key: str,
+        *,
+        from_stage: str,
+        to_stage: str | None = None,
+        timeout: float | None = None,
+    ) -> Any:
+        """The payload put under ``key``: :meth:`take_key`, then :meth:`get`.
+
+        Waits up to ``timeout`` seconds for it (:class:`RelayTimeoutError`
+        after); reading consumes the key, so a second ``get_key`` of it
+        raises :class:`StaleRefError`.
+        """
+        ref = await self.take_key(key, from_stage=from_stage, to_stage=to_stage, timeout=timeout)
+        if ref is None:
+            raise RelayTimeoutError(f"no put of key {key!r} from {from_stage!r} yet")
+        return await self.get(ref)
+
+    async def poll_key(
+        self,
+        key: str,
+        *,
+        from_stage: str,
+        to_stage: str | None = None,
+        default: Any = None,
+    ) -> Any:
+        """The payload put under ``key`` if it is there now, else ``default``; never waits.
+
+        "Not there yet" is not an error. Pass a sentinel as ``default`` when
+        None is a payload you put. Reading consumes the key, like
+        :meth:`get_key`.
+        """
+        ref = await self.take_key(key, from_stage=from_stage, to_stage=to_stage, timeout=0)
+        return default if ref is None else await self.get(ref)
+
+    async def discard(self, ref: DataRef | TensorRef | bytes) -> None:
+        """Free what ``ref`` holds without reading it.
+
+        Holding the ref is the entitlement: any process with the DataRef or
+        TensorRef may discard it (a stage forwarding a payload it will not
+        read, a reader on another node), and the daemon checks its lease and
+        generation, not the caller's stage. Forwarded TensorRefs inside a
+        DataRef go with it. A ref read or discarded already raises
+        :class:`StaleRefError`; an inline one (nothing to free) is only marked,
+        so that discarding it twice is the same error.
+        """
+        await self._reattached(None)
+        self._require_open()
+        await _keyed.discard(self, ref, self.timeout)
 
     # -- abort ----------------------------------------------------------------------
 

@@ -29,6 +29,7 @@ import socket
 import struct
 import threading
 from collections.abc import Callable
+from typing import Any
 
 from . import _peer
 from ._errors import DaemonUnavailableError, RelayError, RelayTimeoutError, error_from_code
@@ -59,6 +60,8 @@ def session_socket_path(socket: str) -> str:
     """
     return socket + SESSION_SOCKET_SUFFIX
 
+KeyedCall = pb.KeyedPut | pb.KeyedTake | pb.DiscardCall
+
 
 class SessionChannel:
     def __init__(
@@ -87,6 +90,7 @@ class SessionChannel:
         self._task: asyncio.Task[None] | None = None
         self._bound: asyncio.Future[None] | None = None
         self._calls: dict[int, asyncio.Future[pb.FetchResponse]] = {}
+        self._keyed: dict[int, asyncio.Future[bytes]] = {}
         self._call_ids = itertools.count(1)
         self.closed = False
 
@@ -299,6 +303,44 @@ class SessionChannel:
         finally:
             self._calls.pop(call_id, None)
 
+    async def keyed(self, call: KeyedCall, timeout: float) -> bytes:
+        """A keyed put, take or discard: its answer's DataRef bytes (often empty).
+
+        The call goes at once with whatever notices are pending: a keyed put's
+        Publish must reach the daemon with it, or before.
+        """
+        if self.closed or self._writer is None:
+            raise DaemonUnavailableError("the session with the daemon is closed")
+        call.call_id = call_id = next(self._call_ids)
+        answer: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        self._keyed[call_id] = answer
+        with self.lock:
+            if isinstance(call, pb.KeyedPut):
+                self._pending.keyed_put.append(call)
+            elif isinstance(call, pb.KeyedTake):
+                self._pending.keyed_take.append(call)
+            else:
+                self._pending.discard.append(call)
+            self.mark(flush=True)
+        try:
+            return await asyncio.wait_for(answer, timeout + _ANSWER_GRACE)
+        except TimeoutError:
+            raise RelayTimeoutError(
+                f"the daemon did not answer within {timeout + _ANSWER_GRACE:.3g}s"
+            ) from None
+        finally:
+            self._keyed.pop(call_id, None)
+
+    def _answer_keyed(self, frame: pb.SessionFrame) -> None:
+        for result in frame.keyed_result:
+            answer = self._keyed.get(result.call_id)
+            if answer is None or answer.done():
+                continue  # its caller gave up
+            if result.code == pb.ERROR_CODE_UNSPECIFIED:
+                answer.set_result(result.data_ref)
+            else:
+                answer.set_exception(error_from_code(result.code, result.message))
+
     def _answer(self, frame: pb.SessionFrame) -> None:
         for result in frame.fetched:
             answer = self._calls.get(result.call_id)
@@ -327,6 +369,8 @@ class SessionChannel:
                         self._bound.set_exception(error_from_code(ev.code, ev.message))
                 if frame.fetched:
                     self._answer(frame)
+                if frame.keyed_result:
+                    self._answer_keyed(frame)
                 with self.lock:
                     self._on_frame(frame)
         except (asyncio.IncompleteReadError, ConnectionError, OSError):
@@ -340,7 +384,8 @@ class SessionChannel:
         finally:
             if self._bound is not None and not self._bound.done():
                 self._bound.set_exception(DaemonUnavailableError("daemon closed the session"))
-            for answer in self._calls.values():
+            answers: list[asyncio.Future[Any]] = [*self._calls.values(), *self._keyed.values()]
+            for answer in answers:
                 if not answer.done():
                     answer.set_exception(
                         DaemonUnavailableError("the session closed before the daemon answered")

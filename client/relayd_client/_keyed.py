@@ -1,0 +1,118 @@
+"""Keyed delivery and discard: the calls behind RelayClient's put(key=...),
+take_key/get_key/poll_key and discard.
+
+Each is one call on the session socket (``KeyedPut``, ``KeyedTake``,
+``DiscardCall``), answered by the daemon; nothing here touches the arena.
+A keyed get that waits, waits in the daemon, so the put that ends the wait
+costs no polling on either side.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+from typing import TYPE_CHECKING
+
+from . import _local
+from ._dataref import KIND_DATA, DataRef
+from ._errors import InvalidArgumentError, StaleRefError
+from ._keys import check_key
+from ._proto import relay_pb2 as pb
+from ._refs import TensorRef
+from ._transport import Transport
+
+if TYPE_CHECKING:
+    from ._client import RelayClient
+
+# DataRefs with nothing in a daemon (inline, …) that this client discarded:
+# a second discard of one is StaleRefError too.
+_MARKS = 4096
+# Transports whose bytes live in a daemon's lease: a discard frees it there.
+_LEASED = (Transport.SHM, Transport.SOCKET, Transport.CUDA_IPC_POOL)
+
+
+class Marks:
+    """Object ids of discarded DataRefs, the most recent ``_MARKS`` of them."""
+
+    def __init__(self) -> None:
+        self._ids: collections.OrderedDict[str, None] = collections.OrderedDict()
+
+    def __contains__(self, object_id: str) -> bool:
+        return object_id in self._ids
+
+    def add(self, object_id: str) -> None:
+        self._ids[object_id] = None
+        while len(self._ids) > _MARKS:
+            self._ids.popitem(last=False)
+
+
+async def index(client: RelayClient, ref: DataRef, key: str, timeout: float) -> None:
+    """Have the consumer's daemon index ``ref`` under ``key`` (after the put published it)."""
+    try:
+        await client._session.keyed(pb.KeyedPut(key=key, data_ref=ref.to_bytes()), timeout)
+    except BaseException:
+        # The put fails: what it left for a reader in this process goes too
+        # (a leased one was freed by the daemon).
+        if ref.transport is Transport.LOCAL_OBJECT:
+            with contextlib.suppress(KeyError):
+                _local.take(ref.object_id)
+        raise
+
+
+async def take(
+    client: RelayClient, key: str, from_stage: str, to_stage: str | None, timeout: float
+) -> DataRef | None:
+    """The DataRef under ``key``, consumed; None when ``timeout`` <= 0 and there is none."""
+    check_key(key)
+    if not isinstance(from_stage, str) or not from_stage:
+        raise InvalidArgumentError("from_stage must name the writer stage")
+    if to_stage is None:
+        if len(client.stages) != 1:
+            raise InvalidArgumentError(
+                f"this client serves {client.stages}; say which one reads the key (to_stage=)"
+            )
+        to_stage = client.stages[0]
+    wire = await client._session.keyed(
+        pb.KeyedTake(
+            key=key, from_stage=from_stage, to_stage=to_stage, timeout_seconds=max(timeout, 0.0)
+        ),
+        max(timeout, 0.0),
+    )
+    return DataRef.from_bytes(wire) if wire else None
+
+
+async def discard(client: RelayClient, ref: DataRef | TensorRef | bytes, timeout: float) -> None:
+    """Free what ``ref`` holds, unread (see RelayClient.discard)."""
+    if isinstance(ref, (bytes, bytearray, memoryview)):
+        ref = DataRef.from_bytes(ref)
+    m = ref.proto
+    if m.kind != KIND_DATA:
+        raise InvalidArgumentError("a done/error signal holds nothing to discard")
+    if m.object_id and m.object_id in client._discarded:
+        raise StaleRefError("this DataRef was already discarded by this client")
+    transport = Transport.from_proto(m.transport)
+    if transport in _LEASED:
+        a = client._require_open()
+        if m.lease.lease_id in client._released and m.origin.daemon_epoch == a.daemon_epoch:
+            raise StaleRefError("this DataRef was already read or discarded by this client")
+        await client._session.keyed(pb.DiscardCall(data_ref=_wire(ref)), timeout)
+        if m.origin.daemon_epoch == a.daemon_epoch:
+            client._remember_released(m.lease.lease_id)
+    elif transport is Transport.LOCAL_OBJECT:
+        try:
+            _local.take(m.object_id)
+        except KeyError:
+            raise StaleRefError(
+                "local_object DataRef is not held in this process (read or discarded already)"
+            ) from None
+    if m.object_id:
+        client._discarded.add(m.object_id)
+    # Forwarded tensors inside it would otherwise wait for their TTL; one
+    # that its consumer read already is no error here.
+    for inner in m.refs:
+        with contextlib.suppress(StaleRefError):
+            await discard(client, TensorRef(inner), timeout)
+
+
+def _wire(ref: DataRef | TensorRef) -> bytes:
+    return ref.to_bytes() if isinstance(ref, DataRef) else ref.data_ref().to_bytes()
