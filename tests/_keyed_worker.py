@@ -1,0 +1,149 @@
+"""A stage process driven line by line: ``python -m tests._keyed_worker --socket S --stage X``.
+
+Keyed delivery and discard need a conversation (put, then get in another
+process, then get again), so this worker reads one command per stdin line
+and answers one line on stdout: ``OK ...``, ``NONE`` or ``ERR <class> <message>``.
+
+    put KEY SEED SIZE RID TO      -> OK <hex DataRef> <digest> <transport>  (KEY "-": no key)
+    get KEY FROM TIMEOUT          -> OK <digest>
+    poll KEY FROM                 -> OK <digest> | NONE
+    take KEY FROM TIMEOUT [TO]    -> OK <hex DataRef> | NONE
+    read HEX                      -> OK <digest>
+    discard HEX                   -> OK
+    discard-refs HEX              -> OK <n>     (get the payload, discard its TensorRefs)
+    ref SEED SIZE CONSUMER RID TO -> OK <hex DataRef>  (a payload forwarding a TensorRef)
+    abort RID                     -> OK <leases freed>
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import select
+import subprocess
+import sys
+import time
+
+import torch
+from relayd_client import DataRef, RelayClient, RelayError, TensorRef
+
+from tests._daemon import _SPAWNED
+from tests._workers import digest, make_payload, out
+
+ANSWER_TIMEOUT = 30.0
+
+
+class Stage:
+    """The test's handle on one worker process serving ``stage`` on a daemon's socket."""
+
+    def __init__(self, socket: str, stage: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests._keyed_worker", "--socket", socket, "--stage", stage],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        )
+        _SPAWNED.append(self.proc)  # reaped after the test, whatever happens
+        self._buf = b""
+        assert self._line(ANSWER_TIMEOUT) == "READY"
+
+    def ask(self, *words: object, timeout: float = ANSWER_TIMEOUT) -> str:
+        """Send one command; its one-line answer."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(" ".join(map(str, words)).encode() + b"\n")
+        self.proc.stdin.flush()
+        return self._line(timeout)
+
+    def send(self, *words: object) -> None:
+        """Send a command whose answer :meth:`answer` collects later."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(" ".join(map(str, words)).encode() + b"\n")
+        self.proc.stdin.flush()
+
+    def answer(self, timeout: float = ANSWER_TIMEOUT) -> str:
+        return self._line(timeout)
+
+    def _line(self, timeout: float) -> str:
+        # Unbuffered reads: a buffered reader could hold a line select() won't see.
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._buf:
+            ready, _, _ = select.select([fd], [], [], max(deadline - time.monotonic(), 0))
+            if not ready:
+                raise TimeoutError(f"no answer from the worker within {timeout}s")
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                raise EOFError(f"worker exited with {self.proc.wait(timeout=10)}")
+            self._buf += chunk
+        line, _, self._buf = self._buf.partition(b"\n")
+        return line.decode().strip()
+
+
+async def _run(c: RelayClient, words: list[str]) -> str:
+    cmd, args = words[0], words[1:]
+    if cmd == "put":
+        key, seed, size, rid, to = args
+        payload = make_payload(int(seed), int(size))
+        ref = await c.put(payload, to_stage=to, request_id=rid, key=None if key == "-" else key)
+        return f"OK {ref.to_bytes().hex()} {digest(payload)} {ref.transport.value}"
+    if cmd == "get":
+        key, source, timeout = args
+        return f"OK {digest(await c.get_key(key, from_stage=source, timeout=float(timeout)))}"
+    if cmd == "poll":
+        key, source = args
+        missing = object()
+        obj = await c.poll_key(key, from_stage=source, default=missing)
+        return "NONE" if obj is missing else f"OK {digest(obj)}"
+    if cmd == "take":
+        key, source, timeout, *to = args
+        ref = await c.take_key(
+            key, from_stage=source, to_stage=to[0] if to else None, timeout=float(timeout)
+        )
+        return "NONE" if ref is None else f"OK {ref.to_bytes().hex()}"
+    if cmd == "read":
+        return f"OK {digest(await c.get(DataRef.from_bytes(bytes.fromhex(args[0]))))}"
+    if cmd == "discard":
+        await c.discard(DataRef.from_bytes(bytes.fromhex(args[0])))
+        return "OK"
+    if cmd == "discard-refs":
+        obj = await c.get(DataRef.from_bytes(bytes.fromhex(args[0])))
+        refs = [v for v in obj.values() if isinstance(v, TensorRef)]
+        for r in refs:
+            await c.discard(r)
+        return f"OK {len(refs)}"
+    if cmd == "ref":
+        seed, size, consumer, rid, to = args
+        g = torch.Generator().manual_seed(int(seed))
+        big = torch.randint(0, 256, (int(size),), dtype=torch.uint8, generator=g)
+        tref = await c.ref(big, consumer_stage=consumer, request_id=rid)
+        ref = await c.put({"step": 1, "big": tref}, to_stage=to, request_id=rid)
+        return f"OK {ref.to_bytes().hex()}"
+    if cmd == "abort":
+        return f"OK {await c.abort(args[0])}"
+    return f"ERR ValueError unknown command {cmd!r}"
+
+
+async def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--socket", required=True)
+    p.add_argument("--stage", required=True)
+    a = p.parse_args()
+    loop = asyncio.get_running_loop()
+    async with RelayClient(a.stage, a.socket) as c:
+        out("READY")
+        while True:
+            line = await loop.run_in_executor(None, sys.stdin.readline)
+            if not line.strip():
+                return
+            try:
+                answer = await _run(c, line.split())
+            except RelayError as exc:
+                answer = f"ERR {type(exc).__name__} {exc}"
+            out(answer)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
