@@ -24,9 +24,10 @@ import select
 import subprocess
 import sys
 import time
+from typing import Any
 
 import torch
-from relayd_client import DataRef, RelayClient, RelayError, TensorRef
+from relayd_client import DataRef, RelayClient, RelayError, SyncRelayClient, TensorRef
 
 from tests._daemon import _SPAWNED
 from tests._workers import digest, make_payload, out
@@ -37,9 +38,10 @@ ANSWER_TIMEOUT = 30.0
 class Stage:
     """The test's handle on one worker process serving ``stage`` on a daemon's socket."""
 
-    def __init__(self, socket: str, stage: str) -> None:
+    def __init__(self, socket: str, stage: str, *, blocking: bool = False) -> None:
+        args = ["--socket", socket, "--stage", stage] + (["--blocking"] if blocking else [])
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests._keyed_worker", "--socket", socket, "--stage", stage],
+            [sys.executable, "-m", "tests._keyed_worker", *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -82,7 +84,23 @@ class Stage:
         return line.decode().strip()
 
 
-async def _run(c: RelayClient, words: list[str]) -> str:
+class _Blocking:
+    """A SyncRelayClient behind the awaitable calls the commands make: each runs on a
+    worker thread, as vllm-omni's connectors call it."""
+
+    def __init__(self, client: SyncRelayClient) -> None:
+        self._client = client
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self._client, name)
+
+        async def call(*args: Any, **kw: Any) -> Any:
+            return await asyncio.to_thread(fn, *args, **kw)
+
+        return call
+
+
+async def _run(c: Any, words: list[str]) -> str:
     cmd, args = words[0], words[1:]
     if cmd == "put":
         key, seed, size, rid, to = args
@@ -130,19 +148,32 @@ async def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--socket", required=True)
     p.add_argument("--stage", required=True)
+    p.add_argument("--blocking", action="store_true", help="use SyncRelayClient")
     a = p.parse_args()
+    if a.blocking:
+        sync = SyncRelayClient(a.stage, a.socket)
+        await asyncio.to_thread(sync.open)
+        try:
+            await _serve(_Blocking(sync))
+        finally:
+            await asyncio.to_thread(sync.close)
+    else:
+        async with RelayClient(a.stage, a.socket) as c:
+            await _serve(c)
+
+
+async def _serve(c: Any) -> None:
     loop = asyncio.get_running_loop()
-    async with RelayClient(a.stage, a.socket) as c:
-        out("READY")
-        while True:
-            line = await loop.run_in_executor(None, sys.stdin.readline)
-            if not line.strip():
-                return
-            try:
-                answer = await _run(c, line.split())
-            except RelayError as exc:
-                answer = f"ERR {type(exc).__name__} {exc}"
-            out(answer)
+    out("READY")
+    while True:
+        line = await loop.run_in_executor(None, sys.stdin.readline)
+        if not line.strip():
+            return
+        try:
+            answer = await _run(c, line.split())
+        except RelayError as exc:
+            answer = f"ERR {type(exc).__name__} {exc}"
+        out(answer)
 
 
 if __name__ == "__main__":

@@ -60,6 +60,7 @@ def session_socket_path(socket: str) -> str:
     """
     return socket + SESSION_SOCKET_SUFFIX
 
+
 KeyedCall = pb.KeyedPut | pb.KeyedTake | pb.DiscardCall
 
 

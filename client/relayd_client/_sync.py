@@ -25,7 +25,7 @@ import time
 from collections.abc import AsyncGenerator, Callable, Coroutine, Iterator, Sequence
 from typing import Any, TypeVar, cast
 
-from . import _cuda, _local, _packing, _remote
+from . import _cuda, _keyed, _local, _packing, _remote
 from ._client import OFFLOAD_BYTES, ClientState, RelayClient
 from ._dataref import DataRef
 from ._errors import (
@@ -35,6 +35,7 @@ from ._errors import (
     RelayTimeoutError,
     SessionClosedError,
 )
+from ._keys import check_key
 from ._proto import relay_pb2 as pb
 from ._refs import TensorRef
 from ._transport import Transport
@@ -255,10 +256,16 @@ class SyncRelayClient:
         chunk_id: int | None = None,
         timeout: float | None = None,
         pickle: bool = False,
+        key: str | None = None,
     ) -> DataRef:
-        """Publish ``obj`` for ``to_stage``; see :meth:`RelayClient.put`."""
+        """Publish ``obj`` for ``to_stage``; see :meth:`RelayClient.put` (``key`` included)."""
+        if key is not None:
+            check_key(key)
         started = time.perf_counter_ns()
         ref = self._put(obj, to_stage, request_id, chunk_id, timeout, pickle)
+        if key is not None:
+            wait = self._client.timeout if timeout is None else timeout
+            self._run(_keyed.index(self._client, ref, key, wait), wait)
         return self._client._put_finished(ref, started)
 
     def _put(
@@ -420,6 +427,53 @@ class SyncRelayClient:
         finally:
             if ref.transport in (Transport.SHM, Transport.SOCKET) and not self.socket_fallback:
                 self.release(ref)
+
+    # -- keyed delivery and discard: one call on the session socket, on the loop ----------
+
+    def take_key(
+        self,
+        key: str,
+        *,
+        from_stage: str,
+        to_stage: str | None = None,
+        timeout: float | None = None,
+    ) -> DataRef | None:
+        """The DataRef put under ``key``, consumed; see :meth:`RelayClient.take_key`."""
+        c = self._client
+        wait = c.timeout if timeout is None else timeout
+        return self._run(
+            c.take_key(key, from_stage=from_stage, to_stage=to_stage, timeout=wait), wait
+        )
+
+    def get_key(
+        self,
+        key: str,
+        *,
+        from_stage: str,
+        to_stage: str | None = None,
+        timeout: float | None = None,
+    ) -> Any:
+        """The payload put under ``key``, waiting for it; see :meth:`RelayClient.get_key`."""
+        ref = self.take_key(key, from_stage=from_stage, to_stage=to_stage, timeout=timeout)
+        if ref is None:
+            raise RelayTimeoutError(f"no put of key {key!r} from {from_stage!r} yet")
+        return self.get(ref)
+
+    def poll_key(
+        self,
+        key: str,
+        *,
+        from_stage: str,
+        to_stage: str | None = None,
+        default: Any = None,
+    ) -> Any:
+        """The payload under ``key`` if there, else ``default``; see :meth:`RelayClient.poll_key`."""
+        ref = self.take_key(key, from_stage=from_stage, to_stage=to_stage, timeout=0)
+        return default if ref is None else self.get(ref)
+
+    def discard(self, ref: DataRef | TensorRef | bytes) -> None:
+        """Free what ``ref`` holds without reading it; see :meth:`RelayClient.discard`."""
+        self._run(self._client.discard(ref))
 
     # -- slow, rare: on the loop -----------------------------------------------------
 

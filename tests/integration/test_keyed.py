@@ -207,3 +207,28 @@ def test_discard_of_a_keyed_ref_ends_the_key(tmp_path: pathlib.Path) -> None:
         assert reader.ask("discard", ref) == "OK"
         wait_until(lambda: _used(d) == 0, 10, "the arena back to zero")
         assert reader.ask("poll", "k", "thinker").startswith("ERR StaleRefError")
+
+
+# -- the blocking client -------------------------------------------------------------------
+
+
+@SIZES
+def test_blocking_client_keyed_delivery_and_discard(tmp_path: pathlib.Path, size: int) -> None:
+    with running_daemon(str(tmp_path)) as d:
+        writer = Stage(d.socket, "thinker", blocking=True)
+        reader = Stage(d.socket, "talker", blocking=True)
+        assert reader.ask("poll", "k", "thinker") == "NONE"
+        reader.send("get", "k", "thinker", 30)  # waits in the daemon
+        _ref, sent, _t = _ok(writer.ask("put", "k", 1, size, "r1", "talker"))
+        assert _ok(reader.answer()) == [sent]
+        assert reader.ask("get", "k", "thinker", 10).startswith("ERR StaleRefError")
+        _ref, second, _t = _ok(writer.ask("put", "k2", 2, size, "r1", "talker"))
+        assert writer.ask("put", "k2", 3, size, "r1", "talker").startswith("ERR KeyExistsError")
+        assert _ok(reader.ask("poll", "k2", "thinker")) == [second]
+        ref, _d, _t = _ok(writer.ask("put", "-", 4, size, "r1", "talker"))
+        assert reader.ask("discard", ref) == "OK"
+        assert reader.ask("discard", ref).startswith("ERR StaleRefError")
+        _ok(writer.ask("put", "k3", 5, size, "r2", "talker"))
+        _ok(writer.ask("abort", "r2"))
+        assert reader.ask("poll", "k3", "thinker").startswith("ERR AbortedError")
+        wait_until(lambda: _used(d) == 0, 10, "the arena back to zero")
