@@ -248,7 +248,6 @@ class RelayClient:
         self._grant_calls: dict[str, _GrantCall] = {}  # by pool, "shm" included
         self._aborted: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._released: collections.OrderedDict[int, None] = collections.OrderedDict()
-        self._discarded = _keyed.Marks()
         self._valid_layouts: dict[tuple[tuple[bytes, ...], int], list[_packing.TensorSpec]] = {}
         self._headers: dict[bytes, Any] = {}  # see _decode_header
         self._shapes: dict[_ShapeKey, _Shape] = {}  # see _shape()
@@ -1696,8 +1695,9 @@ class RelayClient:
         read, a reader on another node), and the daemon checks its lease and
         generation, not the caller's stage. Forwarded TensorRefs inside a
         DataRef go with it. A ref read or discarded already raises
-        :class:`StaleRefError`; an inline one (nothing to free) is only marked,
-        so that discarding it twice is the same error.
+        :class:`StaleRefError`; an inline one (nothing to free) is only marked
+        as read in this process, so that reading or discarding it again here
+        is the same error.
         """
         await self._reattached(None)
         self._require_open()

@@ -9,7 +9,6 @@ costs no polling on either side.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 from typing import TYPE_CHECKING
 
@@ -24,26 +23,8 @@ from ._transport import Transport
 if TYPE_CHECKING:
     from ._client import RelayClient
 
-# DataRefs with nothing in a daemon (inline, …) that this client discarded:
-# a second discard of one is StaleRefError too.
-_MARKS = 4096
 # Transports whose bytes live in a daemon's lease: a discard frees it there.
 _LEASED = (Transport.SHM, Transport.SOCKET, Transport.CUDA_IPC_POOL)
-
-
-class Marks:
-    """Object ids of discarded DataRefs, the most recent ``_MARKS`` of them."""
-
-    def __init__(self) -> None:
-        self._ids: collections.OrderedDict[str, None] = collections.OrderedDict()
-
-    def __contains__(self, object_id: str) -> bool:
-        return object_id in self._ids
-
-    def add(self, object_id: str) -> None:
-        self._ids[object_id] = None
-        while len(self._ids) > _MARKS:
-            self._ids.popitem(last=False)
 
 
 async def index(client: RelayClient, ref: DataRef, key: str, timeout: float) -> None:
@@ -88,8 +69,6 @@ async def discard(client: RelayClient, ref: DataRef | TensorRef | bytes, timeout
     m = ref.proto
     if m.kind != KIND_DATA:
         raise InvalidArgumentError("a done/error signal holds nothing to discard")
-    if m.object_id and m.object_id in client._discarded:
-        raise StaleRefError("this DataRef was already discarded by this client")
     transport = Transport.from_proto(m.transport)
     if transport in _LEASED:
         a = client._require_open()
@@ -105,8 +84,11 @@ async def discard(client: RelayClient, ref: DataRef | TensorRef | bytes, timeout
             raise StaleRefError(
                 "local_object DataRef is not held in this process (read or discarded already)"
             ) from None
-    if m.object_id:
-        client._discarded.add(m.object_id)
+    else:
+        # Inline (or CUDA handles): nothing to free anywhere. Marked as read, so
+        # that a second discard, or a get, in this process is StaleRefError.
+        with client._table.lock:
+            client._inline_reads.claim((m.origin.daemon_epoch, m.object_id), "this DataRef")
     # Forwarded tensors inside it would otherwise wait for their TTL; one
     # that its consumer read already is no error here.
     for inner in m.refs:

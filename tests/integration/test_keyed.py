@@ -186,8 +186,13 @@ def test_discard_of_an_inline_ref_only_marks_it(tmp_path: pathlib.Path) -> None:
         writer = Stage(d.socket, "thinker")
         ref, _d, transport = _ok(writer.ask("put", "-", 1, INLINE, "r1", "talker"))
         assert transport == "inline"
-        assert writer.ask("discard", ref) == "OK"
-        assert writer.ask("discard", ref).startswith("ERR StaleRefError")
+        reader, other = Stage(d.socket, "talker"), Stage(d.socket, "talker")
+        assert reader.ask("discard", ref) == "OK"
+        assert reader.ask("discard", ref).startswith("ERR StaleRefError")
+        assert reader.ask("read", ref).startswith("ERR StaleRefError")
+        # Nothing left the process: another holder of the bytes reads them, once.
+        _ok(other.ask("read", ref))
+        assert other.ask("discard", ref).startswith("ERR StaleRefError")
 
 
 def test_discard_of_a_forwarded_tensor_ref(tmp_path: pathlib.Path) -> None:
