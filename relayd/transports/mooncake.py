@@ -83,6 +83,7 @@ from relayd_client._errors import (
 )
 
 from relayd.config import Settings
+from relayd.transports._native_log import native_stderr_to_log
 from relayd.transports.base import (
     Capabilities,
     MemoryKind,
@@ -635,8 +636,8 @@ def _consume(task: asyncio.Task[None]) -> None:
 
 def _open_engine(host: str, env: Mapping[str, str | None], protocol: str, device: str) -> Any:
     """Worker thread: import, configure and initialise an engine; returns (engine, port)."""
-    module = _import_engine_module()
-    with _ENV_LOCK:
+    with _ENV_LOCK, native_stderr_to_log():
+        module = _import_engine_module()
         for key, value in env.items():
             if value is None:
                 os.environ.pop(key, None)
@@ -704,8 +705,9 @@ def _teardown(
     """Teardown thread: wait for the workers, then unregister and drop the engine."""
     if pool is not None:
         pool.shutdown(wait=True)
-    for region in regions:
-        rc = engine.unregister_memory(region.base)
-        if rc != 0:
-            logger.warning("mooncake unregister_memory(%s) returned %d", region.name, rc)
-    del engine  # the last reference: the engine stops its threads here (0.3-1 s)
+    with native_stderr_to_log():
+        for region in regions:
+            rc = engine.unregister_memory(region.base)
+            if rc != 0:
+                logger.warning("mooncake unregister_memory(%s) returned %d", region.name, rc)
+        del engine  # the last reference: the engine stops its threads here (0.3-1 s)

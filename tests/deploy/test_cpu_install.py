@@ -115,3 +115,10 @@ def test_cpu_install_lines_use_the_cpu_index() -> None:
     for script in ("test.sh", "demo.sh"):
         text = (REPO / "scripts" / script).read_text()
         assert ". scripts/_pip_cpu.sh" in text and '"${PIP_CPU_ARGS[@]}"' in text, script
+
+
+def test_client_declares_numpy() -> None:
+    """torch declares numpy optional and warns "Failed to initialize NumPy" at every
+    import without it; every install of the client (and so of relayd) brings it."""
+    project = tomllib.loads((REPO / "client" / "pyproject.toml").read_text())["project"]
+    assert "numpy" in {Requirement(d).name for d in project["dependencies"]}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -473,3 +474,15 @@ def test_frozen_origin_daemon_is_peer_unavailable(pair: tuple[Node, Node]) -> No
         a.daemon.proc.send_signal(signal.SIGCONT)
     _send(reader, "")
     assert reader.wait(timeout=10) == 0
+
+
+def test_a_healthy_start_and_stop_log_no_engine_noise(pair: tuple[Node, Node]) -> None:
+    """Mooncake's glog lines go through relayd's log; the ones every healthy start
+    prints ("Local segment descriptor not found" at ERROR) are debug, not errors."""
+    a, b = pair
+    for node in (a, b):
+        assert node.daemon.stop() == 0
+        log = node.daemon.log()
+        assert not re.search(r"(?m)^[IWEF]\d{4} ", log), log
+        assert " ERROR " not in log and "Local segment descriptor" not in log, log
+        assert "mooncake engine up" in log
