@@ -15,6 +15,7 @@ import fcntl
 import logging
 import os
 import re
+import time
 
 from relayd_client._shm import SHM_DIR, MappedSegment, segment_nslots
 from relayd_client._slots import SlotAllocator
@@ -22,6 +23,9 @@ from relayd_client._slots import SlotAllocator
 log = logging.getLogger(__name__)
 
 PREFIX = "relayd."
+# Pre-faulting takes seconds per GiB: arenas from this size log each segment as it
+# is ready, so a start that takes 15 s is not a silent one.
+PROGRESS_FROM_BYTES = 256 << 20
 _NAME_RE = re.compile(
     r"^relayd\.(?P<node>[A-Za-z0-9_-]+)\.(?P<epoch>[A-Za-z0-9]+)\.(?P<n>\d+|lock)$"
 )
@@ -109,6 +113,16 @@ class Arena:
         lock_path = os.path.join(SHM_DIR, f"{self.prefix}.lock")
         self._lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
         fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        progress = total_bytes >= PROGRESS_FROM_BYTES
+        count = -(-total_bytes // segment_bytes)
+        if progress:
+            log.info(
+                "pre-faulting the SHM arena: %d MiB in %d segments of up to %d MiB",
+                total_bytes >> 20,
+                count,
+                segment_bytes >> 20,
+            )
+        started = time.monotonic()
         try:
             remaining = total_bytes
             while remaining >= slot_size * 2:
@@ -126,6 +140,15 @@ class Arena:
                 self.segments.append(seg)
                 self.allocators.append(SlotAllocator(seg.nslots))
                 remaining -= size
+                if progress:
+                    log.info(
+                        "arena segment %d/%d ready (%d of %d MiB, %.1f s)",
+                        len(self.segments),
+                        count,
+                        (total_bytes - remaining) >> 20,
+                        total_bytes >> 20,
+                        time.monotonic() - started,
+                    )
             if not self.segments:
                 raise ValueError(f"arena of {total_bytes} bytes holds no slot of {slot_size}")
         except BaseException:

@@ -34,3 +34,21 @@ def test_peer_token_command_makes_a_private_token_relayd_accepts(tmp_path: Path)
     token = etc / "peer-token"
     assert stat.S_IMODE(token.stat().st_mode) == 0o600
     assert len(load_token(str(token))) >= 32
+
+
+def test_example_config_agrees_with_deploy_readme() -> None:
+    """The systemd example leaves the arena to relayd, and deploy/README names every
+    default it does change."""
+    import tomllib
+
+    from relayd import config
+
+    text = (REPO / "deploy" / "systemd" / "relayd.toml").read_text()
+    table = tomllib.loads(text).get("relayd", {})
+    assert "shm_pool_size" not in table
+    deploy_readme = (REPO / "deploy" / "README.md").read_text()
+    assert "keeps the arena sized to the machine" in deploy_readme
+    for key in ("metrics_address", "health_address"):
+        default = config.Settings.__dataclass_fields__[key].default
+        if table.get(key, default) != default:
+            assert f"`{table[key]}`" in deploy_readme, key
