@@ -259,8 +259,11 @@ class Daemon:
         while not self._stop.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), timeout=interval)
-            self.manager.reap()
-            self.keys.reap(self._lease_alive)
+            try:
+                self.manager.reap()
+                self.keys.reap(self._lease_alive)
+            except Exception:  # the sweep owns no session: log it, keep serving every other
+                log.exception("housekeeping sweep failed")
             self.notifier.watchdog()
 
     async def shutdown(self) -> None:

@@ -37,7 +37,7 @@ import enum
 import logging
 import secrets
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Protocol
 
 from relayd_client._errors import (
@@ -45,6 +45,7 @@ from relayd_client._errors import (
     DrainingError,
     InvalidArgumentError,
     PermissionDeniedError,
+    RelayError,
     ResourceExhaustedError,
     SessionClosedError,
 )
@@ -60,8 +61,13 @@ REQUEST_MEMORY = 300.0
 # ... but no more than this many records of requests with no lease left: at
 # thousands of requests a second, 300 s of them would be hundreds of MB.
 MAX_REQUEST_RECORDS = 1 << 16
-# Claims and releases held for leases whose Publish has not arrived yet.
+# Claims and releases held for leases whose Publish has not arrived yet: in
+# all, for one lease, and from one session for one lease (a reader sends a
+# claim and a release; two reads of one DataRef racing in one process, twice
+# that). A session past its share is misbehaving and is closed.
 MAX_EARLY = 1 << 16
+MAX_EARLY_PER_LEASE = 8
+MAX_EARLY_PER_SESSION = 4
 # Abort tombstones of requests nobody wrote yet are the one record a client can
 # create without holding memory; cap them so Abort cannot grow the daemon.
 MAX_TOMBSTONES = 1 << 14
@@ -144,6 +150,20 @@ class Grant:
     # Highest lease id reserved in it: the writer numbers its leases upward and
     # announces them in order, so an unknown id at or below this is gone.
     last_lease: int = 0
+    # One byte per slot of the run, set while a lease record covers it: no two
+    # live leases of a grant may share a slot, or freeing both frees it twice.
+    busy: bytearray = dataclasses.field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.busy = bytearray(self.run.nslots)
+
+    def mark(self, run: Run, value: int) -> None:
+        first = run.slot - self.run.slot
+        self.busy[first : first + run.nslots] = bytes((value,)) * run.nslots
+
+    def is_free(self, slot: int, nslots: int) -> bool:
+        first = slot - self.run.slot
+        return self.busy.find(1, first, first + nslots) < 0
 
 
 @dataclasses.dataclass(eq=False)
@@ -250,6 +270,7 @@ class LeaseManager:
         # Claims/releases that overtook their Publish (two sockets, no global
         # order): kind, session, generation, when, and the stages it served.
         self._early: dict[int, list[tuple[str, str, int, float, tuple[str, ...]]]] = {}
+        self._early_count = 0  # entries in all of _early's lists
         self._freed_out: dict[str, list[int]] = {}  # by writer session
         self._freed_bytes: dict[str, int] = {}  # the arena they give back, by session
         # Freed notices wait this long to be batched (0: sent at the end of each turn).
@@ -423,6 +444,7 @@ class LeaseManager:
                 adopted=True,
             )
             grant.leases[lease.id] = lease
+            grant.mark(lease.run, 1)
             self.leases[lease.id] = lease
             self._published(lease, length, "shm")
             adopted += 1
@@ -593,7 +615,7 @@ class LeaseManager:
             session.granted_slots -= grant.run.nslots
             session.pool_slots[grant.run.pool] -= grant.run.nslots
         self.grants.pop(grant.id, None)
-        self.pools[grant.run.pool].free(grant.run)
+        self._pool_free(grant.run)
 
     def _wake(self) -> None:
         """Serve waiters in arrival order; one blocked on its own quota doesn't block others."""
@@ -663,6 +685,7 @@ class LeaseManager:
             created=self.clock(),
         )
         grant.leases[lease.id] = lease
+        grant.mark(lease.run, 1)
         self.leases[lease.id] = lease
         req = self._touch(lease.request_id, lease.created)
         req.writers.add(lease.from_stage)
@@ -706,12 +729,11 @@ class LeaseManager:
                 grant = self.grants.get(lease_id >> GEN_SHIFT)
                 if grant is None or lease_id <= grant.last_lease:
                     return False  # no such grant, or announced and already freed
-            if lease_id != generation or len(self._early) >= MAX_EARLY:
+            if lease_id != generation:
                 return False
             if lease is not None and self._sealed_length(lease) is None:
                 return False
-            self._early.setdefault(lease_id, []).append(("peer", "", generation, self.clock(), ()))
-            return True
+            return self._park(lease_id, ("peer", "", generation, self.clock(), ()))
         if lease.generation != generation:
             return False
         if lease.state is not LeaseState.PUBLISHED:
@@ -753,24 +775,59 @@ class LeaseManager:
 
     # -- notices (hot path) ---------------------------------------------------------
 
-    def on_reserve(self, session: Session, r: pb.Reserve) -> None:
+    def on_reserve(self, session: Session, r: pb.Reserve, cancelled: Collection[int] = ()) -> None:
+        """Record a lease the writer cut from one of its grants.
+
+        Raises (the caller closes the session) unless the lease lies inside a
+        grant this session holds, overlaps no live lease of it, and carries an
+        id of that grant (``grant id << GEN_SHIFT | n``, ``n`` above every id
+        reserved in it before): ids are then owned by their grant, so no
+        session can take another's, and none is ever recorded twice.
+
+        ``cancelled``: the lease ids the same frame cancels. A writer reuses a
+        cancelled lease's slots at once, and a frame's reserves are handled
+        before its cancels, so a Reserve over a lease this session cancels in
+        the same frame takes that cancel first.
+        """
         grant = session.grants.get(r.grant_id)
-        if grant is None or r.nslots == 0 or r.lease_id in self.leases:
-            self._event(
-                session, pb.ERROR_CODE_INVALID_ARGUMENT, f"bad reserve of lease {r.lease_id}"
+        if grant is None:
+            raise InvalidArgumentError(
+                f"lease {r.lease_id} names grant {r.grant_id}, which this session does not hold"
             )
-            return
         if not (
-            grant.run.slot <= r.slot
+            r.nslots >= 1
+            and grant.run.slot <= r.slot
             and r.slot + r.nslots <= grant.run.slot + grant.run.nslots
-            and r.generation >> GEN_SHIFT == grant.id
         ):
-            self._event(
-                session,
-                pb.ERROR_CODE_INVALID_ARGUMENT,
-                f"lease {r.lease_id} lies outside grant {grant.id}",
+            raise InvalidArgumentError(
+                f"lease {r.lease_id} (slots {r.slot}+{r.nslots}) lies outside grant {grant.id}"
             )
-            return
+        if (
+            r.lease_id != r.generation
+            or r.lease_id >> GEN_SHIFT != grant.id
+            or not r.lease_id & ((1 << GEN_SHIFT) - 1)
+        ):
+            raise InvalidArgumentError(
+                f"lease id {r.lease_id} (generation {r.generation}) is not an id of grant "
+                f"{grant.id}"
+            )
+        if r.lease_id <= grant.last_lease or r.lease_id in self.leases:
+            raise InvalidArgumentError(
+                f"lease id {r.lease_id} was used already in grant {grant.id}; ids go upward"
+            )
+        if not grant.is_free(r.slot, r.nslots) and not self._cancel_first(
+            session, grant, r, cancelled
+        ):
+            raise InvalidArgumentError(
+                f"lease {r.lease_id} (slots {r.slot}+{r.nslots}) would overlap a live lease "
+                f"of grant {grant.id}"
+            )
+        if r.from_stage[:256] not in session.stages:
+            # A writer names itself; claiming another stage's name would let it
+            # pass that stage's abort check.
+            raise PermissionDeniedError(
+                f"lease {r.lease_id} names from_stage {r.from_stage[:64]!r}, not this session's"
+            )
         lease = Lease(
             id=r.lease_id,
             generation=r.generation,
@@ -783,15 +840,7 @@ class LeaseManager:
             writer=session.id,
             created=self.clock(),
         )
-        if lease.from_stage not in session.stages:
-            # A writer names itself; claiming another stage's name would let it
-            # pass that stage's abort check.
-            self._event(
-                session,
-                pb.ERROR_CODE_PERMISSION_DENIED,
-                f"lease {r.lease_id} names from_stage {lease.from_stage[:64]!r}, not this session's",
-            )
-            return
+        grant.mark(lease.run, 1)
         grant.leases[lease.id] = lease
         grant.last_lease = max(grant.last_lease, lease.id)
         self.leases[lease.id] = lease
@@ -803,6 +852,28 @@ class LeaseManager:
         req.writers.add(lease.from_stage)
         req.readers.add(lease.to_stage)
         req.leases.add(lease.id)
+
+    def _cancel_first(
+        self, session: Session, grant: Grant, r: pb.Reserve, cancelled: Collection[int]
+    ) -> bool:
+        """Forget the leases ``r`` overlaps if the same frame cancels every one of them."""
+        if not cancelled:
+            return False
+        end = r.slot + r.nslots
+        clash = [
+            lease for lease in grant.leases.values()
+            if lease.run.slot < end and r.slot < lease.run.slot + lease.run.nslots
+        ]  # fmt: skip
+        if not all(
+            lease.id in cancelled
+            and lease.writer == session.id
+            and lease.state is LeaseState.RESERVED
+            for lease in clash
+        ):
+            return False
+        for lease in clash:
+            self._forget(lease)
+        return True
 
     def on_publish(self, session: Session, p: pb.Publish) -> None:
         lease = self.leases.get(p.lease_id)
@@ -823,15 +894,17 @@ class LeaseManager:
         if req is not None and req.aborted:
             self._free_lease(lease, ReclaimReason.ABORT)
             return
-        for kind, sid, gen, _t, stages in self._early.pop(lease.id, ()):
+        early = self._early.pop(lease.id, [])
+        self._early_count -= len(early)
+        for kind, sid, gen, _t, stages in early:
             if self.leases.get(lease.id) is not lease:
                 return  # an earlier notice freed it
             if kind == "peer":
                 if gen == lease.generation:
                     self._free_lease(lease, None)
                 continue
-            early = self.sessions.get(sid)
-            if early is None:
+            reader = self.sessions.get(sid)
+            if reader is None:
                 # The reader read and went before the Publish landed (the
                 # writer's notices linger): what it said still holds. A claim
                 # it can no longer release ends as its death would have.
@@ -840,10 +913,15 @@ class LeaseManager:
                         lease, None if kind == "release" else ReclaimReason.READER_DIED
                     )
                 continue
-            if kind == "claim":
-                self.on_claim(early, pb.Claim(lease_id=lease.id, generation=gen))
-            else:
-                self.on_release(early, pb.Release(lease_id=lease.id, generation=gen))
+            # What the reader said is judged now, against the reader alone:
+            # nothing it sent may fail the writer's frame being handled.
+            try:
+                if kind == "claim":
+                    self.on_claim(reader, pb.Claim(lease_id=lease.id, generation=gen))
+                else:
+                    self.on_release(reader, pb.Release(lease_id=lease.id, generation=gen))
+            except RelayError as err:
+                self._event(reader, pb.ERROR_CODE_INVALID_ARGUMENT, str(err))
 
     def _sealed_length(self, lease: Lease) -> int | None:
         """The length the writer sealed ``lease`` with, per its slot header; None if unsealed.
@@ -869,10 +947,17 @@ class LeaseManager:
     ) -> Lease | None:
         lease = self.leases.get(lease_id)
         if lease is None or lease.state is LeaseState.RESERVED:
-            if len(self._early) < MAX_EARLY:
-                self._early.setdefault(lease_id, []).append(
-                    (kind, session.id, generation, self.clock(), tuple(session.stages))
+            if lease is None and (
+                generation != lease_id or lease_id >> GEN_SHIFT not in self.grants
+            ):
+                return None  # not an id of a live grant: nothing will come to settle it
+            held = self._early.get(lease_id, ())
+            if sum(1 for entry in held if entry[1] == session.id) >= MAX_EARLY_PER_SESSION:
+                raise InvalidArgumentError(
+                    f"more than {MAX_EARLY_PER_SESSION} claims/releases of lease {lease_id} "
+                    "before it was published"
                 )
+            self._park(lease_id, (kind, session.id, generation, self.clock(), session.stages))
             return None
         if lease.generation != generation:
             return None  # stale: the reader already saw that in the slot header
@@ -926,6 +1011,7 @@ class LeaseManager:
         pool = self.pools[lease.run.pool]
         pool.clear_header(lease.run.segment, lease.run.slot)
         grant = lease.grant
+        grant.mark(lease.run, 0)
         if grant.orphan:
             self._orphan_run_back(lease.run, grant)
             if not grant.leases:
@@ -950,7 +1036,7 @@ class LeaseManager:
         if run.pool != "shm" and self._may_run(grant.writer_pid):
             self._fenced.append((run, grant.writer_pid, self.clock()))
             return
-        self.pools[run.pool].free(run)
+        self._pool_free(run)
 
     def _may_run(self, pid: int) -> bool:
         return self.gpu_work_may_run is not None and self.gpu_work_may_run(pid)
@@ -966,11 +1052,31 @@ class LeaseManager:
                 log.error(
                     "GPU writer %d still exiting after %.0f s; its slots go back", pid, now - since
                 )
-            self.pools[run.pool].free(run)
+            self._pool_free(run)
             released = True
         self._fenced = keep
         if released:
             self._wake()
+
+    def _park(self, lease_id: int, entry: tuple[str, str, int, float, tuple[str, ...]]) -> bool:
+        """Hold a claim/release until ``lease_id`` is published; False when full."""
+        held = self._early.setdefault(lease_id, [])
+        if len(held) >= MAX_EARLY_PER_LEASE or self._early_count >= MAX_EARLY:
+            if not held:
+                del self._early[lease_id]
+            return False
+        held.append(entry)
+        self._early_count += 1
+        return True
+
+    def _pool_free(self, run: Run) -> None:
+        """Give ``run`` back to its pool. A double free is a bug in this module:
+        the allocator refuses it before changing anything, and it is logged,
+        never raised into whichever handler or sweep was freeing."""
+        try:
+            self.pools[run.pool].free(run)
+        except ValueError as exc:
+            log.error("refused to free %s: %s", run, exc)
 
     def _free_lease(self, lease: Lease, reason: ReclaimReason | None) -> None:
         self._forget(lease)
@@ -1088,14 +1194,17 @@ class LeaseManager:
             if lease.state is LeaseState.PUBLISHED and now - lease.published_at > self.lease_ttl
         ]  # fmt: skip
         for lease in expired:
-            self._free_lease(lease, ReclaimReason.TTL)
+            try:
+                self._free_lease(lease, ReclaimReason.TTL)
+            except Exception:  # one bad record must not stop the sweep
+                log.exception("could not expire lease %d", lease.id)
         if self._fenced:
             self._release_fenced(now)
         for s in [s for s in self.sessions.values() if s.state is SessionState.PENDING]:
             if now - s.created > BIND_DEADLINE:
                 self.close_session(s.id)
         for lid in [k for k, v in self._early.items() if now - v[0][3] > BIND_DEADLINE]:
-            del self._early[lid]
+            self._early_count -= len(self._early.pop(lid))
         excess = len(self.requests) - MAX_REQUEST_RECORDS
         old: list[str] = []
         for rid, req in self.requests.items():  # oldest first

@@ -171,12 +171,22 @@ class SessionProtocol(asyncio.Protocol):
                 self._handle(frame)
                 if self.transport is None:
                     return
-        except Exception as exc:  # a malformed frame ends only this session
+        except RelayError as err:  # a notice that would corrupt the lease table
+            self._refuse("violation", str(err), int(err.code))
+            return
+        except Exception as exc:  # a malformed frame (or a bug) ends only this session
+            log.exception("session frame failed", extra={"pid": self.creds[0]})
             self._refuse("protocol", f"bad frame: {type(exc).__name__}: {exc}")
             return
         finally:
             del buf[:pos]
-        self.manager.flush()
+        self._flush()
+
+    def _flush(self) -> None:
+        try:
+            self.manager.flush()
+        except Exception:  # Freed notices are owed to others: log, never end the loop
+            log.exception("sending Freed notices failed")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
@@ -194,8 +204,11 @@ class SessionProtocol(asyncio.Protocol):
         self._keyed.clear()
         if self.session is not None:
             log.info("session closed", extra={"session_id": self.session.id, "pid": self.creds[0]})
-            self.manager.close_session(self.session.id)
-            self.manager.flush()
+            try:
+                self.manager.close_session(self.session.id)
+            except Exception:  # reclaiming one session must not take the daemon down
+                log.exception("reclaiming session failed", extra={"session_id": self.session.id})
+            self._flush()
             self.on_closed(self.session.id)
             self.session = None
 
@@ -205,19 +218,15 @@ class SessionProtocol(asyncio.Protocol):
         if self.transport is not None and not self.transport.is_closing():
             self.transport.write(encode_frame(frame))
 
-    def _refuse(self, reason: str, message: str) -> None:
+    def _refuse(self, reason: str, message: str, code: int | None = None) -> None:
         log.warning("session connection refused: %s", message, extra={"pid": self.creds[0]})
         self.on_refused(reason)
+        if code is None:
+            code = _REFUSAL_CODES.get(reason, pb.ERROR_CODE_INVALID_ARGUMENT)
         if self.transport is not None:
             self.send(
                 pb.SessionFrame(
-                    event=[
-                        pb.Event(
-                            kind="error",
-                            code=_REFUSAL_CODES.get(reason, pb.ERROR_CODE_INVALID_ARGUMENT),
-                            message=message,
-                        )
-                    ]
+                    event=[pb.Event(kind="error", code=cast(pb.ErrorCode, code), message=message)]
                 )
             )
             self.transport.close()
@@ -255,8 +264,9 @@ class SessionProtocol(asyncio.Protocol):
                     event=[pb.Event(kind="bound", message=path, registry_version=version)]
                 )
             )
+        cancelled = {x.lease_id for x in f.cancel}
         for r in f.reserve:
-            m.on_reserve(session, r)
+            m.on_reserve(session, r, cancelled)
         for p in f.publish:
             m.on_publish(session, p)
             if p.ref:

@@ -84,26 +84,34 @@ def test_garbage_and_forged_frames_close_only_that_connection(daemon: Daemon) ->
 
 
 def test_reserve_outside_grant_and_spoofed_writer_are_refused(daemon: Daemon) -> None:
-    sess = RawSession(daemon.socket, "intruder")
-    g = sess.grant(MiB)
-    gen = g.generation_base + 1
-    bad = [
-        pb.Reserve(lease_id=gen, grant_id=g.grant_id, slot=g.slot + g.nslots, nslots=1,
-                   generation=gen, request_id="r", to_stage="talker", from_stage="intruder"),
-        pb.Reserve(lease_id=gen, grant_id=g.grant_id + 999, slot=g.slot, nslots=1,
-                   generation=gen, request_id="r", to_stage="talker", from_stage="intruder"),
-        pb.Reserve(lease_id=gen, grant_id=g.grant_id, slot=g.slot, nslots=1,
-                   generation=gen, request_id="r", to_stage="talker", from_stage="thinker"),
-    ]  # fmt: skip
-    for r in bad:
-        sess.send(pb.SessionFrame(reserve=[r]))
-        frames, was_closed = read_frames(sess.sock, 1)
-        assert not was_closed
+    def outside(g: pb.GrantResponse, gen: int) -> pb.Reserve:
+        return pb.Reserve(lease_id=gen, grant_id=g.grant_id, slot=g.slot + g.nslots, nslots=1,
+                          generation=gen, request_id="r", to_stage="talker",
+                          from_stage="intruder")  # fmt: skip
+
+    def not_held(g: pb.GrantResponse, gen: int) -> pb.Reserve:
+        return pb.Reserve(lease_id=gen, grant_id=g.grant_id + 999, slot=g.slot, nslots=1,
+                          generation=gen, request_id="r", to_stage="talker",
+                          from_stage="intruder")  # fmt: skip
+
+    def spoofed(g: pb.GrantResponse, gen: int) -> pb.Reserve:
+        return pb.Reserve(lease_id=gen, grant_id=g.grant_id, slot=g.slot, nslots=1,
+                          generation=gen, request_id="r", to_stage="talker",
+                          from_stage="thinker")  # fmt: skip
+
+    for make in (outside, not_held, spoofed):
+        # Each closes the session that sent it, with an error saying why.
+        sess = RawSession(daemon.socket, "intruder")
+        g = sess.grant(MiB)
+        sess.send(pb.SessionFrame(reserve=[make(g, g.generation_base + 1)]))
+        frames, was_closed = read_frames(sess.sock, 5)
+        assert was_closed, make.__name__
         evs = events(frames)
-        assert evs and evs[0].kind == "error", r
+        assert evs and evs[0].kind == "error", make.__name__
         count("forged session notices")
+        sess.close()
     assert daemon.status()["leases_by_state"].get("reserved", "0") == "0"
-    sess.close()
+    assert daemon.status()["state"] == "serving"
 
 
 def test_a_session_cannot_release_claim_or_abort_another_stages_lease(daemon: Daemon) -> None:

@@ -7,7 +7,7 @@ import os
 from collections.abc import Iterator
 
 import pytest
-from relayd_client import PermissionDeniedError, ResourceExhaustedError
+from relayd_client import InvalidArgumentError, PermissionDeniedError, ResourceExhaustedError
 from relayd_client._proto import relay_pb2 as pb
 
 from relayd.pools.arena import Arena
@@ -61,7 +61,8 @@ def _reserve(
 
 
 def _publish(m, s, grant, slot: int, n: int, rid: str = "r", to: str = "talker") -> int:  # type: ignore[no-untyped-def]
-    lease_id = m.new_generation_base(grant) + slot + 1
+    # Ids go upward within a grant and are never reused (the daemon refuses that).
+    lease_id = max(m.new_generation_base(grant), grant.last_lease) + 1
     _reserve(m, s, grant, slot, n, lease_id, rid, to)
     m.on_publish(s, pb.Publish(lease_id=lease_id, nbytes=n * SLOT, transport=pb.TRANSPORT_SHM))
     return lease_id
@@ -404,3 +405,26 @@ def test_request_records_are_reaped_oldest_first_and_capped(
     m.reap()
     assert reclaimed == ["ttl"]
     assert list(m.requests) == ["done5", "done6", "done7", "done4"]
+
+
+def test_a_reserve_over_a_lease_cancelled_in_the_same_frame_is_accepted(arena: Arena) -> None:
+    # A writer reuses a cancelled lease's slots at once; the daemon handles a
+    # frame's reserves before its cancels.
+    clock, reclaimed, wf = Clock(), [], []  # type: ignore[var-annotated]
+    m = _manager(arena, clock, reclaimed)
+    w = _session(m, "thinker", wf)
+    grant = asyncio.run(m.grant(w, SLOT, 1.0))
+    a, b = m.new_generation_base(grant) + 1, m.new_generation_base(grant) + 2
+    reserve = {lid: pb.Reserve(lease_id=lid, grant_id=grant.id, slot=grant.run.slot, nslots=2,
+                               generation=lid, request_id="r", to_stage="talker",
+                               from_stage="thinker") for lid in (a, b)}  # fmt: skip
+    m.on_reserve(w, reserve[a], {a})
+    m.on_reserve(w, reserve[b], {a})
+    m.on_cancel(w, pb.Cancel(lease_id=a))
+    assert list(m.leases) == [b]
+    # Without the cancel it is an overlap, and refused.
+    c = b + 1
+    with pytest.raises(InvalidArgumentError, match="overlap"):
+        m.on_reserve(w, pb.Reserve(lease_id=c, grant_id=grant.id, slot=grant.run.slot + 1,
+                                   nslots=1, generation=c, request_id="r", to_stage="talker",
+                                   from_stage="thinker"), {a})  # fmt: skip
