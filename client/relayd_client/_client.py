@@ -250,6 +250,7 @@ class RelayClient:
         self._released: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._valid_layouts: dict[tuple[tuple[bytes, ...], int], list[_packing.TensorSpec]] = {}
         self._headers: dict[bytes, Any] = {}  # see _decode_header
+        self._header_bounds: dict[bytes, tuple[int, int]] = {}  # see _slot_bounds
         self._shapes: dict[_ShapeKey, _Shape] = {}  # see _shape()
         self._shapes_for: pb.AttachResponse | None = None
         # Object ids: unique per client without a uuid4 per put.
@@ -1121,9 +1122,54 @@ class RelayClient:
         transport = ref.transport
         if transport is Transport.LOCAL_OBJECT:
             return self._take_local(m)
+        # The whole DataRef, forwarded refs included, is checked before anything
+        # is claimed, released, fetched or copied: a forged one consumes nothing.
+        tree = self._checked_ref(m)
         if m.refs:
-            return await self._get_forwarded(m, copy)
+            return await self._get_forwarded(m, tree, copy)
+        return await self._read(ref, tree, copy)
+
+    def _checked_ref(self, m: pb.DataRef) -> Any:
+        """``m``'s decoded header, once it names only tensors and refs ``m`` carries,
+        and the forwarded refs addressed to this client are sound too.
+
+        The layout is checked against the lease where the lease is read
+        (:meth:`_lease_region`, :meth:`_get_socket`, :meth:`_get_gpu`), before
+        any claim; a foreign lease is pulled first, so its layout is checked here.
+        """
         tree = self._decode_header(m)
+        need_tensors, need_refs = self._slot_bounds(m, tree)
+        if need_tensors > len(m.tensors) or need_refs > len(m.refs):
+            raise CorruptRefError(
+                f"payload header refers to {need_tensors} tensors and {need_refs} forwarded "
+                f"refs, but the DataRef has {len(m.tensors)} and {len(m.refs)}"
+            )
+        if m.transport == pb.TRANSPORT_SHM and _remote.is_foreign(
+            DataRef(m), self._require_open().node_id
+        ):
+            self._checked_specs(m, m.lease.length)
+        for r in m.refs:
+            if r.to_stage in self.stages and r.kind == KIND_DATA:
+                self._checked_ref(r)
+        return tree
+
+    def _slot_bounds(self, m: pb.DataRef, tree: Any) -> tuple[int, int]:
+        """:func:`_codec.slot_bounds` of ``tree``, remembered per safe header."""
+        if m.header_codec == pb.HEADER_CODEC_PICKLE:
+            return _codec.slot_bounds(tree)
+        bounds = self._header_bounds.get(m.header)
+        if bounds is None:
+            bounds = _codec.slot_bounds(tree)
+            if len(m.header) <= _SHAPE_HEADER_BYTES:
+                if len(self._header_bounds) >= _HEADER_MEMORY:
+                    self._header_bounds.clear()
+                self._header_bounds[m.header] = bounds
+        return bounds
+
+    async def _read(self, ref: DataRef, tree: Any, copy: bool) -> Any:
+        """The payload of a DataRef without forwarded refs, checked by :meth:`_checked_ref`."""
+        m = ref.proto
+        transport = ref.transport
         if transport is Transport.INLINE:
             specs, tensors = self._read_inline(m)
             if _cuda.restores_on_gpu(specs):  # small CUDA leaves travel inline too
@@ -1402,12 +1448,12 @@ class RelayClient:
                 "from another process)"
             ) from None
 
-    async def _get_forwarded(self, m: pb.DataRef, copy: bool) -> Any:
+    async def _get_forwarded(self, m: pb.DataRef, tree: Any, copy: bool) -> Any:
         """A payload with forwarded refs: ours are materialized, the rest pass through."""
         plain = pb.DataRef()
         plain.CopyFrom(m)
         del plain.refs[:]
-        obj = await self._get(DataRef(plain), copy)
+        obj = await self._read(DataRef(plain), tree, copy)
         values: list[object] = []
         for r in m.refs:
             if r.to_stage in self.stages:

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import pickle
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from relayd_client._errors import CorruptRefError, UnsafePayloadError
@@ -158,6 +158,36 @@ def _holds_slot(tree: object) -> bool:
     if t in LEAVES:
         return False
     raise _Shared  # anything else might be changed by whoever gets it
+
+
+def slot_bounds(tree: object) -> tuple[int, int]:
+    """How many layout entries and forwarded refs ``tree`` needs: one past the
+    highest :class:`TensorSlot` and :class:`RefSlot` index in it.
+
+    The same walk as :func:`fill`, without building anything: a reader checks
+    these against the DataRef before it claims a lease, so a forged header
+    consumes nothing. A negative index raises :class:`CorruptRefError`.
+    """
+    t = type(tree)
+    if t in LEAVES:
+        return 0, 0
+    if t is TensorSlot or t is RefSlot:
+        index: int = tree.index  # type: ignore[attr-defined]
+        if index < 0:
+            raise CorruptRefError(f"payload header refers to slot {index}")
+        return (index + 1, 0) if t is TensorSlot else (0, index + 1)
+    if t is dict:
+        values: Iterable[object] = tree.values()  # type: ignore[attr-defined]
+    elif t is list or t is tuple:
+        values = tree  # type: ignore[assignment]
+    else:
+        return 0, 0
+    tensors = refs = 0
+    for value in values:
+        if type(value) not in LEAVES:
+            nt, nr = slot_bounds(value)
+            tensors, refs = max(tensors, nt), max(refs, nr)
+    return tensors, refs
 
 
 # First byte of every safe header: "binary header, format 1". It is not a

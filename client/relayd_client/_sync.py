@@ -395,7 +395,7 @@ class SyncRelayClient:
                 or (transport is Transport.SHM and _remote.is_foreign(ref, c.node_id))
             ):
                 return self._run(c._get(ref, copy))
-            tree = c._decode_header(m)
+            tree = c._checked_ref(m)  # before any claim: a forged ref consumes nothing
             if transport is Transport.INLINE:
                 specs, tensors = c._read_inline(m)
                 if _cuda.restores_on_gpu(specs):

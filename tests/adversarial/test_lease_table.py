@@ -67,7 +67,7 @@ def _round_trip(d: Daemon, *, freed: bool = False) -> None:
             assert digest(await r.get(ref)) == digest(payload)
             if freed:
                 r._session.flush()  # the release, not lingering
-                await apoll(lambda: not w._leases, 10, "the writer told its lease is free")
+                await apoll(lambda: not w._table.leases, 10, "the writer told its lease is free")
 
     asyncio.run(asyncio.wait_for(scenario(), 60))
 
