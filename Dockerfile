@@ -2,7 +2,14 @@
 #
 # relayd daemon image.
 #
-#   docker build -t relayd:0.1.0 .
+#   docker build -t relayd:0.1.0 .          (BuildKit: the install bind-mounts the
+#                                            checkout; podman/buildah: --format docker
+#                                            keeps the HEALTHCHECK)
+#
+# Run it on the host's IPC namespace, which stages need to map the arena, with
+# the socket directory shared (deploy/README.md, "Docker"):
+#
+#   docker run -d --name relayd --ipc=host -v /run/relayd:/run/relayd relayd:0.1.0
 #
 # torch: a base image that already has torch keeps it (pass one as BASE_IMAGE).
 # On the default base, pip takes torch from the index: PyPI's default Linux
@@ -54,12 +61,14 @@ RUN groupadd --system --gid 10001 relayd \
     && install -d -o relayd -g relayd -m 0750 /run/relayd
 
 WORKDIR /src
-COPY . .
+# The checkout is bind-mounted for the install only, read-write so that the build
+# can write its scratch files (discarded with the mount): no copy of the source
+# stays in any layer of the image, only the empty mount point.
 # Same command as README.md's install section (tests/deploy checks they match).
 # DL3013 (pip versions): these are the local packages, whose dependencies are
 # bounded in pyproject.toml; PIP_CONSTRAINT pins further where wanted.
 # hadolint ignore=DL3013
-RUN pip install --no-cache-dir ./client '.[mooncake]'
+RUN --mount=type=bind,source=.,target=/src,rw pip install --no-cache-dir ./client '.[mooncake]'
 
 WORKDIR /
 USER 10001:10001
@@ -68,7 +77,9 @@ USER 10001:10001
 EXPOSE 9090 9091 9092
 
 # Exits 0 when the daemon's gRPC health says SERVING. Kubernetes ignores this and
-# uses the probes in deploy/k8s/daemonset.yaml.
+# uses the probes in deploy/k8s/daemonset.yaml. The OCI image format has no
+# HEALTHCHECK: podman and buildah (OCI by default) drop it with a warning unless
+# the image is built with --format docker; docker build keeps it.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=120s --retries=3 \
     CMD ["relayd", "health"]
 

@@ -114,6 +114,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except preflight.PreflightError as exc:
         print(f"relayd: {exc}", file=sys.stderr)
         return EXIT_CONFIG
+    advice = preflight.small_shm_advice(settings)
+    if advice:
+        logging.getLogger("relayd").warning("%s", advice)
     import os
 
     daemon = Daemon(settings, notifier=SystemdNotifier.from_environ(os.environ))

@@ -91,8 +91,15 @@ def default_socket_path() -> str:
     return str(default_runtime_dir() / "relayd.sock")
 
 
+#: The default arena's floor, and the smaller one where /dev/shm cannot hold it
+#: (a container's default 64 MB /dev/shm): there relayd starts on what fits and
+#: says so, rather than fail preflight.
+ARENA_FLOOR = 64 << 20
+SMALL_SHM_ARENA_FLOOR = 16 << 20
+
+
 def default_shm_pool_size() -> int:
-    """1/16 of RAM and half of /dev/shm's free space, between 64 MiB and 4 GiB."""
+    """1/16 of RAM and half of /dev/shm's free space, between 64 MiB (16 MiB in a small /dev/shm) and 4 GiB."""
     try:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
@@ -103,7 +110,8 @@ def default_shm_pool_size() -> int:
     except OSError:
         shm_free = ram
     size = min(ram // 16, shm_free // 2, 4 << 30)
-    return max(64 << 20, size - size % (1 << 20))
+    floor = ARENA_FLOOR if shm_free // 2 >= ARENA_FLOOR else SMALL_SHM_ARENA_FLOOR
+    return max(floor, size - size % (1 << 20))
 
 
 def default_node_id() -> str:

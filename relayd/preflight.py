@@ -31,7 +31,7 @@ import sys
 from collections.abc import Callable, Sequence
 from types import ModuleType
 
-from relayd.config import Settings
+from relayd.config import ARENA_FLOOR, Settings
 from relayd.inspect import format_bytes
 
 logger = logging.getLogger(__name__)
@@ -136,6 +136,27 @@ def check_shm_space(
         f"{format_bytes(SHM_MARGIN)} margin). Containers get a 64 MB {shm_dir} by default: "
         "run with docker --shm-size (e.g. --shm-size=2g), use hostIPC: true on Kubernetes, "
         "or lower --shm-pool-size"
+    )
+
+
+def small_shm_advice(
+    settings: Settings, *, shm_dir: str = SHM_DIR, free_bytes: int | None = None
+) -> str | None:
+    """A warning for a /dev/shm too small for the default arena floor (a container's
+    64 MB default), which relayd starts on anyway; None when there is room."""
+    if free_bytes is None:
+        try:
+            free_bytes = shm_free_bytes(shm_dir)
+        except OSError:
+            return None
+    if free_bytes >= 2 * ARENA_FLOOR + SHM_MARGIN:
+        return None
+    return (
+        f"{shm_dir} has only {format_bytes(free_bytes)} free (a container's default is "
+        f"64 MB), so the SHM arena is {format_bytes(settings.shm_pool_size)}: puts larger "
+        "than that fail and big streams wait for space. Give the container "
+        "the host's IPC namespace (docker run --ipc=host, which stages need anyway to "
+        "map the arena) or a larger /dev/shm (--shm-size=2g)"
     )
 
 

@@ -511,9 +511,19 @@ def _instructions() -> list[tuple[str, str]]:
 
 
 def _pip_install_line() -> str:
+    """The pip install RUN's command, without its ``--mount=`` flags."""
     runs = [args for word, args in _instructions() if word == "RUN" and "pip install" in args]
     assert len(runs) == 1, runs
-    return runs[0]
+    return re.sub(r"^(--mount=\S+\s+)+", "", runs[0])
+
+
+def test_dockerfile_leaves_no_source_in_the_image() -> None:
+    """The checkout is bind-mounted for the install, never copied into a layer."""
+    instructions = _instructions()
+    copies = [a for w, a in instructions if w in ("COPY", "ADD")]
+    assert copies == [], copies
+    (run,) = [a for w, a in instructions if w == "RUN" and "pip install" in a]
+    assert run.startswith("--mount=type=bind,source=.,target=/src,rw "), run
 
 
 def test_hadolint_passes() -> None:
