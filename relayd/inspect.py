@@ -361,24 +361,41 @@ def _transport(value: Any) -> str:
 
 
 def _peers(d: Mapping[str, Any]) -> list[str]:
+    """Each peer as README lists it: link, epoch, Mooncake session, credits in use, the
+    high-water mark of concurrent pulls (MAX), and its last error below the table."""
     if "peers" not in d:
         return []
     peers = _items(d, "peers")
     if not peers:
         return ["PEERS  none"]
-    cols = [_Col("PEER", shrink_to=12), _Col("LINK"), _Col("CREDITS"), _Col("IN USE", right=True)]
+    cols = [
+        _Col("PEER", shrink_to=12),
+        _Col("LINK"),
+        _Col("EPOCH", shrink_to=6, optional=True),
+        _Col("MOONCAKE", shrink_to=10, optional=True),
+        _Col("CREDITS"),
+        _Col("IN USE", right=True),
+        _Col("MAX", right=True),
+    ]
     rows = []
+    errors = []
     for p in peers:
+        name = str(p.get("peer") or p.get("node_id") or p.get("address") or "?")
         in_use, capacity = _int(p.get("credits_in_use")), _int(p.get("credits_capacity"))
         rows.append(
             [
-                str(p.get("peer") or p.get("node_id") or p.get("address") or "?"),
+                name,
                 "up" if p.get("up") else "down",
+                str(p.get("daemon_epoch") or "-"),
+                str(p.get("mooncake_session") or "-"),
                 format_bar(in_use, capacity),
                 f"{in_use}/{capacity}",
+                str(_int(p.get("pulls_in_flight_max"))),
             ]
         )
-    return [f"PEERS  {len(peers)}", *_table(cols, rows)]
+        if p.get("last_error"):
+            errors.append(_fit(printable(f"  {name}: {p['last_error']}"), WIDTH))
+    return [f"PEERS  {len(peers)}", *_table(cols, rows), *errors]
 
 
 def _totals(d: Mapping[str, Any]) -> list[str]:

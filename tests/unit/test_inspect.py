@@ -33,12 +33,21 @@ GPU = "cuda:GPU-8a1b2c3d-4e5f-6071-8293-a4b5c6d7e8f9"
 MiB = 1 << 20
 
 PEERS = [
-    {"peer": "10.0.0.2:7600", "up": True, "credits_in_use": 12, "credits_capacity": 32},
+    {
+        "peer": "10.0.0.2:7600",
+        "up": True,
+        "daemon_epoch": "5c7dd4189c",
+        "mooncake_session": "10.0.0.2:15459",
+        "credits_in_use": 12,
+        "credits_capacity": 32,
+        "pulls_in_flight_max": 17,
+    },
     {
         "peer": "relayd-1.relayd.serving.svc.cluster.local:7600",
         "up": False,
         "credits_in_use": 0,
         "credits_capacity": "32",
+        "last_error": "relayd daemon unavailable: failed to connect to all addresses",
     },
 ]
 
