@@ -233,8 +233,13 @@ def cmd_drain(args: argparse.Namespace) -> int:
             )
     except Exception as exc:
         return _fail_unreachable(path, exc)
-    grace = resp.grace_seconds
-    print(f"relayd on {path}: draining; leases in flight get up to {grace:g}s to be read")
+    from .rpc.service import MAX_DRAIN_GRACE
+
+    # A daemon older than DrainResponse.grace_seconds leaves it 0: wait up to the
+    # longest grace it could apply.
+    grace = resp.grace_seconds or args.grace or MAX_DRAIN_GRACE
+    shown = f"up to {grace:g}s" if resp.grace_seconds or args.grace else "its drain grace"
+    print(f"relayd on {path}: draining; leases in flight get {shown} to be read")
     if not args.wait:
         return 0
     deadline = time.monotonic() + grace + DRAIN_WAIT_MARGIN
