@@ -266,6 +266,12 @@ class Settings:
         metavar="N",
         help="unread keyed puts one consumer stage may have waiting on this node",
     )
+    max_edge_labels: int = _field(
+        64,
+        parse=int,
+        metavar="N",
+        help="edges (from_stage, to_stage) metrics label by name; the rest read 'other'",
+    )
     loop: str = _field("auto", metavar="auto|asyncio|uvloop", help="event loop implementation")
     log_format: str = _field("text", metavar="text|json|logfmt", help="log line format")
     log_level: str = _field("info", metavar="LEVEL", help="debug, info, warning or error")
@@ -305,6 +311,8 @@ class Settings:
             raise ConfigError(
                 "max_sessions, max_session_grants, max_grant_waits and max_stage_keys must be >= 1"
             )
+        if self.max_edge_labels < 0:
+            raise ConfigError("max_edge_labels must be >= 0")
         if self.lease_ttl <= 0 or self.reserve_timeout <= 0 or self.peer_credits <= 0:
             raise ConfigError("lease_ttl, reserve_timeout and peer_credits must be positive")
 

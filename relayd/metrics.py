@@ -18,6 +18,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from .edges import EdgeCollector, EdgeStats
+
 _WAIT_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0)
 
 
@@ -116,6 +118,10 @@ class Metrics:
 
     def attach_state(self, snapshot: Callable[[], dict[str, Any]]) -> None:
         self.registry.register(StateCollector(snapshot))
+
+    def attach_edges(self, stats: EdgeStats) -> None:
+        """Per-edge counters and put/get histograms, read from ``stats`` at scrape time."""
+        self.registry.register(EdgeCollector(stats))
 
     def serve(self, address: str) -> int:
         """Start the HTTP endpoint (its own thread, off the event loop); returns the port."""

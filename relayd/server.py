@@ -23,12 +23,14 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import Counter
 from relayd_client._errors import PeerUnavailableError, SessionClosedError
+from relayd_client._latency import BOUNDS as LATENCY_BOUNDS
 from relayd_client._proto import relay_pb2 as pb
 from relayd_client._proto import relay_pb2_grpc as pb_grpc
 
 from . import __version__, rundir
 from ._systemd import SystemdNotifier
 from .config import Settings
+from .edges import EdgeStats
 from .keys import KeyIndex, LeaseKey
 from .metrics import Metrics
 from .peers import PeerConfigError, PeerManager
@@ -42,6 +44,7 @@ from .pools.leases import (
     ReclaimReason,
     Session,
     SessionState,
+    transport_name,
 )
 from .rpc.keyed import KeyedCalls
 from .rpc.limits import UidLimits
@@ -111,6 +114,7 @@ class Daemon:
         self.notifier = notifier or SystemdNotifier(None, None)
         self.metrics = Metrics()
         self._transfer_children: dict[str, tuple[Counter, Counter]] = {}
+        self.edges = EdgeStats(settings.max_edge_labels)
         self.arena: Arena
         self.manager: LeaseManager
         self.topology: Topology
@@ -178,10 +182,15 @@ class Daemon:
         for reason in ReclaimReason:
             m.reclaimed.labels(reason.value)
         self.topology = Topology(
-            s.node_id, self.arena, self.manager, on_socket_session=m.socket_fallback.inc
+            s.node_id,
+            self.arena,
+            self.manager,
+            on_socket_session=m.socket_fallback.inc,
+            on_stages=self.edges.attached,
         )
         self.keys = KeyIndex(max_stage_keys=s.max_stage_keys, ttl=s.lease_ttl)
         m.attach_state(self._snapshot_threadsafe)
+        m.attach_edges(self.edges)
         await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.health.set("relayd.v1.Relay", health_pb2.HealthCheckResponse.NOT_SERVING)
 
@@ -204,7 +213,8 @@ class Daemon:
                         self.manager,
                         admission,
                         on_refused=lambda r: m.refused.labels(r).inc(),
-                        on_report=self._count_transfer,
+                        on_report=self._on_report,
+                        on_latency=self._on_latency,
                         on_bound=self.topology.bound,
                         on_closed=self.topology.closed,
                         on_ref=self.count_ref,
@@ -429,7 +439,11 @@ class Daemon:
         node, lease_id = lease
         return node != self.settings.node_id or lease_id in self.manager.leases
 
-    def _count_transfer(self, transport: str, count: int, nbytes: int) -> None:
+    def _count_transfer(
+        self, transport: str, count: int, nbytes: int, from_stage: str, to_stage: str
+    ) -> None:
+        """One place counts every transfer, node-wide and per edge, exactly once."""
+        self.edges.count(from_stage, to_stage, transport, count, nbytes)
         # Once per transfer: labels() costs more than the rest of a publish.
         children = self._transfer_children.get(transport)
         if children is None:
@@ -442,7 +456,15 @@ class Daemon:
         if transport == "inline":
             self.metrics.inline_tensor_bytes.inc(nbytes)
 
-    count_transfer = _count_transfer
+    def _on_report(self, session: Session, rep: pb.TransferReport) -> None:
+        """A client's batch of transfers the daemon never saw (inline, local_object, ...)."""
+        if self.edges.check_report(session.stages, rep):
+            self._count_transfer(
+                transport_name(rep.transport), rep.count, rep.bytes, rep.from_stage, rep.to_stage
+            )
+
+    def _on_latency(self, session: Session, rep: pb.EdgeLatencyReport) -> None:
+        self.edges.add_latency(session.stages, rep)
 
     def count_ref(self, nbytes: int) -> None:
         """A forwarded tensor reference was published (RelayClient.ref)."""
@@ -545,6 +567,8 @@ class Daemon:
             if sample.name.endswith("_total") and sample.value:
                 resp.reclaimed_by_reason[sample.labels["reason"]] = int(sample.value)
         self.topology.fill_status(resp)
+        resp.edge_traffic.extend(self.edges.status())
+        resp.latency_bucket_bounds.extend(LATENCY_BOUNDS)
         return resp
 
 

@@ -62,11 +62,14 @@ class Topology:
         manager: LeaseManager,
         *,
         on_socket_session: Callable[[], None] = lambda: None,
+        on_stages: Callable[[Iterable[str]], None] = lambda stages: None,
     ) -> None:
         self.node_id = node_id
         self.manager = manager
         self.registry = StageRegistry(node_id)
         self._on_socket_session = on_socket_session
+        # Stages that attached here or at a peer: the only names metrics label.
+        self._on_stages = on_stages
         self._can_map: dict[str, bool] = {}
         self._placements: dict[str, Placement] = {}
         self._pids: dict[str, int] = {}
@@ -112,6 +115,7 @@ class Topology:
             )
             self._on_socket_session()
         self.registry.register(session.id, placement)
+        self._on_stages(session.stages)
         self._broadcast(skip=session.id)
         return ("shm" if can_map else "socket"), self.registry.version
 
@@ -131,6 +135,7 @@ class Topology:
                 st: Placement(node_id, f"peer:{node_id}", "", False, (), (st,)) for st in stages
             }
             changed = self.registry.update_remote(node_id, where)
+            self._on_stages(where)
         if changed:
             self._broadcast()
 

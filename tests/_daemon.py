@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -218,6 +219,31 @@ def reap_workers() -> None:
 def spawn_worker(args: Sequence[str]) -> subprocess.Popen[bytes]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "tests._workers", *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+    _SPAWNED.append(proc)
+    return proc
+
+
+def unshare_available() -> bool:
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return False
+    cp = subprocess.run(
+        ["unshare", "--mount", "sh", "-c", "mount -t tmpfs tmpfs /dev/shm"],
+        capture_output=True,
+        timeout=30,
+    )
+    return cp.returncode == 0
+
+
+def isolated_worker(args: Sequence[str]) -> subprocess.Popen[bytes]:
+    """A worker in its own mount namespace with a private, empty /dev/shm (no hostIPC)."""
+    inner = " ".join([sys.executable, "-m", "tests._workers", *args])
+    proc = subprocess.Popen(
+        ["unshare", "--mount", "sh", "-c", f"mount -t tmpfs tmpfs /dev/shm && exec {inner}"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -76,7 +76,9 @@ async def cmd_write(a: argparse.Namespace) -> None:
             payload = make_payload(a.seed + i, size)
             rid = f"{a.request}-{i}" if a.split else a.request
             try:
-                ref = await c.put(payload, to_stage=a.to, request_id=rid, timeout=a.timeout)
+                ref = await c.put(
+                    payload, to_stage=a.to, request_id=rid, timeout=a.timeout, trace_id=a.trace_id
+                )
             except RelayError as exc:
                 out(f"ERR {type(exc).__name__} {exc}")
                 return
@@ -115,6 +117,15 @@ async def cmd_read(a: argparse.Namespace) -> None:
             else:
                 await one(line)
         await asyncio.gather(*tasks)
+
+
+async def cmd_local(a: argparse.Namespace) -> None:
+    """Writer ``--stage`` and reader ``--to`` in this one process: put and get each size."""
+    async with RelayClient(a.stage, a.socket) as w, RelayClient(a.to, a.socket) as r:
+        for i, size in enumerate(a.sizes):
+            payload = make_payload(a.seed + i, size)
+            ref = await w.put(payload, to_stage=a.to, request_id=f"{a.request}-{i}")
+            out(f"{ref.transport.value} {digest(await r.get(ref)) == digest(payload)}")
 
 
 async def cmd_hold_reserved(a: argparse.Namespace) -> None:
@@ -220,7 +231,7 @@ def main() -> None:
         "cmd",
         choices=[
             "write", "read", "hold-reserved", "hold-claimed", "stream-write", "stream-read",
-            "ref-write", "forward",
+            "ref-write", "forward", "local",
         ],
     )  # fmt: skip
     p.add_argument("--socket", required=True)
@@ -237,6 +248,7 @@ def main() -> None:
     p.add_argument("--error-at", type=int, default=None, help="stream-write: fail at chunk N")
     p.add_argument("--source", default="thinker", help="stream-read: the writer stage")
     p.add_argument("--consumer", default="C", help="ref-write: the stage the tensor is for")
+    p.add_argument("--trace-id", default=None, help="write: the trace id each put carries")
     a = p.parse_args()
     if a.stage is None:
         a.stage = "talker" if a.cmd in ("read", "hold-claimed", "stream-read") else "thinker"
@@ -249,6 +261,7 @@ def main() -> None:
         "stream-read": cmd_stream_read,
         "ref-write": cmd_ref_write,
         "forward": cmd_forward,
+        "local": cmd_local,
     }[a.cmd]
     asyncio.run(fn(a))
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import grpc
 
-from . import _codec, _cuda, _keyed, _local, _packing, _peer, _remote
+from . import _codec, _cuda, _keyed, _latency, _local, _packing, _peer, _remote
 from ._dataref import KIND_DATA, KIND_DONE, KIND_ERROR, VERSION, DataRef
 from ._errors import (
     AbortedError,
@@ -94,6 +94,9 @@ _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", _MAX_MESSAGE),
 ]
 _PROBE_BYTES = 16
+# Transfer and latency reports wait this long for company before they are sent.
+REPORT_LINGER_S = 0.2
+_MAX_TRACE_ID = 128
 
 
 class ClientState(enum.Enum):
@@ -265,7 +268,10 @@ class RelayClient:
         self._inline_reads = ReadOnce()  # (epoch, object id) of inline DataRefs read
         # cross-node: object id -> the local DataRef a zero-copy get fetched it into
         self._fetched: dict[str, pb.DataRef] = {}
-        self._reports: dict[pb.Transport, list[int]] = {}
+        # Batched reports: (transport, to_stage) -> [count, bytes], and latencies.
+        self._reports: dict[tuple[pb.Transport, str], list[int]] = {}
+        self._latency = _latency.EdgeLatency()
+        self._report_due = False
         self._gpu: _cuda.GpuSide | None = None
         # Routing: one answer per (to_stage, payload kind), dropped when the
         # daemon announces a new registry version.
@@ -492,6 +498,7 @@ class RelayClient:
         timeout: float | None = None,
         pickle: bool = False,
         key: str | None = None,
+        trace_id: str | None = None,
     ) -> DataRef:
         """Publish ``obj`` for ``to_stage``; returns the DataRef to hand to the reader.
 
@@ -510,21 +517,31 @@ class RelayClient:
         :class:`ResourceExhaustedError` when that stage has ``max_stage_keys``
         unread keys; a failed keyed put leaves nothing behind. The entry goes
         when it is read, when ``request_id`` is aborted and with the lease TTL.
+
+        ``trace_id`` (up to 128 printable ASCII characters) is the caller's
+        own trace id: the daemon logs it at debug level with the lease it
+        names, so a slow hop can be followed from the application's traces.
+        Puts that need no lease (inline, local_object) send it nowhere.
         """
         if key is not None:
             check_key(key)
         started = time.perf_counter_ns()
-        ref = await self._put(obj, to_stage, request_id, chunk_id, timeout, pickle)
+        trace = _check_trace_id(trace_id)
+        ref = await self._put(obj, to_stage, request_id, chunk_id, timeout, pickle, trace)
         if key is not None:
             await _keyed.index(self, ref, key, self.timeout if timeout is None else timeout)
         return self._put_finished(ref, started)
 
     def _put_finished(self, ref: DataRef, started_ns: int) -> DataRef:
         """Where every put of either client ends (both clients' put() call it once)."""
+        m = ref.proto
+        self._observe(_latency.PUT, m.origin.stage, m.to_stage, m.transport, started_ns)
         return ref
 
     def _get_finished(self, ref: DataRef, obj: Any, started_ns: int) -> Any:
         """Where every get of either client ends (both clients' get() call it once)."""
+        m = ref.proto
+        self._observe(_latency.GET, m.origin.stage, m.to_stage, m.transport, started_ns)
         return obj
 
     async def _put(
@@ -535,6 +552,7 @@ class RelayClient:
         chunk_id: int | None,
         timeout: float | None,
         pickle: bool,
+        trace_id: str = "",
     ) -> DataRef:
         if self._lost:  # awaits that never suspend cost ~0.5 us each: skipped
             await self._reattached(timeout)  # reconnect
@@ -558,7 +576,9 @@ class RelayClient:
             gpu_ref = await self._put_gpu(msg, tensors, specs, total, timeout, route)
             if gpu_ref is not None:
                 return gpu_ref
-        return await self._publish(msg, tensors, specs, total, timeout)
+        return await self._publish(
+            msg, tensors, specs, total, timeout, transport=_leased(route), trace_id=trace_id
+        )
 
     def _plan_put(
         self,
@@ -596,7 +616,7 @@ class RelayClient:
         ):
             msg.transport = pb.TRANSPORT_INLINE
             msg.inline_data = _packing.pack_bytes(tensors, specs, total)
-            self._report(pb.TRANSPORT_INLINE, total)
+            self._report(pb.TRANSPORT_INLINE, total, to_stage)
             return DataRef(msg)
         if request_id in self._aborted:
             raise AbortedError(f"request {request_id!r} was aborted")
@@ -607,7 +627,9 @@ class RelayClient:
         msg.transport = pb.TRANSPORT_LOCAL_OBJECT
         msg.object_id = f"{_local.process_tag()}-{msg.object_id}"
         _local.put(obj, msg.to_stage, msg.request_id, msg.object_id)
-        self._report(pb.TRANSPORT_LOCAL_OBJECT, _packing.payload_nbytes(plan.shape.specs))
+        self._report(
+            pb.TRANSPORT_LOCAL_OBJECT, _packing.payload_nbytes(plan.shape.specs), msg.to_stage
+        )
         return DataRef(msg)
 
     def _shape(
@@ -719,6 +741,8 @@ class RelayClient:
         timeout: float | None,
         *,
         ref: bool = False,
+        transport: pb.Transport = pb.TRANSPORT_SHM,
+        trace_id: str = "",
     ) -> DataRef:
         """Write the packed tensors into a lease (or hand them to the daemon) and publish."""
         request_id = msg.request_id
@@ -727,9 +751,13 @@ class RelayClient:
         if self._draining:
             raise DrainingError("relayd is draining; no new transfers")
         if self.socket_fallback:
-            return await self._publish_socket(msg, tensors, specs, total, timeout, ref=ref)
-        cut = self._lease_now(msg, total)  # room in a grant held: no coroutine to enter
-        lease, start = cut if cut is not None else await self._open_lease(msg, total, timeout)
+            return await self._publish_socket(
+                msg, tensors, specs, total, timeout, ref=ref, trace_id=trace_id
+            )
+        cut = self._lease_now(msg, total, trace_id)  # room in a grant held: no coroutine to enter
+        lease, start = (
+            cut if cut is not None else await self._open_lease(msg, total, timeout, trace_id)
+        )
         view = self._views[lease.grant.segment]
         try:
             if total >= OFFLOAD_BYTES:
@@ -755,32 +783,34 @@ class RelayClient:
         except BaseException:
             self._cancel_lease(lease)
             raise
-        return self._seal_lease(msg, lease, total, ref=ref)
+        return self._seal_lease(msg, lease, total, ref=ref, transport=transport)
 
     async def _open_lease(
-        self, msg: pb.DataRef, total: int, timeout: float | None
+        self, msg: pb.DataRef, total: int, timeout: float | None, trace_id: str = ""
     ) -> tuple[Lease, int]:
         """Reserve an arena lease for ``msg``; returns it and where its data starts in its segment."""
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         lease = await self._reserve(total, deadline)
-        self._reserve_notice(lease, msg)
+        self._reserve_notice(lease, msg, trace_id)
         return lease, self._segments[lease.grant.segment].slot_offset(lease.slot)
 
-    def _lease_now(self, msg: pb.DataRef, total: int) -> tuple[Lease, int] | None:
+    def _lease_now(
+        self, msg: pb.DataRef, total: int, trace_id: str = ""
+    ) -> tuple[Lease, int] | None:
         """:meth:`_open_lease` without waiting: None when no grant held has room."""
         a = self._require_open()
         with self._table.lock:
             lease = self._alloc_local(max(1, -(-total // a.slot_size)))
             if lease is None:
                 return None
-            self._reserve_notice(lease, msg)
+            self._reserve_notice(lease, msg, trace_id)
         return lease, self._segments[lease.grant.segment].slot_offset(lease.slot)
 
-    def _reserve_notice(self, lease: Lease, msg: pb.DataRef) -> None:
+    def _reserve_notice(self, lease: Lease, msg: pb.DataRef, trace_id: str = "") -> None:
         # Notices are built in place (.add): building one and appending it
         # copies it, ~2 us for a Reserve (measured).
         with self._table.lock:
-            self._session.pending.reserve.add(
+            notice = self._session.pending.reserve.add(
                 lease_id=lease.id,
                 grant_id=lease.grant.id,
                 slot=lease.slot,
@@ -790,6 +820,8 @@ class RelayClient:
                 to_stage=msg.to_stage,
                 from_stage=self.stages[0],
             )
+            if trace_id:
+                notice.trace_id = trace_id
 
     def _cancel_lease(self, lease: Lease) -> None:
         with self._table.lock:
@@ -797,7 +829,15 @@ class RelayClient:
             self._free_local(lease)
             self._session.mark()
 
-    def _seal_lease(self, msg: pb.DataRef, lease: Lease, total: int, *, ref: bool) -> DataRef:
+    def _seal_lease(
+        self,
+        msg: pb.DataRef,
+        lease: Lease,
+        total: int,
+        *,
+        ref: bool,
+        transport: pb.Transport = pb.TRANSPORT_SHM,
+    ) -> DataRef:
         """Stamp the generation, fill in the DataRef and publish it."""
         if msg.request_id in self._aborted:
             self._cancel_lease(lease)
@@ -806,7 +846,7 @@ class RelayClient:
         seg = self._segments[grant.segment]
         gen = lease.id
         seg.write_header(lease.slot, gen, total)
-        msg.transport = pb.TRANSPORT_SHM
+        msg.transport = transport
         out = msg.lease
         out.pool = "shm"
         out.segment = grant.segment
@@ -818,7 +858,7 @@ class RelayClient:
         out.lease_id = lease.id
         with self._table.lock:
             self._session.pending.publish.add(
-                lease_id=lease.id, nbytes=total, transport=pb.TRANSPORT_SHM, ref=ref
+                lease_id=lease.id, nbytes=total, transport=transport, ref=ref
             )
             # The Publish lingers with other notices (one daemon wakeup per batch,
             # not per put: the daemon's CPU per transfer halved, measured). The
@@ -838,6 +878,7 @@ class RelayClient:
         timeout: float | None,
         *,
         ref: bool,
+        trace_id: str = "",
     ) -> DataRef:
         """Socket fallback: the daemon writes the packed region into a lease for us."""
         import torch
@@ -859,6 +900,7 @@ class RelayClient:
                     data=bytes(buf),
                     timeout_seconds=wait,
                     ref=ref,
+                    trace_id=trace_id,
                 ),
                 timeout=wait + 1.0,
             )
@@ -1299,7 +1341,7 @@ class RelayClient:
         if transport is Transport.CUDA_IPC_DIRECT and self._put_direct(
             msg, tensors, specs, streams
         ):
-            self._report(pb.TRANSPORT_CUDA_IPC_DIRECT, total)
+            self._report(pb.TRANSPORT_CUDA_IPC_DIRECT, total, msg.to_stage)
             return DataRef(msg)
         if not gpu.has_pool_for(specs):
             return None
@@ -1820,15 +1862,29 @@ class RelayClient:
         ):
             self._reconnect_task = asyncio.get_running_loop().create_task(self._reconnect())
 
-    def _report(self, transport: pb.Transport, nbytes: int, count: int = 1) -> None:
-        if not count:
-            return
+    # -- batched reports: transfers the daemon never sees, and every call's latency --
+
+    def _report(self, transport: pb.Transport, nbytes: int, to_stage: str) -> None:
         with self._table.lock:
-            entry = self._reports.setdefault(transport, [0, 0])
-            entry[0] += count
+            entry = self._reports.get((transport, to_stage))
+            if entry is None:
+                entry = self._reports[transport, to_stage] = [0, 0]
+            entry[0] += 1
             entry[1] += nbytes
-            if entry[0] == count:  # first since the last flush
-                self._later(0.2, self._flush_reports)
+            self._report_soon()
+
+    def _observe(self, op: int, src: str, dst: str, transport: int, start_ns: int) -> None:
+        """Count one put or get of ``start_ns`` ago in its edge's latency buckets."""
+        ns = time.perf_counter_ns() - start_ns
+        with self._table.lock:
+            self._latency.observe(op, src, dst, transport, ns)
+            self._report_soon()
+
+    def _report_soon(self) -> None:
+        # Under the table lock.
+        if not self._report_due:
+            self._report_due = True
+            self._later(REPORT_LINGER_S, self._flush_reports)
 
     def _later(self, delay: float, callback: Callable[[], None]) -> None:
         """Run ``callback`` on the client's loop ``delay`` s from now."""
@@ -1836,11 +1892,23 @@ class RelayClient:
 
     def _flush_reports(self) -> None:
         with self._table.lock:
-            if not self._reports or self._session.closed:
+            self._report_due = False
+            if self._session.closed:
                 return
             reports, self._reports = self._reports, {}
-            for transport, (count, nbytes) in reports.items():
-                self._session.pending.report.add(transport=transport, count=count, bytes=nbytes)
+            latency = self._latency.drain()
+            if not reports and not latency:
+                return
+            frame = self._session.pending
+            for (transport, to_stage), (count, nbytes) in reports.items():
+                frame.report.add(
+                    transport=transport,
+                    count=count,
+                    bytes=nbytes,
+                    from_stage=self.stages[0],
+                    to_stage=to_stage,
+                )
+            frame.latency.extend(latency)
             self._session.mark(flush=True)
 
 
@@ -1909,6 +1977,25 @@ def _check_names(to_stage: str, request_id: str) -> None:
     """The rules attach applies to stage names, here, before anything is written."""
     check_stage(to_stage, "to_stage")
     check_request_id(request_id)
+
+
+def _leased(route: int) -> pb.Transport:
+    """The transport a leased put publishes: socket when its reader cannot map the arena."""
+    return pb.TRANSPORT_SOCKET if route == pb.TRANSPORT_SOCKET else pb.TRANSPORT_SHM
+
+
+def _check_trace_id(trace_id: str | None) -> str:
+    if trace_id is None:
+        return ""
+    if (
+        not isinstance(trace_id, str)
+        or len(trace_id) > _MAX_TRACE_ID
+        or not (trace_id.isascii() and trace_id.isprintable())
+    ):
+        raise InvalidArgumentError(
+            f"trace_id must be a string of at most {_MAX_TRACE_ID} printable ASCII characters"
+        )
+    return trace_id
 
 
 def _namespaces() -> dict[str, str]:

@@ -204,7 +204,8 @@ class Hooks:
     """Metric callbacks, so this module needs no Prometheus import."""
 
     reclaimed: Callable[[ReclaimReason, int], None] = lambda reason, n: None
-    transfer: Callable[[str, int, int], None] = lambda transport, count, nbytes: None
+    # (transport, count, bytes, from_stage, to_stage)
+    transfer: Callable[[str, int, int, str, str], None] = lambda t, n, nbytes, src, dst: None
     reserve_wait: Callable[[float], None] = lambda seconds: None
 
 
@@ -708,7 +709,7 @@ class LeaseManager:
         lease.state = LeaseState.PUBLISHED
         lease.published_at = self.clock()
         lease.nbytes = nbytes
-        self.hooks.transfer("mooncake", 1, nbytes)
+        self.hooks.transfer("mooncake", 1, nbytes, lease.from_stage, lease.to_stage)
 
     def drop_pull(self, lease: Lease) -> None:
         """Give back a pull's run (failed, or settled after a failure). Idempotent."""
@@ -889,7 +890,7 @@ class LeaseManager:
         lease.state = LeaseState.PUBLISHED
         lease.published_at = self.clock()
         lease.nbytes = min(nbytes, lease.run.nslots * self.slot_size)
-        self.hooks.transfer(transport, 1, lease.nbytes)
+        self.hooks.transfer(transport, 1, lease.nbytes, lease.from_stage, lease.to_stage)
         req = self.requests.get(lease.request_id)
         if req is not None and req.aborted:
             self._free_lease(lease, ReclaimReason.ABORT)

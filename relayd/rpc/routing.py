@@ -26,6 +26,7 @@ from relayd_client._errors import (
 )
 from relayd_client._proto import relay_pb2 as pb
 
+from ..edges import log_trace
 from ..pools.leases import LeaseState, Session, SessionState
 from .errors import mapped
 
@@ -94,6 +95,8 @@ class RoutingService:
                 from_stage=from_stage,
             ),
         )
+        if request.trace_id:
+            log_trace(lease_id, request.trace_id, request.request_id)
         m.on_publish(
             session, pb.Publish(lease_id=lease_id, nbytes=len(data), transport=pb.TRANSPORT_SOCKET)
         )
@@ -142,5 +145,5 @@ class RoutingService:
         data = bytes(seg.mm[start : start + lease.nbytes])
         m.on_release(session, pb.Release(lease_id=lease.id, generation=lease.generation))
         m.flush()
-        d.count_transfer("socket", 1, len(data))
+        # Counted once, when it was published, under its DataRef's transport.
         return pb.GetBytesResponse(data=data)

@@ -24,7 +24,8 @@ from relayd_client._errors import (
 )
 from relayd_client._proto import relay_pb2 as pb
 
-from ..pools.leases import BIND_DEADLINE, LeaseManager, Session, transport_name
+from ..edges import log_trace
+from ..pools.leases import BIND_DEADLINE, LeaseManager, Session
 from .limits import UidLimits
 
 if TYPE_CHECKING:
@@ -81,7 +82,7 @@ class SessionProtocol(asyncio.Protocol):
         manager: LeaseManager,
         admission: Admission,
         on_refused: Callable[[str], None],
-        on_report: Callable[[str, int, int], None],
+        on_report: Callable[[Session, pb.TransferReport], None],
         on_bound: Callable[[Session, bytes, int], tuple[str, int]] | None = None,
         on_closed: Callable[[str], None] = lambda session_id: None,
         on_ref: Callable[[int], None] = lambda nbytes: None,
@@ -89,11 +90,15 @@ class SessionProtocol(asyncio.Protocol):
         limits: UidLimits | None = None,
         bind_deadline: float = BIND_DEADLINE,
         keyed: KeyedCalls | None = None,
+        on_latency: Callable[[Session, pb.EdgeLatencyReport], None] = lambda s, rep: None,
     ) -> None:
         self.manager = manager
         self.admission = admission
         self.on_refused = on_refused
+        # Batched client reports (transfers the daemon never sees, latencies);
+        # the callee validates them.
         self.on_report = on_report
+        self.on_latency = on_latency
         # Topology hooks: place the session once bound (its data path and the
         # registry version go back in the "bound" event), forget it on close.
         self.on_bound = on_bound
@@ -267,6 +272,8 @@ class SessionProtocol(asyncio.Protocol):
         cancelled = {x.lease_id for x in f.cancel}
         for r in f.reserve:
             m.on_reserve(session, r, cancelled)
+            if r.trace_id:
+                log_trace(r.lease_id, r.trace_id, r.request_id)
         for p in f.publish:
             m.on_publish(session, p)
             if p.ref:
@@ -280,8 +287,9 @@ class SessionProtocol(asyncio.Protocol):
         for g in f.return_grant:
             m.return_grant(session, g.grant_id)
         for rep in f.report:
-            if rep.count < (1 << 32) and rep.bytes < (1 << 50):
-                self.on_report(transport_name(rep.transport), rep.count, rep.bytes)
+            self.on_report(session, rep)
+        for lat in f.latency:
+            self.on_latency(session, lat)
         for call in f.fetch:
             self._start_fetch(session, call)
         # After the notices: a keyed put's Publish travels in the same frame.

@@ -408,7 +408,7 @@ class SessionStatus(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., pid: _Optional[int] = ..., stages: _Optional[_Iterable[str]] = ..., granted_bytes: _Optional[int] = ..., leases: _Optional[int] = ..., age_seconds: _Optional[float] = ..., uid: _Optional[int] = ..., data_path: _Optional[str] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("node_id", "daemon_epoch", "state", "uptime_seconds", "pools", "leases", "sessions", "leases_by_state", "transfers_by_transport", "reclaimed_by_reason", "version", "peers", "registry_version", "stages", "edges")
+    __slots__ = ("node_id", "daemon_epoch", "state", "uptime_seconds", "pools", "leases", "sessions", "leases_by_state", "transfers_by_transport", "reclaimed_by_reason", "version", "peers", "registry_version", "stages", "edges", "edge_traffic", "latency_bucket_bounds")
     class LeasesByStateEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -445,6 +445,8 @@ class StatusResponse(_message.Message):
     REGISTRY_VERSION_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
     EDGES_FIELD_NUMBER: _ClassVar[int]
+    EDGE_TRAFFIC_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_BUCKET_BOUNDS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     daemon_epoch: str
     state: str
@@ -460,7 +462,39 @@ class StatusResponse(_message.Message):
     registry_version: int
     stages: _containers.RepeatedCompositeFieldContainer[StageStatus]
     edges: _containers.RepeatedCompositeFieldContainer[EdgeStatus]
-    def __init__(self, node_id: _Optional[str] = ..., daemon_epoch: _Optional[str] = ..., state: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., leases: _Optional[_Iterable[_Union[LeaseStatus, _Mapping]]] = ..., sessions: _Optional[_Iterable[_Union[SessionStatus, _Mapping]]] = ..., leases_by_state: _Optional[_Mapping[str, int]] = ..., transfers_by_transport: _Optional[_Mapping[str, int]] = ..., reclaimed_by_reason: _Optional[_Mapping[str, int]] = ..., version: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., registry_version: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., edges: _Optional[_Iterable[_Union[EdgeStatus, _Mapping]]] = ...) -> None: ...
+    edge_traffic: _containers.RepeatedCompositeFieldContainer[EdgeTraffic]
+    latency_bucket_bounds: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, node_id: _Optional[str] = ..., daemon_epoch: _Optional[str] = ..., state: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., leases: _Optional[_Iterable[_Union[LeaseStatus, _Mapping]]] = ..., sessions: _Optional[_Iterable[_Union[SessionStatus, _Mapping]]] = ..., leases_by_state: _Optional[_Mapping[str, int]] = ..., transfers_by_transport: _Optional[_Mapping[str, int]] = ..., reclaimed_by_reason: _Optional[_Mapping[str, int]] = ..., version: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., registry_version: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., edges: _Optional[_Iterable[_Union[EdgeStatus, _Mapping]]] = ..., edge_traffic: _Optional[_Iterable[_Union[EdgeTraffic, _Mapping]]] = ..., latency_bucket_bounds: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class EdgeTraffic(_message.Message):
+    __slots__ = ("from_stage", "to_stage", "transport", "transfers", "bytes", "put_buckets", "get_buckets", "put_p50_seconds", "put_p99_seconds", "get_p50_seconds", "get_p99_seconds", "put_sum_seconds", "get_sum_seconds")
+    FROM_STAGE_FIELD_NUMBER: _ClassVar[int]
+    TO_STAGE_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    PUT_BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    GET_BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    PUT_P50_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PUT_P99_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    GET_P50_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    GET_P99_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PUT_SUM_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    GET_SUM_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    from_stage: str
+    to_stage: str
+    transport: Transport
+    transfers: int
+    bytes: int
+    put_buckets: _containers.RepeatedScalarFieldContainer[int]
+    get_buckets: _containers.RepeatedScalarFieldContainer[int]
+    put_p50_seconds: float
+    put_p99_seconds: float
+    get_p50_seconds: float
+    get_p99_seconds: float
+    put_sum_seconds: float
+    get_sum_seconds: float
+    def __init__(self, from_stage: _Optional[str] = ..., to_stage: _Optional[str] = ..., transport: _Optional[_Union[Transport, str]] = ..., transfers: _Optional[int] = ..., bytes: _Optional[int] = ..., put_buckets: _Optional[_Iterable[int]] = ..., get_buckets: _Optional[_Iterable[int]] = ..., put_p50_seconds: _Optional[float] = ..., put_p99_seconds: _Optional[float] = ..., get_p50_seconds: _Optional[float] = ..., get_p99_seconds: _Optional[float] = ..., put_sum_seconds: _Optional[float] = ..., get_sum_seconds: _Optional[float] = ...) -> None: ...
 
 class StageStatus(_message.Message):
     __slots__ = ("stage", "session_id", "node_id", "process_key", "can_map_shm", "gpu_uuids", "pid")
@@ -531,7 +565,7 @@ class RouteResponse(_message.Message):
     def __init__(self, transport: _Optional[_Union[Transport, str]] = ..., reason: _Optional[str] = ..., registry_version: _Optional[int] = ...) -> None: ...
 
 class PutBytesRequest(_message.Message):
-    __slots__ = ("session_id", "session_token", "request_id", "to_stage", "from_stage", "data", "timeout_seconds", "ref")
+    __slots__ = ("session_id", "session_token", "request_id", "to_stage", "from_stage", "data", "timeout_seconds", "ref", "trace_id")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -540,6 +574,7 @@ class PutBytesRequest(_message.Message):
     DATA_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     REF_FIELD_NUMBER: _ClassVar[int]
+    TRACE_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     session_token: bytes
     request_id: str
@@ -548,7 +583,8 @@ class PutBytesRequest(_message.Message):
     data: bytes
     timeout_seconds: float
     ref: bool
-    def __init__(self, session_id: _Optional[str] = ..., session_token: _Optional[bytes] = ..., request_id: _Optional[str] = ..., to_stage: _Optional[str] = ..., from_stage: _Optional[str] = ..., data: _Optional[bytes] = ..., timeout_seconds: _Optional[float] = ..., ref: _Optional[bool] = ...) -> None: ...
+    trace_id: str
+    def __init__(self, session_id: _Optional[str] = ..., session_token: _Optional[bytes] = ..., request_id: _Optional[str] = ..., to_stage: _Optional[str] = ..., from_stage: _Optional[str] = ..., data: _Optional[bytes] = ..., timeout_seconds: _Optional[float] = ..., ref: _Optional[bool] = ..., trace_id: _Optional[str] = ...) -> None: ...
 
 class PutBytesResponse(_message.Message):
     __slots__ = ("lease",)
@@ -645,7 +681,7 @@ class Bind(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., session_token: _Optional[bytes] = ..., shm_nonce: _Optional[bytes] = ...) -> None: ...
 
 class Reserve(_message.Message):
-    __slots__ = ("lease_id", "grant_id", "slot", "nslots", "generation", "request_id", "to_stage", "from_stage")
+    __slots__ = ("lease_id", "grant_id", "slot", "nslots", "generation", "request_id", "to_stage", "from_stage", "trace_id")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     GRANT_ID_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
@@ -654,6 +690,7 @@ class Reserve(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TO_STAGE_FIELD_NUMBER: _ClassVar[int]
     FROM_STAGE_FIELD_NUMBER: _ClassVar[int]
+    TRACE_ID_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     grant_id: int
     slot: int
@@ -662,7 +699,8 @@ class Reserve(_message.Message):
     request_id: str
     to_stage: str
     from_stage: str
-    def __init__(self, lease_id: _Optional[int] = ..., grant_id: _Optional[int] = ..., slot: _Optional[int] = ..., nslots: _Optional[int] = ..., generation: _Optional[int] = ..., request_id: _Optional[str] = ..., to_stage: _Optional[str] = ..., from_stage: _Optional[str] = ...) -> None: ...
+    trace_id: str
+    def __init__(self, lease_id: _Optional[int] = ..., grant_id: _Optional[int] = ..., slot: _Optional[int] = ..., nslots: _Optional[int] = ..., generation: _Optional[int] = ..., request_id: _Optional[str] = ..., to_stage: _Optional[str] = ..., from_stage: _Optional[str] = ..., trace_id: _Optional[str] = ...) -> None: ...
 
 class Publish(_message.Message):
     __slots__ = ("lease_id", "nbytes", "transport", "ref")
@@ -705,14 +743,36 @@ class ReturnGrant(_message.Message):
     def __init__(self, grant_id: _Optional[int] = ...) -> None: ...
 
 class TransferReport(_message.Message):
-    __slots__ = ("transport", "count", "bytes")
+    __slots__ = ("transport", "count", "bytes", "from_stage", "to_stage")
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
+    FROM_STAGE_FIELD_NUMBER: _ClassVar[int]
+    TO_STAGE_FIELD_NUMBER: _ClassVar[int]
     transport: Transport
     count: int
     bytes: int
-    def __init__(self, transport: _Optional[_Union[Transport, str]] = ..., count: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+    from_stage: str
+    to_stage: str
+    def __init__(self, transport: _Optional[_Union[Transport, str]] = ..., count: _Optional[int] = ..., bytes: _Optional[int] = ..., from_stage: _Optional[str] = ..., to_stage: _Optional[str] = ...) -> None: ...
+
+class EdgeLatencyReport(_message.Message):
+    __slots__ = ("from_stage", "to_stage", "transport", "put_buckets", "get_buckets", "put_sum_ns", "get_sum_ns")
+    FROM_STAGE_FIELD_NUMBER: _ClassVar[int]
+    TO_STAGE_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    PUT_BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    GET_BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    PUT_SUM_NS_FIELD_NUMBER: _ClassVar[int]
+    GET_SUM_NS_FIELD_NUMBER: _ClassVar[int]
+    from_stage: str
+    to_stage: str
+    transport: Transport
+    put_buckets: _containers.RepeatedScalarFieldContainer[int]
+    get_buckets: _containers.RepeatedScalarFieldContainer[int]
+    put_sum_ns: int
+    get_sum_ns: int
+    def __init__(self, from_stage: _Optional[str] = ..., to_stage: _Optional[str] = ..., transport: _Optional[_Union[Transport, str]] = ..., put_buckets: _Optional[_Iterable[int]] = ..., get_buckets: _Optional[_Iterable[int]] = ..., put_sum_ns: _Optional[int] = ..., get_sum_ns: _Optional[int] = ...) -> None: ...
 
 class Freed(_message.Message):
     __slots__ = ("lease_ids",)
@@ -805,7 +865,7 @@ class KeyedResult(_message.Message):
     def __init__(self, call_id: _Optional[int] = ..., code: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ..., data_ref: _Optional[bytes] = ...) -> None: ...
 
 class SessionFrame(_message.Message):
-    __slots__ = ("bind", "reserve", "publish", "claim", "release", "cancel", "return_grant", "report", "fetch", "freed", "aborted", "event", "fetched", "keyed_put", "keyed_take", "discard", "keyed_result")
+    __slots__ = ("bind", "reserve", "publish", "claim", "release", "cancel", "return_grant", "report", "fetch", "latency", "freed", "aborted", "event", "fetched", "keyed_put", "keyed_take", "discard", "keyed_result")
     BIND_FIELD_NUMBER: _ClassVar[int]
     RESERVE_FIELD_NUMBER: _ClassVar[int]
     PUBLISH_FIELD_NUMBER: _ClassVar[int]
@@ -815,6 +875,7 @@ class SessionFrame(_message.Message):
     RETURN_GRANT_FIELD_NUMBER: _ClassVar[int]
     REPORT_FIELD_NUMBER: _ClassVar[int]
     FETCH_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_FIELD_NUMBER: _ClassVar[int]
     FREED_FIELD_NUMBER: _ClassVar[int]
     ABORTED_FIELD_NUMBER: _ClassVar[int]
     EVENT_FIELD_NUMBER: _ClassVar[int]
@@ -832,6 +893,7 @@ class SessionFrame(_message.Message):
     return_grant: _containers.RepeatedCompositeFieldContainer[ReturnGrant]
     report: _containers.RepeatedCompositeFieldContainer[TransferReport]
     fetch: _containers.RepeatedCompositeFieldContainer[FetchCall]
+    latency: _containers.RepeatedCompositeFieldContainer[EdgeLatencyReport]
     freed: Freed
     aborted: _containers.RepeatedCompositeFieldContainer[Aborted]
     event: _containers.RepeatedCompositeFieldContainer[Event]
@@ -840,7 +902,7 @@ class SessionFrame(_message.Message):
     keyed_take: _containers.RepeatedCompositeFieldContainer[KeyedTake]
     discard: _containers.RepeatedCompositeFieldContainer[DiscardCall]
     keyed_result: _containers.RepeatedCompositeFieldContainer[KeyedResult]
-    def __init__(self, bind: _Optional[_Union[Bind, _Mapping]] = ..., reserve: _Optional[_Iterable[_Union[Reserve, _Mapping]]] = ..., publish: _Optional[_Iterable[_Union[Publish, _Mapping]]] = ..., claim: _Optional[_Iterable[_Union[Claim, _Mapping]]] = ..., release: _Optional[_Iterable[_Union[Release, _Mapping]]] = ..., cancel: _Optional[_Iterable[_Union[Cancel, _Mapping]]] = ..., return_grant: _Optional[_Iterable[_Union[ReturnGrant, _Mapping]]] = ..., report: _Optional[_Iterable[_Union[TransferReport, _Mapping]]] = ..., fetch: _Optional[_Iterable[_Union[FetchCall, _Mapping]]] = ..., freed: _Optional[_Union[Freed, _Mapping]] = ..., aborted: _Optional[_Iterable[_Union[Aborted, _Mapping]]] = ..., event: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., fetched: _Optional[_Iterable[_Union[FetchResult, _Mapping]]] = ..., keyed_put: _Optional[_Iterable[_Union[KeyedPut, _Mapping]]] = ..., keyed_take: _Optional[_Iterable[_Union[KeyedTake, _Mapping]]] = ..., discard: _Optional[_Iterable[_Union[DiscardCall, _Mapping]]] = ..., keyed_result: _Optional[_Iterable[_Union[KeyedResult, _Mapping]]] = ...) -> None: ...
+    def __init__(self, bind: _Optional[_Union[Bind, _Mapping]] = ..., reserve: _Optional[_Iterable[_Union[Reserve, _Mapping]]] = ..., publish: _Optional[_Iterable[_Union[Publish, _Mapping]]] = ..., claim: _Optional[_Iterable[_Union[Claim, _Mapping]]] = ..., release: _Optional[_Iterable[_Union[Release, _Mapping]]] = ..., cancel: _Optional[_Iterable[_Union[Cancel, _Mapping]]] = ..., return_grant: _Optional[_Iterable[_Union[ReturnGrant, _Mapping]]] = ..., report: _Optional[_Iterable[_Union[TransferReport, _Mapping]]] = ..., fetch: _Optional[_Iterable[_Union[FetchCall, _Mapping]]] = ..., latency: _Optional[_Iterable[_Union[EdgeLatencyReport, _Mapping]]] = ..., freed: _Optional[_Union[Freed, _Mapping]] = ..., aborted: _Optional[_Iterable[_Union[Aborted, _Mapping]]] = ..., event: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., fetched: _Optional[_Iterable[_Union[FetchResult, _Mapping]]] = ..., keyed_put: _Optional[_Iterable[_Union[KeyedPut, _Mapping]]] = ..., keyed_take: _Optional[_Iterable[_Union[KeyedTake, _Mapping]]] = ..., discard: _Optional[_Iterable[_Union[DiscardCall, _Mapping]]] = ..., keyed_result: _Optional[_Iterable[_Union[KeyedResult, _Mapping]]] = ...) -> None: ...
 
 class ArenaSegment(_message.Message):
     __slots__ = ("index", "base", "size", "data_offset", "nslots")
