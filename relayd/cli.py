@@ -175,30 +175,17 @@ def cmd_leases(args: argparse.Namespace) -> int:
 
 
 def cmd_top(args: argparse.Namespace) -> int:
-    from .inspect import render_top
+    from . import top
 
     path = _client_socket(args)
-    previous: dict[str, Any] | None = None
-    count = 0
-    try:
-        while args.iterations <= 0 or count < args.iterations:
-            try:
-                data = _status_dict(path)
-            except Exception as exc:
-                return _fail_unreachable(path, exc)
-            if args.json:
-                print(_json_text(data, indent=None), flush=True)
-            else:
-                if sys.stdout.isatty():
-                    sys.stdout.write("\x1b[H\x1b[2J")
-                print(render_top(data, previous, args.interval), flush=True)
-            previous = data
-            count += 1
-            if args.iterations <= 0 or count < args.iterations:
-                time.sleep(args.interval)
-    except KeyboardInterrupt:
-        pass
-    return 0
+    return top.run(
+        lambda: _status_dict(path),
+        path,
+        interval=args.interval,
+        iterations=args.iterations,
+        to_json=(lambda d: _json_text(d, indent=None)) if args.json else None,
+        unreachable=lambda exc: _unreachable_message(path, exc),
+    )
 
 
 def _daemon_gone(socket_path: str) -> bool:
@@ -312,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--json", action="store_true")
     ls.set_defaults(func=cmd_leases)
 
-    top = client_cmd("top", "live view, refreshed every second")
+    top = client_cmd("top", "live view per edge, refreshed every second; q quits")
     top.add_argument("--interval", type=float, default=1.0)
     top.add_argument("--iterations", type=int, default=0, help="stop after N refreshes (0: never)")
     top.add_argument("--json", action="store_true")

@@ -16,6 +16,8 @@ from typing import Any
 
 from relayd_client._names import printable
 
+from . import edgeview
+
 WIDTH = 80
 BAR_WIDTH = 10
 OLDEST_SHOWN = 5
@@ -332,14 +334,15 @@ def _registry(d: Mapping[str, Any]) -> list[str]:
         cols = [
             _Col("EDGE", shrink_to=12),
             _Col("TRANSPORT"),
-            _Col("ROUTED", right=True),
+            _Col("TRANSFERS", right=True),
             _Col("REASON", shrink_to=10),
         ]
+        moved = edgeview.transfers_by_edge(d)
         rows = [
             [
                 f"{e.get('from_stage') or '?'} -> {e.get('to_stage') or '?'}",
                 _transport(e.get("transport")),
-                str(_int(e.get("count"))),
+                str(moved.get((str(e.get("from_stage")), str(e.get("to_stage"))), 0)),
                 str(e.get("reason") or "-"),
             ]
             for e in edges
@@ -434,6 +437,25 @@ def _rates(d: Mapping[str, Any], previous: Mapping[str, Any] | None, interval: f
     return ["TRANSFERS", *_table(cols, rows)]
 
 
+def _edge_traffic(
+    d: Mapping[str, Any], previous: Mapping[str, Any] | None, interval: float
+) -> list[str]:
+    rows = edgeview.edge_rows(d, previous, interval)
+    if not rows:
+        return ["EDGES  no transfers yet"]
+    cols = [
+        _Col("EDGE", shrink_to=12),
+        _Col("TRANSPORT", shrink_to=9),
+        _Col("XFER/S", right=True),
+        _Col("MB/S", right=True),
+        _Col("PUT50", right=True),
+        _Col("PUT99", right=True),
+        _Col("GET50", right=True),
+        _Col("GET99", right=True),
+    ]
+    return [f"EDGES  {len(rows)}, latency over the last {interval:g}s", *_table(cols, rows)]
+
+
 def _join(sections: Iterable[list[str]]) -> str:
     return "\n".join("\n".join(s) for s in sections if s)
 
@@ -477,9 +499,13 @@ def render_leases(
 
 
 def render_top(d: Mapping[str, Any], previous: Mapping[str, Any] | None, interval: float) -> str:
-    """Status plus transfer rates over the ``interval`` seconds since ``previous`` (or None)."""
+    """Status plus transfer rates over the ``interval`` seconds since ``previous`` (or None).
+
+    Most wanted first: a terminal too short for all of it cuts from the bottom.
+    """
     sections = [
         _header(d),
+        _edge_traffic(d, previous, interval),
         _pools(d),
         _rates(d, previous, interval),
         _leases(d),

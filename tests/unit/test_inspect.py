@@ -15,6 +15,7 @@ import pytest
 from google.protobuf.json_format import MessageToDict
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from relayd_client._latency import BOUNDS, NBUCKETS
 
 from relayd.inspect import (
     WIDTH,
@@ -50,6 +51,50 @@ PEERS = [
         "last_error": "relayd daemon unavailable: failed to connect to all addresses",
     },
 ]
+
+
+def _buckets(**at: int) -> list[int]:
+    """Counts per latency bucket, by index: ``_buckets(b4=10)`` puts 10 in the 200 us bucket."""
+    out = [0] * NBUCKETS
+    for name, n in at.items():
+        out[int(name[1:])] = n
+    return out
+
+
+# (from, to, transport, transfers, bytes, put buckets, get buckets) now, and an
+# interval earlier (previous_state): bucket 4 is <= 200 us, 6 <= 1 ms, 9 <= 10 ms.
+EDGE_TRAFFIC = [
+    ("audio-encoder", "thinker", 7, 3, 3 * 65536, _buckets(b9=3), _buckets(b9=2, b12=1)),
+    ("talker", "vocoder", 2, 12, 12 * MiB, _buckets(b1=12), _buckets(b0=12)),
+    ("thinker", "talker", 1, 9120, 9120 * 512, _buckets(b2=9000, b3=120), _buckets(b1=9120)),
+    ("thinker", "talker", 4, 3377, 3377 * 4 * MiB, _buckets(b4=3300, b6=77), _buckets(b5=3377)),
+]
+EDGE_TRAFFIC_BEFORE = [
+    ("audio-encoder", "thinker", 7, 3, 3 * 65536, _buckets(b9=3), _buckets(b9=2, b12=1)),
+    ("thinker", "talker", 1, 9000, 9000 * 512, _buckets(b2=9000), _buckets(b1=9000)),
+    ("thinker", "talker", 4, 3000, 3000 * 4 * MiB, _buckets(b4=3000), _buckets(b5=3000)),
+]
+
+
+def _edge_traffic(spec: list[tuple[Any, ...]]) -> list[Any]:
+    from relayd_client._proto import relay_pb2 as pb
+
+    return [
+        pb.EdgeTraffic(
+            from_stage=src,
+            to_stage=dst,
+            transport=transport,
+            transfers=n,
+            bytes=nbytes,
+            put_buckets=put,
+            get_buckets=get,
+        )
+        for src, dst, transport, n, nbytes, put, get in spec
+    ]
+
+
+def _edge_traffic_json(spec: list[tuple[Any, ...]]) -> list[dict[str, Any]]:
+    return [MessageToDict(m, preserving_proto_field_name=True) for m in _edge_traffic(spec)]
 
 
 # What MessageToDict(StatusResponse, preserving_proto_field_name=True) yields for
@@ -254,6 +299,8 @@ STATUS: dict[str, Any] = {
             "count": "2",
         },
     ],
+    "edge_traffic": _edge_traffic_json(EDGE_TRAFFIC),
+    "latency_bucket_bounds": list(BOUNDS),
 }
 
 
@@ -350,6 +397,8 @@ def status_response() -> Any:
         resp.stages.add(**stage)
     for edge in STATUS["edges"]:
         resp.edges.add(**{**edge, "count": int(edge["count"])})
+    resp.edge_traffic.extend(_edge_traffic(EDGE_TRAFFIC))
+    resp.latency_bucket_bounds.extend(BOUNDS)
     return resp
 
 
@@ -363,6 +412,7 @@ def state() -> dict[str, Any]:
 def previous_state() -> dict[str, Any]:
     d = state()
     d["transfers_by_transport"] = {"inline": "9000", "shm": "48000", "cuda_ipc_pool": "3377"}
+    d["edge_traffic"] = _edge_traffic_json(EDGE_TRAFFIC_BEFORE)
     return d
 
 
