@@ -635,8 +635,17 @@ METRICS: dict[str, set[str]] = {
     "relayd_mooncake_credits_capacity": {"peer"},
     "relayd_peer_up": {"peer"},
     "relayd_mooncake_pull_seconds": set(),
+    "relayd_edge_transfers_total": {"from_stage", "to_stage", "transport"},
+    "relayd_edge_bytes_total": {"from_stage", "to_stage", "transport"},
+    "relayd_put_seconds": {"from_stage", "to_stage", "transport"},
+    "relayd_get_seconds": {"from_stage", "to_stage", "transport"},
 }
-HISTOGRAMS = {"relayd_reserve_wait_seconds", "relayd_mooncake_pull_seconds"}
+HISTOGRAMS = {
+    "relayd_reserve_wait_seconds",
+    "relayd_mooncake_pull_seconds",
+    "relayd_put_seconds",
+    "relayd_get_seconds",
+}
 TARGET_LABELS = {"instance", "job", "node", "pod", "namespace"}  # added by the scrape
 PROMQL_WORDS = {
     "by", "without", "on", "ignoring", "group_left", "group_right", "bool", "offset",
@@ -739,6 +748,10 @@ def test_dashboard_panels_and_datasource(dashboard: dict[str, Any]) -> None:
         "credits",
         "reclaimed leases",
         "peers up",
+        "throughput by edge",
+        "put p99 by edge",
+        "get p99 by edge",
+        "arena and credit pressure",
     ):
         assert wanted in titles, wanted
     quantiles = [
@@ -749,3 +762,47 @@ def test_dashboard_panels_and_datasource(dashboard: dict[str, Any]) -> None:
     ]
     assert any(e.startswith("histogram_quantile(0.5,") for e in quantiles)
     assert any(e.startswith("histogram_quantile(0.99,") for e in quantiles)
+
+
+def test_dashboard_per_edge_panels(dashboard: dict[str, Any]) -> None:
+    """Throughput and p99 put/get per edge, with arena and credit pressure in the same row."""
+    panels = {p["title"].lower(): p for p in _panels(dashboard)}
+
+    def exprs(title: str) -> list[str]:
+        return [t["expr"] for t in panels[title]["targets"]]
+
+    assert any(
+        "relayd_edge_bytes_total" in e and "by (from_stage, to_stage)" in e
+        for e in exprs("throughput by edge")
+    )
+    for op in ("put", "get"):
+        (e,) = exprs(f"{op} p99 by edge")
+        assert e.startswith("histogram_quantile(0.99,"), e
+        assert f"relayd_{op}_seconds_bucket" in e and "by (from_stage, to_stage, le)" in e, e
+    pressure = " ".join(exprs("arena and credit pressure"))
+    assert "relayd_pool_used_bytes" in pressure and "relayd_mooncake_credits_in_use" in pressure
+    row_y = {panels[t]["gridPos"]["y"] for t in ("put p99 by edge", "get p99 by edge")}
+    assert panels["arena and credit pressure"]["gridPos"]["y"] in row_y
+
+
+def test_dashboard_metrics_are_what_the_daemon_exposes() -> None:
+    """Every series the dashboard table names exists in a daemon's registry (no typos)."""
+    from prometheus_client import CollectorRegistry
+
+    from relayd.edges import EdgeStats
+    from relayd.metrics import Metrics
+
+    m = Metrics(CollectorRegistry())
+    stats = EdgeStats()
+    m.attach_edges(stats)
+    m.attach_state(
+        lambda: {
+            "pools": [],
+            "leases": {},
+            "sessions": 0,
+            "serving": 1,
+        }
+    )
+    exposed = {fam.name for fam in m.registry.collect()}
+    for name in METRICS:
+        assert name.removesuffix("_total") in exposed, name
