@@ -26,7 +26,7 @@ from collections.abc import AsyncGenerator, Callable, Coroutine, Iterator, Seque
 from typing import Any, TypeVar, cast
 
 from . import _cuda, _keyed, _local, _packing, _remote
-from ._client import OFFLOAD_BYTES, ClientState, RelayClient
+from ._client import OFFLOAD_BYTES, ClientState, RelayClient, _check_trace_id, _leased
 from ._dataref import DataRef
 from ._errors import (
     AbortedError,
@@ -257,12 +257,14 @@ class SyncRelayClient:
         timeout: float | None = None,
         pickle: bool = False,
         key: str | None = None,
+        trace_id: str | None = None,
     ) -> DataRef:
         """Publish ``obj`` for ``to_stage``; see :meth:`RelayClient.put` (``key`` included)."""
         if key is not None:
             check_key(key)
         started = time.perf_counter_ns()
-        ref = self._put(obj, to_stage, request_id, chunk_id, timeout, pickle)
+        trace = _check_trace_id(trace_id)
+        ref = self._put(obj, to_stage, request_id, chunk_id, timeout, pickle, trace)
         if key is not None:
             wait = self._client.timeout if timeout is None else timeout
             self._run(_keyed.index(self._client, ref, key, wait), wait)
@@ -276,10 +278,13 @@ class SyncRelayClient:
         chunk_id: int | None,
         timeout: float | None,
         pickle: bool,
+        trace_id: str = "",
     ) -> DataRef:
         c = self._client
         if c._lost:  # re-attach first, on the loop
-            return self._run(c._put(obj, to_stage, request_id, chunk_id, timeout, pickle), timeout)
+            return self._run(
+                c._put(obj, to_stage, request_id, chunk_id, timeout, pickle, trace_id), timeout
+            )
         a = c._require_open()
         with self._closing_guard():
             plan = c._plan_put(a, obj, to_stage, request_id, chunk_id, pickle)
@@ -304,7 +309,15 @@ class SyncRelayClient:
                 )
                 if gpu_ref is not None:
                     return gpu_ref
-            return self._publish(plan.msg, plan.tensors, shape.specs, shape.total, timeout)
+            return self._publish(
+                plan.msg,
+                plan.tensors,
+                shape.specs,
+                shape.total,
+                timeout,
+                transport=_leased(route),
+                trace_id=trace_id,
+            )
 
     def _publish(
         self,
@@ -315,6 +328,8 @@ class SyncRelayClient:
         timeout: float | None,
         *,
         ref: bool = False,
+        transport: pb.Transport = pb.TRANSPORT_SHM,
+        trace_id: str = "",
     ) -> DataRef:
         c = self._client
         if msg.request_id in c._aborted:
@@ -322,10 +337,12 @@ class SyncRelayClient:
         if c._draining:
             raise DrainingError("relayd is draining; no new transfers")
         if c.socket_fallback:
-            return self._run(c._publish_socket(msg, tensors, specs, total, timeout, ref=ref))
-        cut = c._lease_now(msg, total)
+            return self._run(
+                c._publish_socket(msg, tensors, specs, total, timeout, ref=ref, trace_id=trace_id)
+            )
+        cut = c._lease_now(msg, total, trace_id)
         if cut is None:  # no room in the grants held: ask the daemon, on the loop
-            cut = self._run(c._open_lease(msg, total, timeout), timeout)
+            cut = self._run(c._open_lease(msg, total, timeout, trace_id), timeout)
         lease, start = cut
         segment = lease.grant.segment
         view = c._views[segment]  # held: the mapping outlives a concurrent close
@@ -335,7 +352,7 @@ class SyncRelayClient:
         except BaseException:
             c._cancel_lease(lease)
             raise
-        return c._seal_lease(msg, lease, total, ref=ref)
+        return c._seal_lease(msg, lease, total, ref=ref, transport=transport)
 
     def ref(
         self,

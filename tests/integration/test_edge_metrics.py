@@ -283,3 +283,36 @@ def test_live_edges_report_gets_and_status_shows_their_transfers(tmp_path: objec
         writer.kill()
         reader.stdin.close()
         reader.wait(timeout=30)
+
+
+def test_sync_client_threads_time_every_call_once(
+    tmp_path: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import concurrent.futures
+
+    import relayd_client._local
+    from relayd_client import SyncRelayClient
+
+    from tests._workers import make_payload
+
+    # Writer and reader share this process: hide the local stage table, so
+    # large puts take the arena as they would between processes.
+    monkeypatch.setattr(relayd_client._local, "serves", lambda stage: False)
+    with running_daemon(str(tmp_path), metrics=True) as d:
+        with SyncRelayClient("sw", d.socket) as w, SyncRelayClient("sr", d.socket) as r:
+
+            def one(k: int) -> None:
+                for i in range(10):
+                    size = SMALL if i % 2 else MiB
+                    ref = w.put(make_payload(k, size), to_stage="sr", request_id=f"s{k}-{i}",
+                                trace_id=f"t{k}-{i}")  # fmt: skip
+                    r.get(ref)
+
+            with concurrent.futures.ThreadPoolExecutor(4) as pool:
+                list(pool.map(one, range(4)))
+        want = {("sw", "sr", "shm"): 20, ("sw", "sr", "inline"): 20}
+        wait_until(lambda: drained(d), 10, "arena back to zero")
+        text = d.scrape()
+        assert _counts(text, "relayd_edge_transfers_total") == want
+        assert _counts(text, "relayd_put_seconds_count") == want
+        assert _counts(text, "relayd_get_seconds_count") == want
