@@ -9,6 +9,7 @@ the numbers are exact.
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import subprocess
 import sys
@@ -280,6 +281,24 @@ def test_live_edges_report_gets_and_status_shows_their_transfers(tmp_path: objec
         assert header.split()[:3] == ["EDGE", "TRANSPORT", "TRANSFERS"], text
         row = next(x for x in text.splitlines() if x.strip().startswith("thinker -> talker"))
         assert row.split()[3:5] == ["shm", "2"], text
+        as_json = json.loads(
+            subprocess.run(
+                [sys.executable, "-m", "relayd", "status", "--json", "--socket", d.socket],
+                capture_output=True,
+                timeout=60,
+                check=True,
+            ).stdout
+        )
+        (edge,) = as_json["edge_traffic"]
+        assert (edge["from_stage"], edge["to_stage"], edge["transport"]) == (
+            "thinker",
+            "talker",
+            "shm",
+        )
+        assert edge["transfers"] == 2 and sum(edge["put_buckets"]) == 2
+        assert sum(edge["get_buckets"]) == 2
+        assert 0 < edge["get_p50_seconds"] <= edge["get_p99_seconds"]
+        assert as_json["latency_bucket_bounds"][0] == 1e-05
         writer.kill()
         reader.stdin.close()
         reader.wait(timeout=30)
