@@ -1,0 +1,89 @@
+"""Keyed delivery and discard across two real daemons with real Mooncake.
+
+The writer stage attaches to node A, its consumer to node B. A keyed put on A
+is handed to B's daemon (which holds the index, since B serves the consumer);
+B's reader finds it by key and pulls the bytes like any cross-node DataRef.
+A discard on B frees the writer's lease on A.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests._daemon import wait_until
+from tests._keyed_worker import Stage
+from tests.multinode import test_two_daemons as two
+from tests.multinode.test_two_daemons import _NO_MOONCAKE, Node
+
+pair = two.pair  # the same two daemons, real Mooncake between them
+
+pytestmark = [
+    pytest.mark.multinode,
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(bool(_NO_MOONCAKE), reason=_NO_MOONCAKE),
+]
+
+INLINE = 100
+LEASED = 300_000
+
+
+def _ok(answer: str) -> list[str]:
+    assert answer.startswith("OK"), answer
+    return answer.split()[1:]
+
+
+def _published(n: Node) -> int:
+    return int(n.daemon.pool()["used_bytes"])
+
+
+def _stages(a: Node, b: Node, *stages: str) -> tuple[Stage, Stage]:
+    """The writer on A, the reader on B, once A knows B serves the reader's stage."""
+    writer, reader = Stage(a.daemon.socket, stages[0]), Stage(b.daemon.socket, stages[1])
+    wait_until(
+        lambda: stages[1] in a.peer(b.address).get("stages", []),
+        10,
+        f"node A to learn that node B serves {stages[1]!r}",
+    )
+    return writer, reader
+
+
+def test_a_key_put_on_a_is_found_by_its_reader_on_b(pair: tuple[Node, Node]) -> None:
+    a, b = pair
+    writer, reader = _stages(a, b, "thinker", "talker")
+    reader.send("get", "r1_talker_0", "thinker", 30)  # waits in B's daemon
+    _r, leased, transport = _ok(writer.ask("put", "r1_talker_0", 1, LEASED, "r1", "talker"))
+    assert transport == "shm"
+    assert _ok(reader.answer()) == [leased]
+    _r, inline, transport = _ok(writer.ask("put", "r1_talker_1", 2, INLINE, "r1", "talker"))
+    assert transport == "inline"
+    assert _ok(reader.ask("poll", "r1_talker_1", "thinker")) == [inline]
+    assert reader.ask("poll", "r1_talker_0", "thinker").startswith("ERR StaleRefError")
+    wait_until(lambda: _published(a) == 0 and _published(b) == 0, 10, "both arenas at zero")
+
+
+def test_cross_node_key_exists_and_abort(pair: tuple[Node, Node]) -> None:
+    a, b = pair
+    writer, reader = _stages(a, b, "thinker", "talker")
+    _ok(writer.ask("put", "k", 1, LEASED, "r1", "talker"))
+    held = _published(a)
+    # B's index answers for the key: still unread there.
+    assert writer.ask("put", "k", 2, LEASED, "r1", "talker").startswith("ERR KeyExistsError")
+    wait_until(lambda: _published(a) == held, 10, "the refused put's lease to go")
+    _ok(writer.ask("abort", "r1"))
+    assert reader.ask("poll", "k", "thinker").startswith("ERR AbortedError")
+    wait_until(lambda: _published(a) == 0 and _published(b) == 0, 10, "both arenas at zero")
+
+
+def test_discard_on_b_frees_the_lease_on_a(pair: tuple[Node, Node]) -> None:
+    a, b = pair
+    writer, reader = _stages(a, b, "thinker", "talker")
+    holder = Stage(b.daemon.socket, "vocoder")  # holds the ref, is not its addressee
+    ref, _digest, transport = _ok(writer.ask("put", "-", 1, LEASED, "r1", "talker"))
+    assert transport == "shm"
+    wait_until(lambda: _published(a) > 0, 10, "the writer's publish to reach A")
+    assert holder.ask("discard", ref) == "OK"
+    wait_until(lambda: _published(a) == 0, 10, "the writer's lease on A to be freed")
+    assert holder.ask("discard", ref).startswith("ERR StaleRefError")
+    assert reader.ask("discard", ref).startswith("ERR StaleRefError")
+    assert reader.ask("read", ref).startswith("ERR StaleRefError")
+    assert _published(b) == 0
