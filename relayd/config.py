@@ -211,6 +211,12 @@ class Settings:
     peer_timeout: float = _field(
         5.0, parse=float, metavar="SECONDS", help="a peer transfer or call fails after this"
     )
+    push_grant_size: int = _field(
+        32 << 20,
+        parse=parse_size,
+        metavar="SIZE",
+        help="arena each peer may push into ahead of its readers; 0 turns pushes off",
+    )
     mooncake_protocol: str = _field("tcp", metavar="PROTO", help="Mooncake protocol: tcp or rdma")
     mooncake_device: str = _field("", metavar="NICS", help="RDMA NIC allow-list for Mooncake")
     gpu_pool_size: int = _field(

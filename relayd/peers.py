@@ -72,7 +72,9 @@ from relayd_client._proto import relay_pb2_grpc as pb_grpc
 from relayd_client._status import from_rpc_error
 from relayd_client._transport import Transport
 
+from .peer_notices import PeerNotifier
 from .pools.leases import Lease, Session, SessionState
+from .push import PushManager
 from .transports.base import MemoryRegion, PullError, PullOp, PullTimeoutError
 from .transports.credits import CreditPool
 
@@ -92,6 +94,8 @@ _HEADER = struct.Struct("<QQ")  # a slot header: (generation, length), see relay
 _REFUSED_BACKOFF = 5.0
 _MAX_BACKOFF = 1.0
 _ABORT_ORIGINS = 4096
+# Frees and releases to a peer wait this long to share one Notify call.
+NOTICE_LINGER_S = 0.005
 
 
 class PeerConfigError(RelayError):
@@ -196,6 +200,19 @@ class PeerManager:
         # request id -> peers its pulled leases came from, so abort reaches them.
         self._origins: collections.OrderedDict[str, set[str]] = collections.OrderedDict()
         self._background: set[asyncio.Task[Any]] = set()
+        self.push = PushManager(self)
+        self.notifier = PeerNotifier(
+            self.settings.node_id,
+            daemon.epoch,
+            self._stub_for,
+            self.metadata,
+            self.settings.peer_timeout,
+            NOTICE_LINGER_S,
+        )
+
+    def _stub_for(self, address: str) -> pb_grpc.PeerStub | None:
+        peer = self.peers.get(address)
+        return peer.stub if peer is not None and peer.up else None
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -214,6 +231,8 @@ class PeerManager:
         await server.start()
         self._server = server
         self._self_addresses.add(self.settings.peer_address)
+        if self.push.enabled:
+            self.daemon.manager.on_push = self.push.on_publish
         log.info(
             "peer service on %s (port %d), mooncake session %s, %d peer entries",
             self.settings.peer_address,
@@ -235,6 +254,8 @@ class PeerManager:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await self.push.close()
+        await self.notifier.close()
         for peer in self.peers.values():
             if peer.channel is not None:
                 await peer.channel.close()
@@ -372,6 +393,10 @@ class PeerManager:
                         self._down(peer, f"restarted (epoch {peer.epoch} -> {resp.daemon_epoch})")
                         continue
                     self._set_stages(peer, resp.stages)
+                if peer.up and self.push.enabled and peer.address not in self.push.out:
+                    # Off every path: right after the handshake, then on each beat
+                    # until the peer has room (it may not have dialled us back yet).
+                    await self.push.ask_grant(peer)
             except grpc.RpcError as exc:
                 err = from_rpc_error(exc)
                 self._down(peer, err.message or str(err))
@@ -433,6 +458,8 @@ class PeerManager:
         peer.last_error = reason
         if peer.up and peer.node_id:
             self.daemon.topology.peer_stages(peer.node_id, None)
+        self.push.peer_down(peer)
+        self.notifier.forget(peer.address)
         peer.forget_identity()
 
     def _set_stages(self, peer: PeerState, stages: Iterable[str]) -> None:
@@ -512,10 +539,13 @@ class PeerManager:
         req = self.daemon.manager.requests.get(m.request_id)
         if req is not None and req.aborted:
             raise AbortedError(f"request {m.request_id!r} was aborted")
-        peer = self._peer_for(m)
-        remote = m.lease
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
+        pushed = await self.push.take(m, deadline)
+        if pushed is not None:
+            return self._lease_ref(pushed, pushed.nbytes)
+        peer = self._peer_for(m)
+        remote = m.lease
         # 16 bytes past the data hold the writer's slot header, read back after the copy.
         local = await self.daemon.manager.reserve_for_pull(
             session,
@@ -546,8 +576,15 @@ class PeerManager:
             quarantine = asyncio.ensure_future(self.transport.wait_settled(ops)) if ops else None
             self._drop_after(local, quarantine)
             raise
-        # The copy is verified: the writer's lease can go, off the reader's path.
-        self._spawn(self._release_remote(peer, remote))
+        # The copy is verified: the writer's lease can go, off the reader's path,
+        # batched with the other notices to that peer.
+        self.notifier.box(peer.address).released.add(
+            lease_id=remote.lease_id, generation=remote.generation
+        )
+        self.notifier.send(peer.address, urgent=False)
+        return self._lease_ref(local, remote.length)
+
+    def _lease_ref(self, local: Lease, length: int) -> pb.LeaseRef:
         seg = self.daemon.arena.segments[local.run.segment]
         return pb.LeaseRef(
             pool="shm",
@@ -555,7 +592,7 @@ class PeerManager:
             slot=local.run.slot,
             nslots=local.run.nslots,
             offset=seg.slot_offset(local.run.slot),
-            length=remote.length,
+            length=length,
             generation=local.generation,
             lease_id=local.id,
         )
@@ -594,37 +631,6 @@ class PeerManager:
                 if settle is not None:
                     credit.release_when(settle)
             metrics.pull_seconds.observe(time.perf_counter() - start)
-
-    def _spawn(self, coro: Any) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    async def _release_remote(self, peer: PeerState, remote: pb.LeaseRef) -> None:
-        """Free the pulled lease on the writer's node. If this fails the writer's
-        daemon is gone or cut off; its own TTL or restart frees the lease."""
-        if peer.stub is None:
-            return
-        try:
-            resp = await peer.stub.ReleaseRemote(
-                pb.ReleaseRemoteRequest(
-                    lease_id=remote.lease_id,
-                    generation=remote.generation,
-                    node_id=self.settings.node_id,
-                ),
-                timeout=self.settings.peer_timeout,
-                metadata=self.metadata(),
-            )
-        except grpc.RpcError as exc:
-            log.warning(
-                "could not release lease %d on peer %s: %s",
-                remote.lease_id,
-                peer.address,
-                from_rpc_error(exc).message,
-            )
-            return
-        if not resp.released:
-            log.debug("peer %s had already freed lease %d", peer.address, remote.lease_id)
 
     def _drop_after(self, lease: Lease, quarantine: asyncio.Future[Any] | None) -> None:
         manager = self.daemon.manager
@@ -694,6 +700,7 @@ class PeerManager:
 
     async def abort_remote(self, request_id: str) -> int:
         """Tell every live peer (the origins of this request's pulls first of all)."""
+        self.push.abort(request_id)
         targets = {p.address for p in self.peers.values() if p.up}
         targets |= self._origins.pop(request_id, set())
         calls = [self._abort_one(self.peers[a], request_id) for a in targets if a in self.peers]
@@ -752,6 +759,7 @@ class PeerManager:
                     pulls_in_flight_max=peer.in_flight_max,
                     last_error=peer.last_error[:512],
                     stages=list(peer.stages),
+                    **self.push.status(address),
                 )
             )
         return out

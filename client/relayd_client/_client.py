@@ -276,6 +276,8 @@ class RelayClient:
         # Routing: one answer per (to_stage, payload kind), dropped when the
         # daemon announces a new registry version.
         self._routes: dict[tuple[str, bool, tuple[str, ...]], pb.RouteResponse] = {}
+        # Stages the daemon routed to another node: their puts ask for a push.
+        self._remote_stages: set[str] = set()
         self.registry_version = 0
         # True when this process cannot map the arena: bytes go over gRPC.
         self.socket_fallback = False
@@ -856,10 +858,17 @@ class RelayClient:
         out.length = total
         out.generation = gen
         out.lease_id = lease.id
+        push = transport == pb.TRANSPORT_SHM and msg.to_stage in self._remote_stages
+        msg.push = push
         with self._table.lock:
             self._session.pending.publish.add(
-                lease_id=lease.id, nbytes=total, transport=transport, ref=ref
+                lease_id=lease.id, nbytes=total, transport=transport, ref=ref, push=push
             )
+            if push:
+                # The daemon starts moving the bytes to the consumer's node when
+                # this notice arrives: it must not linger.
+                self._session.mark(flush=True)
+                return DataRef(msg)
             # The Publish lingers with other notices (one daemon wakeup per batch,
             # not per put: the daemon's CPU per transfer halved, measured). The
             # slot header just written, not the daemon, is what makes the data
@@ -943,6 +952,10 @@ class RelayClient:
         if version == self.registry_version and resp.registry_version >= version:
             self.registry_version = max(self.registry_version, resp.registry_version)
             self._routes[key] = resp
+            if resp.transport == pb.TRANSPORT_MOONCAKE:
+                self._remote_stages.add(to_stage)
+            else:
+                self._remote_stages.discard(to_stage)
         return int(resp.transport)
 
     # -- forwarded tensor references ---------------------------------------------------
@@ -1844,6 +1857,7 @@ class RelayClient:
                 if ev.registry_version != self.registry_version:
                     self.registry_version = ev.registry_version
                     self._routes.clear()
+                    self._remote_stages.clear()
             elif ev.kind == "draining":
                 self._draining = True
             elif ev.kind == "reclaim":  # the daemon is short of space

@@ -150,6 +150,9 @@ class Grant:
     # Highest lease id reserved in it: the writer numbers its leases upward and
     # announces them in order, so an unknown id at or below this is gone.
     last_lease: int = 0
+    # Where a freed lease's run goes instead of back to the pool: a landed push
+    # lives in a peer's standing push grant, which gets the run back.
+    returns: Callable[[Run], None] | None = None
     # One byte per slot of the run, set while a lease record covers it: no two
     # live leases of a grant may share a slot, or freeing both frees it twice.
     busy: bytearray = dataclasses.field(init=False, repr=False)
@@ -281,6 +284,12 @@ class LeaseManager:
         # (its pid) says its queued copies could still land in them.
         self.gpu_work_may_run = gpu_work_may_run
         self._fenced: list[tuple[Run, int, float]] = []
+        # Leases a push is reading from: freeing one (abort, TTL, drain) keeps
+        # its slots until the push has stopped reading them (see hold()).
+        self._holds: set[int] = set()
+        self._held: dict[int, Lease] = {}
+        # Called with each lease published with Publish.push set (relayd.push).
+        self.on_push: Callable[[Lease], None] | None = None
 
     # -- sessions -----------------------------------------------------------------
 
@@ -383,7 +392,9 @@ class LeaseManager:
         if writer is not None:
             grant.writer_pid = writer.pid
         # Give back every part of the run no published lease sits on.
-        kept = sorted((lease.run.slot, lease.run.nslots) for lease in grant.leases.values())
+        # (and no freed lease a push is still reading: see hold()).
+        live = [*grant.leases.values(), *(h for h in self._held.values() if h.grant is grant)]
+        kept = sorted((lease.run.slot, lease.run.nslots) for lease in live)
         cursor = grant.run.slot
         end = grant.run.slot + grant.run.nslots
         for slot, n in [*kept, (end, 0)]:
@@ -716,6 +727,76 @@ class LeaseManager:
         if self.leases.get(lease.id) is lease:
             self._forget(lease)
 
+    # -- cross-node pushes ----------------------------------------------------------
+
+    def hold(self, lease: Lease) -> None:
+        """A push reads ``lease``'s slots: whatever frees the lease meanwhile (abort,
+        TTL, drain, a reader) frees the record at once but the slots only at
+        :meth:`unhold`, so the writer cannot refill them under the push."""
+        self._holds.add(lease.id)
+
+    def unhold(self, lease: Lease) -> None:
+        self._holds.discard(lease.id)
+        held = self._held.pop(lease.id, None)
+        if held is not None:
+            self._return_slots(held)
+            self.flush()
+
+    def free_pushed(self, lease: Lease) -> bool:
+        """The push of ``lease`` landed at the consumer's node: free it here, as its
+        reader would. False when it had been freed meanwhile (abort, TTL)."""
+        live = self.leases.get(lease.id) is lease and lease.state is LeaseState.PUBLISHED
+        if live:
+            self._free_lease(lease, None)
+        self.unhold(lease)
+        return live
+
+    def adopt_push(
+        self,
+        run: Run,
+        nbytes: int,
+        *,
+        request_id: str,
+        from_stage: str,
+        to_stage: str,
+        returns: Callable[[Run], None],
+    ) -> Lease:
+        """A PUBLISHED lease over ``run``, a part of a push grant whose bytes a peer
+        has written: read, expired and aborted like any lease; its run then goes
+        to ``returns``, not to the pool."""
+        if self.draining:
+            raise DrainingError("daemon is draining; no new leases")
+        gid = self._next_grant
+        self._next_grant += 1
+        grant = Grant(gid, "", run, orphan=True, returns=returns)
+        lease_id = (gid << GEN_SHIFT) | 1
+        now = self.clock()
+        lease = Lease(
+            id=lease_id,
+            generation=lease_id,
+            grant=grant,
+            run=run,
+            state=LeaseState.PUBLISHED,
+            request_id=request_id[:256],
+            from_stage=from_stage[:256],
+            to_stage=to_stage[:256],
+            writer="",
+            created=now,
+            published_at=now,
+            nbytes=nbytes,
+        )
+        self.grants[gid] = grant
+        grant.leases[lease.id] = lease
+        grant.mark(lease.run, 1)
+        self.leases[lease.id] = lease
+        req = self._touch(lease.request_id, now)
+        req.writers.add(lease.from_stage)
+        req.readers.add(lease.to_stage)
+        req.leases.add(lease.id)
+        self.arena.segments[run.segment].write_header(run.slot, lease.generation, nbytes)
+        self.hooks.transfer("mooncake", 1, nbytes, lease.from_stage, lease.to_stage)
+        return lease
+
     # -- cross-node pulls (the writer's side) -------------------------------------------
 
     def release_from_peer(self, lease_id: int, generation: int) -> bool:
@@ -884,6 +965,8 @@ class LeaseManager:
             )
             return
         self._published(lease, p.nbytes, transport_name(p.transport))
+        if p.push and self.on_push is not None and self.leases.get(lease.id) is lease:
+            self.on_push(lease)
 
     def _published(self, lease: Lease, nbytes: int, transport: str) -> None:
         """``lease`` is sealed: readable, on the TTL clock, and owed what came early."""
@@ -1009,11 +1092,20 @@ class LeaseManager:
             claimer = self.sessions.get(lease.claimer)
             if claimer is not None:
                 claimer.claimed.discard(lease.id)
+        if lease.id in self._holds:
+            self._held[lease.id] = lease  # the slots wait for unhold()
+            return
+        self._return_slots(lease)
+
+    def _return_slots(self, lease: Lease) -> None:
         pool = self.pools[lease.run.pool]
         pool.clear_header(lease.run.segment, lease.run.slot)
         grant = lease.grant
         grant.mark(lease.run, 0)
-        if grant.orphan:
+        if grant.returns is not None:
+            self.grants.pop(grant.id, None)
+            grant.returns(lease.run)
+        elif grant.orphan:
             self._orphan_run_back(lease.run, grant)
             if not grant.leases:
                 self.grants.pop(grant.id, None)

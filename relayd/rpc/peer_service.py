@@ -55,6 +55,7 @@ class PeerService(pb_grpc.PeerServicer):
             raise InvalidArgumentError("request_id must be 1-256 characters")
         freed = self.peers.daemon.manager.abort_from_peer(request.request_id)
         self.peers.daemon.keys.abort(request.request_id)
+        self.peers.push.abort(request.request_id)
         return pb.AbortRemoteResponse(leases_freed=freed)
 
     @mapped
@@ -67,3 +68,13 @@ class PeerService(pb_grpc.PeerServicer):
             raise PermissionDeniedError(f"node {request.node_id[:64]!r} is not a connected peer")
         self.peers.daemon.keyed.put_from_peer(request.node_id, request.key, request.data_ref)
         return pb.PeerKeyedPutResponse()
+
+    @mapped
+    async def PushGrant(self, request: pb.PushGrantRequest, context: Ctx) -> pb.PushGrantResponse:
+        self.peers.authenticate(context, "push grant")
+        return self.peers.push.grant_to(request)
+
+    @mapped
+    async def Notify(self, request: pb.PeerNotices, context: Ctx) -> pb.PeerNoticesAck:
+        self.peers.authenticate(context, "notify")
+        return pb.PeerNoticesAck(released=self.peers.push.on_notices(request))

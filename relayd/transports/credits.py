@@ -123,6 +123,15 @@ class CreditPool:
         """Wait (FIFO, at most ``timeout`` seconds) for a credit of ``peer``."""
         return _Acquire(self, peer, timeout)
 
+    def try_acquire(self, peer: str) -> Credit | None:
+        """A credit of ``peer`` now, or None when all are out or somebody waits
+        (a push that finds none falls back to the reader's pull)."""
+        state = self._state(peer)
+        if state.in_use >= state.capacity or state.waiters:
+            return None
+        state.in_use += 1
+        return Credit(self, peer)
+
     def capacity(self, peer: str) -> int:
         return self._per_peer.get(peer, self._default)
 

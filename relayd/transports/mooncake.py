@@ -308,6 +308,8 @@ class _Pull:
     states: list[TransferState] = dataclasses.field(default_factory=list)
     failure: RelayError | None = None
     task: asyncio.Task[None] | None = None
+    write: bool = False
+    """A push: the ops copy local ranges into the peer's (Mooncake WRITE)."""
 
     def quiet(self) -> bool:
         """Nothing of this pull can write any more. A submit job that never reported
@@ -428,6 +430,28 @@ class MooncakeTransport(RemoteTransport):
         timeout: float,
         then: Sequence[PullOp] = (),
     ) -> None:
+        await self._transfer(peer_session, ops, then, timeout=timeout, write=False)
+
+    async def push(self, peer_session: str, ops: Sequence[PullOp], *, timeout: float) -> None:
+        """Copy every op's *local* range into the peer's remote range (Mooncake WRITE).
+
+        The same contract as :meth:`pull` with the roles of the ranges swapped:
+        it returns once the peer has applied every op (TCP protocol v2 acks a
+        WRITE only then); an error with ``in_flight=True`` means the local
+        ranges may still be read, and the remote ones written, until
+        ``settled``.
+        """
+        await self._transfer(peer_session, ops, (), timeout=timeout, write=True)
+
+    async def _transfer(
+        self,
+        peer_session: str,
+        ops: Sequence[PullOp],
+        then: Sequence[PullOp],
+        *,
+        timeout: float,
+        write: bool,
+    ) -> None:
         self._require_open()
         checked, after = self._validate(ops), self._validate(then)
         if not checked:
@@ -437,7 +461,7 @@ class MooncakeTransport(RemoteTransport):
         loop = asyncio.get_running_loop()
         rec = _Pull(
             peer_session, checked + after, loop.time() + timeout, loop.create_future(),
-            first=len(checked),
+            first=len(checked), write=write,
         )  # fmt: skip
         self._unsettled.add(rec)
         rec.task = loop.create_task(self._drive(rec), name=f"relayd-mooncake-pull {peer_session}")
@@ -452,7 +476,8 @@ class MooncakeTransport(RemoteTransport):
         self._abandon(rec)
         in_flight = not rec.quiet()
         nbytes = sum(op.length for op in checked)
-        what = f"pull of {nbytes} B in {len(checked)} op(s) from {peer_session}"
+        verb = "push" if write else "pull"
+        what = f"{verb} of {nbytes} B in {len(checked)} op(s) with {peer_session}"
         suffix = "; still in flight" if in_flight else ""
         if done:  # close() cancelled the pull under us
             raise PullFailedError(
@@ -607,7 +632,13 @@ class MooncakeTransport(RemoteTransport):
         self._submitting += 1
         try:
             ids, states, failure = await loop.run_in_executor(
-                self._pool, _submit_blocking, self._engine, rec.peer, rec.phases_left(), watch
+                self._pool,
+                _submit_blocking,
+                self._engine,
+                rec.peer,
+                rec.phases_left(),
+                watch,
+                rec.write,
             )
         finally:
             self._submitting -= 1
@@ -651,7 +682,11 @@ def _open_engine(host: str, env: Mapping[str, str | None], protocol: str, device
 
 
 def _submit_blocking(
-    engine: Any, peer: str, phases: tuple[tuple[PullOp, ...], ...], watch: float
+    engine: Any,
+    peer: str,
+    phases: tuple[tuple[PullOp, ...], ...],
+    watch: float,
+    write: bool = False,
 ) -> tuple[list[int], list[TransferState], RelayError | None]:
     """Worker thread: one batch per op (see the module docstring), then watch them
     for up to ``watch`` seconds; a phase seen to land lets the next one go, in this
@@ -660,6 +695,7 @@ def _submit_blocking(
     states: list[TransferState] = []
     failure: RelayError | None = None
     end = time.perf_counter() + watch
+    submit = engine.batch_transfer_async_write if write else engine.batch_transfer_async_read
     for k, ops in enumerate(phases):
         if k and (not all(s is TransferState.DONE for s in states) or failure is not None):
             break  # the phase before has not landed (or failed): not ours to go on
@@ -669,11 +705,7 @@ def _submit_blocking(
                 ids.append(0)
                 states.append(TransferState.FAILED)
                 continue
-            batch_id = int(
-                engine.batch_transfer_async_read(
-                    peer, [op.local_addr], [op.remote_addr], [op.length]
-                )
-            )
+            batch_id = int(submit(peer, [op.local_addr], [op.remote_addr], [op.length]))
             if _submit_failed(batch_id):
                 failure = mooncake_error(_Call.SUBMIT, 0, f"to {peer}")
                 ids.append(0)

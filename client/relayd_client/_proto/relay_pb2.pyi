@@ -169,7 +169,7 @@ class LeaseRef(_message.Message):
     def __init__(self, pool: _Optional[str] = ..., segment: _Optional[int] = ..., slot: _Optional[int] = ..., nslots: _Optional[int] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., generation: _Optional[int] = ..., lease_id: _Optional[int] = ...) -> None: ...
 
 class DataRef(_message.Message):
-    __slots__ = ("version", "object_id", "request_id", "chunk_id", "transport", "origin", "lease", "tensors", "header_codec", "header", "inline_data", "to_stage", "kind", "message", "cuda_event", "refs")
+    __slots__ = ("version", "object_id", "request_id", "chunk_id", "transport", "origin", "lease", "tensors", "header_codec", "header", "inline_data", "to_stage", "kind", "message", "cuda_event", "refs", "push")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     OBJECT_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -186,6 +186,7 @@ class DataRef(_message.Message):
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     CUDA_EVENT_FIELD_NUMBER: _ClassVar[int]
     REFS_FIELD_NUMBER: _ClassVar[int]
+    PUSH_FIELD_NUMBER: _ClassVar[int]
     version: int
     object_id: str
     request_id: str
@@ -202,7 +203,8 @@ class DataRef(_message.Message):
     message: str
     cuda_event: bytes
     refs: _containers.RepeatedCompositeFieldContainer[DataRef]
-    def __init__(self, version: _Optional[int] = ..., object_id: _Optional[str] = ..., request_id: _Optional[str] = ..., chunk_id: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., origin: _Optional[_Union[Origin, _Mapping]] = ..., lease: _Optional[_Union[LeaseRef, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[TensorLayout, _Mapping]]] = ..., header_codec: _Optional[_Union[HeaderCodec, str]] = ..., header: _Optional[bytes] = ..., inline_data: _Optional[bytes] = ..., to_stage: _Optional[str] = ..., kind: _Optional[int] = ..., message: _Optional[str] = ..., cuda_event: _Optional[bytes] = ..., refs: _Optional[_Iterable[_Union[DataRef, _Mapping]]] = ...) -> None: ...
+    push: bool
+    def __init__(self, version: _Optional[int] = ..., object_id: _Optional[str] = ..., request_id: _Optional[str] = ..., chunk_id: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., origin: _Optional[_Union[Origin, _Mapping]] = ..., lease: _Optional[_Union[LeaseRef, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[TensorLayout, _Mapping]]] = ..., header_codec: _Optional[_Union[HeaderCodec, str]] = ..., header: _Optional[bytes] = ..., inline_data: _Optional[bytes] = ..., to_stage: _Optional[str] = ..., kind: _Optional[int] = ..., message: _Optional[str] = ..., cuda_event: _Optional[bytes] = ..., refs: _Optional[_Iterable[_Union[DataRef, _Mapping]]] = ..., push: _Optional[bool] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
     __slots__ = ("protocol_version", "stages", "pid", "node_hint", "namespaces", "gpu_uuids")
@@ -611,7 +613,7 @@ class GetBytesResponse(_message.Message):
     def __init__(self, data: _Optional[bytes] = ...) -> None: ...
 
 class PeerStatus(_message.Message):
-    __slots__ = ("address", "node_id", "up", "daemon_epoch", "mooncake_session", "credits_in_use", "credits_capacity", "pulls_in_flight_max", "last_error", "stages")
+    __slots__ = ("address", "node_id", "up", "daemon_epoch", "mooncake_session", "credits_in_use", "credits_capacity", "pulls_in_flight_max", "last_error", "stages", "pushes_out", "pushes_declined", "pushes_in", "push_grant_bytes")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     UP_FIELD_NUMBER: _ClassVar[int]
@@ -622,6 +624,10 @@ class PeerStatus(_message.Message):
     PULLS_IN_FLIGHT_MAX_FIELD_NUMBER: _ClassVar[int]
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
+    PUSHES_OUT_FIELD_NUMBER: _ClassVar[int]
+    PUSHES_DECLINED_FIELD_NUMBER: _ClassVar[int]
+    PUSHES_IN_FIELD_NUMBER: _ClassVar[int]
+    PUSH_GRANT_BYTES_FIELD_NUMBER: _ClassVar[int]
     address: str
     node_id: str
     up: bool
@@ -632,7 +638,11 @@ class PeerStatus(_message.Message):
     pulls_in_flight_max: int
     last_error: str
     stages: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, address: _Optional[str] = ..., node_id: _Optional[str] = ..., up: _Optional[bool] = ..., daemon_epoch: _Optional[str] = ..., mooncake_session: _Optional[str] = ..., credits_in_use: _Optional[int] = ..., credits_capacity: _Optional[int] = ..., pulls_in_flight_max: _Optional[int] = ..., last_error: _Optional[str] = ..., stages: _Optional[_Iterable[str]] = ...) -> None: ...
+    pushes_out: int
+    pushes_declined: int
+    pushes_in: int
+    push_grant_bytes: int
+    def __init__(self, address: _Optional[str] = ..., node_id: _Optional[str] = ..., up: _Optional[bool] = ..., daemon_epoch: _Optional[str] = ..., mooncake_session: _Optional[str] = ..., credits_in_use: _Optional[int] = ..., credits_capacity: _Optional[int] = ..., pulls_in_flight_max: _Optional[int] = ..., last_error: _Optional[str] = ..., stages: _Optional[_Iterable[str]] = ..., pushes_out: _Optional[int] = ..., pushes_declined: _Optional[int] = ..., pushes_in: _Optional[int] = ..., push_grant_bytes: _Optional[int] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
     __slots__ = ("session_id", "session_token", "data_ref", "timeout_seconds")
@@ -703,16 +713,18 @@ class Reserve(_message.Message):
     def __init__(self, lease_id: _Optional[int] = ..., grant_id: _Optional[int] = ..., slot: _Optional[int] = ..., nslots: _Optional[int] = ..., generation: _Optional[int] = ..., request_id: _Optional[str] = ..., to_stage: _Optional[str] = ..., from_stage: _Optional[str] = ..., trace_id: _Optional[str] = ...) -> None: ...
 
 class Publish(_message.Message):
-    __slots__ = ("lease_id", "nbytes", "transport", "ref")
+    __slots__ = ("lease_id", "nbytes", "transport", "ref", "push")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     REF_FIELD_NUMBER: _ClassVar[int]
+    PUSH_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     nbytes: int
     transport: Transport
     ref: bool
-    def __init__(self, lease_id: _Optional[int] = ..., nbytes: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., ref: _Optional[bool] = ...) -> None: ...
+    push: bool
+    def __init__(self, lease_id: _Optional[int] = ..., nbytes: _Optional[int] = ..., transport: _Optional[_Union[Transport, str]] = ..., ref: _Optional[bool] = ..., push: _Optional[bool] = ...) -> None: ...
 
 class Claim(_message.Message):
     __slots__ = ("lease_id", "generation")
@@ -1001,3 +1013,97 @@ class PeerKeyedPutRequest(_message.Message):
 class PeerKeyedPutResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class PushGrantRequest(_message.Message):
+    __slots__ = ("node_id", "daemon_epoch", "nbytes")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    DAEMON_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    daemon_epoch: str
+    nbytes: int
+    def __init__(self, node_id: _Optional[str] = ..., daemon_epoch: _Optional[str] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class PushGrantResponse(_message.Message):
+    __slots__ = ("grant_id", "segment", "slot", "nslots", "daemon_epoch")
+    GRANT_ID_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    NSLOTS_FIELD_NUMBER: _ClassVar[int]
+    DAEMON_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    grant_id: int
+    segment: int
+    slot: int
+    nslots: int
+    daemon_epoch: str
+    def __init__(self, grant_id: _Optional[int] = ..., segment: _Optional[int] = ..., slot: _Optional[int] = ..., nslots: _Optional[int] = ..., daemon_epoch: _Optional[str] = ...) -> None: ...
+
+class PushLanded(_message.Message):
+    __slots__ = ("lease_id", "generation", "grant_id", "slot", "nslots", "length", "request_id", "from_stage", "to_stage")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    GRANT_ID_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    NSLOTS_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FROM_STAGE_FIELD_NUMBER: _ClassVar[int]
+    TO_STAGE_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    generation: int
+    grant_id: int
+    slot: int
+    nslots: int
+    length: int
+    request_id: str
+    from_stage: str
+    to_stage: str
+    def __init__(self, lease_id: _Optional[int] = ..., generation: _Optional[int] = ..., grant_id: _Optional[int] = ..., slot: _Optional[int] = ..., nslots: _Optional[int] = ..., length: _Optional[int] = ..., request_id: _Optional[str] = ..., from_stage: _Optional[str] = ..., to_stage: _Optional[str] = ...) -> None: ...
+
+class PushDeclined(_message.Message):
+    __slots__ = ("lease_id", "generation")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    generation: int
+    def __init__(self, lease_id: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class PushFreed(_message.Message):
+    __slots__ = ("grant_id", "slot", "nslots")
+    GRANT_ID_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    NSLOTS_FIELD_NUMBER: _ClassVar[int]
+    grant_id: int
+    slot: int
+    nslots: int
+    def __init__(self, grant_id: _Optional[int] = ..., slot: _Optional[int] = ..., nslots: _Optional[int] = ...) -> None: ...
+
+class LeaseKey(_message.Message):
+    __slots__ = ("lease_id", "generation")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    generation: int
+    def __init__(self, lease_id: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class PeerNotices(_message.Message):
+    __slots__ = ("node_id", "daemon_epoch", "landed", "declined", "freed", "released")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    DAEMON_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LANDED_FIELD_NUMBER: _ClassVar[int]
+    DECLINED_FIELD_NUMBER: _ClassVar[int]
+    FREED_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    daemon_epoch: str
+    landed: _containers.RepeatedCompositeFieldContainer[PushLanded]
+    declined: _containers.RepeatedCompositeFieldContainer[PushDeclined]
+    freed: _containers.RepeatedCompositeFieldContainer[PushFreed]
+    released: _containers.RepeatedCompositeFieldContainer[LeaseKey]
+    def __init__(self, node_id: _Optional[str] = ..., daemon_epoch: _Optional[str] = ..., landed: _Optional[_Iterable[_Union[PushLanded, _Mapping]]] = ..., declined: _Optional[_Iterable[_Union[PushDeclined, _Mapping]]] = ..., freed: _Optional[_Iterable[_Union[PushFreed, _Mapping]]] = ..., released: _Optional[_Iterable[_Union[LeaseKey, _Mapping]]] = ...) -> None: ...
+
+class PeerNoticesAck(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: int
+    def __init__(self, released: _Optional[int] = ...) -> None: ...

@@ -485,6 +485,16 @@ class PeerStub:
                 request_serializer=relayd_dot_v1_dot_relay__pb2.PeerKeyedPutRequest.SerializeToString,
                 response_deserializer=relayd_dot_v1_dot_relay__pb2.PeerKeyedPutResponse.FromString,
                 _registered_method=True)
+        self.PushGrant = channel.unary_unary(
+                '/relayd.v1.Peer/PushGrant',
+                request_serializer=relayd_dot_v1_dot_relay__pb2.PushGrantRequest.SerializeToString,
+                response_deserializer=relayd_dot_v1_dot_relay__pb2.PushGrantResponse.FromString,
+                _registered_method=True)
+        self.Notify = channel.unary_unary(
+                '/relayd.v1.Peer/Notify',
+                request_serializer=relayd_dot_v1_dot_relay__pb2.PeerNotices.SerializeToString,
+                response_deserializer=relayd_dot_v1_dot_relay__pb2.PeerNoticesAck.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -522,6 +532,18 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PushGrant(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Notify(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -549,6 +571,16 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.KeyedPut,
                     request_deserializer=relayd_dot_v1_dot_relay__pb2.PeerKeyedPutRequest.FromString,
                     response_serializer=relayd_dot_v1_dot_relay__pb2.PeerKeyedPutResponse.SerializeToString,
+            ),
+            'PushGrant': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushGrant,
+                    request_deserializer=relayd_dot_v1_dot_relay__pb2.PushGrantRequest.FromString,
+                    response_serializer=relayd_dot_v1_dot_relay__pb2.PushGrantResponse.SerializeToString,
+            ),
+            'Notify': grpc.unary_unary_rpc_method_handler(
+                    servicer.Notify,
+                    request_deserializer=relayd_dot_v1_dot_relay__pb2.PeerNotices.FromString,
+                    response_serializer=relayd_dot_v1_dot_relay__pb2.PeerNoticesAck.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -686,6 +718,60 @@ class Peer:
             '/relayd.v1.Peer/KeyedPut',
             relayd_dot_v1_dot_relay__pb2.PeerKeyedPutRequest.SerializeToString,
             relayd_dot_v1_dot_relay__pb2.PeerKeyedPutResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushGrant(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/relayd.v1.Peer/PushGrant',
+            relayd_dot_v1_dot_relay__pb2.PushGrantRequest.SerializeToString,
+            relayd_dot_v1_dot_relay__pb2.PushGrantResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Notify(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/relayd.v1.Peer/Notify',
+            relayd_dot_v1_dot_relay__pb2.PeerNotices.SerializeToString,
+            relayd_dot_v1_dot_relay__pb2.PeerNoticesAck.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,146 @@
+"""One-way notices between daemons, batched per peer (``Peer.Notify``).
+
+Pushes that landed or were declined, push-grant runs freed, pulled leases to
+free: none of them is answered, so none is worth a call of its own. Each peer
+has one pending :class:`relayd_client._proto.relay_pb2.PeerNotices` and at most
+one Notify call in flight; whatever is added meanwhile rides the next call,
+which goes as soon as the one before returns. Under load that batches like the
+session's notices; idle, a notice leaves at the end of the loop turn that made
+it. Frees and releases may linger (``linger``), since nothing waits for them.
+
+A call that fails is dropped, not retried: the peer is gone or cut off, and
+each kind has its fallback there (a reader waiting for a push ends at the peer
+timeout or the peer's loss; a writer's pulled lease ends at its TTL).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Callable
+
+import grpc
+from relayd_client._proto import relay_pb2 as pb
+from relayd_client._proto import relay_pb2_grpc as pb_grpc
+from relayd_client._status import from_rpc_error
+
+log = logging.getLogger(__name__)
+
+# A batch goes early once it holds this many notices.
+MAX_BATCH = 512
+
+
+@dataclasses.dataclass(eq=False)
+class _Outbox:
+    pending: pb.PeerNotices = dataclasses.field(default_factory=pb.PeerNotices)
+    count: int = 0
+    busy: bool = False
+    timer: asyncio.TimerHandle | None = None
+
+
+class PeerNotifier:
+    """Outboxes by peer address; ``stub_for`` gives a peer's stub (None: it is gone)."""
+
+    def __init__(
+        self,
+        node_id: str,
+        epoch: str,
+        stub_for: Callable[[str], pb_grpc.PeerStub | None],
+        metadata: Callable[[], tuple[tuple[str, bytes], ...]],
+        timeout: float,
+        linger: float,
+    ) -> None:
+        self._node_id = node_id
+        self._epoch = epoch
+        self._stub_for = stub_for
+        self._metadata = metadata
+        self._timeout = timeout
+        self._linger = linger
+        self._boxes: dict[str, _Outbox] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.calls = 0  # Notify calls made (the bench counts messages with it)
+
+    def box(self, address: str) -> pb.PeerNotices:
+        """The batch to add notices to; call :meth:`send` after adding."""
+        return self._outbox(address).pending
+
+    def send(self, address: str, *, urgent: bool = True, added: int = 1) -> None:
+        """Send what ``box(address)`` holds: at the end of this turn when ``urgent``
+        (a reader may be waiting for it), else within ``linger``."""
+        ob = self._outbox(address)
+        ob.count += added
+        if ob.busy:
+            return  # goes when the call in flight returns
+        if urgent or ob.count >= MAX_BATCH or self._linger <= 0:
+            if ob.timer is not None:
+                ob.timer.cancel()
+                ob.timer = None
+            self._start(address, ob)
+        elif ob.timer is None:
+            loop = asyncio.get_running_loop()
+            ob.timer = loop.call_later(self._linger, self._due, address)
+
+    def forget(self, address: str) -> None:
+        """The peer went down: what was pending for it is void."""
+        ob = self._boxes.pop(address, None)
+        if ob is not None and ob.timer is not None:
+            ob.timer.cancel()
+
+    async def close(self) -> None:
+        for ob in self._boxes.values():
+            if ob.timer is not None:
+                ob.timer.cancel()
+        self._boxes.clear()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _outbox(self, address: str) -> _Outbox:
+        ob = self._boxes.get(address)
+        if ob is None:
+            ob = self._boxes[address] = _Outbox()
+        return ob
+
+    def _due(self, address: str) -> None:
+        ob = self._boxes.get(address)
+        if ob is not None:
+            ob.timer = None
+            if not ob.busy:
+                self._start(address, ob)
+
+    def _start(self, address: str, ob: _Outbox) -> None:
+        if not ob.count:
+            return
+        batch, ob.pending, ob.count = ob.pending, pb.PeerNotices(), 0
+        batch.node_id = self._node_id
+        batch.daemon_epoch = self._epoch
+        ob.busy = True
+        task = asyncio.get_running_loop().create_task(self._call(address, batch))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _call(self, address: str, batch: pb.PeerNotices) -> None:
+        try:
+            stub = self._stub_for(address)
+            if stub is not None:
+                self.calls += 1
+                await stub.Notify(batch, timeout=self._timeout, metadata=self._metadata())
+        except grpc.RpcError as exc:
+            log.warning(
+                "%d notice(s) to peer %s lost: %s",
+                len(batch.landed) + len(batch.declined) + len(batch.freed) + len(batch.released),
+                address,
+                from_rpc_error(exc).message,
+            )
+        finally:
+            ob = self._boxes.get(address)
+            if ob is not None:
+                ob.busy = False
+                if ob.count and ob.timer is None:
+                    self._start(address, ob)
+
+
+__all__ = ["MAX_BATCH", "PeerNotifier"]

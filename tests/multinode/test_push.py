@@ -1,0 +1,212 @@
+"""Push to the consumer's node: two real daemons, real Mooncake, real clients.
+
+The consumer stage (``talker``) attaches to node B first, so node A knows it is
+served there; A's writer then puts, A's daemon writes the bytes into its push
+grant at B, and B's reader finds a local lease. Pull stays the fallback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pathlib
+from typing import Any
+
+import grpc
+import pytest
+from relayd_client import AbortedError, RelayClient
+from relayd_client._proto import relay_pb2 as pb
+from relayd_client._proto import relay_pb2_grpc as pb_grpc
+
+from tests._daemon import free_port, wait_until
+from tests._workers import digest, make_payload
+from tests.multinode.test_two_daemons import _NO_MOONCAKE, MiB, Node, _metric, _token
+
+pytestmark = [
+    pytest.mark.multinode,
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(bool(_NO_MOONCAKE), reason=_NO_MOONCAKE),
+]
+
+TOKEN = "0123456789abcdef-shared-peer-token"
+
+
+def _pair(tmp: pathlib.Path, b_env: dict[str, str]) -> tuple[Node, Node]:
+    token = _token(tmp, "token", TOKEN)
+    pa, pb_ = free_port(), free_port()
+    a = Node(tmp, "node-a", pa, pb_, token, pool="192MiB", metrics=True)
+    b = Node(tmp, "node-b", pb_, pa, token, pool="192MiB", metrics=True, env=b_env)
+    a.daemon.start()
+    b.daemon.start()
+    wait_until(lambda: a.sees(b) and b.sees(a), 15, "the two daemons to handshake")
+    return a, b
+
+
+@pytest.fixture
+def nodes(tmp_path: pathlib.Path, request: pytest.FixtureRequest) -> Any:
+    a, b = _pair(tmp_path, getattr(request, "param", {}))
+    try:
+        yield a, b
+    finally:
+        for n in (b, a):
+            proc = n.daemon.proc
+            if proc is not None and proc.poll() is None:
+                n.daemon.stop()
+
+
+def _count(node: Node, other: Node, field: str) -> int:
+    return int(node.peer(other.address).get(field, 0))
+
+
+def _pulls(node: Node) -> float:
+    return _metric(node.daemon.scrape(), "relayd_mooncake_pull_seconds_count") or 0.0
+
+
+def _ready_to_push(a: Node, b: Node) -> None:
+    wait_until(lambda: "talker" in a.peer(b.address).get("stages", []), 10, "a to know talker")
+    wait_until(lambda: _count(a, b, "push_grant_bytes") > 0, 10, "a push grant at b")
+
+
+def _free_but_grant(a: Node, b: Node) -> bool:
+    """No leases on either node, and each arena free but for the push grant the
+    other node holds there."""
+    for here, other in ((a, b), (b, a)):
+        pool = here.daemon.pool()
+        grant = _count(other, here, "push_grant_bytes")
+        if here.used() or pool["free_slots"] * pool["slot_size"] != pool["capacity_bytes"] - grant:
+            return False
+    return True
+
+
+def test_puts_to_a_remote_consumer_are_pushed_and_read_locally(nodes: tuple[Node, Node]) -> None:
+    a, b = nodes
+    sizes = [300_000, MiB, 4 * MiB + 3, 9 * MiB]
+
+    async def scenario() -> None:
+        async with RelayClient("talker", b.daemon.socket) as r:
+            _ready_to_push(a, b)
+            async with RelayClient("thinker", a.daemon.socket) as w:
+                for i, n in enumerate(sizes):
+                    payload = make_payload(i, n)
+                    ref = await w.put(payload, to_stage="talker", request_id=f"p{i}")
+                    assert ref.proto.push
+                    assert digest(await r.get(ref.to_bytes())) == digest(payload)
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
+    assert _count(b, a, "pushes_in") == len(sizes)
+    assert _count(a, b, "pushes_out") == len(sizes)
+    assert _count(a, b, "pushes_declined") == 0
+    assert _pulls(b) == 0  # not one pull: every read found its local copy
+    wait_until(lambda: _free_but_grant(a, b), 10, "both arenas back to the push grant alone")
+    assert int(b.peer(a.address)["credits_in_use"]) == 0
+    assert int(a.peer(b.address).get("credits_in_use", 0)) == 0
+
+
+def test_a_put_before_the_consumer_is_known_is_pulled(nodes: tuple[Node, Node]) -> None:
+    a, b = nodes
+
+    async def scenario() -> None:
+        async with RelayClient("thinker", a.daemon.socket) as w:
+            payload = make_payload(7, 2 * MiB)
+            ref = await w.put(payload, to_stage="talker", request_id="early")
+            assert not ref.proto.push
+            async with RelayClient("talker", b.daemon.socket) as r:
+                assert digest(await r.get(ref.to_bytes())) == digest(payload)
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
+    assert _count(b, a, "pushes_in") == 0
+    assert _pulls(b) == 1
+    wait_until(lambda: _free_but_grant(a, b), 10, "both arenas back to the push grant alone")
+
+
+@pytest.mark.parametrize("nodes", [{"RELAYD_PUSH_GRANT_SIZE": "2MiB"}], indirect=True)
+def test_a_push_that_finds_no_room_falls_back_to_the_pull(nodes: tuple[Node, Node]) -> None:
+    a, b = nodes
+    sizes = [MiB, 3 * MiB, MiB]  # the 3 MiB one cannot fit the 2 MiB grant
+
+    async def scenario() -> None:
+        async with RelayClient("talker", b.daemon.socket) as r:
+            _ready_to_push(a, b)
+            async with RelayClient("thinker", a.daemon.socket) as w:
+                for i, n in enumerate(sizes):
+                    payload = make_payload(i, n)
+                    ref = await w.put(payload, to_stage="talker", request_id=f"f{i}")
+                    assert digest(await r.get(ref.to_bytes())) == digest(payload)
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
+    assert _count(a, b, "pushes_declined") == 1
+    assert _count(b, a, "pushes_in") == 2
+    assert _pulls(b) == 1
+    wait_until(lambda: _free_but_grant(a, b), 10, "both arenas back to the push grant alone")
+
+
+def test_abort_frees_pushed_leases_on_both_nodes(nodes: tuple[Node, Node]) -> None:
+    a, b = nodes
+
+    async def scenario() -> None:
+        async with RelayClient("talker", b.daemon.socket) as r:
+            _ready_to_push(a, b)
+            async with RelayClient("thinker", a.daemon.socket) as w:
+                refs = [
+                    await w.put(make_payload(i, MiB), to_stage="talker", request_id="gone")
+                    for i in range(4)
+                ]
+                await w.abort("gone")
+                for ref in refs:
+                    with pytest.raises(AbortedError):
+                        await r.get(ref.to_bytes())
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
+    wait_until(lambda: _free_but_grant(a, b), 10, "both arenas back to the push grant alone")
+    assert int(b.peer(a.address)["credits_in_use"]) == 0
+
+
+def test_hostile_push_notices_are_refused(nodes: tuple[Node, Node]) -> None:
+    a, b = nodes
+
+    async def attach_and_check() -> None:
+        async with RelayClient("talker", b.daemon.socket):
+            _ready_to_push(a, b)
+            epoch = str(b.peer(a.address)["daemon_epoch"])
+            grant = _count(a, b, "push_grant_bytes") // (64 << 10)
+            meta = (("relayd-peer-token-bin", TOKEN.encode()),)
+            with grpc.insecure_channel(b.address) as ch:
+                stub = pb_grpc.PeerStub(ch)
+                # Not a connected peer (or not its epoch): refused outright.
+                with pytest.raises(grpc.RpcError) as info:
+                    stub.Notify(
+                        pb.PeerNotices(node_id="node-x", daemon_epoch="e"), timeout=5, metadata=meta
+                    )
+                assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+                bad = [
+                    # past the end of the grant
+                    pb.PushLanded(lease_id=1, generation=1, grant_id=1, slot=grant, nslots=1,
+                                  length=10, request_id="h", from_stage="thinker",
+                                  to_stage="talker"),
+                    # longer than its run
+                    pb.PushLanded(lease_id=2, generation=2, grant_id=1, slot=0, nslots=1,
+                                  length=(64 << 10) + 1, request_id="h", from_stage="thinker",
+                                  to_stage="talker"),
+                    # a stage nobody serves on node B
+                    pb.PushLanded(lease_id=3, generation=3, grant_id=1, slot=0, nslots=1,
+                                  length=10, request_id="h", from_stage="thinker",
+                                  to_stage="nobody"),
+                    # some other grant
+                    pb.PushLanded(lease_id=4, generation=4, grant_id=99, slot=0, nslots=1,
+                                  length=10, request_id="h", from_stage="thinker",
+                                  to_stage="talker"),
+                ]  # fmt: skip
+                stub.Notify(
+                    pb.PeerNotices(node_id="node-a", daemon_epoch=epoch, landed=bad),
+                    timeout=5,
+                    metadata=meta,
+                )
+            assert b.daemon.proc is not None and b.daemon.proc.poll() is None
+            assert b.used() == 0  # no lease was made of any of them
+            assert _count(b, a, "pushes_in") == 0
+
+    asyncio.run(asyncio.wait_for(attach_and_check(), 60))
+    log = b.daemon.log()
+    assert "lies outside the push grant" in log
+    assert "does not fit" in log
+    assert "is not served on this node" in log
+    assert "names no push grant" in log
