@@ -82,7 +82,7 @@ class DataRef:
             msg.ParseFromString(body)
         except DecodeError as exc:
             raise CorruptRefError(f"DataRef does not decode: {exc}") from None
-        _validate(msg)
+        _validate(msg, len(body))
         return cls(msg, _wire=data)
 
     # -- accessors ------------------------------------------------------------------
@@ -139,19 +139,25 @@ class DataRef:
         return hash(self.to_bytes())
 
 
-def _validate(m: pb.DataRef) -> None:
-    """Range checks that need no daemon; anything off is CorruptRefError."""
+def _validate(m: pb.DataRef, body_len: int) -> None:
+    """Range checks that need no daemon; anything off is CorruptRefError.
+
+    ``body_len`` is the size of the encoded message ``m`` came from (or is
+    part of): no string in it is longer, so a body of at most MAX_NAME bytes
+    needs no name checks (most DataRefs; five string reads, ~1.5 us).
+    """
     try:
         transport = Transport.from_proto(m.transport)
     except ValueError:
         raise CorruptRefError(f"DataRef names unknown transport {m.transport}") from None
     if m.version != VERSION:
         raise VersionMismatchError(f"DataRef message version {m.version}, expected {VERSION}")
-    for name, value in (("request_id", m.request_id), ("to_stage", m.to_stage),
-                        ("object_id", m.object_id), ("origin.stage", m.origin.stage),
-                        ("origin.node_id", m.origin.node_id)):  # fmt: skip
-        if len(value) > MAX_NAME:
-            raise CorruptRefError(f"DataRef {name} is longer than {MAX_NAME} characters")
+    if body_len > MAX_NAME:
+        for name, value in (("request_id", m.request_id), ("to_stage", m.to_stage),
+                            ("object_id", m.object_id), ("origin.stage", m.origin.stage),
+                            ("origin.node_id", m.origin.node_id)):  # fmt: skip
+            if len(value) > MAX_NAME:
+                raise CorruptRefError(f"DataRef {name} is longer than {MAX_NAME} characters")
     if m.chunk_id < -1:
         raise CorruptRefError(f"DataRef chunk_id {m.chunk_id} is negative")
     if m.kind not in (KIND_DATA, KIND_DONE, KIND_ERROR):
@@ -174,7 +180,7 @@ def _validate(m: pb.DataRef) -> None:
             or r.transport not in (pb.TRANSPORT_SHM, pb.TRANSPORT_SOCKET)
         ):
             raise CorruptRefError("DataRef forwards a malformed tensor reference")
-        _validate(r)
+        _validate(r, body_len)
     if transport in (Transport.SHM, Transport.MOONCAKE, Transport.SOCKET):
         lease = m.lease
         if lease.nslots == 0 or lease.generation == 0:

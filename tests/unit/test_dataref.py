@@ -118,3 +118,16 @@ def test_remembered_layout_verdicts_never_let_a_different_layout_through() -> No
     with pytest.raises(CorruptRefError, match="does not match"):
         check(client, m, 64)  # type: ignore[arg-type]
     assert len(client._valid_layouts) == 1  # refused layouts are not remembered
+
+
+@pytest.mark.parametrize("field", ["request_id", "to_stage", "object_id"])
+def test_names_longer_than_the_limit_are_refused_and_the_limit_is_not(field: str) -> None:
+    from relayd_client._dataref import MAX_NAME
+
+    assert DataRef.from_bytes(_wire(_msg(**{field: "x" * MAX_NAME})))
+    with pytest.raises(CorruptRefError, match="longer than"):
+        DataRef.from_bytes(_wire(_msg(**{field: "x" * (MAX_NAME + 1)})))
+    m = _msg()
+    m.origin.stage = "s" * (MAX_NAME + 1)
+    with pytest.raises(CorruptRefError, match=r"origin\.stage"):
+        DataRef.from_bytes(_wire(m))
