@@ -1764,12 +1764,14 @@ class RelayClient:
 
         Waits up to ``timeout`` seconds for it (:class:`RelayTimeoutError`
         after); reading consumes the key, so a second ``get_key`` of it
-        raises :class:`StaleRefError`.
+        raises :class:`StaleRefError`. Its edge's get latency counts from
+        this call: the wait for the key included.
         """
+        started = time.perf_counter_ns()
         ref = await self.take_key(key, from_stage=from_stage, to_stage=to_stage, timeout=timeout)
         if ref is None:
             raise RelayTimeoutError(f"no put of key {key!r} from {from_stage!r} yet")
-        return await self.get(ref)
+        return self._get_finished(ref, await self._get(ref, True), started)
 
     async def poll_key(
         self,
@@ -1785,8 +1787,11 @@ class RelayClient:
         None is a payload you put. Reading consumes the key, like
         :meth:`get_key`.
         """
+        started = time.perf_counter_ns()
         ref = await self.take_key(key, from_stage=from_stage, to_stage=to_stage, timeout=0)
-        return default if ref is None else await self.get(ref)
+        if ref is None:
+            return default
+        return self._get_finished(ref, await self._get(ref, True), started)
 
     async def discard(self, ref: DataRef | TensorRef | bytes) -> None:
         """Free what ``ref`` holds without reading it.

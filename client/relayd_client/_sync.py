@@ -471,10 +471,11 @@ class SyncRelayClient:
         timeout: float | None = None,
     ) -> Any:
         """The payload put under ``key``, waiting for it; see :meth:`RelayClient.get_key`."""
+        started = time.perf_counter_ns()
         ref = self.take_key(key, from_stage=from_stage, to_stage=to_stage, timeout=timeout)
         if ref is None:
             raise RelayTimeoutError(f"no put of key {key!r} from {from_stage!r} yet")
-        return self.get(ref)
+        return self._client._get_finished(ref, self._get(ref, True), started)
 
     def poll_key(
         self,
@@ -485,8 +486,11 @@ class SyncRelayClient:
         default: Any = None,
     ) -> Any:
         """The payload under ``key`` if there, else ``default``; see :meth:`RelayClient.poll_key`."""
+        started = time.perf_counter_ns()
         ref = self.take_key(key, from_stage=from_stage, to_stage=to_stage, timeout=0)
-        return default if ref is None else self.get(ref)
+        if ref is None:
+            return default
+        return self._client._get_finished(ref, self._get(ref, True), started)
 
     def discard(self, ref: DataRef | TensorRef | bytes) -> None:
         """Free what ``ref`` holds without reading it; see :meth:`RelayClient.discard`."""

@@ -335,3 +335,38 @@ def test_sync_client_threads_time_every_call_once(
         assert _counts(text, "relayd_edge_transfers_total") == want
         assert _counts(text, "relayd_put_seconds_count") == want
         assert _counts(text, "relayd_get_seconds_count") == want
+
+
+def test_a_keyed_get_counts_its_wait_for_the_key(
+    tmp_path: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """get_key's latency runs from the call, so the wait for the put is in it.
+
+    The clients read time through ``time.perf_counter_ns``; a clock the test
+    moves by 3 s while the reader waits in the daemon makes that wait exact.
+    """
+    import time
+
+    clock = [10**12]
+    monkeypatch.setattr(time, "perf_counter_ns", lambda: clock[0])
+
+    async def scenario(sock: str) -> None:
+        async with RelayClient("kw", sock) as w, RelayClient("kr", sock) as r:
+            waiting = asyncio.ensure_future(r.get_key("k1", from_stage="kw", timeout=30))
+            await asyncio.sleep(0)  # the call has started (and read the clock)
+            clock[0] += 3 * 10**9
+            await w.put({"x": 1}, to_stage="kr", request_id="rk", key="k1")
+            assert await waiting == {"x": 1}
+            # A key that is there already: no wait in it.
+            await w.put({"x": 2}, to_stage="kr", request_id="rk2", key="k2")
+            assert await r.poll_key("k2", from_stage="kw") == {"x": 2}
+
+    with running_daemon(str(tmp_path), metrics=True) as d:
+        asyncio.run(asyncio.wait_for(scenario(d.socket), 60))
+        text = d.scrape()
+        labels = {"from_stage": "kw", "to_stage": "kr", "transport": "inline"}
+        assert _metric(text, "relayd_get_seconds_count", **labels) == 2
+        assert _metric(text, "relayd_get_seconds_sum", **labels) == 3.0
+        # 3 s lands in the <= 5 s bucket, not in the 2 s one.
+        assert _metric(text, "relayd_get_seconds_bucket", le="2.0", **labels) == 1
+        assert _metric(text, "relayd_get_seconds_bucket", le="5.0", **labels) == 2
