@@ -31,14 +31,12 @@ def _client_socket(args: argparse.Namespace) -> str:
 
 
 def _status_dict(socket_path: str, timeout: float = 5.0) -> dict[str, Any]:
-    import grpc
     from google.protobuf.json_format import MessageToDict
-    from relayd_client._proto import relay_pb2 as pb
-    from relayd_client._proto import relay_pb2_grpc as pb_grpc
 
-    with grpc.insecure_channel(f"unix:{socket_path}") as channel:
-        stub = pb_grpc.RelayStub(channel)
-        resp = stub.Status(pb.StatusRequest(), timeout=timeout)
+    from .operator import operator_session
+
+    with operator_session(socket_path, timeout) as op:
+        resp = op.status(timeout)
     return MessageToDict(
         resp, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
     )
@@ -208,16 +206,12 @@ def _daemon_gone(socket_path: str) -> bool:
 
 
 def cmd_drain(args: argparse.Namespace) -> int:
-    import grpc
-    from relayd_client._proto import relay_pb2 as pb
-    from relayd_client._proto import relay_pb2_grpc as pb_grpc
+    from .operator import operator_session
 
     path = _client_socket(args)
     try:
-        with grpc.insecure_channel(f"unix:{path}") as channel:
-            resp = pb_grpc.RelayStub(channel).Drain(
-                pb.DrainRequest(grace_seconds=args.grace or 0), timeout=5
-            )
+        with operator_session(path, 5) as op:
+            resp = op.drain(args.grace or 0, 5)
     except Exception as exc:
         return _fail_unreachable(path, exc)
     from .rpc.service import MAX_DRAIN_GRACE

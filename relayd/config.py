@@ -237,7 +237,15 @@ class Settings:
         (),
         parse=_parse_ints,
         metavar="GID,...",
-        help="gids admitted on the session socket (default: the daemon's group)",
+        help="gids admitted on the session socket, primary or supplementary (default: the "
+        "daemon's group)",
+    )
+    admin_gid: tuple[int, ...] = _field(
+        (),
+        parse=_parse_ints,
+        metavar="GID,...",
+        help="groups whose members may drain and read the full status (root and the daemon's "
+        "uid always may)",
     )
     max_sessions: int = _field(
         1024, parse=int, metavar="N", help="sessions at once, bound or not yet bound"

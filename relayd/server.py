@@ -71,6 +71,18 @@ def max_message_bytes(arena: Arena) -> int:
     return arena.max_run_slots() * arena.slot_size + _MESSAGE_OVERHEAD
 
 
+def segment_mode(admission: Admission) -> int:
+    """Who may open the arena's files: exactly who is admitted, never more.
+
+    The files belong to the daemon's uid and group, so the file system lets in
+    root, that uid and the group's members (primary or supplementary); all of
+    them are admitted. The group gets read-write only when the daemon's group
+    is an admitted one; members of other --allow-gid groups are admitted but
+    cannot map, and move bytes over the socket fallback.
+    """
+    return 0o660 if os.getegid() in admission.gids else 0o600
+
+
 def grpc_server_options(settings: Settings, arena: Arena) -> list[tuple[str, int]]:
     """Bounds on every gRPC connection, bound to a session or not.
 
@@ -129,6 +141,16 @@ class Daemon:
         self._lock_fd = -1
         self._loop: asyncio.AbstractEventLoop | None = None
         self._protocols: set[SessionProtocol] = set()
+        self.admission = Admission(
+            settings.allow_uid,
+            settings.allow_gid or (os.getegid(),),
+            daemon_uid=os.geteuid(),
+            admin_gids=settings.admin_gid,
+        )
+        # Bound sessions whose process may operate the daemon (Drain, the full Status).
+        self.admins: set[str] = set()
+        # Bound operator sessions (the CLI's); status leaves them out.
+        self.operators: set[str] = set()
         self.cuda_pools: list[cuda_pools.CudaPool] = []
         # Cross-node peers and Mooncake; None unless --peer-address is set.
         self.peers: PeerManager | None = None
@@ -149,17 +171,18 @@ class Daemon:
         s = self.settings
         self._take_socket_lock()
         remove_stale_segments()
+        admission = self.admission
         self.arena = Arena(
             node_id=s.node_id,
             epoch=self.epoch,
             total_bytes=s.shm_pool_size,
             segment_bytes=s.shm_segment_size,
             slot_size=s.slot_size,
-            mode=s.socket_mode & 0o666,
+            mode=segment_mode(admission),
         )
         # One slot pool per GPU, only with --gpu-pool-size and CUDA present.
         self.cuda_pools = cuda_pools.open_pools(
-            s, prefix=self.arena.prefix, mode=s.socket_mode & 0o666
+            s, prefix=self.arena.prefix, mode=segment_mode(admission)
         )
         m = self.metrics
         self.manager = LeaseManager(
@@ -203,7 +226,6 @@ class Daemon:
         os.chmod(s.socket, s.socket_mode)
         self._servers.append(server)
 
-        admission = Admission(s.allow_uid or (os.getuid(),), s.allow_gid or (os.getgid(),))
         limits = UidLimits(s.uid_session_limit)
         loop = asyncio.get_running_loop()
         with self._umask():
@@ -221,6 +243,8 @@ class Daemon:
                         on_fetch=self._fetch_on_session,
                         limits=limits,
                         keyed=self.keyed,
+                        admins=self.admins,
+                        operators=self.operators,
                     )
                 ),
                 path=s.session_socket,
@@ -511,7 +535,7 @@ class Daemon:
                 for p in self.cuda_pools
                 for st, n in m.leases_by_state(p.name).items()
             },
-            "sessions": len(m.sessions),
+            "sessions": len(m.sessions) - len(self.operators),
             "serving": 1 if self.state == DaemonState.SERVING else 0,
             **(self.peers.snapshot() if self.peers is not None else {}),
         }
@@ -547,6 +571,8 @@ class Daemon:
                 )
             )
         for s in m.sessions.values():
+            if s.id in self.operators:
+                continue
             resp.sessions.append(
                 pb.SessionStatus(
                     session_id=s.id,

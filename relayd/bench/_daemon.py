@@ -215,13 +215,12 @@ def wait_peered(d: Daemon, peer_address: str, deadline: float) -> None:
 
 def status(sock: str, timeout_s: float = 5.0) -> dict[str, Any]:
     """The daemon's Status reply as a dict (proto field names)."""
-    import grpc
     from google.protobuf.json_format import MessageToDict
-    from relayd_client._proto import relay_pb2 as pb
-    from relayd_client._proto import relay_pb2_grpc as pb_grpc
 
-    with grpc.insecure_channel(f"unix:{sock}") as channel:
-        reply = pb_grpc.RelayStub(channel).Status(pb.StatusRequest(), timeout=timeout_s)
+    from ..operator import operator_session
+
+    with operator_session(sock, timeout_s) as op:
+        reply = op.status(timeout_s)
     result: dict[str, Any] = MessageToDict(reply, preserving_proto_field_name=True)
     return result
 

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 from relayd_client._errors import (
     InvalidArgumentError,
+    PermissionDeniedError,
     SessionClosedError,
     VersionMismatchError,
 )
@@ -126,7 +127,7 @@ class RelayService(RoutingService, pb_grpc.RelayServicer):
     @mapped
     async def Abort(self, request: pb.AbortRequest, context: Ctx) -> pb.AbortResponse:
         m = self.daemon.manager
-        session = m.authenticate(request.session_id, request.session_token)
+        session = self._bound(request.session_id, request.session_token)
         check_request_id(request.request_id)
         n, nbytes = m.abort(session, request.request_id)
         self.daemon.keys.abort(request.request_id, session.stages)
@@ -149,10 +150,21 @@ class RelayService(RoutingService, pb_grpc.RelayServicer):
 
     @mapped
     async def Status(self, request: pb.StatusRequest, context: Ctx) -> pb.StatusResponse:
-        return self.daemon.status()
+        session = self._bound(request.session_id, request.session_token)
+        resp = self.daemon.status()
+        if session.id not in self.daemon.admins:
+            # Who runs what (pids, uids, sessions, request ids) is the operator's to see.
+            for field in ("leases", "sessions", "stages"):
+                resp.ClearField(field)
+        return resp
 
     @mapped
     async def Drain(self, request: pb.DrainRequest, context: Ctx) -> pb.DrainResponse:
+        session = self._bound(request.session_id, request.session_token)
+        if session.id not in self.daemon.admins:
+            raise PermissionDeniedError(
+                "only root, the daemon's own uid and members of --admin-gid may drain relayd"
+            )
         grace = request.grace_seconds if request.grace_seconds > 0 else None
         if grace is not None and not grace <= MAX_DRAIN_GRACE:
             raise InvalidArgumentError(f"grace_seconds must be at most {MAX_DRAIN_GRACE:g}")

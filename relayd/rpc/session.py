@@ -45,6 +45,8 @@ MAX_FETCH_CALLS = 4096
 # in flight; more are refused, as for fetches.
 MAX_KEYED_CALLS = 4096
 _LEN = struct.Struct("<I")
+SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
+_MAX_GROUPS = 65536
 _REFUSAL_CODES = {
     "uid": pb.ERROR_CODE_PERMISSION_DENIED,
     "limit": pb.ERROR_CODE_RESOURCE_EXHAUSTED,
@@ -65,15 +67,60 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
     return pid, uid, gid
 
 
+def peer_groups(sock: socket.socket, pid: int) -> frozenset[int]:
+    """The peer's supplementary groups, as the kernel recorded them when it connected.
+
+    SO_PEERGROUPS (Linux 4.13) is what the connecting process held at connect;
+    /proc/<pid>/status is the fallback on older kernels.
+    """
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, _MAX_GROUPS * 4)
+        return frozenset(struct.unpack(f"{len(raw) // 4}I", raw))
+    except OSError:
+        pass
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith("Groups:"):
+                    return frozenset(int(g) for g in line.split()[1:])
+    except (OSError, ValueError):
+        pass
+    return frozenset()
+
+
 class Admission:
-    """Which uids/gids may connect (default: the daemon's own uid and group, and root)."""
+    """Who may bind a session, and who may operate the daemon.
 
-    def __init__(self, uids: Collection[int], gids: Collection[int]) -> None:
-        self.uids = frozenset(uids)
+    Admitted, like the file system admits to a file of the daemon's user and
+    group: root, the daemon's own uid, ``--allow-uid``, and any process whose
+    primary *or supplementary* groups meet ``--allow-gid`` (default: the
+    daemon's group), so ``usermod -aG relayd <user>`` admits that user.
+    Operators (Drain, the full Status): root, the daemon's uid and members of
+    ``--admin-gid``.
+    """
+
+    def __init__(
+        self,
+        uids: Collection[int],
+        gids: Collection[int],
+        *,
+        daemon_uid: int,
+        admin_gids: Collection[int] = (),
+    ) -> None:
+        self.daemon_uid = daemon_uid
+        self.uids = frozenset(uids) | {daemon_uid}
         self.gids = frozenset(gids)
+        self.admin_gids = frozenset(admin_gids)
 
-    def admits(self, uid: int, gid: int) -> bool:
-        return uid == 0 or uid in self.uids or gid in self.gids
+    def admits(self, uid: int, gid: int, groups: Collection[int] = ()) -> bool:
+        return uid == 0 or uid in self.uids or gid in self.gids or not self.gids.isdisjoint(groups)
+
+    def is_admin(self, uid: int, gid: int, groups: Collection[int] = ()) -> bool:
+        return (
+            uid in (0, self.daemon_uid)
+            or gid in self.admin_gids
+            or not self.admin_gids.isdisjoint(groups)
+        )
 
 
 class SessionProtocol(asyncio.Protocol):
@@ -91,6 +138,8 @@ class SessionProtocol(asyncio.Protocol):
         bind_deadline: float = BIND_DEADLINE,
         keyed: KeyedCalls | None = None,
         on_latency: Callable[[Session, pb.EdgeLatencyReport], None] = lambda s, rep: None,
+        admins: set[str] | None = None,
+        operators: set[str] | None = None,
     ) -> None:
         self.manager = manager
         self.admission = admission
@@ -116,6 +165,11 @@ class SessionProtocol(asyncio.Protocol):
         self._counted_uid: int | None = None  # the uid whose share this connection holds
         self.bind_deadline = bind_deadline
         self._bind_timer: asyncio.TimerHandle | None = None
+        # Ids of bound sessions whose process may operate the daemon (shared by all).
+        self.admins = admins if admins is not None else set()
+        # Ids of bound operator sessions (the CLI's): no data path, not listed in status.
+        self.operators = operators if operators is not None else set()
+        self.groups: frozenset[int] = frozenset()
 
     # -- asyncio.Protocol -----------------------------------------------------------
 
@@ -129,7 +183,8 @@ class SessionProtocol(asyncio.Protocol):
             self._refuse("no_credentials", "cannot read peer credentials")
             return
         pid, uid, gid = self.creds
-        if not self.admission.admits(uid, gid):
+        self.groups = peer_groups(sock, pid)
+        if not self.admission.admits(uid, gid, self.groups):
             self._refuse(
                 "uid", f"pid {pid} uid {uid} gid {gid} is not allowed (--allow-uid/--allow-gid)"
             )
@@ -208,6 +263,8 @@ class SessionProtocol(asyncio.Protocol):
         self._fetches.clear()
         self._keyed.clear()
         if self.session is not None:
+            self.admins.discard(self.session.id)
+            self.operators.discard(self.session.id)
             log.info("session closed", extra={"session_id": self.session.id, "pid": self.creds[0]})
             try:
                 self.manager.close_session(self.session.id)
@@ -261,9 +318,15 @@ class SessionProtocol(asyncio.Protocol):
                 "session bound",
                 extra={"session_id": session.id, "pid": pid, "stage": ",".join(session.stages)},
             )
-            path, version = (
-                self.on_bound(session, f.bind.shm_nonce, pid) if self.on_bound else ("shm", 0)
-            )
+            if self.admission.is_admin(uid, gid, self.groups):
+                self.admins.add(session.id)
+            if f.bind.operator:
+                self.operators.add(session.id)
+                path, version = "none", 0  # the CLI moves no data: not placed anywhere
+            elif self.on_bound is not None:
+                path, version = self.on_bound(session, f.bind.shm_nonce, pid)
+            else:
+                path, version = "shm", 0
             self.send(
                 pb.SessionFrame(
                     event=[pb.Event(kind="bound", message=path, registry_version=version)]

@@ -49,11 +49,39 @@ def map_segments(prefix: str) -> dict[str, Any]:
     return {"mapped": mapped, "denied": denied}
 
 
+def operate(socket: str, other_stage: str) -> dict[str, Any]:
+    """Status and Drain through an operator session, while a stage session is attached."""
+    import grpc
+    from relayd_client import RelayClient
+
+    from relayd.operator import operator_session
+
+    async def hold() -> dict[str, Any]:
+        async with RelayClient(other_stage, socket, timeout=5):
+            with operator_session(socket) as op:
+                resp = op.status(5)
+                try:
+                    op.drain(0.5, 5)
+                    drain = "OK"
+                except grpc.RpcError as err:
+                    drain = err.code().name
+        return {
+            "sessions": len(resp.sessions),
+            "pools": len(resp.pools),
+            "stages": len(resp.stages),
+            "drain": drain,
+        }
+
+    return asyncio.run(asyncio.wait_for(hold(), 60))
+
+
 def main(argv: list[str]) -> int:
     action, *args = argv
     try:
         if action == "attach":
             out = asyncio.run(asyncio.wait_for(attach(*args), 60))
+        elif action == "operate":
+            out = operate(*args)
         elif action == "map":
             out = map_segments(*args)
         else:

@@ -164,11 +164,16 @@ def test_fuzzed_requests_get_typed_statuses_and_the_daemon_survives(daemon: Daem
 
 
 def test_drain_with_bad_grace_is_refused_and_a_good_one_drains(daemon: Daemon) -> None:
-    with stub(daemon.socket) as s:
+    from relayd.operator import operator_session
+
+    with operator_session(daemon.socket) as op:
+        s, sid, token = op.stub, op.session_id, op.token
         for grace in (math.inf, 1e9, 3601.0):
-            assert call(s.Drain, pb.DrainRequest(grace_seconds=grace)) == "INVALID_ARGUMENT"
+            req = pb.DrainRequest(grace_seconds=grace, session_id=sid, session_token=token)
+            assert call(s.Drain, req) == "INVALID_ARGUMENT"
         assert serving(daemon)
-        assert call(s.Drain, pb.DrainRequest(grace_seconds=0.5)) == "OK"
+        req = pb.DrainRequest(grace_seconds=0.5, session_id=sid, session_token=token)
+        assert call(s.Drain, req) == "OK"
     assert daemon.proc is not None and daemon.proc.wait(timeout=30) == 0
 
 

@@ -344,8 +344,12 @@ class AbortResponse(_message.Message):
     def __init__(self, leases_freed: _Optional[int] = ..., bytes_freed: _Optional[int] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("session_id", "session_token")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    session_token: bytes
+    def __init__(self, session_id: _Optional[str] = ..., session_token: _Optional[bytes] = ...) -> None: ...
 
 class PoolStatus(_message.Message):
     __slots__ = ("name", "capacity_bytes", "used_bytes", "granted_bytes", "largest_free_run_bytes", "slot_size", "slots", "free_slots")
@@ -667,10 +671,14 @@ class FetchResponse(_message.Message):
     def __init__(self, lease: _Optional[_Union[LeaseRef, _Mapping]] = ..., node_id: _Optional[str] = ..., daemon_epoch: _Optional[str] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
-    __slots__ = ("grace_seconds",)
+    __slots__ = ("grace_seconds", "session_id", "session_token")
     GRACE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
     grace_seconds: float
-    def __init__(self, grace_seconds: _Optional[float] = ...) -> None: ...
+    session_id: str
+    session_token: bytes
+    def __init__(self, grace_seconds: _Optional[float] = ..., session_id: _Optional[str] = ..., session_token: _Optional[bytes] = ...) -> None: ...
 
 class DrainResponse(_message.Message):
     __slots__ = ("accepted", "grace_seconds")
@@ -681,14 +689,16 @@ class DrainResponse(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., grace_seconds: _Optional[float] = ...) -> None: ...
 
 class Bind(_message.Message):
-    __slots__ = ("session_id", "session_token", "shm_nonce")
+    __slots__ = ("session_id", "session_token", "shm_nonce", "operator")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
     SHM_NONCE_FIELD_NUMBER: _ClassVar[int]
+    OPERATOR_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     session_token: bytes
     shm_nonce: bytes
-    def __init__(self, session_id: _Optional[str] = ..., session_token: _Optional[bytes] = ..., shm_nonce: _Optional[bytes] = ...) -> None: ...
+    operator: bool
+    def __init__(self, session_id: _Optional[str] = ..., session_token: _Optional[bytes] = ..., shm_nonce: _Optional[bytes] = ..., operator: _Optional[bool] = ...) -> None: ...
 
 class Reserve(_message.Message):
     __slots__ = ("lease_id", "grant_id", "slot", "nslots", "generation", "request_id", "to_stage", "from_stage", "trace_id")
