@@ -71,6 +71,9 @@ def out(line: str) -> None:
 async def cmd_write(a: argparse.Namespace) -> None:
     sizes = [a.sizes[i % len(a.sizes)] for i in range(max(a.count, len(a.sizes)))]
     async with RelayClient(a.stage, a.socket) as c:
+        if a.go:  # attached; write once told to
+            out("ATTACHED")
+            await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
 
         async def one(i: int, size: int) -> None:
             payload = make_payload(a.seed + i, size)
@@ -244,6 +247,7 @@ def main() -> None:
     p.add_argument("--count", type=int, default=0, help="payloads to write (sizes cycle)")
     p.add_argument("--concurrent", action="store_true")
     p.add_argument("--hold", action="store_true", help="stay alive after writing")
+    p.add_argument("--go", action="store_true", help="write: attach, then wait for a line")
     p.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1 << 20])
     p.add_argument("--error-at", type=int, default=None, help="stream-write: fail at chunk N")
     p.add_argument("--source", default="thinker", help="stream-read: the writer stage")

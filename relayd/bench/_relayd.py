@@ -12,6 +12,7 @@ the ack). The transport relayd picked is recorded in the results (``extra``).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from typing import Any
 
@@ -21,11 +22,13 @@ from relayd_client import (  # type: ignore[import-not-found, unused-ignore]
     RelayClient,
     SyncRelayClient,
 )
+from relayd_client._proto import relay_pb2 as pb
 
 from relayd.bench._api import AsyncLocalMethod, AsyncPairMethod, PairMethod
 
 WRITER_STAGE = "bench-writer"
 READER_STAGE = "bench-reader"
+ROUTE_WAIT_S = 10.0
 
 
 def transport_name(ref: Any) -> str:
@@ -115,10 +118,31 @@ class RelaydInline(RelaydShm):
 
 
 class RelaydMooncake(RelaydShm):
-    """Reader attached to another node's daemon: its daemon pulls the bytes over Mooncake TE."""
+    """Reader attached to another node's daemon: the writer's daemon pushes the bytes
+    there over Mooncake TE as soon as they are published (or the reader's pulls them)."""
 
     def _reader_socket(self) -> str | None:
         return self.ctx.reader_socket
+
+    async def send(self, i: int) -> bytes:
+        if i == 0:
+            await self._until_routed_across()
+        wire = await super().send(i)
+        if i == 0:
+            self.extra["push"] = "yes" if DataRef.from_bytes(wire).proto.push else "no"
+        return wire
+
+    async def _until_routed_across(self) -> None:
+        """The writer's daemon learns which node serves the reader's stage at its next
+        heartbeat after the reader attached; a put before that is pulled, not pushed."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + ROUTE_WAIT_S
+        to_stage = self._stages()[1]
+        while loop.time() < deadline:
+            self.client._routes.clear()
+            if await self.client._route(to_stage, True) == pb.TRANSPORT_MOONCAKE:
+                return
+            await asyncio.sleep(0.05)  # polling the daemon's registry, bounded above
 
 
 class RelaydSync(PairMethod):

@@ -210,3 +210,22 @@ def test_hostile_push_notices_are_refused(nodes: tuple[Node, Node]) -> None:
     assert "does not fit" in log
     assert "is not served on this node" in log
     assert "names no push grant" in log
+
+
+def test_keyed_puts_across_nodes_ride_the_push(nodes: tuple[Node, Node]) -> None:
+    a, b = nodes
+
+    async def scenario() -> None:
+        async with RelayClient("talker", b.daemon.socket) as r:
+            _ready_to_push(a, b)
+            async with RelayClient("thinker", a.daemon.socket) as w:
+                for i in range(3):
+                    payload = make_payload(i, MiB)
+                    await w.put(payload, to_stage="talker", request_id=f"k{i}", key=f"key{i}")
+                    got = await r.get_key(f"key{i}", from_stage="thinker", timeout=10)
+                    assert digest(got) == digest(payload)
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
+    assert _count(b, a, "pushes_in") == 3
+    assert _pulls(b) == 0
+    wait_until(lambda: _free_but_grant(a, b), 10, "both arenas back to the push grant alone")

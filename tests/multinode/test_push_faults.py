@@ -1,0 +1,181 @@
+"""Faults while pushes are in flight: real daemons, real Mooncake, clients in their
+own processes. Each ends in correct bytes or a clear RelayError within the peer
+timeout, transfers work again once the peer is back, and no daemon keeps leases,
+credits or arena bytes for what failed.
+
+A push is held in flight deterministically by freezing the consumer's daemon
+(SIGSTOP): its Mooncake engine stops applying writes, so the writer's daemon
+waits for the acknowledgement.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from tests._daemon import run_worker, spawn_worker, wait_until
+from tests.multinode.test_push import _count, _free_but_grant, _pair, _pulls, _ready_to_push
+from tests.multinode.test_two_daemons import (
+    _NO_MOONCAKE,
+    PEER_TIMEOUT,
+    MiB,
+    Node,
+    _lines,
+    _readline,
+    _send,
+)
+
+pytestmark = [
+    pytest.mark.multinode,
+    pytest.mark.timeout(150),
+    pytest.mark.skipif(bool(_NO_MOONCAKE), reason=_NO_MOONCAKE),
+]
+
+
+@pytest.fixture
+def nodes(tmp_path: pathlib.Path) -> Iterator[tuple[Node, Node]]:
+    a, b = _pair(tmp_path, {})
+    try:
+        yield a, b
+    finally:
+        for n in (b, a):
+            proc = n.daemon.proc
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
+                n.daemon.stop()
+
+
+def _reader(b: Node) -> subprocess.Popen[bytes]:
+    reader = spawn_worker(["read", "--socket", b.daemon.socket])
+    assert _readline(reader, 30) == "READY"
+    return reader
+
+
+def _writer_refs(a: Node, count: int, size: int, *extra: str) -> list[str]:
+    args = ["write", "--socket", a.daemon.socket, "--split", "--count", str(count)]
+    return _lines(run_worker([*args, "--sizes", str(size), *extra], timeout=60))
+
+
+def _frozen_writes(a: Node, b: Node, count: int, size: int) -> list[str]:
+    """Freeze node B, then have a writer (attached beforehand) put ``count`` payloads:
+    their pushes stay in flight until B is thawed or dies."""
+    args = ["write", "--socket", a.daemon.socket, "--split", "--count", str(count)]
+    writer = spawn_worker([*args, "--sizes", str(size), "--go"])
+    assert _readline(writer, 30) == "ATTACHED"
+    assert b.daemon.proc is not None
+    b.daemon.proc.send_signal(signal.SIGSTOP)
+    _send(writer, "go")
+    return [_readline(writer, 30) for _ in range(count)]  # the writer exits by itself
+
+
+def _in_flight_pushes(a: Node, b: Node) -> int:
+    return int(a.peer(b.address).get("credits_in_use", 0))
+
+
+def test_writer_killed_after_publishing_with_pushes_in_flight(nodes: tuple[Node, Node]) -> None:
+    """The writer process dies; its daemon owns the published leases and their pushes."""
+    a, b = nodes
+    reader = _reader(b)
+    _ready_to_push(a, b)
+    assert b.daemon.proc is not None
+    writer = spawn_worker(
+        ["write", "--socket", a.daemon.socket, "--split", "--count", "3", "--sizes",
+         str(4 * MiB), "--hold", "--go"]
+    )  # fmt: skip
+    assert _readline(writer, 30) == "ATTACHED"
+    b.daemon.proc.send_signal(signal.SIGSTOP)  # the pushes cannot land yet
+    try:
+        _send(writer, "go")
+        refs = [_readline(writer, 30) for _ in range(3)]
+        assert _readline(writer, 10) == "HOLDING"
+        wait_until(lambda: _in_flight_pushes(a, b) == 3, PEER_TIMEOUT, "three pushes in flight")
+        writer.kill()
+        writer.wait(timeout=10)
+    finally:
+        b.daemon.proc.send_signal(signal.SIGCONT)
+    for line in refs:
+        _send(reader, line)
+        assert _readline(reader, PEER_TIMEOUT + 5) == line.split()[1]
+    # Pushed unless the peer timeout ran out while node B was frozen (then pulled).
+    assert _count(b, a, "pushes_in") + _pulls(b) == 3
+    wait_until(lambda: _free_but_grant(a, b), 10, "both arenas back to the push grants alone")
+    assert _in_flight_pushes(a, b) == 0
+
+
+def test_consumer_daemon_killed_mid_push(nodes: tuple[Node, Node]) -> None:
+    """The pushes fail on the writer's side without keeping a credit or a grant run;
+    the published leases wait for a reader, who reads them by pull once its daemon
+    is back; fresh puts are pushed again."""
+    a, b = nodes
+    reader = _reader(b)
+    _ready_to_push(a, b)
+    assert b.daemon.proc is not None
+    refs = _frozen_writes(a, b, 2, 8 * MiB)
+    wait_until(lambda: _in_flight_pushes(a, b) == 2, PEER_TIMEOUT, "two pushes in flight")
+    b.daemon.proc.send_signal(signal.SIGKILL)
+    b.daemon.proc.wait(timeout=10)
+    reader.kill()
+    start = time.monotonic()
+    wait_until(lambda: _in_flight_pushes(a, b) == 0, PEER_TIMEOUT + 5, "the pushes to end")
+    assert time.monotonic() - start < PEER_TIMEOUT + 2
+    assert not a.sees(b)
+    assert int(a.daemon.pool()["free_slots"]) < int(a.daemon.pool()["slots"])  # still unread
+
+    b.daemon.start()
+    wait_until(lambda: a.sees(b) and b.sees(a), 15, "the daemons to meet again")
+    reader = _reader(b)
+    for line in refs:  # the writer's leases survived: pulled now
+        _send(reader, line)
+        assert _readline(reader, PEER_TIMEOUT + 10) == line.split()[1]
+    _ready_to_push(a, b)
+    fresh = _writer_refs(a, 2, MiB)
+    for line in fresh:
+        _send(reader, line)
+        assert _readline(reader, PEER_TIMEOUT + 5) == line.split()[1]
+    assert _count(b, a, "pushes_in") == 2
+    wait_until(lambda: _free_but_grant(a, b), 10, "both arenas back to the push grants alone")
+    assert _in_flight_pushes(a, b) == 0
+
+
+def test_writer_daemon_killed_with_pushes_in_flight(nodes: tuple[Node, Node]) -> None:
+    """The reads awaiting those pushes fail with PeerUnavailableError within the peer
+    timeout; the consumer's daemon gives the dead peer's push grant back."""
+    a, b = nodes
+    reader = _reader(b)
+    _ready_to_push(a, b)
+    assert a.daemon.proc is not None and b.daemon.proc is not None
+    try:
+        refs = _frozen_writes(a, b, 2, 8 * MiB)
+        wait_until(lambda: _in_flight_pushes(a, b) == 2, PEER_TIMEOUT, "two pushes in flight")
+        a.daemon.proc.send_signal(signal.SIGKILL)
+        a.daemon.proc.wait(timeout=10)
+    finally:
+        b.daemon.proc.send_signal(signal.SIGCONT)
+    for line in refs:
+        start = time.monotonic()
+        _send(reader, line)
+        got = _readline(reader, PEER_TIMEOUT + 10)
+        assert got.startswith("ERR PeerUnavailableError"), got
+        assert time.monotonic() - start < PEER_TIMEOUT + 2
+    pool = b.daemon.pool()
+    wait_until(
+        lambda: b.used() == 0 and b.daemon.pool()["free_slots"] == pool["slots"],
+        10,
+        "node B's arena all free (the dead peer's push grant back)",
+    )
+    assert int(b.peer(a.address).get("credits_in_use", 0)) == 0
+
+    a.daemon.start()
+    wait_until(lambda: a.sees(b) and b.sees(a), 15, "the daemons to meet again")
+    _ready_to_push(a, b)
+    fresh = _writer_refs(a, 2, MiB)
+    for line in fresh:
+        _send(reader, line)
+        assert _readline(reader, PEER_TIMEOUT + 5) == line.split()[1]
+    assert _count(b, a, "pushes_in") == 2
+    wait_until(lambda: _free_but_grant(a, b), 10, "both arenas back to the push grants alone")
