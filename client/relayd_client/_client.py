@@ -236,7 +236,8 @@ class RelayClient:
         self.timeout = timeout
         self.allow_pickle = allow_pickle
         # Only a daemon running as one of these uids is sent anything (see _peer).
-        self._trusted = _peer.trusted_uids(self.socket, daemon_uid)
+        self._daemon_uid = daemon_uid
+        self._trusted = _peer.trusted_uids(self.socket, daemon_uid)  # a bad uid fails here
         self._pinned: _peer.PinnedSocket | None = None
         self.cuda_ipc_direct = cuda_ipc_direct
         self.state = ClientState.UNOPENED
@@ -304,6 +305,8 @@ class RelayClient:
 
     async def _connect(self) -> None:
         """Attach, map the arena, bind the session socket; undo everything on failure."""
+        # Again at every (re)connect: the socket's directory may appear after the client.
+        self._trusted = _peer.trusted_uids(self.socket, self._daemon_uid)
         self._pinned = _peer.PinnedSocket(self.socket, self._trusted, self.timeout)
         self._channel = grpc.aio.insecure_channel(
             f"unix:{self._pinned.address}", options=_CHANNEL_OPTIONS
