@@ -578,8 +578,9 @@ class PeerManager:
             raise
         # The copy is verified: the writer's lease can go, off the reader's path,
         # batched with the other notices to that peer.
+        # It frees the lease only for a reader of the stage it is addressed to.
         self.notifier.box(peer.address).released.add(
-            lease_id=remote.lease_id, generation=remote.generation
+            lease_id=remote.lease_id, generation=remote.generation, reader_stages=session.stages
         )
         self.notifier.send(peer.address, urgent=False)
         return self._lease_ref(local, remote.length)
@@ -678,6 +679,7 @@ class PeerManager:
                     lease_id=m.lease.lease_id,
                     generation=m.lease.generation,
                     node_id=self.settings.node_id,
+                    discard=True,
                 ),
                 timeout=self.settings.peer_timeout,
                 metadata=self.metadata(),

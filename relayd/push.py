@@ -351,7 +351,12 @@ class PushManager:
         manager = self.daemon.manager
         released = 0
         for r in n.released:
-            released += manager.release_from_peer(r.lease_id, r.generation)
+            try:
+                released += manager.release_from_peer(
+                    r.lease_id, r.generation, r.reader_stages[:64]
+                )
+            except RelayError as err:  # that lease stays for its reader; the rest go on
+                log.warning("peer %s: %s", peer.address, err)
         if n.freed:
             self.on_freed(peer.address, n.freed)
         for d in n.declined:

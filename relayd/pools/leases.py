@@ -799,9 +799,19 @@ class LeaseManager:
 
     # -- cross-node pulls (the writer's side) -------------------------------------------
 
-    def release_from_peer(self, lease_id: int, generation: int) -> bool:
+    def release_from_peer(
+        self, lease_id: int, generation: int, reader_stages: Collection[str] | None = None
+    ) -> bool:
         """A peer pulled this lease: free it as its reader would. False: it was gone
-        (read, expired, aborted) or never published, so the peer's copy is void."""
+        (read, expired, aborted) or never published, so the peer's copy is void.
+
+        ``reader_stages``: the stages of the session the peer pulled for. As for
+        a local reader, the lease must be addressed to one of them - its
+        recorded to_stage, whatever the DataRef the peer was handed says - or
+        nothing is freed (PermissionDeniedError). None: a discard by a holder
+        of the DataRef, which may free it unread wherever it is.
+        """
+        stages = tuple(reader_stages) if reader_stages is not None else None
         lease = self.leases.get(lease_id)
         if lease is None or lease.state is LeaseState.RESERVED:
             # The writer's notices linger: the peer may have read a lease whose
@@ -815,11 +825,18 @@ class LeaseManager:
                 return False
             if lease is not None and self._sealed_length(lease) is None:
                 return False
-            return self._park(lease_id, ("peer", "", generation, self.clock(), ()))
+            if stages is None:
+                return self._park(lease_id, ("discard", "", generation, self.clock(), ()))
+            return self._park(lease_id, ("peer", "", generation, self.clock(), stages))
         if lease.generation != generation:
             return False
         if lease.state is not LeaseState.PUBLISHED:
             return False
+        if stages is not None and not (lease.adopted or lease.to_stage in stages):
+            raise PermissionDeniedError(
+                f"lease {lease_id} is addressed to stage {lease.to_stage[:64]!r}, not to the "
+                "pulling reader's"
+            )
         self._free_lease(lease, None)
         self.flush()
         return True
@@ -983,8 +1000,11 @@ class LeaseManager:
         for kind, sid, gen, _t, stages in early:
             if self.leases.get(lease.id) is not lease:
                 return  # an earlier notice freed it
-            if kind == "peer":
-                if gen == lease.generation:
+            if kind in ("peer", "discard"):
+                # A pull's release holds only for the stage the lease is addressed to.
+                if gen == lease.generation and (
+                    kind == "discard" or lease.adopted or lease.to_stage in stages
+                ):
                     self._free_lease(lease, None)
                 continue
             reader = self.sessions.get(sid)

@@ -43,7 +43,8 @@ class PeerService(pb_grpc.PeerServicer):
     ) -> pb.ReleaseRemoteResponse:
         self.peers.authenticate(context, "release")
         manager = self.peers.daemon.manager
-        released = manager.release_from_peer(request.lease_id, request.generation)
+        stages = None if request.discard else ()
+        released = manager.release_from_peer(request.lease_id, request.generation, stages)
         return pb.ReleaseRemoteResponse(released=released)
 
     @mapped

@@ -222,8 +222,12 @@ def step(w: World, op: tuple[str, int, int, int, int]) -> None:
         gid = _pick(own, b) if own else b
         w.notice(s, m.return_grant, gid)
     elif kind == "peer":
+        # A pull's release names its reader's stages; a discard names none.
         lid = _pick(w.ids, b)
-        m.release_from_peer(lid, lid)  # type: ignore[arg-type]
+        try:
+            m.release_from_peer(lid, lid, None if c % 2 else [STAGES[d % 3]])  # type: ignore[arg-type]
+        except RelayError:
+            pass  # not addressed to that reader: refused, nothing changed
         m.flush()
     elif kind == "seal":
         # The writer's header for a lease (what a dead writer's grant is adopted by).

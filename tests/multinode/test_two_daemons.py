@@ -22,7 +22,15 @@ from typing import Any
 import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from relayd_client import AbortedError, RelayClient, StaleRefError
+from relayd_client import (
+    AbortedError,
+    CorruptRefError,
+    DataRef,
+    PermissionDeniedError,
+    RelayClient,
+    StaleRefError,
+    _codec,
+)
 from relayd_client._proto import relay_pb2 as pb
 from relayd_client._proto import relay_pb2_grpc as pb_grpc
 
@@ -486,3 +494,108 @@ def test_a_healthy_start_and_stop_log_no_engine_noise(pair: tuple[Node, Node]) -
         assert not re.search(r"(?m)^[IWEF]\d{4} ", log), log
         assert " ERROR " not in log and "Local segment descriptor" not in log, log
         assert "mooncake engine up" in log
+
+
+# -- cross-node reads follow the single-node rules --------------------------------------
+
+
+def _published(node: Node) -> int:
+    return int(node.daemon.status().get("leases_by_state", {}).get("published", "0"))
+
+
+def _log(node: Node) -> str:
+    return pathlib.Path(node.daemon.log_path).read_text(errors="replace")
+
+
+@pytest.fixture
+def pull_pair(tmp_path: pathlib.Path) -> Iterator[tuple[Node, Node]]:
+    """Two daemons that never push: every cross-node read is a pull."""
+    token = _token(tmp_path, "token", "0123456789abcdef-shared-peer-token")
+    pa, pb_ = free_port(), free_port()
+    env = {"RELAYD_PUSH_GRANT_SIZE": "0"}
+    a = Node(tmp_path, "node-a", pa, pb_, token, pool="192MiB", env=env)
+    b = Node(tmp_path, "node-b", pb_, pa, token, pool="192MiB", env=env)
+    a.daemon.start()
+    b.daemon.start()
+    try:
+        wait_until(lambda: a.sees(b) and b.sees(a), 15, "the two daemons to handshake")
+        yield a, b
+    finally:
+        for n in (b, a):
+            proc = n.daemon.proc
+            if proc is not None and proc.poll() is None:
+                n.daemon.stop()
+
+
+def _readdress_then_read(a: Node, b: Node) -> None:
+    async def scenario() -> None:
+        async with (
+            RelayClient("thinker", a.daemon.socket) as w,
+            RelayClient("talker", b.daemon.socket) as r,
+            RelayClient("eavesdropper", b.daemon.socket) as e,
+        ):
+            payload = make_payload(21, 2 * MiB)
+            ref = await w.put(payload, to_stage="talker", request_id="victim")
+            forged = pb.DataRef()
+            forged.CopyFrom(ref.proto)
+            forged.to_stage = "eavesdropper"
+            try:
+                # A pushed copy is refused at once; a pull may copy (Mooncake reads
+                # need no consent of the writer's daemon, see SECURITY.md), but the
+                # writer's daemon must not free the lease for a stage it is not for.
+                await e.get(DataRef(forged))
+            except PermissionDeniedError:
+                pass
+            else:
+                await asyncio.to_thread(
+                    wait_until,
+                    lambda: "is addressed to stage 'talker'" in _log(a) or not _published(a),
+                    15,
+                    "node A to answer node B's release of the re-addressed lease",
+                )
+                assert _published(a) == 1, "node A freed the lease for another stage's reader"
+            assert digest(await r.get(ref)) == digest(payload)
+
+    asyncio.run(asyncio.wait_for(scenario(), 90))
+    wait_until(lambda: a.used() == 0 and b.used() == 0, 15, "both arenas back to zero")
+
+
+def test_a_readdressed_pulled_ref_does_not_free_the_real_readers_lease(
+    pull_pair: tuple[Node, Node],
+) -> None:
+    _readdress_then_read(*pull_pair)
+    a, _b = pull_pair
+    assert "is addressed to stage 'talker'" in _log(a)
+
+
+def test_a_readdressed_pushed_ref_is_refused(pair: tuple[Node, Node]) -> None:
+    _readdress_then_read(*pair)
+
+
+def test_a_forged_foreign_ref_is_refused_before_the_pull(pair: tuple[Node, Node]) -> None:
+    a, b = pair
+
+    async def scenario() -> None:
+        async with (
+            RelayClient("thinker", a.daemon.socket) as w,
+            RelayClient("talker", b.daemon.socket) as r,
+        ):
+            for seed, forge in enumerate(
+                (
+                    lambda m: setattr(m, "header", _codec.encode({"x": _codec.TensorSlot(1000)})),
+                    lambda m: setattr(m.tensors[0], "offset", m.lease.length + (1 << 30)),
+                )
+            ):
+                payload = make_payload(30 + seed, 2 * MiB)
+                ref = await w.put(payload, to_stage="talker", request_id=f"real{seed}")
+                forged = pb.DataRef()
+                forged.CopyFrom(ref.proto)
+                forge(forged)
+                with pytest.raises(CorruptRefError):
+                    await r.get(DataRef(forged))
+                assert digest(await r.get(ref)) == digest(payload)
+
+    asyncio.run(asyncio.wait_for(scenario(), 90))
+    wait_until(lambda: a.used() == 0 and b.used() == 0, 15, "both arenas back to zero")
+    # One pull per real read; the forged ones never reached the peer.
+    assert b.daemon.status()["transfers_by_transport"]["mooncake"] == "2"

@@ -8,7 +8,7 @@ import pathlib
 from collections.abc import Iterator
 
 import pytest
-from relayd_client import AbortedError
+from relayd_client import AbortedError, PermissionDeniedError
 from relayd_client._proto import relay_pb2 as pb
 
 from relayd.peers import PeerConfigError, _resolve, load_token
@@ -99,6 +99,42 @@ def test_release_from_peer_checks_generation_and_state(arena: Arena) -> None:
         assert m.release_from_peer(lid, lid)
         assert not m.release_from_peer(lid, lid)  # already gone
         assert any(f.HasField("freed") and lid in f.freed.lease_ids for f in frames)
+
+    asyncio.run(go())
+
+
+def test_a_pulls_release_frees_only_a_lease_addressed_to_the_pulling_reader(
+    arena: Arena,
+) -> None:
+    m = _manager(arena)
+    w = m.open_session(pid=1, stages=["thinker"])
+    w = m.bind(w.id, w.token, lambda f: None, pid=1, uid=0, gid=0)
+
+    async def go() -> None:
+        grant = await m.grant(w, SLOT, 1.0)
+        base = m.new_generation_base(grant)
+
+        def reserve(lid: int, slot: int) -> None:
+            m.on_reserve(w, pb.Reserve(lease_id=lid, grant_id=grant.id, slot=grant.run.slot + slot,
+                                       nslots=1, generation=lid, request_id="q",
+                                       to_stage="talker", from_stage="thinker"))  # fmt: skip
+
+        published, early = base + 1, base + 2
+        reserve(published, 0)
+        m.on_publish(w, pb.Publish(lease_id=published, nbytes=10, transport=pb.TRANSPORT_SHM))
+        # The lease's own to_stage decides, whatever the DataRef the peer was handed says.
+        with pytest.raises(PermissionDeniedError, match="talker"):
+            m.release_from_peer(published, published, ["eavesdropper"])
+        assert published in m.leases
+        assert m.release_from_peer(published, published, ["talker"])
+        # The same holds for a release that overtakes the Publish.
+        assert m.release_from_peer(early, early, ["eavesdropper"])  # parked
+        reserve(early, 1)
+        m.on_publish(w, pb.Publish(lease_id=early, nbytes=10, transport=pb.TRANSPORT_SHM))
+        assert early in m.leases
+        # A discard (no reader stages) frees it unread, as a local discard does.
+        assert m.release_from_peer(early, early)
+        assert early not in m.leases
 
     asyncio.run(go())
 

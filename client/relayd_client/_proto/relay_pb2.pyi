@@ -981,14 +981,16 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., daemon_epoch: _Optional[str] = ..., stages: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReleaseRemoteRequest(_message.Message):
-    __slots__ = ("lease_id", "generation", "node_id")
+    __slots__ = ("lease_id", "generation", "node_id", "discard")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    DISCARD_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     generation: int
     node_id: str
-    def __init__(self, lease_id: _Optional[int] = ..., generation: _Optional[int] = ..., node_id: _Optional[str] = ...) -> None: ...
+    discard: bool
+    def __init__(self, lease_id: _Optional[int] = ..., generation: _Optional[int] = ..., node_id: _Optional[str] = ..., discard: _Optional[bool] = ...) -> None: ...
 
 class ReleaseRemoteResponse(_message.Message):
     __slots__ = ("released",)
@@ -1089,12 +1091,14 @@ class PushFreed(_message.Message):
     def __init__(self, grant_id: _Optional[int] = ..., slot: _Optional[int] = ..., nslots: _Optional[int] = ...) -> None: ...
 
 class LeaseKey(_message.Message):
-    __slots__ = ("lease_id", "generation")
+    __slots__ = ("lease_id", "generation", "reader_stages")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    READER_STAGES_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     generation: int
-    def __init__(self, lease_id: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+    reader_stages: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, lease_id: _Optional[int] = ..., generation: _Optional[int] = ..., reader_stages: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PeerNotices(_message.Message):
     __slots__ = ("node_id", "daemon_epoch", "landed", "declined", "freed", "released")
