@@ -428,3 +428,17 @@ def test_a_reserve_over_a_lease_cancelled_in_the_same_frame_is_accepted(arena: A
         m.on_reserve(w, pb.Reserve(lease_id=c, grant_id=grant.id, slot=grant.run.slot + 1,
                                    nslots=1, generation=c, request_id="r", to_stage="talker",
                                    from_stage="thinker"), {a})  # fmt: skip
+
+
+def test_a_double_free_is_refused_and_logged_never_raised(
+    arena: Arena, caplog: pytest.LogCaptureFixture
+) -> None:
+    m = _manager(arena, Clock(), [])
+    run = arena.allocate(2)
+    assert run is not None
+    m._pool_free(run)
+    free = arena.free_slots
+    with caplog.at_level("ERROR", logger="relayd.pools.leases"):
+        m._pool_free(run)  # a bug elsewhere must not reach whichever sweep was freeing
+    assert arena.free_slots == free
+    assert any("refused to free" in r.getMessage() for r in caplog.records)
