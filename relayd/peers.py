@@ -231,8 +231,9 @@ class PeerManager:
         await server.start()
         self._server = server
         self._self_addresses.add(self.settings.peer_address)
-        if self.push.enabled:
-            self.daemon.manager.on_push = self.push.on_publish
+        # Even with pushes off here: a put that asked for one is declined, so the
+        # reader's daemon pulls at once instead of waiting for it.
+        self.daemon.manager.on_push = self.push.on_publish
         log.info(
             "peer service on %s (port %d), mooncake session %s, %d peer entries",
             self.settings.peer_address,

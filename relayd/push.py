@@ -178,7 +178,7 @@ class PushManager:
     def on_publish(self, lease: Lease) -> None:
         """LeaseManager hook: ``lease`` was published with Publish.push set."""
         peer = self._target(lease.to_stage)
-        if peer is None or lease.nbytes == 0 or lease.run.pool != "shm":
+        if peer is None or not self.enabled or lease.nbytes == 0 or lease.run.pool != "shm":
             # Nobody to push to (the consumer moved, or its node is down): every up
             # peer hears Declined, so the reader's daemon, wherever it is, pulls.
             for p in self.peers.peers.values():
@@ -466,7 +466,11 @@ class PushManager:
             int(m.lease.generation),
         )
         lease = self._landed.get(key)
-        if lease is None and m.push and key not in self._declined:
+        # Only a peer holding a grant here can push here: from any other, nothing
+        # will come (its pushes are off, or it pushes to another node), so pull.
+        given = self.given.get(key[0])
+        pushable = given is not None and not given.retired and given.epoch == key[1]
+        if lease is None and m.push and pushable and key not in self._declined:
             peer = self.peers.by_node.get(key[0])
             if peer is None or not peer.up:
                 return None  # the pull says what is wrong with the peer

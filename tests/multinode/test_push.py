@@ -30,10 +30,12 @@ pytestmark = [
 TOKEN = "0123456789abcdef-shared-peer-token"
 
 
-def _pair(tmp: pathlib.Path, b_env: dict[str, str]) -> tuple[Node, Node]:
+def _pair(
+    tmp: pathlib.Path, b_env: dict[str, str], a_env: dict[str, str] | None = None
+) -> tuple[Node, Node]:
     token = _token(tmp, "token", TOKEN)
     pa, pb_ = free_port(), free_port()
-    a = Node(tmp, "node-a", pa, pb_, token, pool="192MiB", metrics=True)
+    a = Node(tmp, "node-a", pa, pb_, token, pool="192MiB", metrics=True, env=a_env)
     b = Node(tmp, "node-b", pb_, pa, token, pool="192MiB", metrics=True, env=b_env)
     a.daemon.start()
     b.daemon.start()
@@ -229,3 +231,29 @@ def test_keyed_puts_across_nodes_ride_the_push(nodes: tuple[Node, Node]) -> None
     assert _count(b, a, "pushes_in") == 3
     assert _pulls(b) == 0
     wait_until(lambda: _free_but_grant(a, b), 10, "both arenas back to the push grant alone")
+
+
+def test_a_writer_daemon_with_pushes_off_declines_at_once(tmp_path: pathlib.Path) -> None:
+    """The writer's client asks for a push; its daemon, with pushes off, says no, and
+    the reader's daemon (which gave it no grant) pulls at once instead of waiting."""
+    a, b = _pair(tmp_path, {}, {"RELAYD_PUSH_GRANT_SIZE": "0"})
+    try:
+
+        async def scenario() -> None:
+            async with RelayClient("talker", b.daemon.socket) as r:
+                wait_until(lambda: "talker" in a.peer(b.address).get("stages", []), 10, "stages")
+                async with RelayClient("thinker", a.daemon.socket) as w:
+                    for i in range(2):
+                        payload = make_payload(i, MiB)
+                        ref = await w.put(payload, to_stage="talker", request_id=f"o{i}")
+                        assert ref.proto.push
+                        assert digest(await r.get(ref.to_bytes())) == digest(payload)
+
+        asyncio.run(asyncio.wait_for(scenario(), 60))
+        assert _count(a, b, "pushes_declined") == 2
+        assert _pulls(b) == 2
+        assert "did not arrive" not in b.daemon.log()
+    finally:
+        for n in (b, a):
+            if n.daemon.proc is not None and n.daemon.proc.poll() is None:
+                n.daemon.stop()
