@@ -12,15 +12,16 @@ Roles and scenarios:
 
 * ``thinker --scenario pipeline``: a nested payload and a stream (chunks with
   metadata tensors, then done) of request r1 to the talker, then reads the
-  payload the talker sends back for r1.
+  payload the talker sends back for r1; and a payload of r3.
 * ``talker --scenario pipeline``: reads them, prints what it read, and sends a
   payload of the same request back - after sglang-omni's read already called
-  ``relay.cleanup(r1)``.
+  ``relay.cleanup(r1)``. A payload of r3 it frees unread (``discard``), twice.
 * ``thinker/talker --scenario abort``: the thinker publishes r2; the talker
   aborts r2 as ``Stage.on_abort`` does (``CommEngine.cleanup``) before reading,
   then drains as a stage does, and both wait for stdin.
-* ``thinker/talker --scenario latency``: one payload of ``--size`` bytes per
-  round, ``--rounds`` times, one at a time; the talker prints the median time
+* ``thinker/talker --scenario latency``: for each of ``--sizes``, one payload
+  of that many bytes per round, ``--rounds`` times, one at a time; the talker
+  prints the median time
   from the thinker starting its send to the talker holding the data (both
   read CLOCK_MONOTONIC, which all processes share).
 """
@@ -45,6 +46,7 @@ from sglang_omni.proto.request import OmniRequest
 from sglang_omni.relay.base import Relay, create_relay
 
 from tests._workers import digest, make_payload
+from tests.frameworks._procs import REPORT
 
 THINKER, TALKER = "thinker", "talker"
 WAIT_S = 60.0
@@ -53,7 +55,7 @@ CHUNK_ELEMS = 16 * 1024  # 64 KiB of float32: above sglang-omni's inline limit
 
 
 def emit(**kw: Any) -> None:
-    print(json.dumps(kw), flush=True)
+    print(REPORT, json.dumps(kw), flush=True)
 
 
 def make_relay(kind: str, stage: str, socket: str) -> Relay:
@@ -218,6 +220,7 @@ async def thinker(p: StageProc) -> None:
             await p.send_chunk("r1", k, data, meta)
             sent_chunks.append(digest([data, meta]))
         await p.send_done("r1")
+        await p.send_payload("r3", make_payload(8, 500_000))  # the talker drops it unread
         emit(sent_payload=digest(payload), sent_chunks=sent_chunks)
         msg = await p.next_ready()
         ref, back = await p.read(msg)
@@ -235,12 +238,13 @@ async def thinker(p: StageProc) -> None:
         emit(settled=True)
         await wait_stdin()
     elif a.scenario == "latency":
-        for i in range(a.rounds):
-            t = torch.randint(0, 255, (a.size,), dtype=torch.uint8)
-            await p.send_payload(f"lat{i}", {"x": t, "t0": time.monotonic()})
-            msg = await p.next_ready()  # the talker's go-ahead: it holds our data
-            ref, _back = await p.read(msg)
-            await p.ack(msg, ref)
+        for size in a.sizes:
+            for i in range(a.rounds):
+                t = torch.randint(0, 255, (size,), dtype=torch.uint8)
+                await p.send_payload(f"lat{size}-{i}", {"x": t, "t0": time.monotonic()})
+                msg = await p.next_ready()  # the talker's go-ahead: it holds our data
+                ref, _back = await p.read(msg)
+                await p.ack(msg, ref)
         await p.settle()
         emit(settled=True)
 
@@ -252,10 +256,21 @@ async def talker(p: StageProc) -> None:
         order: list[int] = []
         sums: list[str] = []
         done = False
-        while not (done and got_payload):
+        dropped: list[str] = []
+        while not (done and got_payload and dropped):
             msg = await p.next_ready()
             if msg.is_done:
                 done = True
+                continue
+            if msg.request_id == "r3":  # forwarded past this stage: free it unread
+                ref = DataRef.from_dict(msg.data_ref)
+                info = ref.buffer.info
+                await p.relay.discard(info)
+                try:
+                    await p.relay.discard(info)
+                except Exception as exc:
+                    dropped.append(type(exc).__name__)
+                await p.ack(msg, ref)
                 continue
             ref, obj = await p.read(msg)
             await p.ack(msg, ref)
@@ -266,7 +281,7 @@ async def talker(p: StageProc) -> None:
             else:
                 order.append(msg.chunk_id)
                 sums.append(digest([obj[0], obj[1]]))
-        emit(payload=got_payload["digest"], order=order, chunks=sums)
+        emit(payload=got_payload["digest"], order=order, chunks=sums, second_discard=dropped)
         await p.settle()
         emit(settled=True)
     elif a.scenario == "abort":
@@ -285,16 +300,20 @@ async def talker(p: StageProc) -> None:
         emit(aborted=True, drained=len(held), failed=failed)
         await wait_stdin()
     elif a.scenario == "latency":
-        times = []
-        for _ in range(a.rounds):
-            msg = await p.next_ready()
-            ref, obj = await p.read(msg)
-            times.append(time.monotonic() - obj["t0"])
-            await p.ack(msg, ref)
-            await p.send_payload(msg.request_id, {"ok": True})
+        medians = {}
+        for size in a.sizes:
+            times = []
+            for _ in range(a.rounds):
+                msg = await p.next_ready()
+                ref, obj = await p.read(msg)
+                times.append(time.monotonic() - obj["t0"])
+                assert obj["x"].numel() == size
+                await p.ack(msg, ref)
+                await p.send_payload(msg.request_id, {"ok": True})
+            warm = times[len(times) // 5 :]  # the first rounds open sessions, map memory
+            medians[str(size)] = statistics.median(warm)
         await p.settle()
-        warm = times[len(times) // 5 :]  # the first rounds open sessions and map memory
-        emit(median_s=statistics.median(warm), rounds=len(warm))
+        emit(median_s=medians)
 
 
 async def main() -> None:
@@ -305,7 +324,7 @@ async def main() -> None:
     ap.add_argument("--peer", required=True)
     ap.add_argument("--scenario", choices=["pipeline", "abort", "latency"], required=True)
     ap.add_argument("--relay", choices=["relayd", "shm"], default="relayd")
-    ap.add_argument("--size", type=int, default=256 * 1024)
+    ap.add_argument("--sizes", type=int, nargs="+", default=[256 * 1024, 4 << 20])
     ap.add_argument("--rounds", type=int, default=50)
     a = ap.parse_args()
     p = StageProc(a.role, TALKER if a.role == THINKER else THINKER, a)

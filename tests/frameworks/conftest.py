@@ -8,8 +8,10 @@ sets) a missing framework is an error, never a silent skip.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
+import warnings
 
 import pytest
 
@@ -23,3 +25,18 @@ if _missing:
             "(scripts/frameworks-env.sh builds it)"
         )
     collect_ignore_glob = ["test_*.py"]
+else:
+    # The frameworks' own imports warn (deprecations in vLLM, torch.jit ...);
+    # import them once here with that silenced, so that warnings stay errors
+    # for everything the tests do afterwards.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for module in (
+            "vllm_omni.distributed.omni_connectors",
+            "vllm_omni.distributed.omni_connectors.adapter",
+            "vllm_omni.distributed.omni_connectors.transfer_adapter.chunk_transfer_adapter",
+            "vllm_omni.plugins",
+            "sglang_omni.comm.engine",
+            "sglang_omni.pipeline.stage.runtime",
+        ):
+            importlib.import_module(module)

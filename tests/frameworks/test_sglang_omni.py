@@ -66,13 +66,16 @@ def test_registered_and_injected_through_stage(daemon: Daemon) -> None:
 def test_pipeline_payloads_and_streams_byte_exact(tmp_path: Path, daemon: Daemon) -> None:
     """A nested payload and a 12-chunk stream (metadata tensors included) arrive
     byte-exact and in order; the talker then sends on the same request after
-    sglang-omni's read called relay.cleanup(r1); every transfer is acknowledged."""
+    sglang-omni's read called relay.cleanup(r1); a payload the talker frees unread
+    (discard) goes, and a second discard is StaleRefError; every transfer is
+    acknowledged and the arena ends empty."""
     talker, thinker = _pair(tmp_path, daemon, "pipeline")
     sent = thinker.expect("sent_payload")
     assert talker.expect("payload") == sent
     assert talker.expect("order") == list(range(12))
     assert talker.expect("chunks") == thinker.expect("sent_chunks")
     assert thinker.expect("echo") == sent
+    assert talker.expect("second_discard") == ["StaleRefError"]  # r3, freed unread once
     assert thinker.expect("settled") and talker.expect("settled")
     thinker.finish()
     talker.finish()

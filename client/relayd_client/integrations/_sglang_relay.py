@@ -15,7 +15,7 @@ event loop:
 * ``mark_receiver_done`` / ``mark_receiver_failed`` then ``wait_for_completion``
   on a put - the sender's ACK watcher, when the DataAck arrives (or does not).
   A put is complete once published (relayd owns the bytes from then on); a
-  failed or unacknowledged one is left to the reader's abort or the TTL.
+  failed or unacknowledged one is discarded so it does not wait for its TTL.
 * ``cleanup(request_id)`` - in two places: right after each payload read
   (``stage_io.read_payload``, in the reading task) and when the stage aborts
   the request (``Stage.on_abort``, its abort listener). After a read there is
@@ -25,6 +25,10 @@ event loop:
   an abort: every lease of the request on the node is freed and its readers
   and writers hear of it.
 * ``close()`` - the stage's comm engine at shutdown.
+
+A forwarding stage that will not read a relay object frees it with
+:meth:`RelaydRelay.discard` (relayd's discard: holding the metadata is the
+entitlement).
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ from .._errors import (
     PermissionDeniedError,
     RelayError,
     SessionClosedError,
+    StaleRefError,
 )
 
 log = logging.getLogger(__name__)
@@ -169,10 +174,15 @@ class RelaydOperation(RelayOperation):  # type: ignore[misc]  # sglang-omni is u
         assert self._receiver is not None
         try:
             await asyncio.wait_for(asyncio.shield(self._receiver), timeout)
-        except TimeoutError:
-            raise TimeoutError(
-                f"relayd object {self.ref.object_id} was not acknowledged in {timeout}s"
-            ) from None
+        except BaseException as exc:
+            # The reader failed, timed out or is gone: free what it may not
+            # have read rather than leave it to the TTL.
+            await self.relay._discard_quietly(self.ref)
+            if isinstance(exc, TimeoutError):
+                raise TimeoutError(
+                    f"relayd object {self.ref.object_id} was not acknowledged in {timeout}s"
+                ) from None
+            raise
 
 
 @register_relay(RELAY_NAME)
@@ -320,6 +330,25 @@ class RelaydRelay(Relay):  # type: ignore[misc]  # sglang-omni is untyped
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
     # -- beyond the contract ----------------------------------------------------------
+
+    async def discard(self, metadata: dict[str, Any]) -> None:
+        """Free the object a put's ``metadata`` describes without reading it.
+
+        For a stage that forwards or drops data it will not read. A second
+        discard, or a discard after the read, raises :class:`StaleRefError`.
+        """
+        ref, _size = _ref_from(metadata)
+        client = await self.client()
+        await client.discard(ref)
+
+    async def _discard_quietly(self, ref: DataRef) -> None:
+        try:
+            client = await self.client()
+            await client.discard(ref)
+        except (StaleRefError, AbortedError, SessionClosedError):
+            pass  # read, freed or aborted already: nothing is left
+        except RelayError as exc:
+            log.warning("could not discard relayd object %s: %s", ref.object_id, exc)
 
     async def _abort(self, request_id: str) -> None:
         try:
