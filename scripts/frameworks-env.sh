@@ -6,7 +6,7 @@
 # Both frameworks pin CUDA builds (torch, flashinfer, nixl, ...) that a CPU
 # machine neither needs nor can use, so the frameworks go in with --no-deps and
 # only what their transfer code imports is added; constraints/cpu.txt keeps
-# torch at the CPU build throughout.
+# torch at the CPU build throughout (scripts/_pip_cpu.sh says where pip finds it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -14,8 +14,9 @@ VENV=.venv-frameworks
 # --no-warn-conflicts: the --no-deps installs below leave the frameworks'
 # model-code requirements unmet on purpose. --no-cache-dir: nothing is kept
 # outside the repository (the environment itself is the cache).
+. scripts/_pip_cpu.sh
 PIP=(pip install -q --disable-pip-version-check --no-warn-conflicts --no-cache-dir
-  -c constraints/cpu.txt -c constraints/frameworks.txt)
+  "${PIP_CPU_ARGS[@]}" -c constraints/frameworks.txt)
 
 python3 -m venv "$VENV"
 . "$VENV/bin/activate"

@@ -1,5 +1,5 @@
 """The framework integrations are optional: importing them pulls in no framework,
-and the client distribution declares their extras."""
+and the client distribution declares their extras and vllm-omni's entry point."""
 
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ sys.meta_path.insert(0, Block())
 import relayd_client
 import relayd_client.integrations
 import relayd_client.integrations.sglang_omni as s
+import relayd_client.integrations.vllm_omni as v
+assert callable(v.register)
 try:
     s.RelaydRelay
 except ImportError as exc:
@@ -35,7 +37,11 @@ def test_integrations_import_no_framework() -> None:
     assert cp.returncode == 0 and cp.stdout.strip() == "ok", cp.stderr
 
 
-def test_client_declares_extras() -> None:
+def test_client_declares_extras_and_entry_point() -> None:
     with open(os.path.join(ROOT, "client", "pyproject.toml"), "rb") as f:
         project = tomllib.load(f)["project"]
-    assert project["optional-dependencies"]["sglang-omni"] == ["sglang-omni==0.1.9"]
+    extras = project["optional-dependencies"]
+    assert extras["sglang-omni"] == ["sglang-omni==0.1.9"]
+    assert extras["vllm-omni"] == ["vllm-omni==0.30.0"]
+    plugins = project["entry-points"]["vllm_omni.general_plugins"]
+    assert plugins == {"relayd": "relayd_client.integrations.vllm_omni:register"}
