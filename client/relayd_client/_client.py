@@ -1839,6 +1839,24 @@ class RelayClient:
             raise from_rpc_error(exc) from None
         return int(resp.leases_freed)
 
+    async def status(self) -> pb.StatusResponse:
+        """The daemon's ``relayd.v1.StatusResponse``: state, node, epoch, pools, peers.
+
+        Who runs what (leases, sessions, stages) is filled in only for
+        root, the daemon's uid and ``--admin-gid`` members.
+        """
+        await self._reattached(None)  # reconnect
+        a = self._require_open()
+        assert self._stub is not None
+        try:
+            resp: pb.StatusResponse = await self._stub.Status(
+                pb.StatusRequest(session_id=a.session_id, session_token=a.session_token),
+                timeout=self.timeout,
+            )
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+        return resp
+
     def _remember_aborted(self, request_id: str) -> None:
         # Wake blocked stream readers and drop what can never be read now.
         self._streams.abort(request_id)

@@ -502,6 +502,10 @@ class SyncRelayClient:
         """Free every lease of ``request_id`` on this node; see :meth:`RelayClient.abort`."""
         return self._run(self._client.abort(request_id))
 
+    def status(self) -> pb.StatusResponse:
+        """The daemon's status; see :meth:`RelayClient.status`."""
+        return self._run(self._client.status())
+
     def feed(self, ref: DataRef | bytes) -> None:
         """Hand the client a stream DataRef the app received; see :meth:`RelayClient.feed`."""
         c = self._client

@@ -230,7 +230,11 @@ def chunks_receiver(a: argparse.Namespace) -> None:
     got, codes = [], []
     for k in range(CHUNKS):
         adapter.load_async(req)
-        poll(lambda k=k: adapter.get_req_chunk[req.request_id] == k + 1 or None, f"chunk {k}")
+        # What the scheduler waits for: the adapter marks the request loaded
+        # once the chunk is committed into it.
+        poll(lambda: req.request_id in adapter._finished_load_reqs or None, f"chunk {k}")
+        adapter._finished_load_reqs.discard(req.request_id)
+        assert adapter.get_req_chunk[req.request_id] == k + 1
         info = req.additional_information
         got.append(digest(info["hidden_states"]["output"]))
         codes.append(list(req.prompt_token_ids))
