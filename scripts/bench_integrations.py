@@ -10,7 +10,10 @@ with ``RelaydRelay`` and with its ``shm`` relay, vllm-omni's connector API with
 every 0.1 ms). The time is from the sender starting its send to the receiver
 holding the data, read from CLOCK_MONOTONIC in both processes; the median of
 the rounds after the first fifth. The workers are the framework tests' own
-(tests/frameworks/_sglang_stage.py, _vllm_stage.py).
+(tests/frameworks/_sglang_stage.py, _vllm_stage.py). Each runs one intra-op
+thread (OMP_NUM_THREADS=1): on a small machine two processes' OpenMP pools
+spinning against each other added ~18 ms to every sglang-omni transfer of
+256 KiB and up, whatever the relay.
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=50)
     a = ap.parse_args()
+    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the workers
     with (
         tempfile.TemporaryDirectory(prefix="relayd-bench-") as tmp,
         running_daemon(tmp, pool="256MiB") as d,
