@@ -94,8 +94,9 @@ _HEADER = struct.Struct("<QQ")  # a slot header: (generation, length), see relay
 _REFUSED_BACKOFF = 5.0
 _MAX_BACKOFF = 1.0
 _ABORT_ORIGINS = 4096
-# Frees and releases to a peer wait this long to share one Notify call.
-NOTICE_LINGER_S = 0.005
+# Frees and releases to a peer wait this long to share one Notify call (a landed
+# notice, which a reader waits for, takes along whatever is pending then).
+NOTICE_LINGER_S = 0.025
 
 
 class PeerConfigError(RelayError):
