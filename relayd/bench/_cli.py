@@ -96,7 +96,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=50.0,
         metavar="HZ",
-        help="stream workload: 1 MiB chunks per second per stream (default 50)",
+        help="stream workload: chunks per second per stream (default 50)",
+    )
+    p.add_argument(
+        "--stream-size",
+        default="1M",
+        metavar="SIZE",
+        help="stream workload: bytes per chunk (default 1M; the cross-node hidden-state "
+        "stream is --stream-methods relayd-mooncake --stream-size 256K)",
     )
     p.add_argument(
         "--stream-seconds", type=float, help="stream workload: measured seconds (default 5)"
@@ -131,6 +138,7 @@ def _options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Optio
         sizes = parse_sizes(args.sizes)
         methods = tuple(_registry.select(args.methods))
         stream_methods = tuple(_registry.select(args.stream_methods))
+        stream_chunk = parse_size(args.stream_size)
     except ValueError as exc:
         parser.error(str(exc))
     if _registry.STREAM in stream_methods:
@@ -157,6 +165,7 @@ def _options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Optio
         job_timeout_s=args.timeout,
         streams=streams,
         stream_rate=args.stream_rate,
+        stream_chunk=stream_chunk,
         stream_seconds=seconds,
         stream_warmup_s=QUICK_STREAM_WARMUP_S if args.quick else 0.5,
         stream_methods=stream_methods,
@@ -166,7 +175,7 @@ def _options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Optio
 def _list_methods() -> None:
     for e in (*_registry.BASELINES, *_registry.RELAYD):
         print(f"{e.name:<18}{e.summary}")
-    print(f"{_registry.STREAM:<18}N paced streams of 1 MiB chunks (see --stream-*)")
+    print(f"{_registry.STREAM:<18}N paced streams of --stream-size chunks (see --stream-*)")
 
 
 def _run_gpu(args: argparse.Namespace) -> int:

@@ -76,6 +76,7 @@ class Options:
     job_timeout_s: float = 600.0
     streams: int = 4
     stream_rate: float = 50.0
+    stream_chunk: int = STREAM_CHUNK
     stream_seconds: float = 5.0
     stream_warmup_s: float = 0.5
     stream_methods: tuple[str, ...] = ("floor", "relayd-shm")
@@ -322,14 +323,14 @@ class Bench:
     def _run_streams(self, entries: list[Entry]) -> None:
         o = self.opts
         plan = SizePlan(
-            STREAM_CHUNK,
+            o.stream_chunk,
             max(1, round(o.stream_rate * o.stream_warmup_s)),
             max(1, round(o.stream_rate * o.stream_seconds)),
         )
         results: dict[str, StreamResult] = {}
         runnable: list[Entry] = []
         for entry in entries:
-            base = StreamResult(entry.name, o.streams, STREAM_CHUNK, o.stream_rate, Status.OK)
+            base = StreamResult(entry.name, o.streams, o.stream_chunk, o.stream_rate, Status.OK)
             why = self._unavailable(entry) or (
                 "the stream workload needs a writer/reader pair" if entry.local else None
             )
