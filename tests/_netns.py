@@ -18,6 +18,12 @@ class NetnsUnavailable(Exception):
 class Netns:
     names: tuple[str, str]
     addrs: tuple[str, str]
+    devs: tuple[str, str] = ("", "")  # the veth ends, one in each namespace
+
+    def link(self, i: int, up: bool) -> None:
+        """Take namespace ``i``'s end of the veth pair down or up."""
+        cmd = ["ip", "-n", self.names[i], "link", "set", self.devs[i], "up" if up else "down"]
+        subprocess.run(cmd, check=True, capture_output=True, timeout=30)
 
     def wrap(self, i: int) -> list[str]:
         """Prefix that runs a command inside namespace ``i``."""
@@ -25,8 +31,12 @@ class Netns:
 
 
 @contextlib.contextmanager
-def netns_pair(suffix: str = "") -> Iterator[Netns]:
-    """Only namespaces and links created here are touched, and all are removed after."""
+def netns_pair(suffix: str = "", rate: str | None = None) -> Iterator[Netns]:
+    """Only namespaces and links created here are touched, and all are removed after.
+
+    ``rate`` (e.g. ``"10gbit"``) shapes both ends of the veth with a token bucket
+    (``tc ... tbf``), as a NIC of that speed would.
+    """
     if os.geteuid() != 0 or shutil.which("ip") is None:
         raise NetnsUnavailable("network namespaces need root and iproute2")
     tag = f"{os.getpid() % 100000}{suffix}"
@@ -46,6 +56,11 @@ def netns_pair(suffix: str = "") -> Iterator[Netns]:
             ["ip", "-n", ns, "link", "set", dev, "up"],
             ["ip", "-n", ns, "link", "set", "lo", "up"],
         ]
+        if rate:
+            steps.append(
+                ["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate,
+                 "burst", "1mb", "latency", "10ms"]
+            )  # fmt: skip
     try:
         for step in steps:
             done = subprocess.run(step, capture_output=True, text=True, timeout=30)
@@ -53,7 +68,7 @@ def netns_pair(suffix: str = "") -> Iterator[Netns]:
                 raise NetnsUnavailable(
                     f"cannot set up network namespaces: {' '.join(step)}: {done.stderr}"
                 )
-        yield Netns(names, addrs)
+        yield Netns(names, addrs, veth)
     finally:
         for ns in names:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)

@@ -15,10 +15,12 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
-from tests._daemon import run_worker, spawn_worker, wait_until
+from tests import _netns
+from tests._daemon import Daemon, run_worker, spawn_worker, wait_until
 from tests.multinode.test_push import _count, _free_but_grant, _pair, _pulls, _ready_to_push
 from tests.multinode.test_two_daemons import (
     _NO_MOONCAKE,
@@ -28,6 +30,7 @@ from tests.multinode.test_two_daemons import (
     _lines,
     _readline,
     _send,
+    _token,
 )
 
 pytestmark = [
@@ -179,3 +182,79 @@ def test_writer_daemon_killed_with_pushes_in_flight(nodes: tuple[Node, Node]) ->
         assert _readline(reader, PEER_TIMEOUT + 5) == line.split()[1]
     assert _count(b, a, "pushes_in") == 2
     wait_until(lambda: _free_but_grant(a, b), 10, "both arenas back to the push grants alone")
+
+
+@pytest.fixture
+def netns() -> Iterator[_netns.Netns]:
+    try:
+        with _netns.netns_pair("p", rate="10gbit") as pair:
+            yield pair
+    except _netns.NetnsUnavailable as exc:
+        pytest.skip(str(exc))
+
+
+def test_link_down_mid_stream_then_up(tmp_path: pathlib.Path, netns: _netns.Netns) -> None:
+    """Two daemons in two network namespaces (a 10 Gbit/s veth); the link goes down mid-stream. Reads
+    awaiting pushes fail with PeerUnavailableError within the peer timeout; once
+    the link is back the same DataRefs read (by pull) and new puts are pushed."""
+    token = _token(tmp_path, "token", "0123456789abcdef-shared-peer-token")
+    daemons = []
+    for i, name in enumerate(("ns-a", "ns-b")):
+        d = tmp_path / name
+        d.mkdir()
+        daemon = Daemon(
+            str(d),
+            "--peer-address", f"{netns.addrs[i]}:9092",
+            "--peers", f"{netns.addrs[1 - i]}:9092",
+            "--peer-token-file", token,
+            "--peer-timeout", str(PEER_TIMEOUT),
+            node_id=name,
+        )  # fmt: skip
+        daemon.args[:0] = netns.wrap(i)
+        daemons.append(daemon)
+    a, b = daemons
+    peer_a, peer_b = f"{netns.addrs[0]}:9092", f"{netns.addrs[1]}:9092"
+
+    def peer(d: Daemon, address: str) -> dict[str, Any]:
+        return next((p for p in d.status().get("peers", []) if p["address"] == address), {})
+
+    def ready() -> bool:
+        return "talker" in peer(a, peer_b).get("stages", []) and bool(
+            int(peer(a, peer_b).get("push_grant_bytes", 0))
+        )
+
+    def write(n: int, seed: int) -> list[str]:
+        args = ["write", "--socket", a.socket, "--split", "--count", str(n), "--seed", str(seed)]
+        return _lines(run_worker([*args, "--request", f"s{seed}", "--sizes", str(MiB)]))
+
+    try:
+        a.start()
+        b.start()
+        wait_until(lambda: peer(b, peer_a).get("up"), 15, "the daemons to handshake")
+        reader = spawn_worker(["read", "--socket", b.socket])
+        assert _readline(reader, 30) == "READY"
+        wait_until(ready, 15, "node A to push to node B")
+        for line in write(2, 0):
+            _send(reader, line)
+            assert _readline(reader, 10) == line.split()[1]
+        netns.link(0, up=False)
+        cut = write(2, 10)
+        for line in cut:
+            start = time.monotonic()
+            _send(reader, line)
+            got = _readline(reader, PEER_TIMEOUT + 10)
+            assert got.startswith("ERR PeerUnavailableError"), got
+            assert time.monotonic() - start < PEER_TIMEOUT + 2
+        netns.link(0, up=True)
+        wait_until(lambda: peer(b, peer_a).get("up") and ready(), 20, "the peers to meet again")
+        for line in [*cut, *write(2, 20)]:
+            _send(reader, line)
+            assert _readline(reader, PEER_TIMEOUT + 10) == line.split()[1]
+        assert int(peer(b, peer_a).get("pushes_in", 0)) >= 4
+        wait_until(lambda: all(d.pool()["used_bytes"] == 0 for d in (a, b)), 10, "no lease left")
+        assert int(peer(b, peer_a).get("credits_in_use", 0)) == 0
+        assert int(peer(a, peer_b).get("credits_in_use", 0)) == 0
+    finally:
+        for d in (b, a):
+            if d.proc is not None and d.proc.poll() is None:
+                d.stop()
