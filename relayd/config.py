@@ -212,7 +212,7 @@ class Settings:
         5.0, parse=float, metavar="SECONDS", help="a peer transfer or call fails after this"
     )
     push_grant_size: int = _field(
-        32 << 20,
+        64 << 20,
         parse=parse_size,
         metavar="SIZE",
         help="arena each peer may push into ahead of its readers; 0 turns pushes off",

@@ -58,7 +58,7 @@ from relayd_client._proto import relay_pb2 as pb
 from relayd_client._slots import SlotAllocator
 
 from .pools.arena import Run
-from .pools.leases import Lease, LeaseState
+from .pools.leases import FREED_LINGER_MAX_BYTES, Lease, LeaseState
 from .transports.base import PullError, PullOp
 
 if TYPE_CHECKING:
@@ -442,7 +442,10 @@ class PushManager:
             self.peers.notifier.box(peer.address).freed.add(
                 grant_id=gin.grant_id, slot=start, nslots=run.nslots
             )
-            self.peers.notifier.send(peer.address, urgent=False)
+            # A big run goes back at once, as a local Freed does: the writer's
+            # daemon cannot push the next big lease until it has it.
+            big = run.nslots * self.daemon.arena.slot_size >= FREED_LINGER_MAX_BYTES
+            self.peers.notifier.send(peer.address, urgent=big)
 
     def _remember(self, key: Key) -> None:
         self._declined[key] = None

@@ -135,9 +135,12 @@ def test_a_push_that_finds_no_room_falls_back_to_the_pull(nodes: tuple[Node, Nod
                     assert digest(await r.get(ref.to_bytes())) == digest(payload)
 
     asyncio.run(asyncio.wait_for(scenario(), 60))
-    assert _count(a, b, "pushes_declined") == 1
-    assert _count(b, a, "pushes_in") == 2
-    assert _pulls(b) == 1
+    # The 3 MiB put is declined; the 1 MiB after it is too if the first one's run
+    # has not come back yet (frees linger), else pushed.
+    declined = _count(a, b, "pushes_declined")
+    assert declined in (1, 2)
+    assert _count(b, a, "pushes_in") == 3 - declined
+    assert _pulls(b) == declined
     wait_until(lambda: _free_but_grant(a, b), 10, "both arenas back to the push grant alone")
 
 
