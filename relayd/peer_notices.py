@@ -1,14 +1,17 @@
-"""One-way notices between daemons, batched per peer (``Peer.Notify``).
+"""One-way notices between daemons, batched per peer (``Peer.Notify``, a stream).
 
 Pushes that landed or were declined, push-grant runs freed, pulled leases to
 free: none of them is answered, so none is worth a call of its own. Each peer
-has one pending :class:`relayd_client._proto.relay_pb2.PeerNotices` and at most
-one Notify call in flight; whatever is added meanwhile rides the next call,
-which goes as soon as the one before returns. Under load that batches like the
+has one pending :class:`relayd_client._proto.relay_pb2.PeerNotices`, one
+long-lived Notify stream (a message costs about half a unary call, in latency
+and CPU, measured in the reference) and at most one write in flight on it;
+whatever is added meanwhile rides the next write, which goes as soon as the
+one before is done. Under load that batches like the
 session's notices; idle, a notice leaves at the end of the loop turn that made
 it. Frees and releases may linger (``linger``), since nothing waits for them.
 
-A call that fails is dropped, not retried: the peer is gone or cut off, and
+A write that fails is dropped, not retried, and the stream is opened anew for
+the next batch: the peer is gone or cut off, and
 each kind has its fallback there (a reader waiting for a push ends at the peer
 timeout or the peer's loss; a writer's pulled lease ends at its TTL).
 """
@@ -19,6 +22,7 @@ import asyncio
 import dataclasses
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import grpc
 from relayd_client._proto import relay_pb2 as pb
@@ -37,6 +41,7 @@ class _Outbox:
     count: int = 0
     busy: bool = False
     timer: asyncio.TimerHandle | None = None
+    call: Any = None  # the Notify stream (grpc.aio.StreamUnaryCall), opened on first use
 
 
 class PeerNotifier:
@@ -84,13 +89,18 @@ class PeerNotifier:
     def forget(self, address: str) -> None:
         """The peer went down: what was pending for it is void."""
         ob = self._boxes.pop(address, None)
-        if ob is not None and ob.timer is not None:
-            ob.timer.cancel()
+        if ob is not None:
+            if ob.timer is not None:
+                ob.timer.cancel()
+            if ob.call is not None:
+                ob.call.cancel()
 
     async def close(self) -> None:
         for ob in self._boxes.values():
             if ob.timer is not None:
                 ob.timer.cancel()
+            if ob.call is not None:
+                ob.call.cancel()
         self._boxes.clear()
         for task in list(self._tasks):
             task.cancel()
@@ -118,29 +128,34 @@ class PeerNotifier:
         batch.node_id = self._node_id
         batch.daemon_epoch = self._epoch
         ob.busy = True
-        task = asyncio.get_running_loop().create_task(self._call(address, batch))
+        task = asyncio.get_running_loop().create_task(self._write(address, ob, batch))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _call(self, address: str, batch: pb.PeerNotices) -> None:
+    async def _write(self, address: str, ob: _Outbox, batch: pb.PeerNotices) -> None:
         try:
-            stub = self._stub_for(address)
-            if stub is not None:
-                self.calls += 1
-                await stub.Notify(batch, timeout=self._timeout, metadata=self._metadata())
-        except grpc.RpcError as exc:
+            if ob.call is None or ob.call.done():
+                stub = self._stub_for(address)
+                if stub is None:
+                    return
+                ob.call = stub.Notify(metadata=self._metadata())
+            self.calls += 1
+            await asyncio.wait_for(ob.call.write(batch), self._timeout)
+        except (grpc.RpcError, asyncio.InvalidStateError, TimeoutError) as exc:
+            call, ob.call = ob.call, None
+            if call is not None:
+                call.cancel()
+            why = from_rpc_error(exc).message if isinstance(exc, grpc.RpcError) else repr(exc)
             log.warning(
                 "%d notice(s) to peer %s lost: %s",
                 len(batch.landed) + len(batch.declined) + len(batch.freed) + len(batch.released),
                 address,
-                from_rpc_error(exc).message,
+                why,
             )
         finally:
-            ob = self._boxes.get(address)
-            if ob is not None:
-                ob.busy = False
-                if ob.count and ob.timer is None:
-                    self._start(address, ob)
+            ob.busy = False
+            if self._boxes.get(address) is ob and ob.count and ob.timer is None:
+                self._start(address, ob)
 
 
 __all__ = ["MAX_BATCH", "PeerNotifier"]

@@ -8,6 +8,7 @@ peer pulled, abort a request), with the same rules as for local readers.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from relayd_client._errors import InvalidArgumentError, PermissionDeniedError
@@ -76,6 +77,11 @@ class PeerService(pb_grpc.PeerServicer):
         return self.peers.push.grant_to(request)
 
     @mapped
-    async def Notify(self, request: pb.PeerNotices, context: Ctx) -> pb.PeerNoticesAck:
+    async def Notify(
+        self, requests: AsyncIterator[pb.PeerNotices], context: Ctx
+    ) -> pb.PeerNoticesAck:
         self.peers.authenticate(context, "notify")
-        return pb.PeerNoticesAck(released=self.peers.push.on_notices(request))
+        released = 0
+        async for batch in requests:
+            released += self.peers.push.on_notices(batch)
+        return pb.PeerNoticesAck(released=released)

@@ -179,7 +179,9 @@ def test_hostile_push_notices_are_refused(nodes: tuple[Node, Node]) -> None:
                 # Not a connected peer (or not its epoch): refused outright.
                 with pytest.raises(grpc.RpcError) as info:
                     stub.Notify(
-                        pb.PeerNotices(node_id="node-x", daemon_epoch="e"), timeout=5, metadata=meta
+                        iter([pb.PeerNotices(node_id="node-x", daemon_epoch="e")]),
+                        timeout=5,
+                        metadata=meta,
                     )
                 assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
                 bad = [
@@ -201,7 +203,7 @@ def test_hostile_push_notices_are_refused(nodes: tuple[Node, Node]) -> None:
                                   to_stage="talker"),
                 ]  # fmt: skip
                 stub.Notify(
-                    pb.PeerNotices(node_id="node-a", daemon_epoch=epoch, landed=bad),
+                    iter([pb.PeerNotices(node_id="node-a", daemon_epoch=epoch, landed=bad)]),
                     timeout=5,
                     metadata=meta,
                 )

@@ -490,7 +490,7 @@ class PeerStub:
                 request_serializer=relayd_dot_v1_dot_relay__pb2.PushGrantRequest.SerializeToString,
                 response_deserializer=relayd_dot_v1_dot_relay__pb2.PushGrantResponse.FromString,
                 _registered_method=True)
-        self.Notify = channel.unary_unary(
+        self.Notify = channel.stream_unary(
                 '/relayd.v1.Peer/Notify',
                 request_serializer=relayd_dot_v1_dot_relay__pb2.PeerNotices.SerializeToString,
                 response_deserializer=relayd_dot_v1_dot_relay__pb2.PeerNoticesAck.FromString,
@@ -538,8 +538,9 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Notify(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+    def Notify(self, request_iterator, context):
+        """One long-lived stream per peer: a batch is one message, not one call.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -577,7 +578,7 @@ def add_PeerServicer_to_server(servicer, server):
                     request_deserializer=relayd_dot_v1_dot_relay__pb2.PushGrantRequest.FromString,
                     response_serializer=relayd_dot_v1_dot_relay__pb2.PushGrantResponse.SerializeToString,
             ),
-            'Notify': grpc.unary_unary_rpc_method_handler(
+            'Notify': grpc.stream_unary_rpc_method_handler(
                     servicer.Notify,
                     request_deserializer=relayd_dot_v1_dot_relay__pb2.PeerNotices.FromString,
                     response_serializer=relayd_dot_v1_dot_relay__pb2.PeerNoticesAck.SerializeToString,
@@ -756,7 +757,7 @@ class Peer:
             _registered_method=True)
 
     @staticmethod
-    def Notify(request,
+    def Notify(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -766,8 +767,8 @@ class Peer:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
+        return grpc.experimental.stream_unary(
+            request_iterator,
             target,
             '/relayd.v1.Peer/Notify',
             relayd_dot_v1_dot_relay__pb2.PeerNotices.SerializeToString,
