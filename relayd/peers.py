@@ -671,7 +671,10 @@ class PeerManager:
             raise from_rpc_error(exc) from None
 
     async def release_now(self, m: pb.DataRef) -> bool:
-        """Free a lease of another node now (a discard); False when it was gone already."""
+        """Free a lease of another node now (a discard); False when it was gone already.
+        A lease pushed here is freed here: the writer's node freed its own on landing."""
+        if self.push.discard(m):
+            return True
         peer = self._peer_for(m)
         if peer.stub is None:
             raise PeerUnavailableError(f"peer {peer.address} is not connected")

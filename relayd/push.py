@@ -514,6 +514,22 @@ class PushManager:
             return None
         return lease
 
+    def discard(self, m: pb.DataRef) -> bool:
+        """Free the landed copy of DataRef ``m`` unread; False when none is here."""
+        key = (
+            m.origin.node_id,
+            m.origin.daemon_epoch,
+            int(m.lease.lease_id),
+            int(m.lease.generation),
+        )
+        lease = self._landed.get(key)
+        manager = self.daemon.manager
+        if lease is None or manager.leases.get(lease.id) is not lease:
+            return False
+        manager.drop_pull(lease)
+        manager.flush()
+        return True
+
     def abort(self, request_id: str) -> None:
         """Readers waiting for pushes of ``request_id`` stop with AbortedError (the
         abort itself freed the landed leases; the writer's side declines the rest)."""
