@@ -103,6 +103,9 @@ class PushCounts:
     out: int = 0
     declined: int = 0
     into: int = 0
+    reads_landed: int = 0
+    reads_awaited: int = 0
+    reads_pulled: int = 0
 
 
 class PushManager:
@@ -469,6 +472,7 @@ class PushManager:
             int(m.lease.generation),
         )
         lease = self._landed.get(key)
+        waited = False
         # Only a peer holding a grant here can push here: from any other, nothing
         # will come (its pushes are off, or it pushes to another node), so pull.
         given = self.given.get(key[0])
@@ -478,6 +482,7 @@ class PushManager:
             if peer is None or not peer.up:
                 return None  # the pull says what is wrong with the peer
             loop = asyncio.get_running_loop()
+            waited = True
             fut: asyncio.Future[None] = loop.create_future()
             self._waiters.setdefault(key, []).append(fut)
             self._waiting_for[key] = m.request_id
@@ -512,7 +517,18 @@ class PushManager:
             )
         if lease.state is not LeaseState.PUBLISHED:
             return None
+        peer = self.peers.by_node.get(key[0])
+        if peer is not None:
+            counts = self.counts[peer.address]
+            if waited:
+                counts.reads_awaited += 1
+            else:
+                counts.reads_landed += 1
         return lease
+
+    def pulled(self, address: str) -> None:
+        """A read of that peer's DataRef was served by a pull."""
+        self.counts[address].reads_pulled += 1
 
     def discard(self, m: pb.DataRef) -> bool:
         """Free the landed copy of DataRef ``m`` unread; False when none is here."""
@@ -552,6 +568,9 @@ class PushManager:
             "pushes_declined": c.declined,
             "pushes_in": c.into,
             "push_grant_bytes": size,
+            "reads_landed": c.reads_landed,
+            "reads_awaited": c.reads_awaited,
+            "reads_pulled": c.reads_pulled,
         }
 
 

@@ -98,6 +98,9 @@ def test_puts_to_a_remote_consumer_are_pushed_and_read_locally(nodes: tuple[Node
     assert _count(a, b, "pushes_out") == len(sizes)
     assert _count(a, b, "pushes_declined") == 0
     assert _pulls(b) == 0  # not one pull: every read found its local copy
+    # What each read waited for on the network: nothing, or the push's Landed notice.
+    assert _count(b, a, "reads_landed") + _count(b, a, "reads_awaited") == len(sizes)
+    assert _count(b, a, "reads_pulled") == 0
     wait_until(lambda: _free_but_grant(a, b), 10, "both arenas back to the push grant alone")
     assert int(b.peer(a.address)["credits_in_use"]) == 0
     assert int(a.peer(b.address).get("credits_in_use", 0)) == 0
@@ -117,6 +120,7 @@ def test_a_put_before_the_consumer_is_known_is_pulled(nodes: tuple[Node, Node]) 
     asyncio.run(asyncio.wait_for(scenario(), 60))
     assert _count(b, a, "pushes_in") == 0
     assert _pulls(b) == 1
+    assert _count(b, a, "reads_pulled") == 1
     wait_until(lambda: _free_but_grant(a, b), 10, "both arenas back to the push grant alone")
 
 
