@@ -85,6 +85,10 @@ class PairMethod(_Base, abc.ABC):
     @abc.abstractmethod
     def send(self, i: int) -> bytes | bytearray | memoryview: ...
 
+    def finish_writer(self) -> None:
+        """After the last transfer's ack, before the report (untimed): fill ``extra``."""
+        return None
+
     def teardown_writer(self) -> None:
         return None
 
@@ -109,6 +113,10 @@ class AsyncPairMethod(_Base, abc.ABC):
 
     @abc.abstractmethod
     async def send(self, i: int) -> bytes | bytearray | memoryview: ...
+
+    async def finish_writer(self) -> None:
+        """After the last transfer's ack, before the report (untimed): fill ``extra``."""
+        return None
 
     async def teardown_writer(self) -> None:
         return None
@@ -231,6 +239,7 @@ class ReaderReport:
     size: int
     usage: Usage
     samples_ns: tuple[int, ...]  # one-way t1 - t0 of each measured transfer
+    extra: dict[str, str] = dataclasses.field(default_factory=dict)  # what the reader observed
 
 
 @dataclasses.dataclass(frozen=True)

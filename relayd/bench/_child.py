@@ -118,9 +118,12 @@ class _Meter:
             dict(extra),
         )
 
-    def reader_report(self, *, local: bool = False) -> ReaderReport:
+    def reader_report(
+        self, *, local: bool = False, extra: dict[str, str] | None = None
+    ) -> ReaderReport:
         usage = Usage(0, 0) if local else self._delta()  # a local process reports as writer
-        return ReaderReport(self._step.method, self._plan.size, usage, tuple(self.samples))
+        samples = tuple(self.samples)
+        return ReaderReport(self._step.method, self._plan.size, usage, samples, dict(extra or {}))
 
 
 def _since(start: int | None, end: int | None) -> int | None:
@@ -198,6 +201,7 @@ def _writer(m: PairMethod, run: _Run, sock: socket.socket) -> None:
             wire.expect(sock, wire.ACK)
             meter.record(i, time.perf_counter_ns() - t0, t0 if late is None else late)
             run.done(i + 1)
+        m.finish_writer()
         report = meter.writer_report(m.extra)
         m.teardown_writer()
         run.conn.send(report)
@@ -220,7 +224,7 @@ def _reader(m: PairMethod, run: _Run, sock: socket.socket) -> None:
             del tensor, notify  # a view must be gone before cleanup releases its memory
             m.cleanup()
             sock.sendall(wire.ACK)
-        report = meter.reader_report()
+        report = meter.reader_report(extra=m.extra)
         m.teardown_reader()
         run.conn.send(report)
     rx.expect_end()
@@ -275,6 +279,7 @@ async def _awriter(m: AsyncPairMethod, run: _Run, sock: socket.socket) -> None:
             await wire.aexpect(sock, wire.ACK)
             meter.record(i, time.perf_counter_ns() - t0, t0 if late is None else late)
             run.done(i + 1)
+        await m.finish_writer()
         report = meter.writer_report(m.extra)
         await m.teardown_writer()
         run.conn.send(report)
@@ -298,7 +303,7 @@ async def _areader(m: AsyncPairMethod, run: _Run, sock: socket.socket) -> None:
             del tensor, notify
             await m.cleanup()
             await loop.sock_sendall(sock, wire.ACK)
-        report = meter.reader_report()
+        report = meter.reader_report(extra=m.extra)
         await m.teardown_reader()
         run.conn.send(report)
     await rx.aexpect_end()

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from relayd.bench import _rtt
 from relayd.bench._api import PairMethod
 from relayd.bench._baselines import FLOOR_SLOTS, PAGE
 from relayd.config import Settings
@@ -162,6 +163,7 @@ class MooncakeRaw(PairMethod):
         self.peer, self.remote_base = str(writer["session"]), int(writer["base"])
         self.remote_stride = int(writer["stride"])
         self._open(size)
+        self.reads = self.transfers = 0
 
     def recv(self, notify: memoryview) -> torch.Tensor:
         assert self.buffer is not None
@@ -171,6 +173,8 @@ class MooncakeRaw(PairMethod):
         local = self.buffer.base + k * self.buffer.stride
         remote = self.remote_base + k * self.remote_stride
         rc = self.engine.transfer_sync_read(self.peer, local, remote, self.size)
+        self.reads += 1
+        self.transfers += 1
         if rc != 0:
             raise RuntimeError(
                 f"mooncake transfer_sync_read of {self.size} B from {self.peer} returned {rc}"
@@ -180,3 +184,9 @@ class MooncakeRaw(PairMethod):
 
     def teardown_reader(self) -> None:
         self._close()
+
+    def cleanup(self) -> None:
+        # each transfer's count so far, as relayd-mooncake's come from its daemon's counters
+        rt = _rtt.bare_read_round_trips(self.reads, self.transfers)
+        if rt is not None:
+            self.extra[_rtt.EXTRA_RT] = _rtt.fmt_rt(rt)

@@ -24,6 +24,7 @@ from relayd_client import (  # type: ignore[import-not-found, unused-ignore]
 )
 from relayd_client._proto import relay_pb2 as pb
 
+from relayd.bench import _daemon, _rtt
 from relayd.bench._api import AsyncLocalMethod, AsyncPairMethod, PairMethod
 
 WRITER_STAGE = "bench-writer"
@@ -119,10 +120,35 @@ class RelaydInline(RelaydShm):
 
 class RelaydMooncake(RelaydShm):
     """Reader attached to another node's daemon: the writer's daemon pushes the bytes
-    there over Mooncake TE as soon as they are published (or the reader's pulls them)."""
+    there over Mooncake TE as soon as they are published (or the reader's pulls them).
+
+    The round trips each read waited for come from the reader's daemon's counters,
+    read before the first transfer of a size and after its last ack (see ``_rtt``).
+    """
 
     def _reader_socket(self) -> str | None:
         return self.ctx.reader_socket
+
+    async def _reads(self) -> _rtt.ReadCounts | None:
+        sock = self.ctx.reader_socket
+        if sock is None:
+            return None
+        return _rtt.read_counts(await asyncio.to_thread(_daemon.status, sock))
+
+    async def setup_writer(self, size: int, source: torch.Tensor) -> bytes:
+        blob = await super().setup_writer(size, source)
+        self.reads_before = await self._reads()
+        return blob
+
+    async def finish_writer(self) -> None:
+        after, before = await self._reads(), self.reads_before
+        if after is None or before is None:
+            return
+        d = after - before
+        self.extra["reads"] = f"{d.landed}/{d.awaited}/{d.pulled}"
+        rt = _rtt.relayd_round_trips(d)
+        if rt is not None:
+            self.extra[_rtt.EXTRA_RT] = _rtt.fmt_rt(rt)
 
     async def send(self, i: int) -> bytes:
         if i == 0:

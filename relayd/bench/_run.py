@@ -419,7 +419,7 @@ def _result(entry: Entry, plan: SizePlan, o: JobOutcome) -> Result:
         latency=summarize(r.samples_ns),
         cycle_median_ns=None if entry.local else median(w.cycles_ns),
         cpu=cpu,
-        extra=dict(w.extra),
+        extra={**r.extra, **w.extra},
     )
 
 

@@ -28,6 +28,8 @@ import platform
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from relayd.bench import _rtt
+
 SCHEMA = "relayd-bench/1"
 REFERENCE_METHOD = "floor"
 TABLE_WIDTH = 100
@@ -288,6 +290,7 @@ def render_table(
         out += _render_comparisons(results, width)
         out.append("")
         out += _render_details(results, width)
+        out += _render_round_trips(results)
     if streams:
         if results:
             out.append("")
@@ -396,6 +399,30 @@ def _render_details(results: Sequence[Result], width: int) -> list[str]:
             )
     for m, r in whole.items():
         out.append(_clip(f"{'all':<7}{m[:16]:<17}{r.status.value}: {r.reason}", width))
+    return out
+
+
+def _render_round_trips(results: Sequence[Result]) -> list[str]:
+    """Round trips counted per read, and the latency they model at real networks' RTTs."""
+    rows = [
+        (r.method, r.size, r.latency.median_ns, rt)
+        for r in results
+        if r.latency is not None and (rt := _rtt.parse_rt(r.extra)) is not None
+    ]
+    if not rows:
+        return []
+    reads = {(r.method, r.size): r.extra.get("reads", "-") for r in results}
+    rtts = "".join(f"{_rtt.rtt_label(x):>11}" for x in _rtt.MODEL_RTTS_NS)
+    out = [
+        "",
+        "RT: round trips a read waits for, put returned -> get returned (the DataRef's trip",
+        "included); modelled latency = median + RT x RTT; reads: landed/awaited/pulled",
+        f"{'size':<7}{'method':<17}{'median':>9}{'RT':>6}{rtts}  reads",
+    ]
+    for method, size, med, rt, modelled in _rtt.model_rows(rows):
+        cells = "".join(f"{fmt_ns(v):>11}" for v in modelled)
+        head = f"{fmt_size(size):<7}{method:<17}{fmt_ns(med):>9}{rt:>6.2f}"
+        out.append(f"{head}{cells}  {reads[method, size]}")
     return out
 
 
