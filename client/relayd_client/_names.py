@@ -18,15 +18,27 @@ from ._errors import InvalidArgumentError
 STAGE_NAME_MAX = 128
 REQUEST_ID_MAX = 256
 _STAGE_NAME_RE = re.compile(rf"[A-Za-z0-9_.:/@-]{{1,{STAGE_NAME_MAX}}}")
+# Names that passed: a writer puts to the same few stages over and over, and
+# the regex on every put cost more than the set look-up (cold after a copy).
+# The verdict is a pure function of the (immutable) string; bounded, as names
+# may come from hostile input.
+_VALID_STAGES: set[str] = set()
+_VALID_STAGES_MEMORY = 1024
 
 
 def check_stage(value: object, what: str = "stage name") -> str:
     """``value`` if it is a valid stage name, else InvalidArgumentError saying why."""
+    if type(value) is str and value in _VALID_STAGES:
+        return value
     if not isinstance(value, str) or not _STAGE_NAME_RE.fullmatch(value):
         shown = printable(value if isinstance(value, str) else repr(value))[:64]
         raise InvalidArgumentError(
             f"{what} {shown!r} must be 1-{STAGE_NAME_MAX} characters of letters, digits and _.:/@-"
         )
+    if type(value) is str:  # a str subclass could hash or compare as something else
+        if len(_VALID_STAGES) >= _VALID_STAGES_MEMORY:
+            _VALID_STAGES.clear()
+        _VALID_STAGES.add(value)
     return value
 
 
