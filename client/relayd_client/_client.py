@@ -539,14 +539,12 @@ class RelayClient:
 
     def _put_finished(self, ref: DataRef, started_ns: int) -> DataRef:
         """Where every put of either client ends (both clients' put() call it once)."""
-        m = ref.proto
-        self._observe(_latency.PUT, m.origin.stage, m.to_stage, m.transport, started_ns)
+        self._observe(_latency.PUT, ref.proto, started_ns)
         return ref
 
     def _get_finished(self, ref: DataRef, obj: Any, started_ns: int) -> Any:
         """Where every get of either client ends (both clients' get() call it once)."""
-        m = ref.proto
-        self._observe(_latency.GET, m.origin.stage, m.to_stage, m.transport, started_ns)
+        self._observe(_latency.GET, ref.proto, started_ns)
         return obj
 
     async def _put(
@@ -861,8 +859,12 @@ class RelayClient:
         out.length = total
         out.generation = gen
         out.lease_id = lease.id
-        push = transport == pb.TRANSPORT_SHM and msg.to_stage in self._remote_stages
-        msg.push = push
+        # Most clients route no stage to another node: no field read or write then.
+        push = bool(self._remote_stages) and (
+            transport == pb.TRANSPORT_SHM and msg.to_stage in self._remote_stages
+        )
+        if push:  # a fresh message's push is False already
+            msg.push = True
         with self._table.lock:
             self._session.pending.publish.add(
                 lease_id=lease.id, nbytes=total, transport=transport, ref=ref, push=push
@@ -1202,9 +1204,7 @@ class RelayClient:
                 f"payload header refers to {need_tensors} tensors and {need_refs} forwarded "
                 f"refs, but the DataRef has {len(m.tensors)} and {len(m.refs)}"
             )
-        if m.transport == pb.TRANSPORT_SHM and _remote.is_foreign(
-            DataRef(m), self._require_open().node_id
-        ):
+        if m.transport == pb.TRANSPORT_SHM and _remote.is_foreign(m, self._require_open().node_id):
             self._checked_specs(m, m.lease.length)
         for r in m.refs:
             if r.to_stage in self.stages and r.kind == KIND_DATA:
@@ -1913,12 +1913,13 @@ class RelayClient:
             entry[1] += nbytes
             self._report_soon()
 
-    def _observe(self, op: int, src: str, dst: str, transport: int, start_ns: int) -> None:
-        """Count one put or get of ``start_ns`` ago in its edge's latency buckets."""
+    def _observe(self, op: int, m: pb.DataRef, start_ns: int) -> None:
+        """Count one put or get (of ``m``) of ``start_ns`` ago in its edge's latency buckets."""
         ns = time.perf_counter_ns() - start_ns
         with self._table.lock:
-            self._latency.observe(op, src, dst, transport, ns)
-            self._report_soon()
+            self._latency.observe(op, m.origin.stage, m.to_stage, m.transport, ns)
+            if not self._report_due:  # one call less on every put and get
+                self._report_soon()
 
     def _report_soon(self) -> None:
         # Under the table lock.

@@ -16,9 +16,9 @@ from ._proto import relay_pb2 as pb
 from ._session import SessionChannel
 
 
-def is_foreign(ref: DataRef, node_id: str) -> bool:
-    """The DataRef's lease lives in another node's arena."""
-    origin = ref.proto.origin
+def is_foreign(ref: DataRef | pb.DataRef, node_id: str) -> bool:
+    """The DataRef's lease lives in another node's arena (a message: no wrapper to build)."""
+    origin = (ref.proto if isinstance(ref, DataRef) else ref).origin
     return bool(origin.node_id) and origin.node_id != node_id
 
 
