@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     import torch
 
 _SEGMENT_COUNTER = itertools.count()
+LOOPBACK = "127.0.0.1"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +62,11 @@ class BenchContext:
     daemon_pid: int | None = None
     reader_daemon_pid: int | None = None  # the reader's own daemon (relayd-mooncake), if known
     stream_index: int = 0
+    # --netns, for a cross-node method: the writer's and the reader's network namespace
+    # and address; the harness joins them by TCP across the veth link instead of a
+    # socketpair. Mooncake engines of the methods bind these addresses.
+    netns: tuple[str, str] | None = None
+    hosts: tuple[str, str] = (LOOPBACK, LOOPBACK)
 
     def segment_name(self, tag: str) -> str:
         """A /dev/shm name unique to this run, process and call; swept by the harness."""

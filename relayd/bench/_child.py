@@ -29,6 +29,7 @@ import traceback
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from relayd.bench import _netns
 from relayd.bench import _wire as wire
 from relayd.bench._api import (
     METHOD_BASES,
@@ -55,6 +56,7 @@ if TYPE_CHECKING:
     from multiprocessing.synchronize import Barrier
 
 BARRIER_TIMEOUT_S = 120.0
+ROLE_NODE = {"writer": 0, "reader": 1}  # with --netns: which namespace each role runs in
 START_MARGIN_NS = 2_000_000  # after the barrier, time for every stream to reach its loop
 
 
@@ -390,6 +392,8 @@ def child_main(
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     run: _Run | None = None
     try:
+        if spec.ctx.netns is not None and role in ROLE_NODE:
+            _netns.enter(spec.ctx.netns[ROLE_NODE[role]])  # before any engine opens a socket
         import torch
 
         torch.set_num_threads(1)  # as in the reference runs: one core per process

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 from types import FrameType
 
-from relayd.bench import _plot, _registry
+from relayd.bench import _netns, _plot, _registry
 from relayd.bench._progress import Progress
 from relayd.bench._run import Bench, Options, plan_for
 from relayd.bench._stats import (
@@ -23,6 +23,8 @@ from relayd.bench._stats import (
 )
 
 DEFAULT_SIZES = "4K,256K,1M,4M,16M"
+DEFAULT_NETNS_RATE = "10gbit"
+_RATE_RE = re.compile(r"^\d+(?:\.\d+)?(?:[kmgt]?(?:bit|bps))$", re.IGNORECASE)
 QUICK_SCALE = 0.1
 QUICK_STREAMS, QUICK_STREAM_SECONDS, QUICK_STREAM_WARMUP_S = 2, 1.0, 0.2
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmg]?)(?:i?b)?\s*$", re.IGNORECASE)
@@ -113,6 +115,21 @@ def build_parser() -> argparse.ArgumentParser:
         default=",".join(_registry.DEFAULT_STREAM_METHODS),
         help="methods the stream workload runs (default %(default)s)",
     )
+    p.add_argument(
+        "--netns",
+        action="store_true",
+        help="root only: run the two daemons, and the writer and reader of the cross-node "
+        "methods (relayd-mooncake, mooncake-raw), in two network namespaces joined by a "
+        "veth pair; the DataRefs cross the same link over TCP. The table adds the round "
+        "trips each read waits for and the latency they model at 50 us, 200 us, 1 ms RTT",
+    )
+    p.add_argument(
+        "--netns-rate",
+        default=DEFAULT_NETNS_RATE,
+        metavar="RATE",
+        help="with --netns: the veth's rate, a tc tbf rate such as 10gbit "
+        "(default %(default)s; 'none': unshaped)",
+    )
     p.add_argument("--shm-pool-size", default="512MiB", help="arena of the daemon the bench starts")
     p.add_argument(
         "--timeout",
@@ -154,6 +171,16 @@ def _options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Optio
         seconds = QUICK_STREAM_SECONDS if args.quick else 5.0
     if streams < 1 or args.stream_rate <= 0 or seconds <= 0:
         parser.error("--streams, --stream-rate and --stream-seconds must be positive")
+    if args.netns:
+        if args.socket or args.reader_socket:
+            parser.error("--netns starts its own daemons: not with --socket/--reader-socket")
+        try:
+            _netns.check_available()
+        except _netns.NetnsUnavailable as exc:
+            parser.error(f"--netns: {exc}")
+    rate = None if args.netns_rate.lower() == "none" else args.netns_rate
+    if rate is not None and not _RATE_RE.match(rate):
+        parser.error(f"--netns-rate: not a tc rate: {rate!r} (examples: 10gbit, 800mbit)")
     return Options(
         sizes=sizes,
         methods=methods,
@@ -169,6 +196,8 @@ def _options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Optio
         stream_seconds=seconds,
         stream_warmup_s=QUICK_STREAM_WARMUP_S if args.quick else 0.5,
         stream_methods=stream_methods,
+        netns=args.netns,
+        netns_rate=rate,
     )
 
 
@@ -219,6 +248,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\nrelayd bench: interrupted", file=sys.stderr)
         return 130
+    except _netns.NetnsUnavailable as exc:
+        print(f"relayd bench: --netns: {exc}", file=sys.stderr)
+        return 2
     finally:
         signal.signal(signal.SIGTERM, previous)
         bench.close()
@@ -226,6 +258,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_stream_ratios(bench.streams)
     machine = {**machine_info(), "loadavg_at_start": bench.loadavg_at_start}
     sys.stdout.write(render_table(bench.results, bench.streams, machine))
+    network = bench.network_line()
+    if network:
+        sys.stdout.write(network + "\n")
     if args.json:
         run = {
             "argv": list(argv) if argv is not None else sys.argv[1:],
@@ -234,6 +269,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "quick": args.quick,
             "iterations_scale": opts.scale,
             "reuse_processes": opts.reuse_processes,
+            "netns": opts.netns,
+            "netns_rate": opts.netns_rate if opts.netns else None,
             "plan": [vars(plan_for(s, opts.scale)) for s in opts.sizes],
             "stream": {
                 "streams": opts.streams,

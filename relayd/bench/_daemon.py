@@ -10,6 +10,9 @@ on loopback, configured as the two-daemon tests do: distinct node ids (so distin
 arena names) and sockets, each with its Peer service on a free 127.0.0.1 port and
 the other as its static peer, one shared token file (0600). Ready means both are
 SERVING and each reports the other up (the handshake swapped Mooncake sessions).
+With ``--netns`` each runs in its own network namespace (``ip netns exec``) with
+its Peer service on its namespace's address, so peer calls and Mooncake cross the
+veth link between them.
 """
 
 from __future__ import annotations
@@ -28,10 +31,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from relayd.bench._netns import Netns
+
 SHM_DIR = Path("/dev/shm")
 STOP_TIMEOUT_S = 15.0
 POLL_S = 0.05
 PEER_HOST = "127.0.0.1"
+NETNS_PEER_PORT = 9092  # each namespace is fresh: nothing else listens there
 
 
 class DaemonError(RuntimeError):
@@ -132,10 +138,17 @@ def shm_files_of(pid: int) -> frozenset[str]:
     )
 
 
-def _spawn(tmpdir: Path, pool_size: str, name: str, args: Sequence[str] = ()) -> Daemon:
+def _spawn(
+    tmpdir: Path,
+    pool_size: str,
+    name: str,
+    args: Sequence[str] = (),
+    prefix: Sequence[str] = (),
+) -> Daemon:
     sock = tmpdir / f"{name}.sock"
     log = tmpdir / f"{name}.log"
-    cmd = [sys.executable, "-m", "relayd", "serve", "--socket", str(sock)]
+    # `ip netns exec` execs the command, so the pid stays the daemon's
+    cmd = [*prefix, sys.executable, "-m", "relayd", "serve", "--socket", str(sock)]
     cmd += ["--shm-pool-size", pool_size, *args]
     with open(log, "wb") as out:
         proc = subprocess.Popen(
@@ -155,21 +168,26 @@ def start(tmpdir: Path, pool_size: str, timeout_s: float) -> Daemon:
 
 
 def start_pair(
-    tmpdir: Path, pool_size: str, timeout_s: float, node_prefix: str
+    tmpdir: Path, pool_size: str, timeout_s: float, node_prefix: str, netns: Netns | None = None
 ) -> tuple[Daemon, Daemon]:
-    """The writer's and the reader's daemon, Mooncake peers on loopback (see the module doc)."""
+    """The writer's and the reader's daemon, Mooncake peers on loopback or across the
+    namespaces' link (see the module doc)."""
     token = tmpdir / "peer-token"
     fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(secrets.token_hex(32) + "\n")
-    addresses = [f"{PEER_HOST}:{port}" for port in free_ports(2)]
+    if netns is None:
+        addresses = [f"{PEER_HOST}:{port}" for port in free_ports(2)]
+    else:
+        addresses = [f"{addr}:{NETNS_PEER_PORT}" for addr in netns.addrs]
     deadline = time.monotonic() + timeout_s
     daemons: list[Daemon] = []
     try:
         for k, role in enumerate(("writer", "reader")):
             args = ["--node-id", f"{node_prefix}-{role}", "--peer-address", addresses[k]]
             args += ["--peers", addresses[1 - k], "--peer-token-file", str(token)]
-            daemons.append(_spawn(tmpdir, pool_size, f"relayd-{role}", args))
+            prefix = netns.wrap(k) if netns is not None else []
+            daemons.append(_spawn(tmpdir, pool_size, f"relayd-{role}", args, prefix))
         for d in daemons:  # both start up at once; each waits out what is left of the budget
             d._await_ready(max(deadline - time.monotonic(), 0.0))
         writer, reader = daemons

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from relayd.bench import _netns
 from relayd.bench._api import ChildError, JobSpec, ReaderReport, WriterReport
 from relayd.bench._child import child_main
 from relayd.bench._progress import Progress
@@ -74,7 +75,7 @@ def run_jobs(
         for k, spec in enumerate(specs):
             counter = mp.RawArray("q", 4)
             counters.append(counter)
-            pair = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            pair = _channel(spec, local)
             roles: list[tuple[str, socket.socket | None]] = (
                 [("local", None)] if local else [("writer", pair[0]), ("reader", pair[1])]
             )
@@ -108,6 +109,18 @@ def run_jobs(
                 ChildError(role, None, None, f"{role} process exited with code {p.exitcode}", "")
             )
     return outcomes
+
+
+def _channel(spec: JobSpec, local: bool) -> tuple[socket.socket, socket.socket]:
+    """Writer's and reader's ends of the channel that carries notifies (DataRefs).
+
+    With namespaces (``--netns``) it is a TCP connection across the veth link, as an
+    application's channel between two hosts would be; otherwise a Unix socketpair.
+    """
+    ns = spec.ctx.netns
+    if ns is None or local:
+        return socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    return _netns.tcp_pair(ns, spec.ctx.hosts[0])
 
 
 def _watch(

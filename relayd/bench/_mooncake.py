@@ -4,7 +4,7 @@ Imported only inside benchmark processes (it imports torch; Mooncake itself when
 size starts). Each side's engine is set up as relayd's daemons set up theirs (see
 ``relayd.transports.mooncake``): P2PHANDSHAKE mode (no metadata server; the session
 id is ``"host:rpc port"``), TCP forced, the same ``MC_*`` environment, here on
-127.0.0.1.
+127.0.0.1, or with ``--netns`` on each side's namespace address (``ctx.hosts``).
 
 - writer: an engine and a registered, pre-faulted buffer of ``FLOOR_SLOTS``
   page-aligned slots; per transfer it copies the payload into the next slot (as the
@@ -40,7 +40,6 @@ from relayd.bench._baselines import FLOOR_SLOTS, PAGE
 from relayd.config import Settings
 from relayd.transports.mooncake import mooncake_environment
 
-HOST = "127.0.0.1"
 _NOTE = struct.Struct("<QQ48x")  # slot, transfer: 64 bytes, as the floor's notify
 
 
@@ -73,7 +72,7 @@ def _stderr_captured() -> Iterator[_Captured]:
         os.close(saved)
 
 
-def _open_engine() -> tuple[Any, str]:
+def _open_engine(host: str) -> tuple[Any, str]:
     """An engine initialised as relayd's daemons initialise theirs; (engine, session id)."""
     # Mooncake reads MC_LOG_LEVEL when it is first imported: set everything before that.
     for key, value in mooncake_environment(Settings(), os.environ).items():
@@ -85,11 +84,11 @@ def _open_engine() -> tuple[Any, str]:
         from mooncake.engine import TransferEngine
 
         engine = TransferEngine()
-        rc = engine.initialize(HOST, "P2PHANDSHAKE", "tcp", "")
+        rc = engine.initialize(host, "P2PHANDSHAKE", "tcp", "")
     if rc != 0:
         log = " | ".join(line.strip() for line in said.text.splitlines()[-5:] if line.strip())
-        raise RuntimeError(f"mooncake initialize as {HOST} over tcp returned {rc}: {log}")
-    return engine, f"{HOST}:{int(engine.get_rpc_port())}"
+        raise RuntimeError(f"mooncake initialize as {host} over tcp returned {rc}: {log}")
+    return engine, f"{host}:{int(engine.get_rpc_port())}"
 
 
 class _Buffer:
@@ -128,9 +127,9 @@ class MooncakeRaw(PairMethod):
     engine: Any = None
     buffer: _Buffer | None = None
 
-    def _open(self, size: int) -> _Buffer:
+    def _open(self, size: int, host: str) -> _Buffer:
         self.size = size
-        self.engine, self.session = _open_engine()
+        self.engine, self.session = _open_engine(host)
         self.buffer = _Buffer(self.engine, size)
         return self.buffer
 
@@ -145,7 +144,7 @@ class MooncakeRaw(PairMethod):
 
     def setup_writer(self, size: int, source: torch.Tensor) -> bytes:
         self.source = source
-        buf = self._open(size)
+        buf = self._open(size, self.ctx.hosts[0])
         blob = {"session": self.session, "base": buf.base, "stride": buf.stride}
         return json.dumps(blob).encode()
 
@@ -162,7 +161,7 @@ class MooncakeRaw(PairMethod):
         writer = json.loads(blob)
         self.peer, self.remote_base = str(writer["session"]), int(writer["base"])
         self.remote_stride = int(writer["stride"])
-        self._open(size)
+        self._open(size, self.ctx.hosts[1])
         self.reads = self.transfers = 0
 
     def recv(self, notify: memoryview) -> torch.Tensor:

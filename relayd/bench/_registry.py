@@ -38,6 +38,7 @@ class Entry:
     max_size: int | None = None
     size_note: str = ""
     needs_peer_daemon: bool = False  # the reader attaches to a second daemon (see above)
+    cross_node: bool = False  # with --netns, writer and reader run on the two "nodes"
 
     def unavailable(self, *, socket: str | None, reader_socket: str | None) -> str | None:
         """Why this method cannot run at all here, or None.
@@ -92,6 +93,7 @@ BASELINES: tuple[Entry, ...] = (
         "relayd.bench._mooncake:MooncakeRaw",
         "Mooncake TE transfer_sync_read on loopback TCP",
         requires=("mooncake.engine:TransferEngine",),
+        cross_node=True,
     ),
 )
 
@@ -151,6 +153,7 @@ RELAYD: tuple[Entry, ...] = (
         min_size=INLINE_LIMIT + 1,
         size_note=_SHM_NOTE,
         needs_peer_daemon=True,
+        cross_node=True,
     ),
 )
 # ---------------------------------------------------------------------------------------

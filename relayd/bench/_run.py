@@ -11,10 +11,17 @@ one pair runs every method of a kind (baselines or relayd) and size in turn, and
 one set of stream pairs runs every stream method: spawning a process that imports
 torch (and grpc) costs 2-4 s of CPU here, which alone would blow the quick budget.
 A job that fails stops there; what it did not reach runs again in fresh processes.
+
+With ``netns`` the bench first creates two network namespaces joined by a veth
+pair (rate-limited with tbf when ``netns_rate`` is set), starts the two daemons one
+in each, and runs the writer and reader of each cross-node method (``Entry.cross_node``)
+one in each, their notify channel a TCP connection across the same link. The
+namespaces go when the bench closes, after the daemons have stopped.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import secrets
@@ -23,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from relayd.bench import _daemon
+from relayd.bench import _daemon, _netns
 from relayd.bench._api import BenchContext, JobSpec, Pace, SizePlan, Step
 from relayd.bench._harness import JobOutcome, run_jobs
 from relayd.bench._progress import Progress
@@ -80,6 +87,8 @@ class Options:
     stream_seconds: float = 5.0
     stream_warmup_s: float = 0.5
     stream_methods: tuple[str, ...] = ("floor", "relayd-shm")
+    netns: bool = False
+    netns_rate: str | None = None
 
 
 class Bench:
@@ -99,10 +108,18 @@ class Bench:
         self.streams: list[StreamResult] = []
         self.started = time.monotonic()
         self.loadavg_at_start = [round(x, 2) for x in os.getloadavg()]
+        self.netns: _netns.Netns | None = None
+        self._namespaces = contextlib.ExitStack()
+        self.link_bytes: tuple[int, int] | None = None  # what each veth end sent, at close
 
     # -- lifecycle ------------------------------------------------------------------
 
     def run(self) -> None:
+        """Raises ``_netns.NetnsUnavailable`` if ``netns`` is asked for and cannot be set up."""
+        if self.opts.netns:
+            rate = self.opts.netns_rate
+            self.progress.line(f"creating two network namespaces, veth at {rate or 'full speed'}")
+            self.netns = self._namespaces.enter_context(_netns.netns_pair(rate=rate))
         self._run_methods([ENTRIES[n] for n in self.opts.methods if n != STREAM])
         if STREAM in self.opts.methods:
             self._run_streams([ENTRIES[n] for n in self.opts.stream_methods])
@@ -121,8 +138,14 @@ class Bench:
                 if d.exit_code not in (0, None):
                     self._warn(f"{name} exited with code {d.exit_code} on SIGTERM")
         finally:
-            self._sweep()
-            shutil.rmtree(self.tmpdir, ignore_errors=True)
+            try:
+                if self.netns is not None:
+                    with contextlib.suppress(Exception):  # best effort: for the record
+                        self.link_bytes = (self.netns.tx_bytes(0), self.netns.tx_bytes(1))
+                self._namespaces.close()  # after the daemons inside them have stopped
+            finally:
+                self._sweep()
+                shutil.rmtree(self.tmpdir, ignore_errors=True)
 
     def describe(self) -> dict[str, object]:
         return {
@@ -136,10 +159,30 @@ class Bench:
             "daemon_error": self.daemon_error,
             "reader_daemon": self.reader_daemon.describe() if self.reader_daemon else None,
             "reader_daemon_error": self.reader_daemon_error,
+            "netns": None
+            if self.netns is None
+            else {
+                "names": list(self.netns.names),
+                "addrs": list(self.netns.addrs),
+                "rate": self.opts.netns_rate,
+                "link_tx_bytes": list(self.link_bytes) if self.link_bytes else None,
+            },
         }
 
-    def _ctx(self, stream_index: int = 0) -> BenchContext:
-        d, r = self.daemon, self.reader_daemon
+    def network_line(self) -> str | None:
+        """Where the cross-node methods ran, for under the table; None on loopback."""
+        if self.netns is None:
+            return None
+        moved = ""
+        if self.link_bytes is not None:
+            a, b = (f"{n / 1e6:.1f} MB" for n in self.link_bytes)
+            moved = f"; it carried {a} writer->reader, {b} back"
+        rate = self.opts.netns_rate or "unshaped"
+        return f"cross-node methods: two network namespaces, veth link {rate}{moved}"
+
+    def _ctx(self, stream_index: int = 0, cross_node: bool = False) -> BenchContext:
+        d, r, ns = self.daemon, self.reader_daemon, self.netns
+        where = {"netns": ns.names, "hosts": ns.addrs} if ns and cross_node else {}
         return BenchContext(
             run_id=self.run_id,
             shm_prefix=self.shm_prefix,
@@ -148,6 +191,7 @@ class Bench:
             daemon_pid=d.pid if d else None,
             reader_daemon_pid=r.pid if r else None,
             stream_index=stream_index,
+            **where,
         )
 
     def _unavailable(self, entry: Entry) -> str | None:
@@ -206,10 +250,15 @@ class Bench:
     def _start_pair(self) -> None:
         """Two peered daemons; if the pair fails, the single daemon the other methods need."""
         o = self.opts
-        self.progress.line("starting two relayd serve, Mooncake peers on loopback")
+        where = "one in each network namespace" if self.netns else "on loopback"
+        self.progress.line(f"starting two relayd serve, Mooncake peers {where}")
         try:
             self.daemon, self.reader_daemon = _daemon.start_pair(
-                self.tmpdir, o.shm_pool_size, o.daemon_timeout_s, f"bench-{self.run_id}"
+                self.tmpdir,
+                o.shm_pool_size,
+                o.daemon_timeout_s,
+                f"bench-{self.run_id}",
+                self.netns,
             )
         except _daemon.DaemonError as exc:
             self.reader_daemon_error = f"peer daemons unavailable: {exc}"
@@ -222,7 +271,7 @@ class Bench:
         """Each (method, size) in fresh processes, or with reuse one job per kind of process."""
         results: dict[tuple[str, int], Result] = {}
         jobs: list[tuple[bool, list[Step]]] = []
-        by_kind: dict[tuple[bool, bool], list[Step]] = {}
+        by_kind: dict[tuple[bool, bool, bool], list[Step]] = {}
         for entry in entries:
             plans = self._plans(entry, results)
             if not plans:
@@ -230,10 +279,12 @@ class Bench:
             step = Step(entry.name, entry.target, tuple(plans), entry.needs_peer_daemon)
             if self.opts.reuse_processes:
                 # baselines before the daemon starts; pairs and single processes apart
-                by_kind.setdefault((entry.needs_daemon, entry.local), []).append(step)
+                # and with namespaces, cross-node methods apart: their pair runs in them
+                apart = entry.cross_node and self.netns is not None
+                by_kind.setdefault((entry.needs_daemon, entry.local, apart), []).append(step)
             else:
                 jobs += [(entry.local, [dataclasses.replace(step, sizes=(p,))]) for p in plans]
-        jobs += [(local, steps) for (_, local), steps in by_kind.items()]
+        jobs += [(local, steps) for (_, local, _), steps in by_kind.items()]
         jobs.sort(key=lambda job: ENTRIES[job[1][0].method].needs_daemon)  # stable
         while jobs:
             local, steps = jobs.pop(0)
@@ -242,7 +293,7 @@ class Bench:
                 if not steps:
                     continue
             [outcome] = run_jobs(
-                [JobSpec(tuple(steps), self._ctx())],
+                [JobSpec(tuple(steps), self._ctx(cross_node=ENTRIES[steps[0].method].cross_node))],
                 local=local,
                 timeout_s=self.opts.job_timeout_s,
                 progress=self.progress,
@@ -344,7 +395,8 @@ class Bench:
             else:
                 results[entry.name] = base
                 runnable.append(entry)
-        groups = [runnable] if o.reuse_processes else [[e] for e in runnable]
+        together = o.reuse_processes and self.netns is None  # else cross-node ones apart
+        groups = [runnable] if together else [[e] for e in runnable]
         for group in groups:
             if group:
                 self._stream_job(group, plan, results)
@@ -359,7 +411,7 @@ class Bench:
         specs = [
             JobSpec(
                 steps,
-                self._ctx(stream_index=k),
+                self._ctx(stream_index=k, cross_node=group[0].cross_node),
                 pace=Pace(period, k * period // o.streams),  # spread the streams over a period
                 measure_daemon=(k == 0),
             )

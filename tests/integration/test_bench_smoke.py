@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,9 @@ def _bench_segments() -> set[str]:
     return {p.name for p in SHM.iterdir() if p.name.startswith("relayd-bench-")}
 
 
-def _bench(tmp_path: Path, methods: list[str], sizes: list[str]) -> tuple[Any, str]:
+def _bench(
+    tmp_path: Path, methods: list[str], sizes: list[str], more: Sequence[str] = ()
+) -> tuple[Any, str]:
     """Run a quick bench; (its JSON document, its stdout)."""
     out = tmp_path / "b.json"
     proc = subprocess.run(
@@ -49,6 +52,7 @@ def _bench(tmp_path: Path, methods: list[str], sizes: list[str]) -> tuple[Any, s
             ",".join(sizes),
             "--json",
             str(out),
+            *more,
         ],
         cwd=REPO,
         capture_output=True,
@@ -154,3 +158,51 @@ def test_breakdown_prints_every_step_for_both_clients() -> None:
     assert all(float(v) > 0 for v in rows["copy in"][-2:])
     assert all(float(v) > 0 for v in rows["allocate + copy out"][-2:])
     assert rows["transport"] == ["inline", "inline", "shm", "shm"]
+
+
+def _netns_unavailable() -> str:
+    from relayd.bench._netns import NetnsUnavailable, check_available
+
+    try:
+        check_available()
+    except NetnsUnavailable as exc:
+        return str(exc)
+    return _NO_MOONCAKE
+
+
+@pytest.mark.multinode
+@pytest.mark.skipif(bool(_netns_unavailable()), reason=_netns_unavailable() or "-")
+def test_quick_netns_counts_round_trips_and_models_latency(tmp_path: Path) -> None:
+    before = _bench_segments()
+    methods = ["mooncake-raw", "relayd-mooncake"]
+    doc, stdout = _bench(tmp_path, methods, ["256K"], ["--netns", "--netns-rate", "10gbit"])
+
+    cells = {r["method"]: r for r in doc["results"]}
+    assert set(cells) == set(methods)
+    for r in cells.values():
+        _assert_ok(r)
+        assert float(r["extra"]["rt"]) >= 0.5  # at least the DataRef's own trip
+    assert cells["mooncake-raw"]["extra"]["rt"] == "1.50"  # one read per transfer
+    moved = cells["relayd-mooncake"]["warmup"] + cells["relayd-mooncake"]["iterations"]
+    landed, awaited, pulled = map(int, cells["relayd-mooncake"]["extra"]["reads"].split("/"))
+    assert landed + awaited + pulled == moved  # every read counted by the reader's daemon
+
+    lines = stdout.splitlines()
+    [head] = [i for i, line in enumerate(lines) if line.startswith("size") and " RT " in line]
+    assert lines[head].split() == [
+        *("size", "method", "median", "RT"),
+        *("RTT", "50us", "RTT", "200us", "RTT", "1ms", "reads"),
+    ]
+    assert [lines[head + k].split()[1] for k in (1, 2)] == methods
+
+    ns = doc["run"]["netns"]
+    assert ns["rate"] == "10gbit"
+    # both methods' bytes crossed the veth link, writer's side to reader's
+    assert ns["link_tx_bytes"][0] >= 2 * moved * (256 << 10)
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30)
+    assert not any(name in listed.stdout for name in ns["names"])  # removed at the end
+    run = doc["run"]
+    for d in (run["daemon"], run["reader_daemon"]):
+        assert d["exit_code"] == 0 and d["leftover_segments"] == [], d
+    assert run["leftover_segments"] == [] and run["warnings"] == []
+    assert _bench_segments() <= before
