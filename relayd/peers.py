@@ -572,7 +572,7 @@ class PeerManager:
                 # The reader died during the pull: nobody would ever release the lease.
                 raise SessionClosedError("the reader's session closed during the pull")
             self.daemon.manager.publish_pull(local, remote.length)
-            self.push.pulled(peer.address)
+            self.push.pulled(peer.address, phases=len([p for p in (body, check) if p]))
         except BaseException:
             # The run is ours alone, so whatever Mooncake still has in flight into
             # it is this pull's: free it only once that has stopped.

@@ -106,6 +106,7 @@ class PushCounts:
     reads_landed: int = 0
     reads_awaited: int = 0
     reads_pulled: int = 0
+    pull_phases: int = 0
 
 
 class PushManager:
@@ -526,9 +527,12 @@ class PushManager:
                 counts.reads_landed += 1
         return lease
 
-    def pulled(self, address: str) -> None:
-        """A read of that peer's DataRef was served by a pull."""
-        self.counts[address].reads_pulled += 1
+    def pulled(self, address: str, phases: int) -> None:
+        """A read of that peer's DataRef was served by a pull that waited for
+        ``phases`` Mooncake phases (round trips), one after the other."""
+        counts = self.counts[address]
+        counts.reads_pulled += 1
+        counts.pull_phases += phases
 
     def discard(self, m: pb.DataRef) -> bool:
         """Free the landed copy of DataRef ``m`` unread; False when none is here."""
@@ -571,6 +575,7 @@ class PushManager:
             "reads_landed": c.reads_landed,
             "reads_awaited": c.reads_awaited,
             "reads_pulled": c.reads_pulled,
+            "pull_phases": c.pull_phases,
         }
 
 

@@ -13,9 +13,10 @@ Counted per read, in units of one RTT, the DataRef's own one-way trip included:
   DataRef (0.5); ``reads_awaited``: it waits for the push's Mooncake WRITE, whose
   acknowledgement the writer's daemon needs before it sends Landed (1), and for
   that one-way Landed notice (0.5), which overlaps the DataRef's trip (1.5 in all);
-  ``reads_pulled``: the DataRef, then the Mooncake read of the data and the read
-  of the slot header, one after the other (0.5 + 2). The release notice that
-  follows a pull is not waited for.
+  ``reads_pulled``: the DataRef (0.5), then the Mooncake phases the pull waited
+  for one after the other, as the daemon counts them (``pull_phases``: the data's
+  reads, then the slot header's, 1 each). The release notice that follows a pull
+  is not waited for.
 """
 
 from __future__ import annotations
@@ -29,9 +30,8 @@ DATAREF_TRIP = 0.5  # the DataRef's one-way trip over the application's channel
 WRITE_ACK = 1.0  # a Mooncake WRITE and its acknowledgement
 NOTICE_TRIP = 0.5  # a one-way notice between daemons (Landed)
 MOONCAKE_READ = 1.0  # a Mooncake read: request out, data back
-PULL_READS = 2  # data, then slot header (see relay.proto: reads_pulled)
-READ_COUNTERS = ("reads_landed", "reads_awaited", "reads_pulled")
-PUSH_COUNTERS = ("pushes_out", "pushes_declined")
+PULL_PHASES = 2  # data, then slot header: for a daemon that does not count pull_phases
+READ_COUNTERS = ("reads_landed", "reads_awaited", "reads_pulled", "pull_phases")
 EXTRA_RT = "rt"  # Result.extra key: round trips per read, formatted by fmt_rt
 
 
@@ -40,6 +40,7 @@ class ReadCounts:
     landed: int = 0
     awaited: int = 0
     pulled: int = 0
+    pull_phases: int = 0  # Mooncake phases the pulls waited for, in all
 
     @property
     def total(self) -> int:
@@ -47,7 +48,10 @@ class ReadCounts:
 
     def __sub__(self, other: ReadCounts) -> ReadCounts:
         return ReadCounts(
-            self.landed - other.landed, self.awaited - other.awaited, self.pulled - other.pulled
+            self.landed - other.landed,
+            self.awaited - other.awaited,
+            self.pulled - other.pulled,
+            self.pull_phases - other.pull_phases,
         )
 
 
@@ -57,7 +61,7 @@ def read_counts(status: Mapping[str, Any]) -> ReadCounts:
     for peer in status.get("peers", []):
         for key in READ_COUNTERS:
             sums[key] += int(peer.get(key, 0))
-    return ReadCounts(sums["reads_landed"], sums["reads_awaited"], sums["reads_pulled"])
+    return ReadCounts(*(sums[key] for key in READ_COUNTERS))
 
 
 def relayd_round_trips(c: ReadCounts) -> float | None:
@@ -66,8 +70,9 @@ def relayd_round_trips(c: ReadCounts) -> float | None:
         return None
     landed = DATAREF_TRIP
     awaited = max(DATAREF_TRIP, WRITE_ACK + NOTICE_TRIP)
-    pulled = DATAREF_TRIP + PULL_READS * MOONCAKE_READ
-    return (c.landed * landed + c.awaited * awaited + c.pulled * pulled) / c.total
+    phases = c.pull_phases if c.pull_phases or not c.pulled else c.pulled * PULL_PHASES
+    pulled = c.pulled * DATAREF_TRIP + phases * MOONCAKE_READ
+    return (c.landed * landed + c.awaited * awaited + pulled) / c.total
 
 
 def bare_read_round_trips(reads: int, transfers: int) -> float | None:

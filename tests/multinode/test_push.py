@@ -121,6 +121,8 @@ def test_a_put_before_the_consumer_is_known_is_pulled(nodes: tuple[Node, Node]) 
     assert _count(b, a, "pushes_in") == 0
     assert _pulls(b) == 1
     assert _count(b, a, "reads_pulled") == 1
+    # the data, then the writer's slot header: two Mooncake phases, one after the other
+    assert _count(b, a, "pull_phases") == 2
     wait_until(lambda: _free_but_grant(a, b), 10, "both arenas back to the push grant alone")
 
 
@@ -145,6 +147,7 @@ def test_a_push_that_finds_no_room_falls_back_to_the_pull(nodes: tuple[Node, Nod
     assert declined in (1, 2)
     assert _count(b, a, "pushes_in") == 3 - declined
     assert _pulls(b) == declined
+    assert _count(b, a, "pull_phases") == 2 * _count(b, a, "reads_pulled") == 2 * declined
     wait_until(lambda: _free_but_grant(a, b), 10, "both arenas back to the push grant alone")
 
 

@@ -25,8 +25,10 @@ KIB = 1 << 10
     [
         (ReadCounts(landed=4), 0.5),  # the DataRef's one-way trip only
         (ReadCounts(awaited=4), 1.5),  # WRITE + ack, then Landed; the DataRef overlaps
-        (ReadCounts(pulled=4), 2.5),  # DataRef, data read, header read
-        (ReadCounts(landed=1, awaited=2, pulled=1), (0.5 + 3.0 + 2.5) / 4),
+        (ReadCounts(pulled=4, pull_phases=8), 2.5),  # DataRef, data read, header read
+        (ReadCounts(pulled=4, pull_phases=4), 1.5),  # as the daemon counted: one phase each
+        (ReadCounts(pulled=4), 2.5),  # a daemon that does not count phases: two each
+        (ReadCounts(landed=1, awaited=2, pulled=1, pull_phases=2), (0.5 + 3.0 + 2.5) / 4),
     ],
 )
 def test_relayd_round_trips_weight_each_kind_of_read(counts: ReadCounts, want: float) -> None:
@@ -55,9 +57,14 @@ def test_modelled_is_measured_plus_round_trips_times_rtt() -> None:
 def test_read_counts_sum_over_peers_and_subtract() -> None:
     before = read_counts({"peers": [{"reads_landed": "1"}, {"reads_pulled": "2"}]})
     after = read_counts(
-        {"peers": [{"reads_landed": "3", "reads_awaited": "5"}, {"reads_pulled": "2"}]}
+        {
+            "peers": [
+                {"reads_landed": "3", "reads_awaited": "5"},
+                {"reads_pulled": "3", "pull_phases": "2"},
+            ]
+        }
     )
-    assert after - before == ReadCounts(landed=2, awaited=5, pulled=0)
+    assert after - before == ReadCounts(landed=2, awaited=5, pulled=1, pull_phases=2)
     assert read_counts({}) == ReadCounts()
 
 

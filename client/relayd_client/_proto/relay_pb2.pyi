@@ -617,7 +617,7 @@ class GetBytesResponse(_message.Message):
     def __init__(self, data: _Optional[bytes] = ...) -> None: ...
 
 class PeerStatus(_message.Message):
-    __slots__ = ("address", "node_id", "up", "daemon_epoch", "mooncake_session", "credits_in_use", "credits_capacity", "pulls_in_flight_max", "last_error", "stages", "pushes_out", "pushes_declined", "pushes_in", "push_grant_bytes", "reads_landed", "reads_awaited", "reads_pulled")
+    __slots__ = ("address", "node_id", "up", "daemon_epoch", "mooncake_session", "credits_in_use", "credits_capacity", "pulls_in_flight_max", "last_error", "stages", "pushes_out", "pushes_declined", "pushes_in", "push_grant_bytes", "reads_landed", "reads_awaited", "reads_pulled", "pull_phases")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     UP_FIELD_NUMBER: _ClassVar[int]
@@ -635,6 +635,7 @@ class PeerStatus(_message.Message):
     READS_LANDED_FIELD_NUMBER: _ClassVar[int]
     READS_AWAITED_FIELD_NUMBER: _ClassVar[int]
     READS_PULLED_FIELD_NUMBER: _ClassVar[int]
+    PULL_PHASES_FIELD_NUMBER: _ClassVar[int]
     address: str
     node_id: str
     up: bool
@@ -652,7 +653,8 @@ class PeerStatus(_message.Message):
     reads_landed: int
     reads_awaited: int
     reads_pulled: int
-    def __init__(self, address: _Optional[str] = ..., node_id: _Optional[str] = ..., up: _Optional[bool] = ..., daemon_epoch: _Optional[str] = ..., mooncake_session: _Optional[str] = ..., credits_in_use: _Optional[int] = ..., credits_capacity: _Optional[int] = ..., pulls_in_flight_max: _Optional[int] = ..., last_error: _Optional[str] = ..., stages: _Optional[_Iterable[str]] = ..., pushes_out: _Optional[int] = ..., pushes_declined: _Optional[int] = ..., pushes_in: _Optional[int] = ..., push_grant_bytes: _Optional[int] = ..., reads_landed: _Optional[int] = ..., reads_awaited: _Optional[int] = ..., reads_pulled: _Optional[int] = ...) -> None: ...
+    pull_phases: int
+    def __init__(self, address: _Optional[str] = ..., node_id: _Optional[str] = ..., up: _Optional[bool] = ..., daemon_epoch: _Optional[str] = ..., mooncake_session: _Optional[str] = ..., credits_in_use: _Optional[int] = ..., credits_capacity: _Optional[int] = ..., pulls_in_flight_max: _Optional[int] = ..., last_error: _Optional[str] = ..., stages: _Optional[_Iterable[str]] = ..., pushes_out: _Optional[int] = ..., pushes_declined: _Optional[int] = ..., pushes_in: _Optional[int] = ..., push_grant_bytes: _Optional[int] = ..., reads_landed: _Optional[int] = ..., reads_awaited: _Optional[int] = ..., reads_pulled: _Optional[int] = ..., pull_phases: _Optional[int] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
     __slots__ = ("session_id", "session_token", "data_ref", "timeout_seconds")
