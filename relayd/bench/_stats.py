@@ -419,10 +419,22 @@ def _render_round_trips(results: Sequence[Result]) -> list[str]:
         "included); modelled latency = median + RT x RTT; reads: landed/awaited/pulled",
         f"{'size':<7}{'method':<17}{'median':>9}{'RT':>6}{rtts}  reads",
     ]
+    modelled_at: dict[tuple[str, int], list[float]] = {}
     for method, size, med, rt, modelled in _rtt.model_rows(rows):
+        modelled_at[method, size] = modelled
         cells = "".join(f"{fmt_ns(v):>11}" for v in modelled)
         head = f"{fmt_size(size):<7}{method:<17}{fmt_ns(med):>9}{rt:>6.2f}"
         out.append(f"{head}{cells}  {reads[method, size]}")
+    for method, baseline in COMPARISONS:
+        for size in sorted(s for m, s in modelled_at if m == method):
+            base = modelled_at.get((baseline, size))
+            if base is None:
+                continue
+            ratios = [
+                f"{_fmt_ratio(a / b)} at {_rtt.rtt_label(x)[4:]}"
+                for a, b, x in zip(modelled_at[method, size], base, _rtt.MODEL_RTTS_NS, strict=True)
+            ]
+            out.append(f"{method} / {baseline} modelled, {fmt_size(size)}: {', '.join(ratios)}")
     return out
 
 

@@ -106,7 +106,12 @@ def test_table_has_the_round_trip_and_modelled_columns() -> None:
     assert lines[head + 2].split()[1:] == [
         *("relayd-mooncake", "300", "µs", "1.50", "375", "µs", "600", "µs", "1.80", "ms", "0/4/0")
     ]
-    assert len(lines) == head + 3  # relayd-shm counted no round trips: not modelled
+    # relayd-shm counted no round trips: not modelled; the pair's modelled ratio follows
+    assert lines[head + 3] == (
+        "relayd-mooncake / mooncake-raw modelled, 256KiB: x2.14 at 50us, x1.50 at 200us,"
+        " x1.12 at 1ms"
+    )
+    assert len(lines) == head + 4
     assert all(len(line) <= TABLE_WIDTH for line in lines)
 
 
