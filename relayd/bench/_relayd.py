@@ -147,8 +147,10 @@ class RelaydMooncake(RelaydShm):
         d = after - before
         self.extra["reads"] = f"{d.landed}/{d.awaited}/{d.pulled}"
         rt = _rtt.relayd_round_trips(d)
-        if rt is not None:
+        bound = _rtt.relayd_round_trips(d, landed_as_awaited=True)
+        if rt is not None and bound is not None:
             self.extra[_rtt.EXTRA_RT] = _rtt.fmt_rt(rt)
+            self.extra[_rtt.EXTRA_RT_BOUND] = _rtt.fmt_rt(bound)
 
     async def send(self, i: int) -> bytes:
         if i == 0:

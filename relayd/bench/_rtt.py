@@ -17,6 +17,11 @@ Counted per read, in units of one RTT, the DataRef's own one-way trip included:
   for one after the other, as the daemon counts them (``pull_phases``: the data's
   reads, then the slot header's, 1 each). The release notice that follows a pull
   is not waited for.
+
+Whether a push had landed depends on the link: on this one (an RTT of tens of µs)
+many have landed before the reader asks; at a real network's RTT the Landed
+notice arrives 1 RTT after the DataRef, so such a read may wait for it after all.
+``RT+`` is that bound: every pushed read counted as awaited.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ MOONCAKE_READ = 1.0  # a Mooncake read: request out, data back
 PULL_PHASES = 2  # data, then slot header: for a daemon that does not count pull_phases
 READ_COUNTERS = ("reads_landed", "reads_awaited", "reads_pulled", "pull_phases")
 EXTRA_RT = "rt"  # Result.extra key: round trips per read, formatted by fmt_rt
+EXTRA_RT_BOUND = "rt+"  # the same with every pushed read counted as awaited (see above)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,12 +70,12 @@ def read_counts(status: Mapping[str, Any]) -> ReadCounts:
     return ReadCounts(*(sums[key] for key in READ_COUNTERS))
 
 
-def relayd_round_trips(c: ReadCounts) -> float | None:
+def relayd_round_trips(c: ReadCounts, *, landed_as_awaited: bool = False) -> float | None:
     """Mean round trips per cross-node read; None when no read was counted."""
     if c.total <= 0:
         return None
-    landed = DATAREF_TRIP
     awaited = max(DATAREF_TRIP, WRITE_ACK + NOTICE_TRIP)
+    landed = awaited if landed_as_awaited else DATAREF_TRIP
     phases = c.pull_phases if c.pull_phases or not c.pulled else c.pulled * PULL_PHASES
     pulled = c.pulled * DATAREF_TRIP + phases * MOONCAKE_READ
     return (c.landed * landed + c.awaited * awaited + pulled) / c.total
@@ -96,8 +102,8 @@ def fmt_rt(round_trips: float) -> str:
     return f"{round_trips:.2f}"
 
 
-def parse_rt(extra: Mapping[str, str]) -> float | None:
-    text = extra.get(EXTRA_RT)
+def parse_rt(extra: Mapping[str, str], key: str = EXTRA_RT) -> float | None:
+    text = extra.get(key)
     try:
         return None if text is None else float(text)
     except ValueError:

@@ -412,18 +412,27 @@ def _render_round_trips(results: Sequence[Result]) -> list[str]:
     if not rows:
         return []
     reads = {(r.method, r.size): r.extra.get("reads", "-") for r in results}
+    bounds = {
+        (r.method, r.size): b
+        for r in results
+        if (b := _rtt.parse_rt(r.extra, _rtt.EXTRA_RT_BOUND)) is not None
+    }
     rtts = "".join(f"{_rtt.rtt_label(x):>11}" for x in _rtt.MODEL_RTTS_NS)
     out = [
         "",
         "RT: round trips a read waits for, put returned -> get returned (the DataRef's trip",
-        "included); modelled latency = median + RT x RTT; reads: landed/awaited/pulled",
-        f"{'size':<7}{'method':<17}{'median':>9}{'RT':>6}{rtts}  reads",
+        "included); modelled latency = median + RT x RTT; reads: landed/awaited/pulled;",
+        "RT+: every push awaited, as at an RTT above the slack a landed read had here",
+        f"{'size':<7}{'method':<17}{'median':>9}{'RT':>6}{'RT+':>6}{rtts}  reads",
     ]
     modelled_at: dict[tuple[str, int], list[float]] = {}
+    medians: dict[tuple[str, int], float] = {}
     for method, size, med, rt, modelled in _rtt.model_rows(rows):
         modelled_at[method, size] = modelled
+        medians[method, size] = med
         cells = "".join(f"{fmt_ns(v):>11}" for v in modelled)
-        head = f"{fmt_size(size):<7}{method:<17}{fmt_ns(med):>9}{rt:>6.2f}"
+        bound = bounds.get((method, size), rt)
+        head = f"{fmt_size(size):<7}{method:<17}{fmt_ns(med):>9}{rt:>6.2f}{bound:>6.2f}"
         out.append(f"{head}{cells}  {reads[method, size]}")
     for method, baseline in COMPARISONS:
         for size in sorted(s for m, s in modelled_at if m == method):
@@ -435,6 +444,14 @@ def _render_round_trips(results: Sequence[Result]) -> list[str]:
                 for a, b, x in zip(modelled_at[method, size], base, _rtt.MODEL_RTTS_NS, strict=True)
             ]
             out.append(f"{method} / {baseline} modelled, {fmt_size(size)}: {', '.join(ratios)}")
+            upper_rt = bounds.get((method, size))
+            if upper_rt is not None:
+                med = medians[method, size]
+                upper = [
+                    f"{_fmt_ratio(_rtt.modelled_ns(med, upper_rt, x) / b)}"
+                    for b, x in zip(base, _rtt.MODEL_RTTS_NS, strict=True)
+                ]
+                out.append(f"   with RT+: {', '.join(upper)}")
     return out
 
 

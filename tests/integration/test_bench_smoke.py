@@ -186,11 +186,14 @@ def test_quick_netns_counts_round_trips_and_models_latency(tmp_path: Path) -> No
     moved = cells["relayd-mooncake"]["warmup"] + cells["relayd-mooncake"]["iterations"]
     landed, awaited, pulled = map(int, cells["relayd-mooncake"]["extra"]["reads"].split("/"))
     assert landed + awaited + pulled == moved  # every read counted by the reader's daemon
+    assert float(cells["relayd-mooncake"]["extra"]["rt+"]) >= float(
+        cells["relayd-mooncake"]["extra"]["rt"]
+    )
 
     lines = stdout.splitlines()
     [head] = [i for i, line in enumerate(lines) if line.startswith("size") and " RT " in line]
     assert lines[head].split() == [
-        *("size", "method", "median", "RT"),
+        *("size", "method", "median", "RT", "RT+"),
         *("RTT", "50us", "RTT", "200us", "RTT", "1ms", "reads"),
     ]
     assert [lines[head + k].split()[1] for k in (1, 2)] == methods

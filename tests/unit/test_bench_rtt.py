@@ -90,28 +90,42 @@ def _ok(method: str, samples: list[int], extra: dict[str, str]) -> Result:
 def test_table_has_the_round_trip_and_modelled_columns() -> None:
     results = [
         _ok("mooncake-raw", [100_000] * 3, {EXTRA_RT: "1.50"}),
-        _ok("relayd-mooncake", [300_000] * 3, {EXTRA_RT: "1.50", "reads": "0/4/0"}),
+        _ok("relayd-mooncake", [300_000] * 3, {EXTRA_RT: "0.50", "rt+": "1.50", "reads": "4/0/0"}),
         _ok("relayd-shm", [50_000] * 3, {"transport": "shm"}),
     ]
     table = render_table(results)
     lines = table.splitlines()
     head = next(i for i, line in enumerate(lines) if line.startswith("size") and "RT" in line)
     assert lines[head].split() == [
-        *("size", "method", "median", "RT"),
+        *("size", "method", "median", "RT", "RT+"),
         *("RTT", "50us", "RTT", "200us", "RTT", "1ms", "reads"),
     ]
     assert lines[head + 1].split()[1:] == [
-        *("mooncake-raw", "100", "µs", "1.50", "175", "µs", "400", "µs", "1.60", "ms", "-")
+        *("mooncake-raw", "100", "µs", "1.50", "1.50", "175", "µs", "400", "µs", "1.60", "ms", "-")
     ]
     assert lines[head + 2].split()[1:] == [
-        *("relayd-mooncake", "300", "µs", "1.50", "375", "µs", "600", "µs", "1.80", "ms", "0/4/0")
+        *(
+            "relayd-mooncake",
+            "300",
+            "µs",
+            "0.50",
+            "1.50",
+            "325",
+            "µs",
+            "400",
+            "µs",
+            "800",
+            "µs",
+            "4/0/0",
+        )
     ]
     # relayd-shm counted no round trips: not modelled; the pair's modelled ratio follows
     assert lines[head + 3] == (
-        "relayd-mooncake / mooncake-raw modelled, 256KiB: x2.14 at 50us, x1.50 at 200us,"
-        " x1.12 at 1ms"
+        "relayd-mooncake / mooncake-raw modelled, 256KiB: x1.86 at 50us, x1.00 at 200us,"
+        " x0.50 at 1ms"
     )
-    assert len(lines) == head + 4
+    assert lines[head + 4] == "   with RT+: x2.14, x1.50, x1.12"
+    assert len(lines) == head + 5
     assert all(len(line) <= TABLE_WIDTH for line in lines)
 
 
