@@ -64,17 +64,6 @@ def _parse_ints(text: str | Sequence[int]) -> tuple[int, ...]:
     return tuple(int(p) for p in text)
 
 
-def _parse_bool(text: str | bool) -> bool:
-    if isinstance(text, bool):
-        return text
-    low = text.strip().lower()
-    if low in ("1", "true", "yes", "on"):
-        return True
-    if low in ("0", "false", "no", "off", ""):
-        return False
-    raise ConfigError(f"not a boolean: {text!r}")
-
-
 def default_runtime_dir() -> pathlib.Path:
     """Where the socket goes on the embedded default: systemd's runtime dir, else a temp dir."""
     for var in ("RUNTIME_DIRECTORY", "XDG_RUNTIME_DIR"):

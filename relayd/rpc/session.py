@@ -14,7 +14,7 @@ import logging
 import socket
 import struct
 from collections.abc import Awaitable, Callable, Collection
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 from relayd_client._errors import (
     InternalError,
@@ -459,7 +459,3 @@ class SessionProtocol(asyncio.Protocol):
         else:
             result = pb.KeyedResult(call_id=call_id, data_ref=outcome)
         self.send(pb.SessionFrame(keyed_result=[result]))
-
-
-def protocol_factory(**kwargs: Any) -> Callable[[], SessionProtocol]:
-    return lambda: SessionProtocol(**kwargs)
