@@ -12,18 +12,15 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-import struct
 from collections.abc import Iterator
 
 import grpc
 from relayd_client._errors import DaemonUnavailableError, error_from_code
 from relayd_client._proto import relay_pb2 as pb
 from relayd_client._proto import relay_pb2_grpc as pb_grpc
-
-from .rpc.session import MAX_FRAME
+from relayd_client._session import FRAME_LENGTH, MAX_FRAME, encode_frame, session_socket_path
 
 OPERATOR_STAGE = "relayd-cli"
-_LEN = struct.Struct("<I")
 
 
 def _read_frame(sock: socket.socket) -> pb.SessionFrame:
@@ -36,7 +33,7 @@ def _read_frame(sock: socket.socket) -> pb.SessionFrame:
             data += chunk
         return data
 
-    (n,) = _LEN.unpack(exactly(4))
+    (n,) = FRAME_LENGTH.unpack(exactly(4))
     if n > MAX_FRAME:
         raise DaemonUnavailableError(f"daemon sent a {n}-byte frame")
     return pb.SessionFrame.FromString(exactly(n))
@@ -82,15 +79,15 @@ def operator_session(socket_path: str, timeout: float = 5.0) -> Iterator[Operato
         )
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(timeout)
-            sock.connect(socket_path + ".session")
+            sock.connect(session_socket_path(socket_path))
             bind = pb.SessionFrame(
                 bind=pb.Bind(
                     session_id=attach.session_id,
                     session_token=attach.session_token,
                     operator=True,
                 )
-            ).SerializeToString()
-            sock.sendall(_LEN.pack(len(bind)) + bind)
+            )
+            sock.sendall(encode_frame(bind))
             while True:
                 frame = _read_frame(sock)
                 for ev in frame.event:

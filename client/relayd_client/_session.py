@@ -37,7 +37,10 @@ from ._proto import relay_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-_LEN = struct.Struct("<I")
+#: A session frame, both ways: this 4-byte little-endian length, then one
+#: ``relayd.v1.SessionFrame`` of at most MAX_FRAME bytes. The daemon imports
+#: both from here.
+FRAME_LENGTH = struct.Struct("<I")
 MAX_FRAME = 4 << 20
 # A lingering frame goes out early once it holds this many notices, so that
 # frames stay far below MAX_FRAME at any rate.
@@ -49,6 +52,12 @@ LINGER_MAX_BYTES = 2 << 20
 # A fetch's answer may trail its own deadline by the daemon's clean-up.
 _ANSWER_GRACE = 1.0
 SESSION_SOCKET_SUFFIX = ".session"
+
+
+def encode_frame(frame: pb.SessionFrame) -> bytes:
+    """``frame`` as it goes on the session socket."""
+    body = frame.SerializeToString()
+    return FRAME_LENGTH.pack(len(body)) + body
 
 
 def session_socket_path(socket: str) -> str:
@@ -210,8 +219,7 @@ class SessionChannel:
         self._lingered = self._lingered_bytes = 0
         frame, self._pending, self._dirty = self._pending, pb.SessionFrame(), False
         self._sent_at = loop.time()
-        body = frame.SerializeToString()
-        data = _LEN.pack(len(body)) + body
+        data = encode_frame(frame)
         writer = self._writer
         if writer is None:
             return
@@ -267,9 +275,8 @@ class SessionChannel:
             self._write(frame)  # under the lock: no caller thread's frame overtakes it
 
     def _write(self, frame: pb.SessionFrame) -> None:
-        body = frame.SerializeToString()
+        data = encode_frame(frame)
         with self.lock:
-            data = _LEN.pack(len(body)) + body
             if self._queued:  # a caller thread's frame waits on the loop: after it
                 self._queued += 1
                 asyncio.get_running_loop().call_soon(self._write_queued, data)
@@ -359,7 +366,7 @@ class SessionChannel:
         try:
             while True:
                 head = await self._reader.readexactly(4)
-                (n,) = _LEN.unpack(head)
+                (n,) = FRAME_LENGTH.unpack(head)
                 if n > MAX_FRAME:
                     raise DaemonUnavailableError(f"daemon sent a {n}-byte frame")
                 frame = pb.SessionFrame.FromString(await self._reader.readexactly(n))

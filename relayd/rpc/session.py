@@ -23,6 +23,7 @@ from relayd_client._errors import (
     ResourceExhaustedError,
 )
 from relayd_client._proto import relay_pb2 as pb
+from relayd_client._session import FRAME_LENGTH, MAX_FRAME, encode_frame
 
 from ..edges import log_trace
 from ..pools.leases import BIND_DEADLINE, LeaseManager, Session
@@ -33,7 +34,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-MAX_FRAME = 4 << 20
 # Until a connection is bound, nothing but a Bind frame (~100 bytes) is due:
 # a larger length prefix closes it at once instead of pinning a buffer.
 UNBOUND_MAX_FRAME = 4096
@@ -44,7 +44,6 @@ MAX_FETCH_CALLS = 4096
 # Keyed puts, takes (a waiting get is one) and discards one session may have
 # in flight; more are refused, as for fetches.
 MAX_KEYED_CALLS = 4096
-_LEN = struct.Struct("<I")
 SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
 _MAX_GROUPS = 65536
 _REFUSAL_CODES = {
@@ -53,11 +52,6 @@ _REFUSAL_CODES = {
     "bind_timeout": pb.ERROR_CODE_TIMEOUT,
 }
 _CREDS = struct.Struct("3i")
-
-
-def encode_frame(frame: pb.SessionFrame) -> bytes:
-    body = frame.SerializeToString()
-    return _LEN.pack(len(body)) + body
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
@@ -215,7 +209,7 @@ class SessionProtocol(asyncio.Protocol):
         pos = 0
         try:
             while len(buf) - pos >= 4:
-                (n,) = _LEN.unpack_from(buf, pos)
+                (n,) = FRAME_LENGTH.unpack_from(buf, pos)
                 limit = MAX_FRAME if self.session is not None else UNBOUND_MAX_FRAME
                 if n > limit:
                     self._refuse(
