@@ -95,9 +95,15 @@ def trusted_uids(socket_path: str, daemon_uid: int | None) -> frozenset[int]:
     return frozenset(uids)
 
 
-def peer_uid(sock: socket.socket) -> int:
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process on the other end of a Unix socket."""
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDS.size)
-    return int(_CREDS.unpack(raw)[1])
+    pid, uid, gid = _CREDS.unpack(raw)
+    return int(pid), int(uid), int(gid)
+
+
+def peer_uid(sock: socket.socket) -> int:
+    return peer_credentials(sock)[1]
 
 
 def check_peer(sock: socket.socket, path: str, trusted: frozenset[int]) -> None:

@@ -22,6 +22,7 @@ from relayd_client._errors import (
     RelayError,
     ResourceExhaustedError,
 )
+from relayd_client._peer import peer_credentials
 from relayd_client._proto import relay_pb2 as pb
 from relayd_client._session import FRAME_LENGTH, MAX_FRAME, encode_frame
 
@@ -51,14 +52,6 @@ _REFUSAL_CODES = {
     "limit": pb.ERROR_CODE_RESOURCE_EXHAUSTED,
     "bind_timeout": pb.ERROR_CODE_TIMEOUT,
 }
-_CREDS = struct.Struct("3i")
-
-
-def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
-    """(pid, uid, gid) of the process on the other end of a Unix socket."""
-    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDS.size)
-    pid, uid, gid = _CREDS.unpack(raw)
-    return pid, uid, gid
 
 
 def peer_groups(sock: socket.socket, pid: int) -> frozenset[int]:
