@@ -74,10 +74,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from relayd_client._transport import Transport
-
-INLINE_LIMIT = 16 * 1024
-DIRECT_META_LIMIT = 64 * 1024
+from relayd_client._transport import DIRECT_META_LIMIT, INLINE_LIMIT, Transport
 
 PeerAccess = Callable[[str, str], bool]
 

@@ -54,12 +54,11 @@ from ._session import SessionChannel, session_socket_path
 from ._shm import MappedSegment
 from ._status import from_rpc_error
 from ._streams import MAX_BUFFERED, Streams
-from ._transport import Transport
+from ._transport import DIRECT_META_LIMIT, INLINE_LIMIT, Transport
 
 log = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = pb.PROTOCOL_VERSION_CURRENT
-INLINE_LIMIT = 16 * 1024
 ALIGNMENT = 64
 # Copies this large run on a worker thread so the event loop keeps serving
 # other streams; below it the thread hop costs more than the copy.
@@ -1378,7 +1377,7 @@ class RelayClient:
                 if h is not None:
                     layout.cuda_ipc.CopyFrom(h)
             msg.transport = pb.TRANSPORT_CUDA_IPC_DIRECT
-            if msg.ByteSize() <= _cuda.DIRECT_META_LIMIT:
+            if msg.ByteSize() <= DIRECT_META_LIMIT:
                 return True
             for h in handles:  # too big after all: the counts taken go back
                 if h is not None and h.ref_counter_handle:

@@ -100,11 +100,10 @@ from typing import Any
 from . import _gpu_order
 from ._errors import CorruptRefError, PeerUnavailableError, RelayError, RelayTimeoutError
 from ._proto import relay_pb2 as pb
-from ._transport import Transport
+from ._transport import DIRECT_META_LIMIT, Transport
 
 log = logging.getLogger(__name__)
 
-DIRECT_META_LIMIT = 64 * 1024
 # cudaHostRegisterPortable: pinned for every CUDA context of the process,
 # not only the current device's (a stage may drive several GPUs).
 _HOST_REGISTER_PORTABLE = 1

@@ -7,11 +7,20 @@ shown in ``relayd status`` and used as metric label values.
 The proto numbers are spelled out here instead of imported from the generated
 stubs so that this module stays importable without protobuf; a unit test checks
 them against ``relay_pb2.Transport``.
+
+The limits that decide between transports live here too, once: the client's
+put paths and the daemon's router import them.
 """
 
 from __future__ import annotations
 
 import enum
+
+#: The whole encoded put (header, tensor bytes, layout) rides inside the DataRef
+#: at or below this size.
+INLINE_LIMIT = 16 * 1024
+#: The most metadata a cuda_ipc_direct DataRef may carry (its storage handles).
+DIRECT_META_LIMIT = 64 * 1024
 
 
 class Transport(enum.Enum):
