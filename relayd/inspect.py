@@ -341,7 +341,7 @@ def _registry(d: Mapping[str, Any]) -> list[str]:
         rows = [
             [
                 f"{e.get('from_stage') or '?'} -> {e.get('to_stage') or '?'}",
-                _transport(e.get("transport")),
+                edgeview.transport_name(e.get("transport")),
                 str(moved.get((str(e.get("from_stage")), str(e.get("to_stage"))), 0)),
                 str(e.get("reason") or "-"),
             ]
@@ -349,18 +349,6 @@ def _registry(d: Mapping[str, Any]) -> list[str]:
         ]
         lines += ["", f"EDGES  {len(edges)}", *_table(cols, rows)]
     return lines
-
-
-_TRANSPORTS = {
-    1: "inline", 2: "local_object", 3: "cuda_ipc_direct", 4: "cuda_ipc_pool", 5: "shm",
-    6: "mooncake", 7: "socket",
-}  # fmt: skip
-
-
-def _transport(value: Any) -> str:
-    if isinstance(value, int):
-        return _TRANSPORTS.get(value, "unspecified")
-    return _enum_name(value or "unspecified", "TRANSPORT_")
 
 
 def _peers(d: Mapping[str, Any]) -> list[str]:

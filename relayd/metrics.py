@@ -17,6 +17,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+from relayd_client._transport import Transport
 
 from .edges import EdgeCollector, EdgeStats
 
@@ -109,10 +110,9 @@ class Metrics:
             "Tensor bytes that rode inline in DataRefs",
             registry=r,
         )
-        for t in ("inline", "local_object", "cuda_ipc_direct", "cuda_ipc_pool", "shm", "mooncake",
-                  "socket"):  # fmt: skip
-            self.transfers.labels(t)
-            self.transfer_bytes.labels(t)
+        for t in Transport:
+            self.transfers.labels(t.value)
+            self.transfer_bytes.labels(t.value)
         self._server: Any = None
         self._thread: threading.Thread | None = None
 

@@ -50,6 +50,7 @@ from relayd_client._errors import (
     SessionClosedError,
 )
 from relayd_client._proto import relay_pb2 as pb
+from relayd_client._transport import Transport
 
 from .arena import Arena, Run
 
@@ -221,15 +222,17 @@ class _Waiter:
     pool: str = "shm"
 
 
-_TRANSPORT_NAMES: dict[int, str] = {
-    pb.TRANSPORT_INLINE: "inline", pb.TRANSPORT_LOCAL_OBJECT: "local_object",
-    pb.TRANSPORT_CUDA_IPC_DIRECT: "cuda_ipc_direct", pb.TRANSPORT_CUDA_IPC_POOL: "cuda_ipc_pool",
-    pb.TRANSPORT_SHM: "shm", pb.TRANSPORT_MOONCAKE: "mooncake", pb.TRANSPORT_SOCKET: "socket",
-}  # fmt: skip
+# Looked up once per publish: a dict, derived from the one spelling in Transport.
+_TRANSPORT_NAMES = {t.to_proto(): t.value for t in Transport}
 
 
 def transport_name(value: int) -> str:
-    return _TRANSPORT_NAMES.get(value, "shm")
+    """The label a published transfer is counted under.
+
+    A number this version does not know (a Publish that left it unset) is
+    counted as shm, so that the labels stay the fixed set of transports.
+    """
+    return _TRANSPORT_NAMES.get(value, Transport.SHM.value)
 
 
 class LeaseManager:
