@@ -51,7 +51,7 @@ from ._proto import relay_pb2 as pb
 from ._proto import relay_pb2_grpc as pb_grpc
 from ._refs import TensorRef, substitute
 from ._session import SessionChannel, session_socket_path
-from ._shm import MappedSegment
+from ._shm import PROBE_BYTES, MappedSegment
 from ._status import from_rpc_error
 from ._streams import MAX_BUFFERED, Streams
 from ._transport import DIRECT_META_LIMIT, INLINE_LIMIT, Transport
@@ -92,7 +92,6 @@ _CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", _MAX_MESSAGE),
     ("grpc.max_receive_message_length", _MAX_MESSAGE),
 ]
-_PROBE_BYTES = 16
 # Transfer and latency reports wait this long for company before they are sent.
 REPORT_LINGER_S = 0.2
 _MAX_TRACE_ID = 128
@@ -360,7 +359,7 @@ class RelayClient:
             if not self._segments:
                 return b""
             probe = a.probe_offset
-            return bytes(self._segments[0].mm[probe : probe + _PROBE_BYTES])
+            return bytes(self._segments[0].mm[probe : probe + PROBE_BYTES])
         except (OSError, ValueError) as exc:
             log.warning("cannot map the relayd arena (%s); moving bytes over the socket", exc)
             self._unmap()

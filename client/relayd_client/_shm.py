@@ -4,8 +4,8 @@ Layout of one segment (all offsets are announced by the daemon in Attach)::
 
     [ slot headers: nslots x 16 bytes ][ probe: 16 bytes ][ pad to 4 KiB ][ slot data ]
 
-A slot header holds ``(generation: u64, lease_id: u64)``; only the first slot
-of a lease's run is used. The writer stamps it before publishing, the daemon
+A slot header holds ``(generation: u64, length: u64)`` (:data:`SLOT_HEADER`);
+only the first slot of a lease's run is used. The writer stamps it before publishing, the daemon
 zeroes it when it frees the lease, and a reader compares it with the
 DataRef's generation before and after copying (a seqlock): a stale DataRef
 can never deliver reused memory. The probe holds a random nonce the daemon
@@ -24,7 +24,8 @@ import struct
 SHM_DIR = "/dev/shm"
 HEADER_STRIDE = 16
 PROBE_BYTES = 16
-_HEADER = struct.Struct("<QQ")
+#: A slot header: (generation, length) of the lease whose run starts at that slot.
+SLOT_HEADER = struct.Struct("<QQ")
 
 
 def round_up(value: int, granule: int) -> int:
@@ -103,11 +104,12 @@ class MappedSegment:
     # -- slot headers -------------------------------------------------------------
 
     def read_header(self, slot: int) -> tuple[int, int]:
-        gen, lease_id = _HEADER.unpack_from(self.mm, slot * HEADER_STRIDE)
-        return int(gen), int(lease_id)
+        """``slot``'s header: (generation, length)."""
+        gen, length = SLOT_HEADER.unpack_from(self.mm, slot * HEADER_STRIDE)
+        return int(gen), int(length)
 
-    def write_header(self, slot: int, generation: int, lease_id: int) -> None:
-        _HEADER.pack_into(self.mm, slot * HEADER_STRIDE, generation, lease_id)
+    def write_header(self, slot: int, generation: int, length: int) -> None:
+        SLOT_HEADER.pack_into(self.mm, slot * HEADER_STRIDE, generation, length)
 
     def slot_offset(self, slot: int) -> int:
         return self.data_offset + slot * self.slot_size

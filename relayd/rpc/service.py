@@ -14,6 +14,7 @@ from relayd_client._errors import (
 from relayd_client._names import check_request_id, check_stage
 from relayd_client._proto import relay_pb2 as pb
 from relayd_client._proto import relay_pb2_grpc as pb_grpc
+from relayd_client._shm import HEADER_STRIDE
 
 from ..pools.leases import LeaseManager, SessionState
 from .errors import mapped
@@ -87,7 +88,7 @@ class RelayService(RoutingService, pb_grpc.RelayServicer):
             daemon_epoch=d.epoch,
             slot_size=arena.slot_size,
             header_offset=0,
-            header_stride=16,
+            header_stride=HEADER_STRIDE,
             data_offset=arena.segments[0].data_offset,
             segments=[pb.Segment(name=s.name, size=s.size, index=s.index) for s in arena.segments],
             default_grant_bytes=d.manager.grant_slots * arena.slot_size,
