@@ -261,7 +261,7 @@ class Daemon:
             port = m.serve(s.metrics_address)
             log.info("metrics on %s (port %d)", s.metrics_address, port)
 
-        # -- peers (cross-node pulls through Mooncake): only with --peer-address --------
+        # Cross-node peers and Mooncake: only with --peer-address.
         if s.peers and not s.peer_address:
             raise PeerConfigError(
                 "--peers needs --peer-address: peers pull from this node through it"
@@ -269,7 +269,6 @@ class Daemon:
         if s.peer_address:
             self.peers = PeerManager(self)
             await self.peers.start()
-        # -- end peers ----------------------------------------------------------------
 
         self.state = DaemonState.SERVING
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)

@@ -64,9 +64,9 @@ ALIGNMENT = 64
 # other streams; below it the thread hop costs more than the copy.
 OFFLOAD_BYTES = 8 << 20
 # Publish, claim and release notices wait this long for company (see
-# SessionChannel.mark), as the daemon's Freed notices do: a 50/s stream's
-# chunks then share frames, and the daemon's CPU per chunk fell by a third
-# (measured; 2 ms batched only back-to-back transfers). Nobody waits on them:
+# SessionChannel.mark), as the daemon's Freed notices do: long enough that a
+# 50/s stream's chunks, 20 ms apart, share frames, which takes a third off the
+# daemon's CPU per chunk (measured). Nobody waits on them:
 # readers go by the slot header, and a writer short of space flushes its own
 # and has the daemon ask every session for theirs (the "reclaim" event).
 NOTICE_LINGER_S = 0.025
@@ -444,8 +444,6 @@ class RelayClient:
         finally:
             self._reattach_waiters -= 1
 
-    # -- end reconnect ----------------------------------------------------------------
-
     async def _teardown(self) -> None:
         calls = list(self._grant_calls.values())
         self._grant_calls.clear()
@@ -556,7 +554,7 @@ class RelayClient:
         trace_id: str = "",
     ) -> DataRef:
         if self._lost:  # awaits that never suspend cost ~0.5 us each: skipped
-            await self._reattached(timeout)  # reconnect
+            await self._reattached(timeout)
         a = self._require_open()
         plan = self._plan_put(a, obj, to_stage, request_id, chunk_id, pickle)
         if isinstance(plan, DataRef):
@@ -1174,7 +1172,7 @@ class RelayClient:
 
     async def _get(self, ref: DataRef, copy: bool) -> Any:
         if self._lost:
-            await self._reattached(None)  # reconnect
+            await self._reattached(None)
         m = ref.proto
         self._check_readable(m)
         transport = ref.transport
@@ -1231,12 +1229,11 @@ class RelayClient:
             if _cuda.restores_on_gpu(specs):  # small CUDA leaves travel inline too
                 tensors = await _cuda.restore_on_device(tensors, specs, copy=False)
             return _packing.rebuild(tree, tensors)
-        # -- cross-node: the local daemon pulls the lease into its arena first --------
+        # Cross-node: the local daemon pulls the lease into its arena first.
         if transport is Transport.SHM and _remote.is_foreign(ref, self._require_open().node_id):
             m = await _remote.fetch(self._session, self._require_open(), ref, self.timeout)
             if not copy:
                 self._fetched[m.object_id] = m
-        # -- end cross-node -----------------------------------------------------------
         if transport in (Transport.CUDA_IPC_POOL, Transport.CUDA_IPC_DIRECT):
             return _packing.rebuild(tree, await self._get_gpu(m, transport, copy))
         if transport not in (Transport.SHM, Transport.SOCKET):
@@ -1815,7 +1812,7 @@ class RelayClient:
     async def abort(self, request_id: str) -> int:
         """Free every lease of ``request_id`` on this node; returns how many were freed."""
         check_request_id(request_id)
-        await self._reattached(None)  # reconnect
+        await self._reattached(None)
         a = self._require_open()
         assert self._stub is not None
         self._remember_aborted(request_id)
@@ -1843,7 +1840,7 @@ class RelayClient:
         Who runs what (leases, sessions, stages) is filled in only for
         root, the daemon's uid and ``--admin-gid`` members.
         """
-        await self._reattached(None)  # reconnect
+        await self._reattached(None)
         a = self._require_open()
         assert self._stub is not None
         try:

@@ -11,7 +11,7 @@ Who calls what, and when (all on the daemon's event loop, never from threads):
 * ``on_reserve``/``on_publish``/``on_claim``/``on_release``/``on_cancel`` - per
   transfer, from session frames; O(1) each, no allocation in the arena.
 * ``abort`` - from the gRPC ``Abort`` handler.
-* ``reap`` - once a second from the daemon's housekeeping task (TTL).
+* ``reap`` - from the daemon's housekeeping loop, every ``HOUSEKEEPING_INTERVAL`` (TTL).
 
 A writer sub-allocates leases inside its grants without asking the daemon;
 the daemon learns of each lease from the ``Reserve``/``Publish`` notices and
@@ -484,7 +484,7 @@ class LeaseManager:
             # A writer asks for space only when its grants are full: what
             # readers freed in them (batched, see flush) may be enough.
             self._send_freed([session.id])
-        # -- limits: what one session may hold or wait for ---------------------------
+        # What one session may hold or wait for.
         if len(session.grants) >= self.max_session_grants:
             raise ResourceExhaustedError(
                 f"session holds {len(session.grants)} grants (limit --max-session-grants "
@@ -495,7 +495,6 @@ class LeaseManager:
                 f"session already has {self.max_grant_waits} grant calls waiting for space "
                 "(limit --max-grant-waits)"
             )
-        # -- end limits -------------------------------------------------------------
         arena = self.pools.get(pool)
         if arena is None:
             raise InvalidArgumentError(f"this daemon has no pool {pool[:80]!r}")

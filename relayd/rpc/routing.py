@@ -7,8 +7,7 @@ without the host's IPC namespace) with one unary call per put or get carrying
 the packed region. Measured put+get on a busy 2-core machine: about the same
 as SHM at 64 KiB, about 3-7x slower at 4 MiB (two extra copies plus gRPC
 framing). That is acceptable for a path that announces itself in status and
-metrics, and it needs no second framing protocol; frames on the session
-socket would be the next step if it ever carries real traffic. The bytes
+metrics, and it needs no second framing protocol. The bytes
 still land in an arena lease, so an SHM reader reads a socket writer's put
 exactly like any other.
 """
