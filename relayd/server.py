@@ -22,6 +22,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import Counter
+from relayd_client._dataref import MAX_REF_BYTES
 from relayd_client._errors import PeerUnavailableError, SessionClosedError
 from relayd_client._latency import BOUNDS as LATENCY_BOUNDS
 from relayd_client._proto import relay_pb2 as pb
@@ -60,8 +61,8 @@ HOUSEKEEPING_INTERVAL = 0.5
 FREED_LINGER_S = 0.025
 MAX_FETCH_TIMEOUT = 3600.0
 # Besides the packed bytes of the largest put, a socket-fallback message carries
-# its DataRef (at most MAX_DATAREF) and framing.
-_MESSAGE_OVERHEAD = (4 << 20) + (64 << 10)
+# its DataRef (at most MAX_REF_BYTES) and framing.
+_MESSAGE_OVERHEAD = MAX_REF_BYTES + (64 << 10)
 GRPC_KEEPALIVE_MS = 60_000
 GRPC_KEEPALIVE_TIMEOUT_MS = 20_000
 

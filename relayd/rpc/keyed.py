@@ -34,10 +34,10 @@ from relayd_client._errors import (
     StaleRefError,
 )
 from relayd_client._keys import check_key
+from relayd_client._names import check_stage
 from relayd_client._proto import relay_pb2 as pb
 
 from ..keys import MAX_TAKE_TIMEOUT, lease_of
-from .service import check_name
 
 if TYPE_CHECKING:
     from ..pools.leases import Session
@@ -60,7 +60,7 @@ class KeyedCalls:
         m = ref.proto
         if m.kind != KIND_DATA:
             raise InvalidArgumentError("only data puts can be keyed, not stream signals")
-        check_name("to_stage", m.to_stage)
+        check_stage(m.to_stage, "to_stage")
         if not m.request_id:
             raise InvalidArgumentError("a keyed put needs a request id (abort frees it)")
         if m.origin.stage not in session.stages:
@@ -119,7 +119,7 @@ class KeyedCalls:
         m = ref.proto
         if m.kind != KIND_DATA or not m.request_id:
             raise InvalidArgumentError("a keyed put is a data put with a request id")
-        check_name("to_stage", m.to_stage)
+        check_stage(m.to_stage, "to_stage")
         if m.origin.node_id != node_id or node_id == d.settings.node_id:
             raise PermissionDeniedError("a peer may only index DataRefs of its own node")
         if not self._served_here(m.to_stage):
@@ -131,7 +131,7 @@ class KeyedCalls:
     async def take(self, session: Session, call: pb.KeyedTake) -> bytes:
         """The DataRef under the key, consumed; b"" when a poll finds none."""
         key = check_key(call.key)
-        check_name("from_stage", call.from_stage)
+        check_stage(call.from_stage, "from_stage")
         if call.to_stage not in session.stages:
             raise PermissionDeniedError(
                 f"keys for stage {call.to_stage[:64]!r} are read by that stage; this session "

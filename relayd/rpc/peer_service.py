@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from relayd_client._errors import InvalidArgumentError, PermissionDeniedError
+from relayd_client._names import REQUEST_ID_MAX
 from relayd_client._proto import relay_pb2 as pb
 from relayd_client._proto import relay_pb2_grpc as pb_grpc
 
@@ -53,8 +54,8 @@ class PeerService(pb_grpc.PeerServicer):
         self, request: pb.AbortRemoteRequest, context: Ctx
     ) -> pb.AbortRemoteResponse:
         self.peers.authenticate(context, "abort")
-        if not request.request_id or len(request.request_id) > 256:
-            raise InvalidArgumentError("request_id must be 1-256 characters")
+        if not request.request_id or len(request.request_id) > REQUEST_ID_MAX:
+            raise InvalidArgumentError(f"request_id must be 1-{REQUEST_ID_MAX} characters")
         freed = self.peers.daemon.manager.abort_from_peer(request.request_id)
         self.peers.daemon.keys.abort(request.request_id)
         self.peers.push.abort(request.request_id)

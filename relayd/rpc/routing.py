@@ -23,6 +23,7 @@ from relayd_client._errors import (
     SessionClosedError,
     StaleRefError,
 )
+from relayd_client._names import REQUEST_ID_MAX, STAGE_NAME_MAX
 from relayd_client._proto import relay_pb2 as pb
 
 from ..edges import log_trace
@@ -47,8 +48,8 @@ class RoutingService:
     @mapped
     async def Route(self, request: pb.RouteRequest, context: Ctx) -> pb.RouteResponse:
         session = self._bound(request.session_id, request.session_token)
-        if not request.to_stage or len(request.to_stage) > 128:
-            raise InvalidArgumentError("to_stage must be 1-128 characters")
+        if not request.to_stage or len(request.to_stage) > STAGE_NAME_MAX:
+            raise InvalidArgumentError(f"to_stage must be 1-{STAGE_NAME_MAX} characters")
         return self.daemon.topology.route(session, request)
 
     @mapped
@@ -56,10 +57,10 @@ class RoutingService:
         d = self.daemon
         m = d.manager
         session = self._bound(request.session_id, request.session_token)
-        if not request.request_id or len(request.request_id) > 256:
-            raise InvalidArgumentError("request_id must be 1-256 characters")
-        if not request.to_stage or len(request.to_stage) > 128:
-            raise InvalidArgumentError("to_stage must be 1-128 characters")
+        if not request.request_id or len(request.request_id) > REQUEST_ID_MAX:
+            raise InvalidArgumentError(f"request_id must be 1-{REQUEST_ID_MAX} characters")
+        if not request.to_stage or len(request.to_stage) > STAGE_NAME_MAX:
+            raise InvalidArgumentError(f"to_stage must be 1-{STAGE_NAME_MAX} characters")
         req = m.requests.get(request.request_id)
         if req is not None and req.aborted:
             raise AbortedError(f"request {request.request_id!r} was aborted")

@@ -34,10 +34,6 @@ MAX_UNBOUND_SESSIONS = 64
 Ctx: TypeAlias = Any
 
 
-def check_name(kind: str, value: str) -> str:
-    return check_stage(value, kind)
-
-
 def _make_room_for_attach(m: LeaseManager) -> None:
     """Keep at most MAX_UNBOUND_SESSIONS sessions waiting for their bind.
 
@@ -67,7 +63,7 @@ class RelayService(RoutingService, pb_grpc.RelayServicer):
             )
         if not request.stages or len(request.stages) > 16:
             raise InvalidArgumentError("attach needs 1 to 16 stage names")
-        stages = [check_name("stage", s) for s in request.stages]
+        stages = [check_stage(s, "stage") for s in request.stages]
         if len(request.gpu_uuids) > 64 or len(request.namespaces) > 8:
             raise InvalidArgumentError("too many GPUs or namespaces in attach")
         d = self.daemon
