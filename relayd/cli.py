@@ -30,22 +30,11 @@ def _client_socket(args: argparse.Namespace) -> str:
     return str(args.socket or config.load({}, environ=None).socket)
 
 
-def _status_dict(socket_path: str, timeout: float = 5.0) -> dict[str, Any]:
-    from google.protobuf.json_format import MessageToDict
-
-    from .operator import operator_session
-
-    with operator_session(socket_path, timeout) as op:
-        resp = op.status(timeout)
-    return MessageToDict(
-        resp, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
-    )
-
-
 def _json_text(value: Any, *, indent: int | None = 2) -> str:
     """``--json`` output: numbers as numbers, enum values by their short names.
 
-    ``value`` is a status dict from :func:`_status_dict` or a list of its leases.
+    ``value`` is a status dict from :func:`~relayd.status_view.fetch_status` or a list of
+    its leases.
     """
     from google.protobuf.json_format import ParseDict
     from relayd_client._proto import relay_pb2 as pb
@@ -138,9 +127,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    from .status_view import fetch_status
+
     path = _client_socket(args)
     try:
-        data = _status_dict(path)
+        data = fetch_status(path)
     except Exception as exc:
         return _fail_unreachable(path, exc)
     if args.json:
@@ -153,9 +144,11 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_leases(args: argparse.Namespace) -> int:
+    from .status_view import fetch_status
+
     path = _client_socket(args)
     try:
-        data = _status_dict(path)
+        data = fetch_status(path)
     except Exception as exc:
         return _fail_unreachable(path, exc)
     leases = sorted(data.get("leases", []), key=lambda d: -float(d.get("age_seconds", 0)))
@@ -174,10 +167,11 @@ def cmd_leases(args: argparse.Namespace) -> int:
 
 def cmd_top(args: argparse.Namespace) -> int:
     from . import top
+    from .status_view import fetch_status
 
     path = _client_socket(args)
     return top.run(
-        lambda: _status_dict(path),
+        lambda: fetch_status(path),
         path,
         interval=args.interval,
         iterations=args.iterations,

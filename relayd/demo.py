@@ -92,10 +92,10 @@ def _talker(socket: str, conn: Connection, result: Connection) -> None:
 
 
 def _daemon_alive(socket: str) -> bool:
-    from relayd.cli import _status_dict
+    from relayd.status_view import fetch_status
 
     try:
-        _status_dict(socket, timeout=1)
+        fetch_status(socket, timeout=1)
         return True
     except Exception:
         return False
@@ -141,10 +141,10 @@ def run_demo(*, socket: str | None, chunks: int, chunk_bytes: int) -> int:
         )
         for transport, n in sorted(seen.items()):
             print(f"  {transport:<14} {n:>6} transfers")
-        from relayd.cli import _status_dict
         from relayd.inspect import render_status
+        from relayd.status_view import fetch_status
 
-        print(render_status(_status_dict(socket)))
+        print(render_status(fetch_status(socket)))
         return 0 if bad == 0 and ok == chunks else 1
     finally:
         for p in procs:

@@ -18,6 +18,21 @@ from google.protobuf.message import Message
 _CAMEL = re.compile(r"(?<!^)(?=[A-Z])")
 
 
+def fetch_status(socket_path: str, timeout: float = 5.0) -> dict[str, Any]:
+    """The daemon's Status reply on ``socket_path``, through an operator session, as
+    ``MessageToDict`` gives it (what :mod:`relayd.inspect` renders and :func:`to_plain`
+    cleans up)."""
+    from google.protobuf.json_format import MessageToDict
+
+    from .operator import operator_session
+
+    with operator_session(socket_path, timeout) as op:
+        resp = op.status(timeout)
+    return MessageToDict(
+        resp, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
+
+
 def enum_value_name(enum: EnumDescriptor | None, number: int) -> str:
     """``LeaseState`` 2 -> ``"published"``: the value's name without its type prefix."""
     value = None if enum is None else enum.values_by_number.get(number)

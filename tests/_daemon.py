@@ -133,9 +133,9 @@ class Daemon:
         return ""
 
     def status(self) -> dict[str, Any]:
-        from relayd.cli import _status_dict
+        from relayd.status_view import fetch_status
 
-        return _status_dict(self.socket)
+        return fetch_status(self.socket)
 
     def pool(self) -> dict[str, int]:
         p = self.status()["pools"][0]

@@ -52,9 +52,9 @@ def _round_trip(prefix: list[str], socket: str) -> None:
 
 
 def _drained(socket: str) -> bool:
-    from relayd.cli import _status_dict
+    from relayd.status_view import fetch_status
 
-    pool = _status_dict(socket)["pools"][0]
+    pool = fetch_status(socket)["pools"][0]
     return int(pool["used_bytes"]) == 0 and int(pool["granted_bytes"]) == 0
 
 
