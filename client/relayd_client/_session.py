@@ -51,6 +51,8 @@ LINGER_MAX_NOTICES = 512
 LINGER_MAX_BYTES = 2 << 20
 # A fetch's answer may trail its own deadline by the daemon's clean-up.
 _ANSWER_GRACE = 1.0
+# How long close() waits for the daemon to read the last frame and hang up.
+_CLOSE_GRACE = 1.0
 SESSION_SOCKET_SUFFIX = ".session"
 
 
@@ -403,9 +405,12 @@ class SessionChannel:
                 self._on_lost()
 
     async def close(self) -> None:
-        if self._writer is not None and not self.closed:
+        hang_up = self._writer is not None and not self.closed
+        if hang_up:
             self.flush()
         self.closed = True
+        if hang_up and self._task is not None:
+            await self._hang_up()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -419,3 +424,18 @@ class SessionChannel:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._writer.wait_closed(), 2)
         self._writer = None
+
+    async def _hang_up(self) -> None:
+        """Half-close, then wait (bounded) until the daemon has read all and hung up.
+
+        Closing outright races the daemon's own writes to this session (a
+        Freed, a registry event): a write that meets a closed socket makes it
+        drop the frames it has not read yet, such as the last reports.
+        """
+        assert self._writer is not None and self._task is not None
+        try:
+            self._writer.write_eof()
+        except (OSError, RuntimeError):
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self._task), _CLOSE_GRACE)
