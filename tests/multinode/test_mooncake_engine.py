@@ -44,6 +44,8 @@ from relayd_client._errors import (
     SessionClosedError,
 )
 
+from relayd.bench import _netns
+from relayd.bench._netns import Netns
 from relayd.config import Settings
 from relayd.transports import mooncake as mc
 from relayd.transports.base import (
@@ -57,8 +59,6 @@ from relayd.transports.base import (
     TransportUnavailableError,
 )
 from relayd.transports.credits import CreditPool
-from tests import _netns
-from tests._netns import Netns
 
 try:
     import mooncake.engine  # noqa: F401
