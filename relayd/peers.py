@@ -333,6 +333,11 @@ class PeerManager:
             peer = self.peers[hello.peer_address]
             if not peer.up or peer.epoch != hello.daemon_epoch:
                 peer.wake.set()
+            elif peer.node_id == hello.node_id:
+                # It handshakes again only after it took us for lost, which voided
+                # the push grant it gave us (we may not have noticed the outage).
+                self.push.grant_void(peer)
+                peer.wake.set()
         return self.hello()
 
     def on_heartbeat(self, req: pb.HeartbeatRequest) -> pb.HeartbeatResponse:

@@ -169,6 +169,12 @@ class PushManager:
             SlotAllocator(resp.nslots),
         )
 
+    def grant_void(self, peer: PeerState) -> None:
+        """``peer`` retired the grant it gave us (it took us for lost): pushes still
+        in flight into it decline, and the next heartbeat asks for a new one."""
+        if self.out.pop(peer.address, None) is not None:
+            log.info("peer %s voided its push grant; asking again", peer.address)
+
     def peer_down(self, peer: PeerState) -> None:
         """Its grant and whatever it gave us are void; readers waiting on it stop."""
         self.out.pop(peer.address, None)
@@ -256,12 +262,18 @@ class PushManager:
                 self._after(settle, lambda: self._push_failed(peer.address, out, lease, start))
         if not landed:
             return
+        if self.out.get(peer.address) is not out:
+            # The grant went void while the write was in flight: the peer was lost
+            # (and may be back, with a new grant or none). It retired that grant, so
+            # these bytes landed in nothing it will publish, and W's lease is still
+            # the only copy: keep it for the reader's pull, and decline.
+            manager.unhold(lease)
+            self._decline(peer.address, lease)
+            return
         # Landed: the bytes are safe at the peer, W's lease goes now, and the peer
         # is told (unless an abort or TTL freed the lease meanwhile).
-        live = manager.free_pushed(lease)
-        if not live or self.out.get(peer.address) is not out:
-            if self.out.get(peer.address) is out:
-                out.alloc.free(start, lease.run.nslots)
+        if not manager.free_pushed(lease):
+            out.alloc.free(start, lease.run.nslots)
             self._decline(peer.address, lease)
             return
         self.counts[peer.address].out += 1
