@@ -122,6 +122,8 @@ class PushManager:
         self._next_grant = 1
         self._landed: dict[Key, Lease] = {}
         self._declined: collections.OrderedDict[Key, None] = collections.OrderedDict()
+        # Writer's side: leases whose push landed (and so were freed here), by id.
+        self._pushed: collections.OrderedDict[int, int] = collections.OrderedDict()
         self._waiters: dict[Key, list[asyncio.Future[None]]] = {}
         self._waiting_for: dict[Key, str] = {}  # request id of each awaited push
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -277,6 +279,9 @@ class PushManager:
             self._decline(peer.address, lease)
             return
         self.counts[peer.address].out += 1
+        self._pushed[lease.id] = lease.generation
+        while len(self._pushed) > _REMEMBER:
+            self._pushed.popitem(last=False)
         self.peers.notifier.box(peer.address).landed.add(
             lease_id=lease.id,
             generation=lease.generation,
@@ -289,6 +294,14 @@ class PushManager:
             to_stage=lease.to_stage,
         )
         self.peers.notifier.send(peer.address)
+
+    def landed(self, lease_id: int, generation: int) -> bool:
+        """Whether this writer's lease was freed here because its push landed.
+
+        Such a put lives on in the consumer's node: a keyed put whose Publish
+        pushed it before the key arrived still names a readable payload.
+        """
+        return self._pushed.get(lease_id) == generation
 
     def _push_failed(self, address: str, out: GrantOut, lease: Lease, start: int) -> None:
         """Nothing of the push writes any more: W's lease and the run are free to go."""

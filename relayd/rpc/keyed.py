@@ -72,7 +72,12 @@ class KeyedCalls:
         lease = lease_of(ref)
         if lease is not None:
             held = d.manager.leases.get(lease[1])
-            if (
+            pushed = (
+                held is None
+                and d.peers is not None
+                and d.peers.push.landed(lease[1], m.lease.generation)
+            )
+            if not pushed and (
                 held is None
                 or held.generation != m.lease.generation
                 or held.from_stage != m.origin.stage
