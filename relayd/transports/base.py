@@ -14,11 +14,6 @@ thread-safe and must never block that thread: anything that can block (native
 initialisation, memory registration, handshakes, busy-waits) runs on the
 backend's own bounded worker threads.
 
-``capabilities()``
-    By the daemon at start-up, before ``start()``, to decide whether this
-    backend can serve the configured topology (and which memory kinds it may be
-    handed). Once. Cheap, no I/O, must not import the native library.
-
 ``start()``
     By the daemon lifecycle, once, during start-up (after preflight). Loads
     the native library, creates the engine and makes the local endpoint
@@ -90,13 +85,6 @@ from relayd_client._errors import (
 )
 
 
-class MemoryKind(enum.Enum):
-    """Kinds of memory a backend can register and move."""
-
-    HOST = "host"
-    CUDA = "cuda"
-
-
 class TransferState(enum.Enum):
     """State of one op handed to a backend.
 
@@ -121,18 +109,6 @@ class TransportState(enum.Enum):
     UNOPENED = "unopened"
     OPEN = "open"
     CLOSED = "closed"
-
-
-@dataclasses.dataclass(frozen=True)
-class Capabilities:
-    """What a backend can do, known before ``start()``."""
-
-    remote: bool
-    """Moves bytes to and from another node."""
-    local: bool
-    """Moves bytes within this node (relayd uses SHM / CUDA IPC for that instead)."""
-    memory_kinds: frozenset[MemoryKind]
-    """Memory kinds ``register()`` accepts."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,10 +177,6 @@ class TransportUnavailableError(InternalError):
 
 class RemoteTransport(abc.ABC):
     """A cross-node transport backend; see the module docstring for the contract."""
-
-    @abc.abstractmethod
-    def capabilities(self) -> Capabilities:
-        """What this backend supports; callable before ``start()``."""
 
     @property
     @abc.abstractmethod

@@ -85,8 +85,6 @@ from relayd_client._errors import (
 from relayd.config import Settings
 from relayd.transports._native_log import native_stderr_to_log
 from relayd.transports.base import (
-    Capabilities,
-    MemoryKind,
     MemoryRegion,
     PullFailedError,
     PullOp,
@@ -358,11 +356,6 @@ class MooncakeTransport(RemoteTransport):
         self._reached: set[str] = set()
         self._first_contact: dict[str, asyncio.Lock] = {}
         self._submitting = 0  # submit jobs on the workers now
-
-    def capabilities(self) -> Capabilities:
-        # The CUDA wheel can register device memory, but relayd pulls into its
-        # host arena and the non-CUDA wheel is what it depends on.
-        return Capabilities(remote=True, local=False, memory_kinds=frozenset({MemoryKind.HOST}))
 
     @property
     def state(self) -> TransportState:
