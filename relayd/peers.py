@@ -48,7 +48,6 @@ import os
 import secrets
 import socket
 import stat
-import struct
 import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -69,6 +68,7 @@ from relayd_client._errors import (
 )
 from relayd_client._proto import relay_pb2 as pb
 from relayd_client._proto import relay_pb2_grpc as pb_grpc
+from relayd_client._shm import HEADER_STRIDE, SLOT_HEADER
 from relayd_client._status import from_rpc_error
 from relayd_client._transport import Transport
 
@@ -89,8 +89,6 @@ TOKEN_KEY = "relayd-peer-token-bin"
 RESOLVE_INTERVAL = 10.0
 # Large payloads are pulled as several ops so Mooncake can spread them over its lanes.
 PULL_OP_BYTES = 8 << 20
-HEADER_STRIDE = 16
-_HEADER = struct.Struct("<QQ")  # a slot header: (generation, length), see relayd_client._shm
 _REFUSED_BACKOFF = 5.0
 _MAX_BACKOFF = 1.0
 _ABORT_ORIGINS = 4096
@@ -528,7 +526,7 @@ class PeerManager:
 
     def _scratch(self, local: Lease, length: int) -> tuple[int, int]:
         seg = self.daemon.arena.segments[local.run.segment]
-        gen, nbytes = _HEADER.unpack_from(seg.mm, seg.slot_offset(local.run.slot) + length)
+        gen, nbytes = SLOT_HEADER.unpack_from(seg.mm, seg.slot_offset(local.run.slot) + length)
         return int(gen), int(nbytes)
 
     async def fetch(self, session: Session, data: bytes, timeout: float) -> pb.LeaseRef:
