@@ -75,7 +75,7 @@ from relayd_client._transport import Transport
 from .peer_notices import PeerNotifier
 from .pools.leases import Lease, Session, SessionState
 from .push import PushManager
-from .transports.base import MemoryRegion, PullError, PullOp, PullTimeoutError
+from .transports.base import MemoryRegion, PullError, PullOp, PullTimeoutError, split_ops
 from .transports.credits import CreditPool
 
 if TYPE_CHECKING:
@@ -87,8 +87,6 @@ log = logging.getLogger(__name__)
 PROTOCOL_VERSION = pb.PROTOCOL_VERSION_CURRENT
 TOKEN_KEY = "relayd-peer-token-bin"
 RESOLVE_INTERVAL = 10.0
-# Large payloads are pulled as several ops so Mooncake can spread them over its lanes.
-PULL_OP_BYTES = 8 << 20
 _REFUSED_BACKOFF = 5.0
 _MAX_BACKOFF = 1.0
 _ABORT_ORIGINS = 4096
@@ -513,12 +511,7 @@ class PeerManager:
         lseg = arena.segments[local.run.segment]
         local_addr = self.local_bases[local.run.segment] + lseg.slot_offset(local.run.slot)
         remote_addr = seg.base + remote.offset
-        ops = []
-        done = 0
-        while done < remote.length:
-            n = min(PULL_OP_BYTES, remote.length - done)
-            ops.append(PullOp(local_addr + done, remote_addr + done, n))
-            done += n
+        ops = split_ops(local_addr, remote_addr, remote.length)
         # Last: the writer's slot header, into the 16 bytes past the local data.
         header = seg.base + remote.slot * HEADER_STRIDE
         ops.append(PullOp(local_addr + remote.length, header, HEADER_STRIDE))

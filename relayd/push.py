@@ -59,7 +59,7 @@ from relayd_client._slots import SlotAllocator
 
 from .pools.arena import Run
 from .pools.leases import FREED_LINGER_MAX_BYTES, Lease, LeaseState
-from .transports.base import PullError, PullOp
+from .transports.base import PullError, split_ops
 
 if TYPE_CHECKING:
     from .peers import PeerManager, PeerState
@@ -238,7 +238,7 @@ class PushManager:
         ].slot_offset(lease.run.slot)
         seg = peer.segments[out.segment]
         dst = seg.base + seg.data_offset + (out.slot + start) * peer.slot_size
-        ops = _split(src, dst, nbytes)
+        ops = split_ops(src, dst, nbytes)
         settle: asyncio.Future[Any] | None = None
         landed = False
         try:
@@ -602,18 +602,6 @@ class PushManager:
             "reads_pulled": c.reads_pulled,
             "pull_phases": c.pull_phases,
         }
-
-
-def _split(src: int, dst: int, nbytes: int) -> list[PullOp]:
-    from .peers import PULL_OP_BYTES
-
-    ops = []
-    done = 0
-    while done < nbytes:
-        n = min(PULL_OP_BYTES, nbytes - done)
-        ops.append(PullOp(src + done, dst + done, n))
-        done += n
-    return ops
 
 
 __all__ = ["GrantIn", "GrantOut", "PushManager"]

@@ -139,6 +139,19 @@ class PullOp(NamedTuple):
     length: int
 
 
+#: A large transfer goes as several ops of at most this many bytes, so that the
+#: engine can spread it over its lanes.
+OP_BYTES = 8 << 20
+
+
+def split_ops(local_addr: int, remote_addr: int, nbytes: int) -> list[PullOp]:
+    """The ops that move ``nbytes`` between ``local_addr`` and ``remote_addr``."""
+    return [
+        PullOp(local_addr + done, remote_addr + done, min(OP_BYTES, nbytes - done))
+        for done in range(0, nbytes, OP_BYTES)
+    ]
+
+
 class PullError(RelayError):
     """A pull that did not succeed, and what it says about its local ranges.
 
