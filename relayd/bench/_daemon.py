@@ -23,13 +23,14 @@ import os
 import secrets
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from relayd_client._peer import peer_credentials
 
 from relayd.bench._netns import Netns
 
@@ -257,9 +258,7 @@ def peer_pid(path: str) -> int | None:
     try:
         s.settimeout(2.0)
         s.connect(path)
-        cred = s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        pid: int = struct.unpack("3i", cred)[0]
-        return pid or None
+        return peer_credentials(s)[0] or None
     except OSError:
         return None
     finally:

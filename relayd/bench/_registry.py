@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 
-INLINE_LIMIT = 16 * 1024  # DESIGN.md: a put whose whole encoding fits 16 KiB travels inline
+from relayd_client._transport import INLINE_LIMIT
 
 STREAM = "stream"  # the workload name; runs the methods in --stream-methods
 
