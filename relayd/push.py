@@ -69,6 +69,8 @@ log = logging.getLogger(__name__)
 # Keys of leases landed and already read, and of pushes declined, remembered so
 # a second fetch of the same DataRef does not wait for a push that will not come.
 _REMEMBER = 1 << 14
+# Peer timeouts the free part of a grant given to a lost peer stays out of use.
+QUARANTINE_TIMEOUTS = 4
 _NAME_MAX = 256
 
 Key = tuple[str, str, int, int]  # (origin node, its epoch, lease id, generation)
@@ -183,7 +185,11 @@ class PushManager:
         node = peer.node_id
         given = self.given.pop(node, None) if node else None
         if given is not None:
-            self._retire(given)
+            # It may be alive behind a broken link, its writes into the grant still
+            # in flight or retried when the link heals: nothing may reuse that space
+            # until they have surely ended (each is bounded by the peer timeout, and
+            # it stops pushing once it takes us for lost or hears the grant is void).
+            self._retire(given, quarantine=QUARANTINE_TIMEOUTS * self.settings.peer_timeout)
         for key in [k for k in self._waiters if k[0] == node]:
             self._wake(key)
 
@@ -361,12 +367,22 @@ class PushManager:
             daemon_epoch=self.daemon.epoch,
         )
 
-    def _retire(self, gin: GrantIn) -> None:
-        """The grant is void: its free parts go back to the arena now, each landed
-        lease's run when that lease is freed."""
+    def _retire(self, gin: GrantIn, *, quarantine: float = 0.0) -> None:
+        """The grant is void: its free parts go back to the arena (after
+        ``quarantine`` s), each landed lease's run when that lease is freed."""
         gin.retired = True
-        for start, n in gin.used.free_runs():
-            self.daemon.arena.free(Run(gin.run.segment, gin.run.slot + start, n, gin.run.pool))
+        runs = [
+            Run(gin.run.segment, gin.run.slot + start, n, gin.run.pool)
+            for start, n in gin.used.free_runs()
+        ]
+        if quarantine > 0:
+            asyncio.get_running_loop().call_later(quarantine, self._to_arena, runs)
+        else:
+            self._to_arena(runs)
+
+    def _to_arena(self, runs: list[Run]) -> None:
+        for run in runs:
+            self.daemon.arena.free(run)
         self.daemon.manager._wake()
 
     def on_notices(self, n: pb.PeerNotices) -> int:
