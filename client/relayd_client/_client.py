@@ -744,11 +744,7 @@ class RelayClient:
         trace_id: str = "",
     ) -> DataRef:
         """Write the packed tensors into a lease (or hand them to the daemon) and publish."""
-        request_id = msg.request_id
-        if request_id in self._aborted:
-            raise AbortedError(f"request {request_id!r} was aborted")
-        if self._draining:
-            raise DrainingError("relayd is draining; no new transfers")
+        self._check_publishable(msg)
         if self.socket_fallback:
             return await self._publish_socket(
                 msg, tensors, specs, total, timeout, ref=ref, trace_id=trace_id
@@ -1699,6 +1695,12 @@ class RelayClient:
     def _raise_if_aborted(self, m: pb.DataRef) -> None:
         if m.request_id in self._aborted:
             raise AbortedError(f"request {m.request_id!r} was aborted")
+
+    def _check_publishable(self, m: pb.DataRef) -> None:
+        """Before a put takes a lease: its request is not aborted, the daemon not draining."""
+        self._raise_if_aborted(m)
+        if self._draining:
+            raise DrainingError("relayd is draining; no new transfers")
 
     def _claim(self, m: pb.DataRef, flush: bool = True) -> None:
         with self._table.lock:

@@ -29,8 +29,6 @@ from . import _cuda, _keyed, _local, _packing, _remote
 from ._client import OFFLOAD_BYTES, ClientState, RelayClient, _check_trace_id, _leased
 from ._dataref import DataRef
 from ._errors import (
-    AbortedError,
-    DrainingError,
     InvalidArgumentError,
     RelayTimeoutError,
     SessionClosedError,
@@ -335,10 +333,7 @@ class SyncRelayClient:
         trace_id: str = "",
     ) -> DataRef:
         c = self._client
-        if msg.request_id in c._aborted:
-            raise AbortedError(f"request {msg.request_id!r} was aborted")
-        if c._draining:
-            raise DrainingError("relayd is draining; no new transfers")
+        c._check_publishable(msg)
         if c.socket_fallback:
             return self._run(
                 c._publish_socket(msg, tensors, specs, total, timeout, ref=ref, trace_id=trace_id)
