@@ -47,11 +47,11 @@ from .pools.leases import (
     SessionState,
     transport_name,
 )
+from .routing.topology import Topology
 from .rpc.keyed import KeyedCalls
 from .rpc.limits import UidLimits
 from .rpc.service import MAX_UNBOUND_SESSIONS, RelayService
 from .rpc.session import Admission, SessionProtocol
-from .topology import Topology
 
 log = logging.getLogger(__name__)
 

@@ -235,7 +235,7 @@ def choose_gpu_transport(
 ) -> Transport:
     """What this client does with a put the daemon routed ``daemon_route``.
 
-    The daemon's router (``relayd.router.route``, rows 5-7) knows the
+    The daemon's router (``relayd.routing.router.route``, rows 5-7) knows the
     reader's GPUs and the peer-access matrix; the client knows what it can
     do: one lease lives in one GPU pool, so a pooled payload must sit on one
     GPU that has a pool, and handles must fit the DataRef. Anything else

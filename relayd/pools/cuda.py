@@ -318,7 +318,7 @@ _PEERS: dict[tuple[str, str], bool] = {}
 
 
 def peer_access(src_uuid: str, dst_uuid: str) -> bool:
-    """For ``relayd.router.route``: can GPU ``dst`` read ``src`` directly?
+    """For ``relayd.routing.router.route``: can GPU ``dst`` read ``src`` directly?
 
     Answers from the matrix probed when the pools were made; without GPU
     pools it knows no pair, and an unknown pair stages through shm.

@@ -115,7 +115,7 @@ def test_direct_falls_back_to_the_pool_when_handles_do_not_fit() -> None:
 
 
 def test_client_facts_agree_with_the_router() -> None:
-    from relayd.router import DIRECT_META_LIMIT, PayloadFacts
+    from relayd.routing.router import DIRECT_META_LIMIT, PayloadFacts
 
     assert _cuda.DIRECT_META_LIMIT == DIRECT_META_LIMIT
     f = _facts(_cuda.device_field(GPU_A), _cuda.device_field(GPU_B))
@@ -412,7 +412,7 @@ def test_daemon_routes_gpu_edges_with_the_probed_peer_matrix(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from relayd.pools import cuda as cuda_pools
-    from relayd.router import PayloadFacts, Placement, route
+    from relayd.routing.router import PayloadFacts, Placement, route
 
     writer = Placement("n", "p:1", "ipc", True, (GPU_A,), ("thinker",))
     same = Placement("n", "p:2", "ipc", True, (GPU_A,), ("talker",))

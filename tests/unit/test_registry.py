@@ -7,8 +7,8 @@ import json
 import pytest
 from relayd_client._transport import Transport
 
-from relayd.registry import StageRegistry
-from relayd.router import PayloadFacts, Placement, Route, route
+from relayd.routing.registry import StageRegistry
+from relayd.routing.router import PayloadFacts, Placement, Route, route
 
 GPU_A = "GPU-aaaaaaaa-0000-4000-8000-000000000000"
 GPU_B = "GPU-bbbbbbbb-0000-4000-8000-000000000000"

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from relayd_client._proto import relay_pb2
 from relayd_client._transport import Transport
 
-from relayd.router import (
+from relayd.routing.router import (
     DIRECT_META_LIMIT,
     INLINE_LIMIT,
     PayloadFacts,

@@ -13,7 +13,7 @@ from relayd_client._shm import PROBE_BYTES
 
 from relayd.pools.arena import Arena
 from relayd.pools.leases import LeaseManager, Session
-from relayd.topology import Topology, process_key
+from relayd.routing.topology import Topology, process_key
 
 SLOT = 64 << 10
 

@@ -129,7 +129,7 @@ class RelayServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Route(self, request, context):
-        """The transport for one edge, from the stage registry (see relayd.router).
+        """The transport for one edge, from the stage registry (see relayd.routing.router).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

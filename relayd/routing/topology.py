@@ -3,13 +3,13 @@
 Who calls what (all on the daemon's event loop):
 
 * ``bound`` - when a session's socket binds: the daemon places the session
-  (:class:`~relayd.router.Placement`) from facts it established itself - the
+  (:class:`~relayd.routing.router.Placement`) from facts it established itself - the
   peer's pid from SO_PEERCRED, that process's start time and namespaces from
   /proc, and whether the client echoed the nonce the daemon wrote into its
   arena (it maps the daemon's memory) - and registers its stages.
 * ``closed`` - when the session's socket closes: its stages are unregistered.
 * ``route`` - from the ``Route`` RPC, once per edge and registry version on
-  each writer: :func:`relayd.router.route` on the registry's placements.
+  each writer: :func:`relayd.routing.router.route` on the registry's placements.
 
 Every change of the registry is pushed to every session as an Event of kind
 "registry" carrying the new version; clients drop their cached routes.
@@ -25,9 +25,9 @@ from collections.abc import Callable, Iterable
 from relayd_client._proto import relay_pb2 as pb
 from relayd_client._shm import PROBE_BYTES, probe_offset_for
 
-from .pools.arena import Arena
-from .pools.cuda import peer_access as gpu_peer_access
-from .pools.leases import LeaseManager, Session
+from ..pools.arena import Arena
+from ..pools.cuda import peer_access as gpu_peer_access
+from ..pools.leases import LeaseManager, Session
 from .registry import StageRegistry
 from .router import PayloadFacts, Placement, route
 

@@ -6,7 +6,7 @@ unregister when their session socket closes; peers send their whole local table
 lookups read it; ``relayd status`` shows :meth:`StageRegistry.snapshot`.
 
 ``version`` grows by one on every change of who serves what. Clients cache one
-:class:`~relayd.router.Route` per edge and recompute it when the version they
+:class:`~relayd.routing.router.Route` per edge and recompute it when the version they
 last saw differs, so a change that does not alter the table (a peer re-sending
 the same stages) must not bump it, and noting an edge's route (an observation,
 not topology) never does - otherwise every noted route would invalidate every
@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from relayd.router import Placement, Route
+from .router import Placement, Route
 
 
 @dataclass(frozen=True, slots=True)
