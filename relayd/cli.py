@@ -319,12 +319,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _bench(argv: list[str]) -> int:
+    # The benchmark is its own package, shipped beside the daemon but never part of its
+    # run time: only this subcommand imports it.
+    try:
+        from relayd_bench import main as bench_main
+    except ModuleNotFoundError as exc:
+        if exc.name != "relayd_bench":
+            raise
+        print(
+            "relayd bench: the relayd_bench package is not installed; "
+            "install relayd with its bench extra: pip install '.[bench]'",
+            file=sys.stderr,
+        )
+        return 2
+    return bench_main(argv)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "bench":
-        from .bench import main as bench_main
-
-        return bench_main(argv[1:])
+        return _bench(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

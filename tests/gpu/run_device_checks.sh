@@ -193,7 +193,7 @@ if missing:
     sys.exit(3)
 # The repository's own code must import with the installed versions
 # (generated protobuf/grpc code checks the runtime's version).
-for mod in ("relayd_client", "relayd.server", "relayd.bench.gpu"):
+for mod in ("relayd_client", "relayd.server", "relayd_bench.gpu"):
     try:
         importlib.import_module(mod)
     except Exception as exc:
@@ -240,7 +240,7 @@ else
 fi
 
 # -- 5. benchmark ---------------------------------------------------------------
-bounded 80 "$PY" -m relayd.bench --gpu --quick --json "$RESULTS/gpu-bench.json" 2>&1 |
+bounded 80 "$PY" -m relayd_bench --gpu --quick --json "$RESULTS/gpu-bench.json" 2>&1 |
   tee "$RESULTS/gpu-bench.txt"
 BENCH_RC=${PIPESTATUS[0]}
 

@@ -1,4 +1,4 @@
-"""``python -m relayd.bench --quick`` end to end: shape of the output only.
+"""``python -m relayd_bench --quick`` end to end: shape of the output only.
 
 Timings belong in the benchmark's output, never in assertions: this checks that
 every method x size produced plausible samples (a cell is "ok" only if every
@@ -44,7 +44,7 @@ def _bench(
         [
             sys.executable,
             "-m",
-            "relayd.bench",
+            "relayd_bench",
             "--quick",
             "--methods",
             ",".join(methods),
@@ -137,7 +137,7 @@ def test_quick_relayd_sync_beside_the_async_client(tmp_path: Path) -> None:
 
 def test_breakdown_prints_every_step_for_both_clients() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "relayd.bench", "--breakdown", "--quick", "--sizes", "4K,256K"],
+        [sys.executable, "-m", "relayd_bench", "--breakdown", "--quick", "--sizes", "4K,256K"],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -150,7 +150,7 @@ def test_breakdown_prints_every_step_for_both_clients() -> None:
     for line in lines[1:]:
         label, *values = re.split(r"\s{2,}", line.strip())
         rows[label] = values
-    from relayd.bench._breakdown import GET_STEPS, PUT_STEPS
+    from relayd_bench._breakdown import GET_STEPS, PUT_STEPS
 
     for label, _ in PUT_STEPS + GET_STEPS:
         assert label in rows, label
@@ -161,7 +161,7 @@ def test_breakdown_prints_every_step_for_both_clients() -> None:
 
 
 def _netns_unavailable() -> str:
-    from relayd.bench._netns import NetnsUnavailable, check_available
+    from relayd_bench._netns import NetnsUnavailable, check_available
 
     try:
         check_available()

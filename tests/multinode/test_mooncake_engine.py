@@ -44,8 +44,6 @@ from relayd_client._errors import (
     SessionClosedError,
 )
 
-from relayd.bench import _netns
-from relayd.bench._netns import Netns
 from relayd.config import Settings
 from relayd.transports import mooncake as mc
 from relayd.transports.base import (
@@ -59,6 +57,8 @@ from relayd.transports.base import (
     TransportUnavailableError,
 )
 from relayd.transports.credits import CreditPool
+from relayd_bench import _netns
+from relayd_bench._netns import Netns
 
 try:
     import mooncake.engine  # noqa: F401

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from relayd.bench import _netns
+from relayd_bench import _netns
 from tests._daemon import Daemon, run_worker, spawn_worker, wait_until
 from tests.multinode.test_push import _count, _free_but_grant, _pair, _pulls, _ready_to_push
 from tests.multinode.test_two_daemons import (

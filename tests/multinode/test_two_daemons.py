@@ -34,7 +34,7 @@ from relayd_client import (
 from relayd_client._proto import relay_pb2 as pb
 from relayd_client._proto import relay_pb2_grpc as pb_grpc
 
-from relayd.bench import _netns
+from relayd_bench import _netns
 from tests._daemon import Daemon, free_port, run_worker, spawn_worker, wait_until
 from tests._workers import digest, make_payload
 

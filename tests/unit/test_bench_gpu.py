@@ -6,8 +6,9 @@ import multiprocessing as mp
 
 import pytest
 
-from relayd.bench import gpu
-from relayd.bench._stats import Status, add_ratios, render_table, to_json
+from relayd_bench import gpu
+from relayd_bench._stats import Status, add_ratios, to_json
+from relayd_bench._table import render_table
 
 
 def test_the_arena_fits_a_small_dev_shm(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,20 +9,11 @@ import json
 
 import pytest
 
-from relayd.bench._api import BenchContext
-from relayd.bench._payload import Stamp, check_tensor, make_source
-from relayd.bench._registry import BASELINES, ENTRIES, PEER_REQUIRES, Entry
-from relayd.bench._stats import (
-    TABLE_WIDTH,
-    Cpu,
-    Result,
-    Status,
-    add_ratios,
-    comparisons,
-    render_table,
-    summarize,
-    to_json,
-)
+from relayd_bench._api import BenchContext
+from relayd_bench._payload import Stamp, check_tensor, make_source
+from relayd_bench._registry import BASELINES, ENTRIES, PEER_REQUIRES, Entry
+from relayd_bench._stats import Cpu, Result, Status, add_ratios, comparisons, summarize, to_json
+from relayd_bench._table import TABLE_WIDTH, render_table
 
 try:
     import mooncake.engine  # noqa: F401
@@ -137,7 +128,7 @@ def test_json_carries_the_comparison_and_each_daemons_cpu() -> None:
 def test_mooncake_raw_moves_the_payload_between_two_engines() -> None:
     import torch
 
-    from relayd.bench._mooncake import MooncakeRaw
+    from relayd_bench._mooncake import MooncakeRaw
 
     ctx = BenchContext(run_id="t", shm_prefix="relayd-bench-t-")
     writer, reader = MooncakeRaw(ctx), MooncakeRaw(ctx)

@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from relayd.bench import _cli, _netns
+from relayd_bench import _cli, _netns
 
 
 def test_netns_without_root_is_a_clear_usage_error(

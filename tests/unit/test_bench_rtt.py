@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from relayd.bench._rtt import (
+from relayd_bench._rtt import (
     EXTRA_RT,
     MODEL_RTTS_NS,
     ReadCounts,
@@ -15,7 +15,8 @@ from relayd.bench._rtt import (
     read_counts,
     relayd_round_trips,
 )
-from relayd.bench._stats import TABLE_WIDTH, Cpu, Result, Status, render_table, summarize
+from relayd_bench._stats import Cpu, Result, Status, summarize
+from relayd_bench._table import TABLE_WIDTH, render_table
 
 KIB = 1 << 10
 

@@ -6,28 +6,25 @@ import json
 
 import pytest
 
-from relayd.bench._cli import parse_size, parse_sizes
-from relayd.bench._registry import ENTRIES, STREAM, select
-from relayd.bench._run import REFERENCE_PLAN, plan_for
-from relayd.bench._stats import (
-    TABLE_WIDTH,
+from relayd_bench._cli import parse_size, parse_sizes
+from relayd_bench._registry import ENTRIES, STREAM, select
+from relayd_bench._run import REFERENCE_PLAN, plan_for
+from relayd_bench._stats import (
     Cpu,
     Result,
     Status,
     StreamResult,
     add_ratios,
     add_stream_ratios,
-    fmt_ns,
-    fmt_size,
     machine_info,
     median,
     p99,
     percentile_nearest_rank,
-    render_table,
     summarize,
     throughput_gbps,
     to_json,
 )
+from relayd_bench._table import TABLE_WIDTH, fmt_ns, fmt_size, render_table
 
 KIB, MIB = 1 << 10, 1 << 20
 
@@ -313,7 +310,7 @@ def test_method_selection_keeps_registry_order_and_rejects_unknown_names() -> No
 
 
 def test_machine_line_reports_the_load_at_start_and_end() -> None:
-    from relayd.bench._stats import _machine_line
+    from relayd_bench._table import _machine_line
 
     m = {"cpu_model": "X", "cores": 2, "loadavg": [16.3, 7.9, 3.0], "loadavg_at_start": [0.26]}
     assert _machine_line(m).endswith("\nload (1-min average) 0.3 at start, 16.3 at end")

@@ -24,8 +24,8 @@ from relayd_client import (  # type: ignore[import-not-found, unused-ignore]
 )
 from relayd_client._proto import relay_pb2 as pb
 
-from relayd.bench import _daemon, _rtt
-from relayd.bench._api import AsyncLocalMethod, AsyncPairMethod, PairMethod
+from relayd_bench import _daemon, _rtt
+from relayd_bench._api import AsyncLocalMethod, AsyncPairMethod, PairMethod
 
 WRITER_STAGE = "bench-writer"
 READER_STAGE = "bench-reader"

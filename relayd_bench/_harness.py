@@ -21,10 +21,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from relayd.bench import _netns
-from relayd.bench._api import ChildError, JobSpec, ReaderReport, WriterReport
-from relayd.bench._child import child_main
-from relayd.bench._progress import Progress
+from relayd_bench import _netns
+from relayd_bench._api import ChildError, JobSpec, ReaderReport, WriterReport
+from relayd_bench._child import child_main
+from relayd_bench._progress import Progress
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection

@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from relayd.bench import _daemon
-from relayd.bench._stats import fmt_size
+from relayd_bench import _daemon
+from relayd_bench._table import fmt_size
 
 WRITER, READER = "breakdown-writer", "breakdown-reader"
 WARMUP, MEASURED = 100, 400

@@ -6,7 +6,8 @@ import importlib.util
 from collections.abc import Sequence
 from typing import Any
 
-from relayd.bench._stats import REFERENCE_METHOD, Result, Status, fmt_size
+from relayd_bench._stats import REFERENCE_METHOD, Result, Status
+from relayd_bench._table import fmt_size
 
 
 class PlotUnavailable(RuntimeError):

@@ -29,9 +29,9 @@ import traceback
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from relayd.bench import _netns
-from relayd.bench import _wire as wire
-from relayd.bench._api import (
+from relayd_bench import _netns
+from relayd_bench import _wire as wire
+from relayd_bench._api import (
     METHOD_BASES,
     AnyMethod,
     AsyncLocalMethod,
@@ -47,9 +47,9 @@ from relayd.bench._api import (
     Usage,
     WriterReport,
 )
-from relayd.bench._payload import MIN_SIZE, Stamp, check_tensor, make_source
-from relayd.bench._procstat import proc_cpu_ns
-from relayd.bench._wire import BenchFailure
+from relayd_bench._payload import MIN_SIZE, Stamp, check_tensor, make_source
+from relayd_bench._procstat import proc_cpu_ns
+from relayd_bench._wire import BenchFailure
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection

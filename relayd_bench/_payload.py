@@ -12,7 +12,7 @@ from __future__ import annotations
 import ctypes
 from typing import TYPE_CHECKING, Any
 
-from relayd.bench._wire import BenchFailure
+from relayd_bench._wire import BenchFailure
 
 if TYPE_CHECKING:
     import torch

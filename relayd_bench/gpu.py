@@ -33,16 +33,9 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from relayd.bench import _daemon
-from relayd.bench._stats import (
-    Result,
-    Status,
-    add_ratios,
-    machine_info,
-    render_table,
-    summarize,
-    to_json,
-)
+from relayd_bench import _daemon
+from relayd_bench._stats import Result, Status, add_ratios, machine_info, summarize, to_json
+from relayd_bench._table import render_table
 
 SIZES = (256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20)
 FLOOR = "copy_"

@@ -6,6 +6,6 @@ The method contract is in ``_api``, the method registry in ``_registry``.
 
 from __future__ import annotations
 
-from relayd.bench._cli import main
+from relayd_bench._cli import main
 
 __all__ = ["main"]

@@ -34,11 +34,11 @@ from typing import Any
 
 import torch
 
-from relayd.bench import _rtt
-from relayd.bench._api import PairMethod
-from relayd.bench._baselines import FLOOR_SLOTS, PAGE
 from relayd.config import Settings
 from relayd.transports.mooncake import mooncake_environment
+from relayd_bench import _rtt
+from relayd_bench._api import PairMethod
+from relayd_bench._baselines import FLOOR_SLOTS, PAGE
 
 _NOTE = struct.Struct("<QQ48x")  # slot, transfer: 64 bytes, as the floor's notify
 

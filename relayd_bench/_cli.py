@@ -10,17 +10,11 @@ import sys
 from collections.abc import Sequence
 from types import FrameType
 
-from relayd.bench import _netns, _plot, _registry
-from relayd.bench._progress import Progress
-from relayd.bench._run import Bench, Options, plan_for
-from relayd.bench._stats import (
-    Status,
-    add_ratios,
-    add_stream_ratios,
-    machine_info,
-    render_table,
-    to_json,
-)
+from relayd_bench import _netns, _plot, _registry
+from relayd_bench._progress import Progress
+from relayd_bench._run import Bench, Options, plan_for
+from relayd_bench._stats import Status, add_ratios, add_stream_ratios, machine_info, to_json
+from relayd_bench._table import render_table
 
 DEFAULT_SIZES = "4K,256K,1M,4M,16M"
 DEFAULT_NETNS_RATE = "10gbit"
@@ -209,7 +203,7 @@ def _list_methods() -> None:
 
 def _run_gpu(args: argparse.Namespace) -> int:
     try:
-        from relayd.bench import gpu
+        from relayd_bench import gpu
     except ImportError as exc:
         print(f"relayd bench --gpu: GPU benchmarks unavailable: {exc}", file=sys.stderr)
         return 2
@@ -230,7 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run_gpu(args)
     opts = _options(args, parser)
     if args.breakdown:
-        from relayd.bench import _breakdown
+        from relayd_bench import _breakdown
 
         sys.stdout.write(_breakdown.run(opts.sizes, opts.scale, opts.socket, opts.shm_pool_size))
         return 0

@@ -27,7 +27,7 @@ from multiprocessing.shared_memory import SharedMemory
 
 import torch
 
-from relayd.bench._api import AsyncPairMethod, BenchContext, LocalMethod, PairMethod
+from relayd_bench._api import AsyncPairMethod, BenchContext, LocalMethod, PairMethod
 
 PAGE = mmap.PAGESIZE
 SHM_DIR = "/dev/shm"

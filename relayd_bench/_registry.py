@@ -6,7 +6,7 @@ which costs seconds). What the parent must decide before spawning anything, an
 entry says: whether it is one process or a pair, whether it needs the daemon,
 which cheap imports must work, and which sizes it applies to.
 
-To add a method: write a class against ``relayd.bench._api`` (``PairMethod``,
+To add a method: write a class against ``relayd_bench._api`` (``PairMethod``,
 ``AsyncPairMethod``, ``LocalMethod`` or ``AsyncLocalMethod``) and add an
 ``Entry`` to ``BASELINES`` or ``RELAYD`` below.
 
@@ -78,19 +78,19 @@ def _missing(requires: tuple[str, ...]) -> str | None:
 PEER_REQUIRES = ("mooncake.engine:TransferEngine",)
 
 BASELINES: tuple[Entry, ...] = (
-    Entry("memcpy", "relayd.bench._baselines:Memcpy", "hot in-process copy", local=True),
-    Entry("floor", "relayd.bench._baselines:Floor", "pooled /dev/shm, reader copies out"),
-    Entry("floor-view", "relayd.bench._baselines:FloorView", "pooled /dev/shm, zero-copy read"),
-    Entry("floor-async", "relayd.bench._baselines:FloorAsync", "floor, hooks on an event loop"),
+    Entry("memcpy", "relayd_bench._baselines:Memcpy", "hot in-process copy", local=True),
+    Entry("floor", "relayd_bench._baselines:Floor", "pooled /dev/shm, reader copies out"),
+    Entry("floor-view", "relayd_bench._baselines:FloorView", "pooled /dev/shm, zero-copy read"),
+    Entry("floor-async", "relayd_bench._baselines:FloorAsync", "floor, hooks on an event loop"),
     Entry(
         "shm-per-transfer",
-        "relayd.bench._baselines:ShmPerTransfer",
+        "relayd_bench._baselines:ShmPerTransfer",
         "new SharedMemory segment per transfer",
     ),
-    Entry("pickle-uds", "relayd.bench._baselines:PickleUds", "pickled tensor over a Unix socket"),
+    Entry("pickle-uds", "relayd_bench._baselines:PickleUds", "pickled tensor over a Unix socket"),
     Entry(
         "mooncake-raw",
-        "relayd.bench._mooncake:MooncakeRaw",
+        "relayd_bench._mooncake:MooncakeRaw",
         "Mooncake TE transfer_sync_read on loopback TCP",
         requires=("mooncake.engine:TransferEngine",),
         cross_node=True,
@@ -98,13 +98,13 @@ BASELINES: tuple[Entry, ...] = (
 )
 
 # ---- relayd methods plug in here ------------------------------------------------------
-# One Entry per way relayd moves a payload; classes in relayd.bench._relayd.
+# One Entry per way relayd moves a payload; classes in relayd_bench._relayd.
 _CLIENT = ("relayd_client:RelayClient", "relayd_client:DataRef")
 _SHM_NOTE = f"puts <= {INLINE_LIMIT // 1024} KiB go inline (see relayd-inline)"
 RELAYD: tuple[Entry, ...] = (
     Entry(
         "relayd-local",
-        "relayd.bench._relayd:RelaydLocal",
+        "relayd_bench._relayd:RelaydLocal",
         "both stages in one process (local_object)",
         local=True,
         needs_daemon=True,
@@ -112,7 +112,7 @@ RELAYD: tuple[Entry, ...] = (
     ),
     Entry(
         "relayd-inline",
-        "relayd.bench._relayd:RelaydInline",
+        "relayd_bench._relayd:RelaydInline",
         "payload inside the DataRef",
         needs_daemon=True,
         requires=_CLIENT,
@@ -121,7 +121,7 @@ RELAYD: tuple[Entry, ...] = (
     ),
     Entry(
         "relayd-shm",
-        "relayd.bench._relayd:RelaydShm",
+        "relayd_bench._relayd:RelaydShm",
         "daemon arena, reader get() copies",
         needs_daemon=True,
         requires=_CLIENT,
@@ -130,14 +130,14 @@ RELAYD: tuple[Entry, ...] = (
     ),
     Entry(
         "relayd-sync",
-        "relayd.bench._relayd:RelaydSync",
+        "relayd_bench._relayd:RelaydSync",
         "blocking client (SyncRelayClient), reader get() copies",
         needs_daemon=True,
         requires=(*_CLIENT, "relayd_client:SyncRelayClient"),
     ),
     Entry(
         "relayd-shm-view",
-        "relayd.bench._relayd:RelaydShmView",
+        "relayd_bench._relayd:RelaydShmView",
         "daemon arena, reader view() zero-copy",
         needs_daemon=True,
         requires=_CLIENT,
@@ -146,7 +146,7 @@ RELAYD: tuple[Entry, ...] = (
     ),
     Entry(
         "relayd-mooncake",
-        "relayd.bench._relayd:RelaydMooncake",
+        "relayd_bench._relayd:RelaydMooncake",
         "reader on a peer daemon, which pulls over Mooncake TE",
         needs_daemon=True,
         requires=_CLIENT,

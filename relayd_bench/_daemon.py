@@ -32,7 +32,7 @@ from typing import Any
 
 from relayd_client._peer import peer_credentials
 
-from relayd.bench._netns import Netns
+from relayd_bench._netns import Netns
 
 SHM_DIR = Path("/dev/shm")
 STOP_TIMEOUT_S = 15.0
@@ -236,7 +236,7 @@ def status(sock: str, timeout_s: float = 5.0) -> dict[str, Any]:
     """The daemon's Status reply as a dict (proto field names)."""
     from google.protobuf.json_format import MessageToDict
 
-    from ..operator import operator_session
+    from relayd.operator import operator_session
 
     with operator_session(sock, timeout_s) as op:
         reply = op.status(timeout_s)

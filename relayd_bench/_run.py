@@ -30,21 +30,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from relayd.bench import _daemon, _netns
-from relayd.bench._api import BenchContext, JobSpec, Pace, SizePlan, Step
-from relayd.bench._harness import JobOutcome, run_jobs
-from relayd.bench._progress import Progress
-from relayd.bench._registry import ENTRIES, STREAM, Entry
-from relayd.bench._stats import (
-    Cpu,
-    Result,
-    Status,
-    StreamResult,
-    fmt_ns,
-    fmt_size,
-    median,
-    summarize,
-)
+from relayd_bench import _daemon, _netns
+from relayd_bench._api import BenchContext, JobSpec, Pace, SizePlan, Step
+from relayd_bench._harness import JobOutcome, run_jobs
+from relayd_bench._progress import Progress
+from relayd_bench._registry import ENTRIES, STREAM, Entry
+from relayd_bench._stats import Cpu, Result, Status, StreamResult, median, summarize
+from relayd_bench._table import fmt_ns, fmt_size
 
 # perf-baselines.md, "Iterations per payload size": (size, warm-up, measured)
 REFERENCE_PLAN = (

@@ -1,0 +1,282 @@
+"""The text table of a benchmark run: fixed-width, every line within ``TABLE_WIDTH``.
+
+Formats the results of ``_stats`` (median, p99 and ratios per method and size, the
+comparisons, the round-trip model of ``_rtt``, the stream workload); computes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from relayd_bench import _rtt
+from relayd_bench._stats import COMPARISONS, Cpu, Result, Status, StreamResult, comparisons
+
+TABLE_WIDTH = 100
+
+
+def fmt_ns(ns: float | None) -> str:
+    """Three significant figures, like the reference tables: 0.9 µs, 44.3 µs, 307 µs, 1.23 ms."""
+    if ns is None:
+        return "-"
+    if ns < 1e6:
+        us = ns / 1e3
+        return f"{us:.1f} µs" if us < 100 else f"{us:.0f} µs"
+    v, unit = (ns / 1e6, "ms") if ns < 1e9 else (ns / 1e9, "s")
+    digits = 2 if v < 10 else 1 if v < 100 else 0
+    return f"{v:.{digits}f} {unit}"
+
+
+def fmt_size(size: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if size >= scale and size % scale == 0:
+            return f"{size // scale}{unit}"
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if size >= scale:
+            return f"{size / scale:.1f}{unit}"
+    return f"{size}B"
+
+
+def _fmt_ratio(r: float | None) -> str:
+    if r is None:
+        return "-"
+    return f"x{r:.2f}" if r < 10 else f"x{r:.1f}" if r < 100 else f"x{r:.0f}"
+
+
+def _fmt_gbps(gbps: float | None) -> str:
+    return "-" if gbps is None else f"{gbps:.2f}"
+
+
+def _fmt_us(ns: float | None) -> str:
+    return "-" if ns is None else f"{ns / 1e3:.0f}" if ns >= 1e4 else f"{ns / 1e3:.1f}"
+
+
+def _fmt_flt(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0f}" if v >= 10 or v < 0.05 else f"{v:.1f}"
+
+
+def _clip(line: str, width: int) -> str:
+    return line if len(line) <= width else line[: width - 1] + "…"
+
+
+def _note(extra: dict[str, str]) -> str:
+    """What the method observed; the transport is the common case, so it goes bare."""
+    items = sorted(extra.items(), key=lambda kv: kv[0] != "transport")
+    return " ".join(v if k == "transport" else f"{k}={v}" for k, v in items)
+
+
+def _cpu_cell(cpu: Cpu) -> str:
+    return f"{_fmt_us(cpu.writer_ns)}/{_fmt_us(cpu.reader_ns)}/{_fmt_us(cpu.daemons_ns)}"
+
+
+def _flt_cell(cpu: Cpu) -> str:
+    return f"{_fmt_flt(cpu.writer_minflt)}/{_fmt_flt(cpu.reader_minflt)}"
+
+
+def render_table(
+    results: Sequence[Result],
+    streams: Sequence[StreamResult] = (),
+    machine: dict[str, Any] | None = None,
+    width: int = TABLE_WIDTH,
+) -> str:
+    """Fixed-width text: a method x size overview, per-cell details, then the stream workload.
+
+    Every line fits in ``width`` columns (long reasons are clipped with "…").
+    """
+    out: list[str] = []
+    if machine:
+        out += [_clip(line, width) for line in _machine_line(machine).split("\n")]
+        out.append("")
+    if results:
+        out += _render_matrix(results, width)
+        out += _render_comparisons(results, width)
+        out.append("")
+        out += _render_details(results, width)
+        out += _render_round_trips(results)
+    if streams:
+        if results:
+            out.append("")
+        out += _render_streams(streams, width)
+    cpus = [r.cpu for r in results] + [s.cpu for s in streams]
+    if any(c.reader_daemon_ns is not None for c in cpus):
+        out.append("CPU µs d: the writer's daemon + the reader's, where the reader has its own")
+    return "\n".join(_clip(line.rstrip(), width) for line in out) + "\n"
+
+
+def _machine_line(m: dict[str, Any]) -> str:
+    # The load when the run started says what else was running; at the end it
+    # also counts the run's own stream phase (2 x streams processes).
+    start, end = m.get("loadavg_at_start") or [], m.get("loadavg") or []
+    load = ""
+    if start:
+        load = f"\nload (1-min average) {start[0]:.1f} at start"
+        load += f", {end[0]:.1f} at end" if end else ""
+    elif len(end) >= 2:
+        load = f" · load {end[0]:.1f}/{end[1]:.1f}"
+    return (
+        f"{m.get('cpu_model', '?')} · {m.get('cores', '?')} cores · Linux {m.get('kernel', '?')}"
+        f" · Python {m.get('python', '?')} · torch {m.get('torch', '?')}" + load
+    )
+
+
+def _ordered(values: Iterable[str]) -> list[str]:
+    return list(dict.fromkeys(values))
+
+
+def _render_matrix(results: Sequence[Result], width: int) -> list[str]:
+    methods = _ordered(r.method for r in results)
+    sizes = sorted({r.size for r in results})
+    cells = {(r.method, r.size): r for r in results}
+    name_w = min(max(len(m) for m in methods) + 2, 22)
+    cell_w = 16
+    per_block = max(1, (width - name_w) // cell_w)
+    out = ["one-way latency, stop-and-wait: median and ratio to floor at the same size"]
+    for start in range(0, len(sizes), per_block):
+        block = sizes[start : start + per_block]
+        out.append("method".ljust(name_w) + "".join(fmt_size(s).ljust(cell_w) for s in block))
+        for m in methods:
+            row = m[: name_w - 1].ljust(name_w)
+            for s in block:
+                r = cells.get((m, s))
+                if r is None:
+                    text = ""
+                elif r.status is not Status.OK or r.latency is None:
+                    text = r.status.value
+                else:
+                    text = f"{fmt_ns(r.latency.median_ns)} {_fmt_ratio(r.ratio_vs_floor)}"
+                row += text[: cell_w - 1].ljust(cell_w)
+            out.append(row.rstrip())
+    return out
+
+
+def _render_comparisons(results: Sequence[Result], width: int) -> list[str]:
+    """One line per comparison that ran, wrapped to ``width``: "a / b: x1.23 at 1MiB, …"."""
+    out: list[str] = []
+    for method, baseline, ratios in comparisons(results):
+        pieces = [f"{_fmt_ratio(ratio)} at {fmt_size(size)}," for size, ratio in ratios]
+        pieces[-1] = pieces[-1].rstrip(",")
+        line = f"{method} / {baseline}:"
+        for piece in pieces:
+            if len(line) + 1 + len(piece) > width:
+                out.append(line)
+                line = "   "
+            line += " " + piece
+        out.append(line)
+    return out
+
+
+_DETAIL_HEAD = (
+    f"{'size':<7}{'method':<17}{'median':>9}{'p99':>9}{'GB/s':>7}{'xfloor':>7}"
+    f"  {'CPU µs w/r/d':<17}{'flt w/r':<10}via"
+)
+
+
+def _render_details(results: Sequence[Result], width: int) -> list[str]:
+    out = [_DETAIL_HEAD]
+    # a method that did not run at any size, for one reason, gets one line instead of one per size
+    whole: dict[str, Result] = {}
+    for m in _ordered(r.method for r in results):
+        rows = [r for r in results if r.method == m]
+        if len({(r.status, r.reason) for r in rows}) == 1 and rows[0].status is not Status.OK:
+            whole[m] = rows[0]
+    for size in sorted({r.size for r in results}):
+        first = True
+        for r in results:
+            if r.size != size or r.method in whole:
+                continue
+            lead = f"{fmt_size(size) if first else '':<7}{r.method[:16]:<17}"
+            first = False
+            if r.status is not Status.OK or r.latency is None:
+                out.append(_clip(f"{lead}{r.status.value}: {r.reason}", width))
+                continue
+            out.append(
+                _clip(
+                    f"{lead}{fmt_ns(r.latency.median_ns):>9}{fmt_ns(r.latency.p99_ns):>9}"
+                    f"{_fmt_gbps(r.gbps):>7}"
+                    f"{_fmt_ratio(r.ratio_vs_floor):>7}  {_cpu_cell(r.cpu):<17}"
+                    f"{_flt_cell(r.cpu):<10}{_note(r.extra)}",
+                    width,
+                )
+            )
+    for m, r in whole.items():
+        out.append(_clip(f"{'all':<7}{m[:16]:<17}{r.status.value}: {r.reason}", width))
+    return out
+
+
+def _render_round_trips(results: Sequence[Result]) -> list[str]:
+    """Round trips counted per read, and the latency they model at real networks' RTTs."""
+    rows = [
+        (r.method, r.size, r.latency.median_ns, rt)
+        for r in results
+        if r.latency is not None and (rt := _rtt.parse_rt(r.extra)) is not None
+    ]
+    if not rows:
+        return []
+    reads = {(r.method, r.size): r.extra.get("reads", "-") for r in results}
+    bounds = {
+        (r.method, r.size): b
+        for r in results
+        if (b := _rtt.parse_rt(r.extra, _rtt.EXTRA_RT_BOUND)) is not None
+    }
+    rtts = "".join(f"{_rtt.rtt_label(x):>11}" for x in _rtt.MODEL_RTTS_NS)
+    out = [
+        "",
+        "RT: round trips a read waits for, put returned -> get returned (the DataRef's trip",
+        "included); modelled latency = median + RT x RTT; reads: landed/awaited/pulled;",
+        "RT+: every push awaited, as at an RTT above the slack a landed read had here",
+        f"{'size':<7}{'method':<17}{'median':>9}{'RT':>6}{'RT+':>6}{rtts}  reads",
+    ]
+    modelled_at: dict[tuple[str, int], list[float]] = {}
+    medians: dict[tuple[str, int], float] = {}
+    for method, size, med, rt, modelled in _rtt.model_rows(rows):
+        modelled_at[method, size] = modelled
+        medians[method, size] = med
+        cells = "".join(f"{fmt_ns(v):>11}" for v in modelled)
+        bound = bounds.get((method, size), rt)
+        head = f"{fmt_size(size):<7}{method:<17}{fmt_ns(med):>9}{rt:>6.2f}{bound:>6.2f}"
+        out.append(f"{head}{cells}  {reads[method, size]}")
+    for method, baseline in COMPARISONS:
+        for size in sorted(s for m, s in modelled_at if m == method):
+            base = modelled_at.get((baseline, size))
+            if base is None:
+                continue
+            ratios = [
+                f"{_fmt_ratio(a / b)} at {_rtt.rtt_label(x)[4:]}"
+                for a, b, x in zip(modelled_at[method, size], base, _rtt.MODEL_RTTS_NS, strict=True)
+            ]
+            out.append(f"{method} / {baseline} modelled, {fmt_size(size)}: {', '.join(ratios)}")
+            upper_rt = bounds.get((method, size))
+            if upper_rt is not None:
+                med = medians[method, size]
+                upper = [
+                    f"{_fmt_ratio(_rtt.modelled_ns(med, upper_rt, x) / b)}"
+                    for b, x in zip(base, _rtt.MODEL_RTTS_NS, strict=True)
+                ]
+                out.append(f"   with RT+: {', '.join(upper)}")
+    return out
+
+
+def _render_streams(streams: Sequence[StreamResult], width: int) -> list[str]:
+    s0 = streams[0]
+    out = [
+        f"stream: {s0.streams} streams x {fmt_size(s0.chunk_size)} at {s0.rate_hz:g}/s each;"
+        " latency from each chunk's scheduled send time",
+        f"{'method':<17}{'chunks':>7}{'p50':>8}{'p99':>8}{'max':>8}{'rate/s (target)':>16}"
+        f"{'GB/s':>6}{'xfloor':>7}  {'CPU µs w/r/d':<16}via",
+    ]
+    for r in streams:
+        lead = f"{r.method[:16]:<17}"
+        if r.status is not Status.OK or r.latency is None:
+            out.append(_clip(f"{lead}{r.status.value}: {r.reason}", width))
+            continue
+        rate = f"{r.aggregate_chunks_per_s or 0:.0f} ({r.target_chunks_per_s:.0f})"
+        out.append(
+            _clip(
+                f"{lead}{r.chunks:>7}{fmt_ns(r.latency.median_ns):>8}"
+                f"{fmt_ns(r.latency.p99_ns):>8}{fmt_ns(r.latency.max_ns):>8}{rate:>16}"
+                f"{_fmt_gbps(r.aggregate_gbps):>6}"
+                f"{_fmt_ratio(r.ratio_vs_floor):>7}  {_cpu_cell(r.cpu):<16}{_note(r.extra)}",
+                width,
+            )
+        )
+    return out
