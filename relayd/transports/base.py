@@ -73,12 +73,13 @@ import abc
 import asyncio
 import dataclasses
 import enum
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from types import TracebackType
 from typing import NamedTuple
 
 from relayd_client._errors import (
     InternalError,
+    InvalidArgumentError,
     PeerUnavailableError,
     RelayError,
     RelayTimeoutError,
@@ -152,6 +153,77 @@ def split_ops(local_addr: int, remote_addr: int, nbytes: int) -> list[PullOp]:
     ]
 
 
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+    """One ``pull()`` or ``push()`` call, as a backend's :meth:`RemoteTransport.transfer`
+    receives it; ``ops`` and ``then`` not yet checked."""
+
+    peer_session: str
+    ops: Sequence[PullOp]
+    then: Sequence[PullOp]
+    timeout: float
+    write: bool = False
+    """A push: the ops copy local ranges into the peer's (a WRITE)."""
+
+    @property
+    def verb(self) -> str:
+        return "push" if self.write else "pull"
+
+
+class Regions:
+    """The memory regions a backend registered, and the checks every op passes
+    before anything is submitted."""
+
+    def __init__(self) -> None:
+        self._regions: list[MemoryRegion] = []
+
+    def __iter__(self) -> Iterator[MemoryRegion]:
+        return iter(self._regions)
+
+    def check_new(self, region: MemoryRegion) -> None:
+        for other in self._regions:
+            if region.base < other.end and other.base < region.end:
+                raise InvalidArgumentError(f"region {region.name!r} overlaps {other.name!r}")
+
+    def add(self, region: MemoryRegion) -> None:
+        self.check_new(region)
+        self._regions.append(region)
+
+    def take_all(self) -> list[MemoryRegion]:
+        """Every region, forgotten here (to unregister them)."""
+        regions, self._regions = self._regions, []
+        return regions
+
+    def holds(self, addr: int, length: int) -> bool:
+        return any(r.contains(addr, length) for r in self._regions)
+
+    def check(self, ops: Sequence[PullOp]) -> tuple[PullOp, ...]:
+        """``ops`` as PullOps whose local ranges lie in these regions, or InvalidArgumentError."""
+        try:
+            checked = tuple(PullOp(*map(int, op)) for op in ops)
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgumentError(f"pull ops must be (local, remote, length): {exc}") from exc
+        for op in checked:
+            if op.length <= 0 or op.remote_addr <= 0:
+                raise InvalidArgumentError(f"bad pull op {op}: length and address must be > 0")
+            if not self.holds(op.local_addr, op.length):
+                raise InvalidArgumentError(f"pull op {op} writes outside every registered region")
+        return checked
+
+
+def follow(settled: asyncio.Future[None]) -> asyncio.Future[None]:
+    """A future done when ``settled`` is: what a PullError hands out, so that
+    cancelling a wait on it harms nobody else."""
+    copy: asyncio.Future[None] = settled.get_loop().create_future()
+
+    def _done(_: asyncio.Future[None]) -> None:
+        if not copy.done():
+            copy.set_result(None)
+
+    settled.add_done_callback(_done)
+    return copy
+
+
 class PullError(RelayError):
     """A pull that did not succeed, and what it says about its local ranges.
 
@@ -212,7 +284,6 @@ class RemoteTransport(abc.ABC):
     def session_id(self) -> str:
         """What peers pass as ``peer_session`` to reach this endpoint."""
 
-    @abc.abstractmethod
     async def pull(
         self,
         peer_session: str,
@@ -231,6 +302,21 @@ class RemoteTransport(abc.ABC):
         InvalidArgumentError (an op is malformed or outside the registered
         regions; nothing was submitted).
         """
+        await self.transfer(Transfer(peer_session, ops, then, timeout))
+
+    async def push(self, peer_session: str, ops: Sequence[PullOp], *, timeout: float) -> None:
+        """Copy every op's *local* range into the peer's remote range (a WRITE).
+
+        The same contract as :meth:`pull` with the roles of the ranges swapped:
+        it returns once the peer has applied every op; an error with
+        ``in_flight=True`` means the local ranges may still be read, and the
+        remote ones written, until ``settled``.
+        """
+        await self.transfer(Transfer(peer_session, ops, (), timeout, write=True))
+
+    @abc.abstractmethod
+    async def transfer(self, request: Transfer) -> None:
+        """The backend's part of :meth:`pull` and :meth:`push`, with their contract."""
 
     @abc.abstractmethod
     async def wait_settled(self, ops: Sequence[PullOp]) -> None:

@@ -89,10 +89,13 @@ from relayd.transports.base import (
     PullFailedError,
     PullOp,
     PullTimeoutError,
+    Regions,
     RemoteTransport,
+    Transfer,
     TransferState,
     TransportState,
     TransportUnavailableError,
+    follow,
 )
 
 logger = logging.getLogger(__name__)
@@ -330,16 +333,6 @@ class _Pull:
             for b in ops
         )
 
-    def settled_copy(self) -> asyncio.Future[None]:
-        copy: asyncio.Future[None] = self.settled.get_loop().create_future()
-
-        def _done(_: asyncio.Future[None]) -> None:
-            if not copy.done():
-                copy.set_result(None)
-
-        self.settled.add_done_callback(_done)
-        return copy
-
 
 class MooncakeTransport(RemoteTransport):
     """Pull-based cross-node transfers through one Mooncake engine (P2PHANDSHAKE)."""
@@ -351,7 +344,7 @@ class MooncakeTransport(RemoteTransport):
         self._engine: Any = None
         self._session = ""
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._regions: list[MemoryRegion] = []
+        self._regions = Regions()
         self._unsettled: set[_Pull] = set()
         self._reached: set[str] = set()
         self._first_contact: dict[str, asyncio.Lock] = {}
@@ -402,9 +395,7 @@ class MooncakeTransport(RemoteTransport):
 
     async def register(self, region: MemoryRegion) -> None:
         self._require_open()
-        for other in self._regions:
-            if region.base < other.end and other.base < region.end:
-                raise InvalidArgumentError(f"region {region.name!r} overlaps {other.name!r}")
+        self._regions.check_new(region)
         loop = asyncio.get_running_loop()
         rc = await loop.run_in_executor(
             self._pool, self._engine.register_memory, region.base, region.length
@@ -413,48 +404,22 @@ class MooncakeTransport(RemoteTransport):
             raise mooncake_error(
                 _Call.REGISTER, rc, f"of {region.name} ({region.length} B at {region.base:#x})"
             )
-        self._regions.append(region)
+        self._regions.add(region)
 
-    async def pull(
-        self,
-        peer_session: str,
-        ops: Sequence[PullOp],
-        *,
-        timeout: float,
-        then: Sequence[PullOp] = (),
-    ) -> None:
-        await self._transfer(peer_session, ops, then, timeout=timeout, write=False)
-
-    async def push(self, peer_session: str, ops: Sequence[PullOp], *, timeout: float) -> None:
-        """Copy every op's *local* range into the peer's remote range (Mooncake WRITE).
-
-        The same contract as :meth:`pull` with the roles of the ranges swapped:
-        it returns once the peer has applied every op (TCP protocol v2 acks a
-        WRITE only then); an error with ``in_flight=True`` means the local
-        ranges may still be read, and the remote ones written, until
-        ``settled``.
-        """
-        await self._transfer(peer_session, ops, (), timeout=timeout, write=True)
-
-    async def _transfer(
-        self,
-        peer_session: str,
-        ops: Sequence[PullOp],
-        then: Sequence[PullOp],
-        *,
-        timeout: float,
-        write: bool,
-    ) -> None:
+    async def transfer(self, request: Transfer) -> None:
+        # Mooncake acks a WRITE only once the peer applied it (TCP protocol v2), so
+        # a push returns on the same terms as a pull.
         self._require_open()
-        checked, after = self._validate(ops), self._validate(then)
+        checked, after = self._regions.check(request.ops), self._regions.check(request.then)
         if not checked:
             checked, after = after, ()
         if not checked:
             return
         loop = asyncio.get_running_loop()
+        peer_session, timeout = request.peer_session, request.timeout
         rec = _Pull(
             peer_session, checked + after, loop.time() + timeout, loop.create_future(),
-            first=len(checked), write=write,
+            first=len(checked), write=request.write,
         )  # fmt: skip
         self._unsettled.add(rec)
         rec.task = loop.create_task(self._drive(rec), name=f"relayd-mooncake-pull {peer_session}")
@@ -469,28 +434,27 @@ class MooncakeTransport(RemoteTransport):
         self._abandon(rec)
         in_flight = not rec.quiet()
         nbytes = sum(op.length for op in checked)
-        verb = "push" if write else "pull"
-        what = f"{verb} of {nbytes} B in {len(checked)} op(s) with {peer_session}"
+        what = f"{request.verb} of {nbytes} B in {len(checked)} op(s) with {peer_session}"
         suffix = "; still in flight" if in_flight else ""
         if done:  # close() cancelled the pull under us
             raise PullFailedError(
                 f"{what} stopped: the transport was closed{suffix}",
                 peer_session=peer_session,
                 in_flight=in_flight,
-                settled=rec.settled_copy(),
+                settled=follow(rec.settled),
             )
         if rec.failure is not None or TransferState.FAILED in rec.states:
             raise PullFailedError(
                 f"{what} failed{suffix}",
                 peer_session=peer_session,
                 in_flight=in_flight,
-                settled=rec.settled_copy(),
+                settled=follow(rec.settled),
             ) from rec.failure
         raise PullTimeoutError(
             f"{what} did not finish within {timeout:g}s{suffix}",
             peer_session=peer_session,
             in_flight=in_flight,
-            settled=rec.settled_copy(),
+            settled=follow(rec.settled),
         )
 
     async def wait_settled(self, ops: Sequence[PullOp]) -> None:
@@ -515,8 +479,8 @@ class MooncakeTransport(RemoteTransport):
         finished: asyncio.Future[None] = loop.create_future()
         # The teardown thread must hold the last reference to the engine.
         handoff = [self._engine]
-        pool, regions = self._pool, list(self._regions)
-        self._engine, self._pool, self._regions = None, None, []
+        pool, regions = self._pool, self._regions.take_all()
+        self._engine, self._pool = None, None
 
         def lift() -> None:
             for rec in list(self._unsettled):
@@ -548,18 +512,6 @@ class MooncakeTransport(RemoteTransport):
     def _require_open(self) -> None:
         if self._state is not TransportState.OPEN:
             raise SessionClosedError(f"the Mooncake transport is {self._state.value}")
-
-    def _validate(self, ops: Sequence[PullOp]) -> tuple[PullOp, ...]:
-        try:
-            checked = tuple(PullOp(*map(int, op)) for op in ops)
-        except (TypeError, ValueError) as exc:
-            raise InvalidArgumentError(f"pull ops must be (local, remote, length): {exc}") from exc
-        for op in checked:
-            if op.length <= 0 or op.remote_addr <= 0:
-                raise InvalidArgumentError(f"bad pull op {op}: length and address must be > 0")
-            if not any(r.contains(op.local_addr, op.length) for r in self._regions):
-                raise InvalidArgumentError(f"pull op {op} writes outside every registered region")
-        return checked
 
     def _abandon(self, rec: _Pull) -> None:
         """The caller stopped waiting; only a pull that never reached Mooncake stops."""
@@ -603,7 +555,7 @@ class MooncakeTransport(RemoteTransport):
                 f"pull from {rec.peer} failed: {cause.message}",
                 peer_session=rec.peer,
                 in_flight=not rec.quiet(),
-                settled=rec.settled_copy(),
+                settled=follow(rec.settled),
             ) from cause
 
     async def _submit(self, rec: _Pull) -> None:
