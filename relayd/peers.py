@@ -72,15 +72,23 @@ from relayd_client._shm import HEADER_STRIDE, SLOT_HEADER
 from relayd_client._status import from_rpc_error
 from relayd_client._transport import Transport
 
+from .peer_context import PeerHooks, PeerLeases
 from .peer_notices import PeerNotifier
 from .pools.leases import Lease, Session, SessionState
 from .push import PushManager
-from .transports.base import MemoryRegion, PullError, PullOp, PullTimeoutError, split_ops
+from .transports.base import (
+    MemoryRegion,
+    PullError,
+    PullOp,
+    PullTimeoutError,
+    RemoteTransport,
+    split_ops,
+)
 from .transports.credits import CreditPool
 
 if TYPE_CHECKING:
-    from .server import Daemon
-    from .transports.mooncake import MooncakeTransport
+    from .config import Settings
+    from .pools.arena import Arena
 
 log = logging.getLogger(__name__)
 
@@ -176,9 +184,21 @@ class PeerState:
 
 
 class PeerManager:
-    def __init__(self, daemon: Daemon, transport: MooncakeTransport | None = None) -> None:
-        self.daemon = daemon
-        self.settings = daemon.settings
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        epoch: str,
+        arena: Arena,
+        leases: PeerLeases,
+        hooks: PeerHooks | None = None,
+        transport: RemoteTransport | None = None,
+    ) -> None:
+        self.settings = settings
+        self.epoch = epoch
+        self.arena = arena
+        self.leases = leases
+        self.hooks = hooks or PeerHooks()
         self.token = load_token(self.settings.peer_token_file)
         if transport is None:
             from .transports.mooncake import MooncakeTransport
@@ -200,7 +220,7 @@ class PeerManager:
         self.push = PushManager(self)
         self.notifier = PeerNotifier(
             self.settings.node_id,
-            daemon.epoch,
+            epoch,
             self._stub_for,
             self.metadata,
             self.settings.peer_timeout,
@@ -217,8 +237,7 @@ class PeerManager:
         from .rpc.peer_service import PeerService
 
         await self.transport.start()
-        arena = self.daemon.arena
-        for seg in arena.segments:
+        for seg in self.arena.segments:
             base = segment_address(seg.mm)
             await self.transport.register(MemoryRegion(seg.name, base, seg.size))
             self.local_bases.append(base)
@@ -230,7 +249,7 @@ class PeerManager:
         self._self_addresses.add(self.settings.peer_address)
         # Even with pushes off here: a put that asked for one is declined, so the
         # reader's daemon pulls at once instead of waiting for it.
-        self.daemon.manager.on_push = self.push.on_publish
+        self.leases.on_push = self.push.on_publish
         log.info(
             "peer service on %s (port %d), mooncake session %s, %d peer entries",
             self.settings.peer_address,
@@ -264,14 +283,14 @@ class PeerManager:
     # -- who we are -------------------------------------------------------------------
 
     def local_stages(self) -> list[str]:
-        return sorted({st for s in self.daemon.manager.sessions.values() for st in s.stages})
+        return sorted({st for s in self.leases.sessions.values() for st in s.stages})
 
     def hello(self) -> pb.PeerHello:
-        arena = self.daemon.arena
+        arena = self.arena
         return pb.PeerHello(
             protocol_version=PROTOCOL_VERSION,
             node_id=self.settings.node_id,
-            daemon_epoch=self.daemon.epoch,
+            daemon_epoch=self.epoch,
             peer_address=self.settings.peer_address,
             mooncake_session=self.transport.session_id,
             slot_size=arena.slot_size,
@@ -342,7 +361,7 @@ class PeerManager:
             self._set_stages(peer, req.stages)
         return pb.HeartbeatResponse(
             node_id=self.settings.node_id,
-            daemon_epoch=self.daemon.epoch,
+            daemon_epoch=self.epoch,
             stages=self.local_stages(),
         )
 
@@ -386,7 +405,7 @@ class PeerManager:
                     resp = await peer.stub.Heartbeat(
                         pb.HeartbeatRequest(
                             node_id=self.settings.node_id,
-                            daemon_epoch=self.daemon.epoch,
+                            daemon_epoch=self.epoch,
                             stages=self.local_stages(),
                         ),
                         timeout=timeout,
@@ -419,7 +438,7 @@ class PeerManager:
             self.hello(), timeout=self.settings.peer_timeout, metadata=self.metadata()
         )
         if resp.node_id == self.settings.node_id:
-            if resp.daemon_epoch != self.daemon.epoch:
+            if resp.daemon_epoch != self.epoch:
                 raise PeerConfigError(
                     f"peer {peer.address} has our node id {resp.node_id!r}; give every "
                     "daemon its own --node-id"
@@ -460,7 +479,7 @@ class PeerManager:
             log.warning("peer %s (node %s) down: %s", peer.address, peer.node_id or "?", reason)
         peer.last_error = reason
         if peer.up and peer.node_id:
-            self.daemon.topology.peer_stages(peer.node_id, None)
+            self.hooks.peer_stages(peer.node_id, None)
         self.push.peer_down(peer)
         self.notifier.forget(peer.address)
         peer.forget_identity()
@@ -471,7 +490,7 @@ class PeerManager:
         new = tuple(sorted(set(list(stages)[:1024])))
         if new != peer.stages or not peer.stages:
             peer.stages = new
-            self.daemon.topology.peer_stages(peer.node_id, new)
+            self.hooks.peer_stages(peer.node_id, new)
 
     # -- the pull (reader's side) -----------------------------------------------------
 
@@ -507,7 +526,7 @@ class PeerManager:
             or remote.offset != seg.data_offset + remote.slot * peer.slot_size
         ):
             raise CorruptRefError("DataRef lease lies outside the writer's arena")
-        arena = self.daemon.arena
+        arena = self.arena
         lseg = arena.segments[local.run.segment]
         local_addr = self.local_bases[local.run.segment] + lseg.slot_offset(local.run.slot)
         remote_addr = seg.base + remote.offset
@@ -518,7 +537,7 @@ class PeerManager:
         return ops
 
     def _scratch(self, local: Lease, length: int) -> tuple[int, int]:
-        seg = self.daemon.arena.segments[local.run.segment]
+        seg = self.arena.segments[local.run.segment]
         gen, nbytes = SLOT_HEADER.unpack_from(seg.mm, seg.slot_offset(local.run.slot) + length)
         return int(gen), int(nbytes)
 
@@ -534,7 +553,7 @@ class PeerManager:
             raise InvalidArgumentError(f"{ref.transport.value} DataRefs cannot be fetched")
         if m.origin.node_id == self.settings.node_id:
             raise InvalidArgumentError("the DataRef is from this node; read it directly")
-        req = self.daemon.manager.requests.get(m.request_id)
+        req = self.leases.requests.get(m.request_id)
         if req is not None and req.aborted:
             raise AbortedError(f"request {m.request_id!r} was aborted")
         loop = asyncio.get_running_loop()
@@ -545,7 +564,7 @@ class PeerManager:
         peer = self._peer_for(m)
         remote = m.lease
         # 16 bytes past the data hold the writer's slot header, read back after the copy.
-        local = await self.daemon.manager.reserve_for_pull(
+        local = await self.leases.reserve_for_pull(
             session,
             remote.length + HEADER_STRIDE,
             max(deadline - loop.time(), 0.0),
@@ -567,7 +586,7 @@ class PeerManager:
             if session.state is SessionState.CLOSED:
                 # The reader died during the pull: nobody would ever release the lease.
                 raise SessionClosedError("the reader's session closed during the pull")
-            self.daemon.manager.publish_pull(local, remote.length)
+            self.leases.publish_pull(local, remote.length)
             self.push.pulled(peer.address, phases=len([p for p in (body, check) if p]))
         except BaseException:
             # The run is ours alone, so whatever Mooncake still has in flight into
@@ -585,7 +604,7 @@ class PeerManager:
         return self._lease_ref(local, remote.length)
 
     def _lease_ref(self, local: Lease, length: int) -> pb.LeaseRef:
-        seg = self.daemon.arena.segments[local.run.segment]
+        seg = self.arena.segments[local.run.segment]
         return pb.LeaseRef(
             pool="shm",
             segment=local.run.segment,
@@ -602,7 +621,6 @@ class PeerManager:
     ) -> None:
         """``check`` starts once ``body`` has landed, all under one credit."""
         loop = asyncio.get_running_loop()
-        metrics = self.daemon.metrics
         async with self.credits.acquire(peer.address, max(deadline - loop.time(), 0.0)) as credit:
             peer.in_flight += 1
             peer.in_flight_max = max(peer.in_flight_max, peer.in_flight)
@@ -630,14 +648,14 @@ class PeerManager:
                 peer.in_flight -= 1
                 if settle is not None:
                     credit.release_when(settle)
-            metrics.pull_seconds.observe(time.perf_counter() - start)
+            self.hooks.pull_seconds(time.perf_counter() - start)
 
     def _drop_after(self, lease: Lease, quarantine: asyncio.Future[Any] | None) -> None:
-        manager = self.daemon.manager
+        leases = self.leases
 
         def drop(_: Any = None) -> None:
-            manager.drop_pull(lease)
-            manager.flush()
+            leases.drop_pull(lease)
+            leases.flush()
 
         if quarantine is None or quarantine.done():
             drop()

@@ -116,7 +116,6 @@ class PushManager:
 
     def __init__(self, peers: PeerManager) -> None:
         self.peers = peers
-        self.daemon = peers.daemon
         self.settings = peers.settings
         self.out: dict[str, GrantOut] = {}  # by peer address
         self.given: dict[str, GrantIn] = {}  # by node id
@@ -145,7 +144,7 @@ class PushManager:
             resp = await peer.stub.PushGrant(
                 pb.PushGrantRequest(
                     node_id=self.settings.node_id,
-                    daemon_epoch=self.daemon.epoch,
+                    daemon_epoch=self.peers.epoch,
                     nbytes=self.settings.push_grant_size,
                 ),
                 timeout=self.settings.peer_timeout,
@@ -212,8 +211,7 @@ class PushManager:
                 out.alloc.free(start, slots)
             self._decline(peer.address, lease)
             return
-        manager = self.daemon.manager
-        manager.hold(lease)
+        self.peers.leases.hold(lease)
         task = asyncio.get_running_loop().create_task(
             self._push(peer, out, lease, start, credit), name=f"relayd-push {lease.id}"
         )
@@ -236,8 +234,8 @@ class PushManager:
     async def _push(
         self, peer: PeerState, out: GrantOut, lease: Lease, start: int, credit: Any
     ) -> None:
-        manager = self.daemon.manager
-        arena = self.daemon.arena
+        manager = self.peers.leases
+        arena = self.peers.arena
         nbytes = lease.nbytes
         src = self.peers.local_bases[lease.run.segment] + arena.segments[
             lease.run.segment
@@ -311,7 +309,7 @@ class PushManager:
 
     def _push_failed(self, address: str, out: GrantOut, lease: Lease, start: int) -> None:
         """Nothing of the push writes any more: W's lease and the run are free to go."""
-        self.daemon.manager.unhold(lease)
+        self.peers.leases.unhold(lease)
         if self.out.get(address) is out:
             out.alloc.free(start, lease.run.nslots)
         self._decline(address, lease)
@@ -337,7 +335,7 @@ class PushManager:
     # -- reader's side: grants given, landed leases -------------------------------------
 
     def grant_to(self, req: pb.PushGrantRequest) -> pb.PushGrantResponse:
-        none = pb.PushGrantResponse(daemon_epoch=self.daemon.epoch)
+        none = pb.PushGrantResponse(daemon_epoch=self.peers.epoch)
         peer = self.peers.by_node.get(req.node_id)
         if not self.enabled or peer is None or not peer.up or peer.epoch != req.daemon_epoch:
             return none  # it asks again after its next handshake
@@ -347,7 +345,7 @@ class PushManager:
         if old is not None:
             self._retire(old)
             del self.given[req.node_id]
-        arena = self.daemon.arena
+        arena = self.peers.arena
         want = min(int(req.nbytes), self.settings.push_grant_size, arena.capacity_bytes // 4)
         nslots = min(want // arena.slot_size, arena.max_run_slots())
         run = arena.allocate(nslots) if nslots > 0 else None
@@ -364,7 +362,7 @@ class PushManager:
             segment=gin.run.segment,
             slot=gin.run.slot,
             nslots=gin.run.nslots,
-            daemon_epoch=self.daemon.epoch,
+            daemon_epoch=self.peers.epoch,
         )
 
     def _retire(self, gin: GrantIn, *, quarantine: float = 0.0) -> None:
@@ -382,8 +380,8 @@ class PushManager:
 
     def _to_arena(self, runs: list[Run]) -> None:
         for run in runs:
-            self.daemon.arena.free(run)
-        self.daemon.manager._wake()
+            self.peers.arena.free(run)
+        self.peers.leases._wake()
 
     def on_notices(self, n: pb.PeerNotices) -> int:
         """A batch from a peer: validated piece by piece; returns how many pulled
@@ -393,7 +391,7 @@ class PushManager:
             raise PermissionDeniedError(
                 f"notices from node {n.node_id!r} epoch {n.daemon_epoch!r}, not a connected peer"
             )
-        manager = self.daemon.manager
+        manager = self.peers.leases
         released = 0
         for r in n.released:
             try:
@@ -415,7 +413,7 @@ class PushManager:
     def _on_landed(self, peer: PeerState, m: pb.PushLanded) -> None:
         key = (peer.node_id, peer.epoch, int(m.lease_id), int(m.generation))
         gin = self.given.get(peer.node_id)
-        slot_size = self.daemon.arena.slot_size
+        slot_size = self.peers.arena.slot_size
         why = ""
         if gin is None or gin.retired or m.grant_id != gin.grant_id:
             why = "names no push grant of ours"
@@ -435,7 +433,7 @@ class PushManager:
         assert gin is not None
         run = Run(gin.run.segment, gin.run.slot + int(m.slot), int(m.nslots), gin.run.pool)
         refuse = ""
-        req = self.daemon.manager.requests.get(m.request_id)
+        req = self.peers.leases.requests.get(m.request_id)
         if key in self._landed or key in self._declined:
             refuse = "landed twice"
         elif len(m.request_id) > _NAME_MAX or len(m.to_stage) > _NAME_MAX:
@@ -451,7 +449,7 @@ class PushManager:
             self._wake(key)
             return
         try:
-            lease = self.daemon.manager.adopt_push(
+            lease = self.peers.leases.adopt_push(
                 run,
                 int(m.length),
                 request_id=m.request_id,
@@ -478,8 +476,8 @@ class PushManager:
     def _give_back(self, gin: GrantIn, run: Run) -> None:
         start = run.slot - gin.run.slot
         if gin.retired:
-            self.daemon.arena.free(run)
-            self.daemon.manager._wake()
+            self.peers.arena.free(run)
+            self.peers.leases._wake()
             return
         gin.used.free(start, run.nslots)
         peer = self.peers.by_node.get(gin.node_id)
@@ -489,7 +487,7 @@ class PushManager:
             )
             # A big run goes back at once, as a local Freed does: the writer's
             # daemon cannot push the next big lease until it has it.
-            big = run.nslots * self.daemon.arena.slot_size >= FREED_LINGER_MAX_BYTES
+            big = run.nslots * self.peers.arena.slot_size >= FREED_LINGER_MAX_BYTES
             self.peers.notifier.send(peer.address, urgent=big)
 
     def _remember(self, key: Key) -> None:
@@ -540,7 +538,7 @@ class PushManager:
                     if not waiters:
                         del self._waiters[key]
                         self._waiting_for.pop(key, None)
-            req = self.daemon.manager.requests.get(m.request_id)
+            req = self.peers.leases.requests.get(m.request_id)
             if req is not None and req.aborted:
                 raise AbortedError(f"request {m.request_id!r} was aborted")
             lease = self._landed.get(key)
@@ -551,7 +549,7 @@ class PushManager:
                 )
         if lease is None:
             return None
-        if self.daemon.manager.leases.get(lease.id) is not lease:
+        if self.peers.leases.leases.get(lease.id) is not lease:
             return None
         if lease.to_stage != m.to_stage or lease.request_id != m.request_id:
             raise PermissionDeniedError(
@@ -584,7 +582,7 @@ class PushManager:
             int(m.lease.generation),
         )
         lease = self._landed.get(key)
-        manager = self.daemon.manager
+        manager = self.peers.leases
         if lease is None or manager.leases.get(lease.id) is not lease:
             return False
         manager.drop_pull(lease)
@@ -607,7 +605,7 @@ class PushManager:
     def status(self, address: str) -> dict[str, int]:
         c = self.counts.get(address, PushCounts())
         out = self.out.get(address)
-        size = out.nslots * self.daemon.arena.slot_size if out is not None else 0
+        size = out.nslots * self.peers.arena.slot_size if out is not None else 0
         return {
             "pushes_out": c.out,
             "pushes_declined": c.declined,

@@ -34,6 +34,7 @@ from .config import Settings
 from .edges import EdgeStats
 from .keys import KeyIndex, LeaseKey
 from .metrics import Metrics
+from .peer_context import PeerHooks
 from .peers import PeerConfigError, PeerManager
 from .pools import cuda as cuda_pools
 from .pools.arena import Arena, remove_stale_segments
@@ -268,7 +269,18 @@ class Daemon:
                 "--peers needs --peer-address: peers pull from this node through it"
             )
         if s.peer_address:
-            self.peers = PeerManager(self)
+            self.peers = PeerManager(
+                s,
+                epoch=self.epoch,
+                arena=self.arena,
+                leases=self.manager,
+                hooks=PeerHooks(
+                    peer_stages=self.topology.peer_stages,
+                    pull_seconds=m.pull_seconds.observe,
+                    keyed_from_peer=self.keyed.put_from_peer,
+                    aborted=self.keys.abort,
+                ),
+            )
             await self.peers.start()
 
         self.state = DaemonState.SERVING

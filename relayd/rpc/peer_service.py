@@ -44,9 +44,8 @@ class PeerService(pb_grpc.PeerServicer):
         self, request: pb.ReleaseRemoteRequest, context: Ctx
     ) -> pb.ReleaseRemoteResponse:
         self.peers.authenticate(context, "release")
-        manager = self.peers.daemon.manager
         stages = None if request.discard else ()
-        released = manager.release_from_peer(request.lease_id, request.generation, stages)
+        released = self.peers.leases.release_from_peer(request.lease_id, request.generation, stages)
         return pb.ReleaseRemoteResponse(released=released)
 
     @mapped
@@ -56,8 +55,8 @@ class PeerService(pb_grpc.PeerServicer):
         self.peers.authenticate(context, "abort")
         if not request.request_id or len(request.request_id) > REQUEST_ID_MAX:
             raise InvalidArgumentError(f"request_id must be 1-{REQUEST_ID_MAX} characters")
-        freed = self.peers.daemon.manager.abort_from_peer(request.request_id)
-        self.peers.daemon.keys.abort(request.request_id)
+        freed = self.peers.leases.abort_from_peer(request.request_id)
+        self.peers.hooks.aborted(request.request_id)
         self.peers.push.abort(request.request_id)
         return pb.AbortRemoteResponse(leases_freed=freed)
 
@@ -69,7 +68,7 @@ class PeerService(pb_grpc.PeerServicer):
         peer = self.peers.by_node.get(request.node_id)
         if peer is None or not peer.up:
             raise PermissionDeniedError(f"node {request.node_id[:64]!r} is not a connected peer")
-        self.peers.daemon.keyed.put_from_peer(request.node_id, request.key, request.data_ref)
+        self.peers.hooks.keyed_from_peer(request.node_id, request.key, request.data_ref)
         return pb.PeerKeyedPutResponse()
 
     @mapped

@@ -20,11 +20,13 @@ def test_a_lost_peers_grant_goes_back_only_after_its_writes_surely_ended() -> No
         freed.append(run)
         back.set()
 
-    daemon: Any = SimpleNamespace(
-        arena=SimpleNamespace(free=free), manager=SimpleNamespace(_wake=lambda: None)
-    )
     settings = SimpleNamespace(peer_timeout=0.01, push_grant_size=1 << 20)
-    push = PushManager(SimpleNamespace(daemon=daemon, settings=settings))  # type: ignore[arg-type]
+    peers: Any = SimpleNamespace(
+        arena=SimpleNamespace(free=free),
+        leases=SimpleNamespace(_wake=lambda: None),
+        settings=settings,
+    )
+    push = PushManager(peers)
     used = SlotAllocator(8)
     assert used.allocate(3) == 0  # a landed lease still holds slots 0-2
     push.given["node-a"] = GrantIn("node-a", "e1", 1, Run(0, 16, 8, "shm"), used)

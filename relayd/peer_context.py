@@ -1,0 +1,77 @@
+"""What the peer layer (``peers``, ``push``, ``rpc/peer_service``) uses of the rest
+of the daemon, and nothing more: the lease table's cross-node calls, and hooks
+into the registry, the metrics and keyed delivery. The daemon builds these once;
+a test builds them from real parts without a daemon."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
+from typing import Protocol
+
+from .pools.arena import Run
+from .pools.leases import Lease, RequestInfo, Session
+
+
+class PeerLeases(Protocol):
+    """The lease table as the peer layer sees it (``pools.leases.LeaseManager``)."""
+
+    @property
+    def sessions(self) -> Mapping[str, Session]: ...
+    @property
+    def leases(self) -> Mapping[int, Lease]: ...
+    @property
+    def requests(self) -> Mapping[str, RequestInfo]: ...
+
+    on_push: Callable[[Lease], None] | None
+    """Called with each lease published with ``Publish.push`` set."""
+
+    def reserve_for_pull(
+        self,
+        session: Session,
+        nbytes: int,
+        timeout: float,
+        *,
+        request_id: str,
+        from_stage: str,
+        to_stage: str,
+    ) -> Awaitable[Lease]: ...
+    def publish_pull(self, lease: Lease, nbytes: int) -> None: ...
+    def drop_pull(self, lease: Lease) -> None: ...
+    def hold(self, lease: Lease) -> None: ...
+    def unhold(self, lease: Lease) -> None: ...
+    def free_pushed(self, lease: Lease) -> bool: ...
+    def adopt_push(
+        self,
+        run: Run,
+        nbytes: int,
+        *,
+        request_id: str,
+        from_stage: str,
+        to_stage: str,
+        returns: Callable[[Run], None],
+    ) -> Lease: ...
+    def release_from_peer(
+        self, lease_id: int, generation: int, reader_stages: Collection[str] | None = None
+    ) -> bool: ...
+    def abort_from_peer(self, request_id: str) -> int: ...
+    def flush(self) -> None: ...
+    def _wake(self) -> None:
+        """Serve grant waiters: arena space came back past the lease table."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerHooks:
+    """What the peer layer tells the rest of the daemon."""
+
+    peer_stages: Callable[[str, Iterable[str] | None], None] = lambda node, stages: None
+    """A peer node serves these stages (None: it is gone): the registry's."""
+    pull_seconds: Callable[[float], None] = lambda seconds: None
+    """How long a cross-node pull took (a histogram's observe)."""
+    keyed_from_peer: Callable[[str, str, bytes], None] = lambda node, key, ref: None
+    """A peer's keyed put (node id, key, DataRef bytes) for a stage served here."""
+    aborted: Callable[[str], object] = lambda request_id: None
+    """A peer aborted a request: its keys here go too."""
+
+
+__all__ = ["PeerHooks", "PeerLeases"]
