@@ -18,7 +18,7 @@ import logging
 import sys
 from typing import Any, TextIO
 
-from relayd_client._names import printable
+from relayd_client.wire.names import printable
 
 LEVELS = ("debug", "info", "warning", "error", "critical")
 

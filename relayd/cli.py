@@ -37,7 +37,7 @@ def _json_text(value: Any, *, indent: int | None = 2) -> str:
     its leases.
     """
     from google.protobuf.json_format import ParseDict
-    from relayd_client._proto import relay_pb2 as pb
+    from relayd_client.wire.proto import relay_pb2 as pb
 
     from .status_view import to_plain
 
@@ -51,8 +51,8 @@ def _json_text(value: Any, *, indent: int | None = 2) -> str:
 def _unreachable_message(socket_path: str, exc: BaseException) -> str:
     """What the client library would say, never a raw gRPC error object."""
     import grpc
-    from relayd_client._errors import DaemonUnavailableError, RelayError
-    from relayd_client._status import from_rpc_error
+    from relayd_client.wire.errors import DaemonUnavailableError, RelayError
+    from relayd_client.wire.status import from_rpc_error
 
     if not os.path.exists(socket_path):
         return (
@@ -73,7 +73,7 @@ def _fail_unreachable(socket_path: str, exc: BaseException) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from relayd_client._errors import RelayError
+    from relayd_client.wire.errors import RelayError
 
     from . import _logging, preflight
     from ._systemd import SystemdNotifier
@@ -243,7 +243,7 @@ def cmd_health(args: argparse.Namespace) -> int:
     except Exception as exc:
         if not args.address:
             return _fail_unreachable(_client_socket(args), exc)
-        from relayd_client._status import from_rpc_error
+        from relayd_client.wire.status import from_rpc_error
 
         err = from_rpc_error(exc) if isinstance(exc, grpc.RpcError) else exc
         print(f"relayd: health check on {target} failed: {err}", file=sys.stderr)

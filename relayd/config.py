@@ -16,12 +16,12 @@ import os
 import pathlib
 import re
 import socket
-import tempfile
 import tomllib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from relayd_client._session import session_socket_path
+from relayd_client.wire.framing import session_socket_path
+from relayd_client.wire.paths import SHM_DIR, default_socket_path
 
 ENV_PREFIX = "RELAYD_"
 
@@ -64,22 +64,6 @@ def _parse_ints(text: str | Sequence[int]) -> tuple[int, ...]:
     return tuple(int(p) for p in text)
 
 
-def default_runtime_dir() -> pathlib.Path:
-    """Where the socket goes on the embedded default: systemd's runtime dir, else a temp dir."""
-    for var in ("RUNTIME_DIRECTORY", "XDG_RUNTIME_DIR"):
-        value = os.environ.get(var)
-        if value:
-            first = value.split(":")[0]
-            if os.path.isdir(first) and os.access(first, os.W_OK):
-                return pathlib.Path(first) / ("" if var == "RUNTIME_DIRECTORY" else "relayd")
-    return pathlib.Path(tempfile.gettempdir()) / f"relayd-{os.getuid()}"
-
-
-def default_socket_path() -> str:
-    """relayd.sock in $RUNTIME_DIRECTORY, $XDG_RUNTIME_DIR/relayd or /tmp/relayd-<uid>."""
-    return str(default_runtime_dir() / "relayd.sock")
-
-
 #: The default arena's floor, and the smaller one where /dev/shm cannot hold it
 #: (a container's default 64 MB /dev/shm): there relayd starts on what fits and
 #: says so, rather than fail preflight.
@@ -94,7 +78,7 @@ def default_shm_pool_size() -> int:
     except (ValueError, OSError):
         ram = 4 << 30
     try:
-        st = os.statvfs("/dev/shm")
+        st = os.statvfs(SHM_DIR)
         shm_free = st.f_bavail * st.f_frsize
     except OSError:
         shm_free = ram

@@ -22,7 +22,7 @@ from collections import Counter
 from multiprocessing.connection import Connection
 from typing import Any
 
-from . import config
+from relayd_client.wire.paths import default_socket_path
 
 
 def _digest(t: Any) -> str:
@@ -102,7 +102,7 @@ def _daemon_alive(socket: str) -> bool:
 
 
 def run_demo(*, socket: str | None, chunks: int, chunk_bytes: int) -> int:
-    socket = socket or config.default_socket_path()
+    socket = socket or default_socket_path()
     daemon: subprocess.Popen[bytes] | None = None
     if not _daemon_alive(socket):
         print(f"starting relayd on {socket} (embedded default)", flush=True)

@@ -8,7 +8,7 @@ Who feeds it, and when:
   (inline, local_object, cuda_ipc_direct).
 * :meth:`EdgeStats.add_latency` - per batched ``EdgeLatencyReport``: bucket
   counts a client observed around its own puts and gets (the bounds are
-  :data:`relayd_client._latency.BOUNDS`, shared with the client).
+  :data:`relayd_client.wire.latency.BOUNDS`, shared with the client).
 * :meth:`EdgeStats.attached` - when stages attach here or a peer announces
   its stages: only those names ever become label values.
 
@@ -31,9 +31,9 @@ from typing import NamedTuple
 
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
-from relayd_client._latency import BOUNDS, NBUCKETS, quantile
-from relayd_client._proto import relay_pb2 as pb
-from relayd_client._transport import Transport
+from relayd_client.wire.latency import BOUNDS, NBUCKETS, quantile
+from relayd_client.wire.proto import relay_pb2 as pb
+from relayd_client.wire.transport import Transport
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from relayd_client._latency import BOUNDS, quantile
-from relayd_client._transport import Transport
+from relayd_client.wire.latency import BOUNDS, quantile
+from relayd_client.wire.transport import Transport
 
 _Key = tuple[str, str, str]
 

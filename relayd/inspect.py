@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from relayd_client._names import printable
+from relayd_client.wire.names import printable
 
 from . import edgeview
 

@@ -28,8 +28,8 @@ import logging
 import time
 from collections.abc import Callable, Collection
 
-from relayd_client._dataref import DataRef
-from relayd_client._errors import (
+from relayd_client.wire.dataref import DataRef
+from relayd_client.wire.errors import (
     AbortedError,
     KeyExistsError,
     RelayError,
@@ -37,7 +37,7 @@ from relayd_client._errors import (
     ResourceExhaustedError,
     StaleRefError,
 )
-from relayd_client._transport import Transport
+from relayd_client.wire.transport import Transport
 
 log = logging.getLogger(__name__)
 

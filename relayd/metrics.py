@@ -17,7 +17,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
-from relayd_client._transport import Transport
+from relayd_client.wire.transport import Transport
 
 from .edges import EdgeCollector, EdgeStats
 

@@ -15,10 +15,18 @@ import socket
 from collections.abc import Iterator
 
 import grpc
-from relayd_client._errors import DaemonUnavailableError, error_from_code
-from relayd_client._proto import relay_pb2 as pb
-from relayd_client._proto import relay_pb2_grpc as pb_grpc
-from relayd_client._session import FRAME_LENGTH, MAX_FRAME, encode_frame, session_socket_path
+from relayd_client.wire.errors import DaemonUnavailableError, error_from_code
+from relayd_client.wire.framing import (
+    LENGTH_BYTES,
+    MAX_FRAME,
+    decode_frame,
+    encode_frame,
+    frame_length,
+    session_socket_path,
+)
+from relayd_client.wire.proto import relay_pb2 as pb
+from relayd_client.wire.proto import relay_pb2_grpc as pb_grpc
+from relayd_client.wire.version import PROTOCOL_VERSION
 
 OPERATOR_STAGE = "relayd-cli"
 
@@ -33,10 +41,10 @@ def _read_frame(sock: socket.socket) -> pb.SessionFrame:
             data += chunk
         return data
 
-    (n,) = FRAME_LENGTH.unpack(exactly(4))
+    n = frame_length(exactly(LENGTH_BYTES))
     if n > MAX_FRAME:
         raise DaemonUnavailableError(f"daemon sent a {n}-byte frame")
-    return pb.SessionFrame.FromString(exactly(n))
+    return decode_frame(exactly(n))
 
 
 class OperatorSession:
@@ -71,7 +79,7 @@ def operator_session(socket_path: str, timeout: float = 5.0) -> Iterator[Operato
         stub = pb_grpc.RelayStub(channel)
         attach = stub.Attach(
             pb.AttachRequest(
-                protocol_version=pb.PROTOCOL_VERSION_CURRENT,
+                protocol_version=PROTOCOL_VERSION,
                 stages=[OPERATOR_STAGE],
                 pid=os.getpid(),
             ),

@@ -2,7 +2,7 @@
 
 Pushes that landed or were declined, push-grant runs freed, pulled leases to
 free: none of them is answered, so none is worth a call of its own. Each peer
-has one pending :class:`relayd_client._proto.relay_pb2.PeerNotices`, one
+has one pending :class:`relayd_client.wire.proto.relay_pb2.PeerNotices`, one
 long-lived Notify stream (a message costs about half a unary call, in latency
 and CPU, measured in the reference) and at most one write in flight on it;
 whatever is added meanwhile rides the next write, which goes as soon as the
@@ -25,9 +25,9 @@ from collections.abc import Callable
 from typing import Any
 
 import grpc
-from relayd_client._proto import relay_pb2 as pb
-from relayd_client._proto import relay_pb2_grpc as pb_grpc
-from relayd_client._status import from_rpc_error
+from relayd_client.wire.proto import relay_pb2 as pb
+from relayd_client.wire.proto import relay_pb2_grpc as pb_grpc
+from relayd_client.wire.status import from_rpc_error
 
 log = logging.getLogger(__name__)
 

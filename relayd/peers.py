@@ -53,8 +53,8 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import grpc
-from relayd_client._dataref import DataRef
-from relayd_client._errors import (
+from relayd_client.wire.dataref import DataRef
+from relayd_client.wire.errors import (
     AbortedError,
     CorruptRefError,
     InvalidArgumentError,
@@ -66,11 +66,12 @@ from relayd_client._errors import (
     StaleRefError,
     VersionMismatchError,
 )
-from relayd_client._proto import relay_pb2 as pb
-from relayd_client._proto import relay_pb2_grpc as pb_grpc
-from relayd_client._shm import HEADER_STRIDE, SLOT_HEADER
-from relayd_client._status import from_rpc_error
-from relayd_client._transport import Transport
+from relayd_client.wire.proto import relay_pb2 as pb
+from relayd_client.wire.proto import relay_pb2_grpc as pb_grpc
+from relayd_client.wire.shm import HEADER_STRIDE, SLOT_HEADER
+from relayd_client.wire.status import from_rpc_error
+from relayd_client.wire.transport import Transport
+from relayd_client.wire.version import PROTOCOL_VERSION
 
 from .peer_context import PeerHooks, PeerLeases
 from .peer_notices import PeerNotifier
@@ -92,7 +93,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = pb.PROTOCOL_VERSION_CURRENT
 TOKEN_KEY = "relayd-peer-token-bin"
 RESOLVE_INTERVAL = 10.0
 _REFUSED_BACKOFF = 5.0

@@ -31,6 +31,8 @@ import sys
 from collections.abc import Callable, Sequence
 from types import ModuleType
 
+from relayd_client.wire.paths import SHM_DIR
+
 from relayd.config import ARENA_FLOOR, Settings
 from relayd.inspect import format_bytes
 
@@ -38,7 +40,6 @@ logger = logging.getLogger(__name__)
 
 ImportModule = Callable[[str], ModuleType]
 
-SHM_DIR = "/dev/shm"
 #: Free space /dev/shm must have beyond the arena (other processes' segments, slack).
 SHM_MARGIN = 16 << 20
 #: sun_path holds 108 bytes including the terminating NUL.

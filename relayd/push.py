@@ -48,14 +48,14 @@ import functools
 import logging
 from typing import TYPE_CHECKING, Any
 
-from relayd_client._errors import (
+from relayd_client.wire.errors import (
     AbortedError,
     PeerUnavailableError,
     PermissionDeniedError,
     RelayError,
 )
-from relayd_client._proto import relay_pb2 as pb
-from relayd_client._slots import SlotAllocator
+from relayd_client.wire.proto import relay_pb2 as pb
+from relayd_client.wire.slots import SlotAllocator
 
 from .pools.arena import Run
 from .pools.leases import FREED_LINGER_MAX_BYTES, Lease, LeaseState

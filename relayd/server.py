@@ -22,11 +22,11 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import Counter
-from relayd_client._dataref import MAX_REF_BYTES
-from relayd_client._errors import PeerUnavailableError, SessionClosedError
-from relayd_client._latency import BOUNDS as LATENCY_BOUNDS
-from relayd_client._proto import relay_pb2 as pb
-from relayd_client._proto import relay_pb2_grpc as pb_grpc
+from relayd_client.wire.dataref import MAX_REF_BYTES
+from relayd_client.wire.errors import PeerUnavailableError, SessionClosedError
+from relayd_client.wire.latency import BOUNDS as LATENCY_BOUNDS
+from relayd_client.wire.proto import relay_pb2 as pb
+from relayd_client.wire.proto import relay_pb2_grpc as pb_grpc
 
 from . import __version__, rundir
 from ._systemd import SystemdNotifier

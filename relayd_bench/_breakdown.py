@@ -105,7 +105,7 @@ class _Timers:
 def _instrumented(timers: _Timers, writer: Any, reader: Any) -> Iterator[None]:
     """Wrap every step on the two (inner) client objects and the shared modules."""
     from relayd_client import _codec, _packing  # type: ignore[import-not-found, unused-ignore]
-    from relayd_client._dataref import DataRef  # type: ignore[import-not-found, unused-ignore]
+    from relayd_client.wire.dataref import DataRef  # type: ignore[import-not-found, unused-ignore]
 
     modules = {"_packing": _packing, "_codec": _codec}
     undo: list[tuple[Any, str, Any]] = []  # (owner, attribute, what was there; None: delete)

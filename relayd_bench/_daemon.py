@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from relayd_client._peer import peer_credentials
+from relayd_client.wire.peercred import peer_credentials
 
 from relayd_bench._netns import Netns
 

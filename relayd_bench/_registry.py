@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 
-from relayd_client._transport import INLINE_LIMIT
+from relayd_client.wire.transport import INLINE_LIMIT
 
 STREAM = "stream"  # the workload name; runs the methods in --stream-methods
 

@@ -22,7 +22,7 @@ from relayd_client import (  # type: ignore[import-not-found, unused-ignore]
     RelayClient,
     SyncRelayClient,
 )
-from relayd_client._proto import relay_pb2 as pb
+from relayd_client.wire.proto import relay_pb2 as pb
 
 from relayd_bench import _daemon, _rtt
 from relayd_bench._api import AsyncLocalMethod, AsyncPairMethod, PairMethod

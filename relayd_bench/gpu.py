@@ -94,7 +94,7 @@ async def _writer(
 ) -> dict[int, list[int]]:
     import torch
     from relayd_client import RelayClient
-    from relayd_client._transport import Transport
+    from relayd_client.wire.transport import Transport
 
     out: dict[int, list[int]] = {}
     async with RelayClient("bench-writer", sock, timeout=30.0) as client:

@@ -16,7 +16,7 @@ import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PROTOS = ROOT / "protos"
-DEFAULT_OUT = ROOT / "client" / "relayd_client" / "_proto"
+DEFAULT_OUT = ROOT / "client" / "relayd_client" / "wire" / "proto"
 MODULES = ("relay_pb2.py", "relay_pb2.pyi", "relay_pb2_grpc.py")
 
 

@@ -6,7 +6,7 @@
 # A machine lent for the device check has a CUDA build of torch, numpy,
 # grpcio, protobuf, prometheus-client, pytest and uvloop, but maybe not
 # grpcio-health-checking, maybe an older grpcio/protobuf than the generated
-# code in client/relayd_client/_proto checks for at import, and no network.
+# code in client/relayd_client/wire/proto checks for at import, and no network.
 # This fetches, for CPython $PY_VERSION on manylinux x86-64 (binary wheels
 # only, dependencies included):
 #
@@ -23,7 +23,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 DEST="${1:-$ROOT/gpu-wheels}"
 PY_VERSION="${PY_VERSION:-3.12}"
 PYTHON="${PYTHON:-python3}"
-PROTO="$ROOT/client/relayd_client/_proto"
+PROTO="$ROOT/client/relayd_client/wire/proto"
 
 # The versions the generated code was made by: it refuses older runtimes.
 GRPC_VERSION="$(sed -n "s/^GRPC_GENERATED_VERSION = '\([0-9.]*\)'.*/\1/p" "$PROTO/relay_pb2_grpc.py")"

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 from relayd_client import DataRef, RelayClient, RelayError
-from relayd_client._proto import relay_pb2 as pb
+from relayd_client.wire.proto import relay_pb2 as pb
 
 
 def make_payload(seed: int, nbytes: int) -> dict[str, Any]:

@@ -16,8 +16,9 @@ prometheus-client, Mooncake).
 
 from typing import TYPE_CHECKING, Any
 
-from ._dataref import DataRef
-from ._errors import (
+from ._refs import TensorRef
+from .wire.dataref import DataRef
+from .wire.errors import (
     AbortedError,
     CorruptRefError,
     DaemonUnavailableError,
@@ -39,8 +40,7 @@ from ._errors import (
     UnsafePayloadError,
     VersionMismatchError,
 )
-from ._refs import TensorRef
-from ._transport import Transport
+from .wire.transport import Transport
 
 if TYPE_CHECKING:
     from ._client import ClientState, RelayClient

@@ -25,9 +25,15 @@ from typing import Any
 
 import grpc
 
-from . import _codec, _cuda, _keyed, _latency, _local, _packing, _peer, _remote
-from ._dataref import KIND_DATA, KIND_DONE, KIND_ERROR, VERSION, DataRef
-from ._errors import (
+from . import _codec, _cuda, _keyed, _local, _packing, _remote
+from ._gpu_order import ReadOnce
+from ._grants import Grant, Lease, LeaseTable
+from ._refs import TensorRef, substitute
+from ._session import SessionChannel
+from ._streams import MAX_BUFFERED, Streams
+from .wire import latency, peercred
+from .wire.dataref import KIND_DATA, KIND_DONE, KIND_ERROR, VERSION, DataRef
+from .wire.errors import (
     AbortedError,
     CorruptRefError,
     DaemonUnavailableError,
@@ -43,22 +49,18 @@ from ._errors import (
     StaleRefError,
     StreamError,
 )
-from ._gpu_order import ReadOnce
-from ._grants import Grant, Lease, LeaseTable
-from ._keys import check_key
-from ._names import check_request_id, check_stage
-from ._proto import relay_pb2 as pb
-from ._proto import relay_pb2_grpc as pb_grpc
-from ._refs import TensorRef, substitute
-from ._session import SessionChannel, session_socket_path
-from ._shm import PROBE_BYTES, MappedSegment
-from ._status import from_rpc_error
-from ._streams import MAX_BUFFERED, Streams
-from ._transport import DIRECT_META_LIMIT, INLINE_LIMIT, Transport
+from .wire.framing import session_socket_path
+from .wire.names import check_key, check_request_id, check_stage
+from .wire.paths import default_socket_path
+from .wire.proto import relay_pb2 as pb
+from .wire.proto import relay_pb2_grpc as pb_grpc
+from .wire.shm import PROBE_BYTES, MappedSegment
+from .wire.status import from_rpc_error
+from .wire.transport import DIRECT_META_LIMIT, INLINE_LIMIT, Transport
+from .wire.version import PROTOCOL_VERSION
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = pb.PROTOCOL_VERSION_CURRENT
 ALIGNMENT = 64
 # Copies this large run on a worker thread so the event loop keeps serving
 # other streams; below it the thread hop costs more than the copy.
@@ -104,20 +106,8 @@ class ClientState(enum.Enum):
 
 
 def default_socket() -> str:
-    """Where ``relayd serve`` listens on its embedded default (kept in step with relayd.config)."""
-    env = os.environ.get("RELAYD_SOCKET")
-    if env:
-        return env
-    for var in ("RUNTIME_DIRECTORY", "XDG_RUNTIME_DIR"):
-        value = os.environ.get(var)
-        if value:
-            first = value.split(":")[0]
-            if os.path.isdir(first) and os.access(first, os.W_OK):
-                sub = "" if var == "RUNTIME_DIRECTORY" else "relayd"
-                return os.path.join(first, sub, "relayd.sock")
-    import tempfile
-
-    return os.path.join(tempfile.gettempdir(), f"relayd-{os.getuid()}", "relayd.sock")
+    """``$RELAYD_SOCKET``, else where ``relayd serve`` listens on its embedded default."""
+    return os.environ.get("RELAYD_SOCKET") or default_socket_path()
 
 
 def _grant(resp: pb.GrantResponse) -> Grant:
@@ -233,10 +223,10 @@ class RelayClient:
         self.socket = socket or default_socket()
         self.timeout = timeout
         self.allow_pickle = allow_pickle
-        # Only a daemon running as one of these uids is sent anything (see _peer).
+        # Only a daemon running as one of these uids is sent anything (see wire/peercred.py).
         self._daemon_uid = daemon_uid
-        self._trusted = _peer.trusted_uids(self.socket, daemon_uid)  # a bad uid fails here
-        self._pinned: _peer.PinnedSocket | None = None
+        self._trusted = peercred.trusted_uids(self.socket, daemon_uid)  # a bad uid fails here
+        self._pinned: peercred.PinnedSocket | None = None
         self.cuda_ipc_direct = cuda_ipc_direct
         self.state = ClientState.UNOPENED
         self._channel: grpc.aio.Channel | None = None
@@ -269,7 +259,7 @@ class RelayClient:
         self._fetched: dict[str, pb.DataRef] = {}
         # Batched reports: (transport, to_stage) -> [count, bytes], and latencies.
         self._reports: dict[tuple[pb.Transport, str], list[int]] = {}
-        self._latency = _latency.EdgeLatency()
+        self._latency = latency.EdgeLatency()
         self._report_due = False
         self._gpu: _cuda.GpuSide | None = None
         # Routing: one answer per (to_stage, payload kind), dropped when the
@@ -304,8 +294,8 @@ class RelayClient:
     async def _connect(self) -> None:
         """Attach, map the arena, bind the session socket; undo everything on failure."""
         # Again at every (re)connect: the socket's directory may appear after the client.
-        self._trusted = _peer.trusted_uids(self.socket, self._daemon_uid)
-        self._pinned = _peer.PinnedSocket(self.socket, self._trusted, self.timeout)
+        self._trusted = peercred.trusted_uids(self.socket, self._daemon_uid)
+        self._pinned = peercred.PinnedSocket(self.socket, self._trusted, self.timeout)
         self._channel = grpc.aio.insecure_channel(
             f"unix:{self._pinned.address}", options=_CHANNEL_OPTIONS
         )
@@ -535,12 +525,12 @@ class RelayClient:
 
     def _put_finished(self, ref: DataRef, started_ns: int) -> DataRef:
         """Where every put of either client ends (both clients' put() call it once)."""
-        self._observe(_latency.PUT, ref.proto, started_ns)
+        self._observe(latency.PUT, ref.proto, started_ns)
         return ref
 
     def _get_finished(self, ref: DataRef, obj: Any, started_ns: int) -> Any:
         """Where every get of either client ends (both clients' get() call it once)."""
-        self._observe(_latency.GET, ref.proto, started_ns)
+        self._observe(latency.GET, ref.proto, started_ns)
         return obj
 
     async def _put(

@@ -45,7 +45,7 @@ import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from relayd_client._errors import CorruptRefError, UnsafePayloadError
+from relayd_client.wire.errors import CorruptRefError, UnsafePayloadError
 
 __all__ = [
     "FORMAT_MAGIC",

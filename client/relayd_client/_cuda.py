@@ -98,9 +98,10 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 from . import _gpu_order
-from ._errors import CorruptRefError, PeerUnavailableError, RelayError, RelayTimeoutError
-from ._proto import relay_pb2 as pb
-from ._transport import DIRECT_META_LIMIT, Transport
+from .wire.cuda_ipc import export_handle, own_export, uuid_of
+from .wire.errors import CorruptRefError, PeerUnavailableError, RelayError, RelayTimeoutError
+from .wire.proto import relay_pb2 as pb
+from .wire.transport import DIRECT_META_LIMIT, Transport
 
 log = logging.getLogger(__name__)
 
@@ -116,18 +117,6 @@ def _tc() -> Any:
     import torch
 
     return torch.cuda
-
-
-def uuid_of(props: object) -> str:
-    """``"GPU-<uuid>"`` for ``torch.cuda.get_device_properties(i)`` (as nvidia-smi prints it)."""
-    raw = str(getattr(props, "uuid", "")).strip()
-    if not raw:
-        raise RelayError("this torch does not report GPU UUIDs; relayd needs torch >= 2.0")
-    return raw if raw.startswith(("GPU-", "MIG-")) else f"GPU-{raw}"
-
-
-def pool_name(uuid: str) -> str:
-    return f"cuda:{uuid}"
 
 
 def device_field(uuid: str) -> str:
@@ -259,25 +248,12 @@ def choose_gpu_transport(
 # share one import.
 _POOLS: dict[tuple[str, str, str, bytes], Any] = {}
 pool_imports = 0  # how many imports this process made (tests check "once")
-# handle -> the memory behind it, for pools this process exported itself (a
-# daemon with a client in the same process): cudaIpcOpenMemHandle refuses a
-# handle in the process that made it, so such a pool is used directly.
-_OWN_EXPORTS: dict[bytes, Any] = {}
-
-
-def register_own_export(handle: bytes, tensor: Any) -> None:
-    """Called by the daemon for each pool it exports (see :func:`import_pool`)."""
-    _OWN_EXPORTS[bytes(handle)] = tensor
-
-
-def forget_own_export(handle: bytes) -> None:
-    _OWN_EXPORTS.pop(bytes(handle), None)
 
 
 def import_pool(desc: pb.CudaPool, node: str = "", epoch: str = "") -> Any:
     """The pool ``desc`` of daemon ``(node, epoch)`` mapped into this process, imported at most once."""
     global pool_imports
-    own = _OWN_EXPORTS.get(bytes(desc.storage.handle))
+    own = own_export(desc.storage.handle)
     if own is not None:
         return own
     key = (node, epoch, desc.name, bytes(desc.storage.handle))
@@ -500,23 +476,6 @@ _GPU_WAIT_S = 60.0
 
 
 # ---------------------------------------------------------------- direct
-
-
-def export_handle(share: tuple[Any, ...]) -> pb.CudaIpcHandle:
-    """``relayd.v1.CudaIpcHandle`` from a ``_share_cuda_()`` tuple (device dropped).
-
-    Used by the daemon to export its pools and by writers for direct handles.
-    """
-    (_device, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync) = share
-    return pb.CudaIpcHandle(
-        handle=bytes(handle),
-        storage_bytes=int(size),
-        storage_offset_bytes=int(offset),
-        ref_counter_handle=bytes(ref_handle or b""),
-        ref_counter_offset=int(ref_offset),
-        event_handle=bytes(event_handle or b""),
-        event_sync_required=bool(event_sync),
-    )
 
 
 def export_direct(tensor: Any) -> pb.CudaIpcHandle:
@@ -817,7 +776,7 @@ class GpuSide:
     arena and known readers."""
 
     def __init__(self, attach: pb.AttachResponse, views: Sequence[Any]) -> None:
-        from ._shm import HEADER_STRIDE, MappedSegment
+        from .wire.shm import HEADER_STRIDE, MappedSegment
 
         self.node_id = attach.node_id
         self.epoch = attach.daemon_epoch
@@ -883,7 +842,7 @@ class GpuSide:
 
     def lease_region(self, m: pb.DataRef) -> tuple[Any, Any]:
         """(header segment, pool region) of a cuda_ipc_pool DataRef, checked."""
-        from ._errors import StaleEpochError, StaleRefError
+        from .wire.errors import StaleEpochError, StaleRefError
 
         if m.origin.node_id != self.node_id:
             raise PeerUnavailableError(

@@ -40,7 +40,7 @@ import time
 from collections.abc import Awaitable, Callable, Hashable, Iterable
 from typing import Any, Protocol, TypeVar
 
-from ._errors import RelayTimeoutError, StaleRefError
+from .wire.errors import RelayTimeoutError, StaleRefError
 
 log = logging.getLogger(__name__)
 

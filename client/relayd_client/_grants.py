@@ -19,7 +19,7 @@ import collections
 import threading
 from collections.abc import Iterator
 
-from ._slots import SlotAllocator
+from .wire.slots import SlotAllocator
 
 # Freed runs remembered per grant for reuse; older ones are cut first-fit.
 LIFO_DEPTH = 64

@@ -13,12 +13,12 @@ import contextlib
 from typing import TYPE_CHECKING
 
 from . import _local
-from ._dataref import KIND_DATA, DataRef
-from ._errors import InvalidArgumentError, StaleRefError
-from ._keys import check_key
-from ._proto import relay_pb2 as pb
 from ._refs import TensorRef
-from ._transport import Transport
+from .wire.dataref import KIND_DATA, DataRef
+from .wire.errors import InvalidArgumentError, StaleRefError
+from .wire.names import check_key
+from .wire.proto import relay_pb2 as pb
+from .wire.transport import Transport
 
 if TYPE_CHECKING:
     from ._client import RelayClient

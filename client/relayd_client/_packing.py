@@ -37,8 +37,8 @@ import torch
 
 from relayd_client._codec import LEAVES as _LEAVES
 from relayd_client._codec import MAX_DEPTH, RefSlot, TensorSlot, fill
-from relayd_client._errors import CorruptRefError, InvalidArgumentError, UnsafePayloadError
 from relayd_client._refs import TensorRef
+from relayd_client.wire.errors import CorruptRefError, InvalidArgumentError, UnsafePayloadError
 
 __all__ = [
     "TensorSpec",

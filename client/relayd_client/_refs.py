@@ -19,8 +19,8 @@ from __future__ import annotations
 from typing import Any
 
 from ._codec import RefSlot, fill
-from ._dataref import DataRef
-from ._proto import relay_pb2 as pb
+from .wire.dataref import DataRef
+from .wire.proto import relay_pb2 as pb
 
 
 class TensorRef:

@@ -11,9 +11,9 @@ One round trip on the session socket per cross-node get, next to the pull.
 
 from __future__ import annotations
 
-from ._dataref import DataRef
-from ._proto import relay_pb2 as pb
 from ._session import SessionChannel
+from .wire.dataref import DataRef
+from .wire.proto import relay_pb2 as pb
 
 
 def is_foreign(ref: DataRef | pb.DataRef, node_id: str) -> bool:

@@ -26,22 +26,17 @@ import logging
 import math
 import os
 import socket
-import struct
 import threading
 from collections.abc import Callable
 from typing import Any
 
-from . import _peer
-from ._errors import DaemonUnavailableError, RelayError, RelayTimeoutError, error_from_code
-from ._proto import relay_pb2 as pb
+from .wire import peercred
+from .wire.errors import DaemonUnavailableError, RelayError, RelayTimeoutError, error_from_code
+from .wire.framing import LENGTH_BYTES, MAX_FRAME, decode_frame, encode_frame, frame_length
+from .wire.proto import relay_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-#: A session frame, both ways: this 4-byte little-endian length, then one
-#: ``relayd.v1.SessionFrame`` of at most MAX_FRAME bytes. The daemon imports
-#: both from here.
-FRAME_LENGTH = struct.Struct("<I")
-MAX_FRAME = 4 << 20
 # A lingering frame goes out early once it holds this many notices, so that
 # frames stay far below MAX_FRAME at any rate.
 LINGER_MAX_NOTICES = 512
@@ -53,23 +48,6 @@ LINGER_MAX_BYTES = 2 << 20
 _ANSWER_GRACE = 1.0
 # How long close() waits for the daemon to read the last frame and hang up.
 _CLOSE_GRACE = 1.0
-SESSION_SOCKET_SUFFIX = ".session"
-
-
-def encode_frame(frame: pb.SessionFrame) -> bytes:
-    """``frame`` as it goes on the session socket."""
-    body = frame.SerializeToString()
-    return FRAME_LENGTH.pack(len(body)) + body
-
-
-def session_socket_path(socket: str) -> str:
-    """The session socket beside the gRPC socket ``socket``.
-
-    A client derives it from the path it was given rather than taking the
-    daemon's own: a daemon in a container reports its ``/run/relayd``, which
-    the client may reach through another directory (a volume mounted elsewhere).
-    """
-    return socket + SESSION_SOCKET_SUFFIX
 
 
 KeyedCall = pb.KeyedPut | pb.KeyedTake | pb.DiscardCall
@@ -121,13 +99,13 @@ class SessionChannel:
         try:
             reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(path), timeout)
         except PermissionError as exc:
-            raise _peer.permission_problem(path, exc) from None
+            raise peercred.permission_problem(path, exc) from None
         except (OSError, TimeoutError) as exc:
             raise DaemonUnavailableError(f"cannot open session socket {path}: {exc}") from None
         self._reader, self._writer = reader, writer
         if trusted is not None:
             try:
-                _peer.check_peer(writer.get_extra_info("socket"), path, trusted)
+                peercred.check_peer(writer.get_extra_info("socket"), path, trusted)
             except BaseException:
                 writer.close()
                 self._writer = None
@@ -367,11 +345,10 @@ class SessionChannel:
         assert self._reader is not None
         try:
             while True:
-                head = await self._reader.readexactly(4)
-                (n,) = FRAME_LENGTH.unpack(head)
+                n = frame_length(await self._reader.readexactly(LENGTH_BYTES))
                 if n > MAX_FRAME:
                     raise DaemonUnavailableError(f"daemon sent a {n}-byte frame")
-                frame = pb.SessionFrame.FromString(await self._reader.readexactly(n))
+                frame = decode_frame(await self._reader.readexactly(n))
                 for ev in frame.event:
                     if ev.kind == "bound" and self._bound is not None and not self._bound.done():
                         self._bound.set_result(None)

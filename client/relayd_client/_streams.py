@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from ._dataref import DataRef
+from .wire.dataref import DataRef
 
 MAX_BUFFERED = 1 << 16
 

@@ -27,16 +27,16 @@ from typing import Any, TypeVar, cast
 
 from . import _cuda, _keyed, _local, _packing, _remote
 from ._client import OFFLOAD_BYTES, ClientState, RelayClient, _check_trace_id, _leased
-from ._dataref import DataRef
-from ._errors import (
+from ._refs import TensorRef
+from .wire.dataref import DataRef
+from .wire.errors import (
     InvalidArgumentError,
     RelayTimeoutError,
     SessionClosedError,
 )
-from ._keys import check_key
-from ._proto import relay_pb2 as pb
-from ._refs import TensorRef
-from ._transport import Transport
+from .wire.names import check_key
+from .wire.proto import relay_pb2 as pb
+from .wire.transport import Transport
 
 log = logging.getLogger(__name__)
 

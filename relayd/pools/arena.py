@@ -17,8 +17,9 @@ import os
 import re
 import time
 
-from relayd_client._shm import SHM_DIR, MappedSegment, segment_nslots
-from relayd_client._slots import SlotAllocator
+from relayd_client.wire.paths import SHM_DIR
+from relayd_client.wire.shm import MappedSegment, segment_nslots
+from relayd_client.wire.slots import SlotAllocator
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ One pool per visible GPU when ``gpu_pool_size > 0`` and CUDA is present:
   exported with ``cudaIpcGetMemHandle`` (newer PyTorch exports it as a cuMem
   shareable handle instead, which a reader in another container or sandbox
   may be unable to import, with no fallback; relayd's pools use neither).
-* **Cut into slots** by :class:`relayd_client._slots.SlotAllocator`, the
+* **Cut into slots** by :class:`relayd_client.wire.slots.SlotAllocator`, the
   arena's allocator, and leased by :class:`relayd.pools.leases.LeaseManager`
   under the arena's rules (grants, generations, TTL, backpressure, reclaim):
   one implementation, two kinds of memory. A GPU pool has one "segment"
@@ -47,16 +47,16 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
-from relayd_client._cuda import (
+from relayd_client.wire.cuda_ipc import (
     export_handle,
     forget_own_export,
     pool_name,
     register_own_export,
     uuid_of,
 )
-from relayd_client._proto import relay_pb2 as pb
-from relayd_client._shm import HEADER_STRIDE, MappedSegment, data_offset_for
-from relayd_client._slots import SlotAllocator
+from relayd_client.wire.proto import relay_pb2 as pb
+from relayd_client.wire.shm import HEADER_STRIDE, MappedSegment, data_offset_for
+from relayd_client.wire.slots import SlotAllocator
 
 from .arena import Run
 

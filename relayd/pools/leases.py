@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Protocol
 
-from relayd_client._errors import (
+from relayd_client.wire.errors import (
     AbortedError,
     DrainingError,
     InvalidArgumentError,
@@ -49,8 +49,8 @@ from relayd_client._errors import (
     ResourceExhaustedError,
     SessionClosedError,
 )
-from relayd_client._proto import relay_pb2 as pb
-from relayd_client._transport import Transport
+from relayd_client.wire.proto import relay_pb2 as pb
+from relayd_client.wire.transport import Transport
 
 from .arena import Arena, Run
 

@@ -74,7 +74,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from relayd_client._transport import DIRECT_META_LIMIT, INLINE_LIMIT, Transport
+from relayd_client.wire.transport import DIRECT_META_LIMIT, INLINE_LIMIT, Transport
 
 PeerAccess = Callable[[str, str], bool]
 

@@ -22,8 +22,8 @@ import os
 import secrets
 from collections.abc import Callable, Iterable
 
-from relayd_client._proto import relay_pb2 as pb
-from relayd_client._shm import PROBE_BYTES, probe_offset_for
+from relayd_client.wire.proto import relay_pb2 as pb
+from relayd_client.wire.shm import PROBE_BYTES, probe_offset_for
 
 from ..pools.arena import Arena
 from ..pools.cuda import peer_access as gpu_peer_access

@@ -8,8 +8,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
-from relayd_client._errors import InternalError, RelayError
-from relayd_client._status import ERROR_CODE_KEY, STATUS_FOR_CODE
+from relayd_client.wire.errors import InternalError, RelayError
+from relayd_client.wire.status import ERROR_CODE_KEY, STATUS_FOR_CODE
 
 log = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from relayd_client._dataref import KIND_DATA, DataRef
-from relayd_client._errors import (
+from relayd_client.wire.dataref import KIND_DATA, DataRef
+from relayd_client.wire.errors import (
     AbortedError,
     InvalidArgumentError,
     NotFoundError,
@@ -33,9 +33,8 @@ from relayd_client._errors import (
     StaleEpochError,
     StaleRefError,
 )
-from relayd_client._keys import check_key
-from relayd_client._names import check_stage
-from relayd_client._proto import relay_pb2 as pb
+from relayd_client.wire.names import check_key, check_stage
+from relayd_client.wire.proto import relay_pb2 as pb
 
 from ..keys import MAX_TAKE_TIMEOUT, lease_of
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, TypeAlias
 
-from relayd_client._errors import InvalidArgumentError, PermissionDeniedError
-from relayd_client._names import REQUEST_ID_MAX
-from relayd_client._proto import relay_pb2 as pb
-from relayd_client._proto import relay_pb2_grpc as pb_grpc
+from relayd_client.wire.errors import InvalidArgumentError, PermissionDeniedError
+from relayd_client.wire.names import REQUEST_ID_MAX
+from relayd_client.wire.proto import relay_pb2 as pb
+from relayd_client.wire.proto import relay_pb2_grpc as pb_grpc
 
 from .errors import mapped
 

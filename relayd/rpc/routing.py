@@ -16,15 +16,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, TypeAlias
 
-from relayd_client._errors import (
+from relayd_client.wire.errors import (
     AbortedError,
     InvalidArgumentError,
     PermissionDeniedError,
     SessionClosedError,
     StaleRefError,
 )
-from relayd_client._names import REQUEST_ID_MAX, STAGE_NAME_MAX
-from relayd_client._proto import relay_pb2 as pb
+from relayd_client.wire.names import REQUEST_ID_MAX, STAGE_NAME_MAX
+from relayd_client.wire.proto import relay_pb2 as pb
 
 from ..edges import log_trace
 from ..pools.leases import LeaseState, Session, SessionState

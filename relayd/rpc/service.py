@@ -5,16 +5,17 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, TypeAlias
 
-from relayd_client._errors import (
+from relayd_client.wire.errors import (
     InvalidArgumentError,
     PermissionDeniedError,
     SessionClosedError,
     VersionMismatchError,
 )
-from relayd_client._names import check_request_id, check_stage
-from relayd_client._proto import relay_pb2 as pb
-from relayd_client._proto import relay_pb2_grpc as pb_grpc
-from relayd_client._shm import HEADER_STRIDE
+from relayd_client.wire.names import check_request_id, check_stage
+from relayd_client.wire.proto import relay_pb2 as pb
+from relayd_client.wire.proto import relay_pb2_grpc as pb_grpc
+from relayd_client.wire.shm import HEADER_STRIDE
+from relayd_client.wire.version import PROTOCOL_VERSION
 
 from ..pools.leases import LeaseManager, SessionState
 from .errors import mapped
@@ -25,7 +26,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = pb.PROTOCOL_VERSION_CURRENT
 MAX_GRANT_BYTES = 1 << 40
 MAX_DRAIN_GRACE = 3600.0
 MAX_UNBOUND_SESSIONS = 64

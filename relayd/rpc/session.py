@@ -16,15 +16,21 @@ import struct
 from collections.abc import Awaitable, Callable, Collection
 from typing import TYPE_CHECKING, cast
 
-from relayd_client._errors import (
+from relayd_client.wire.errors import (
     InternalError,
     InvalidArgumentError,
     RelayError,
     ResourceExhaustedError,
 )
-from relayd_client._peer import peer_credentials
-from relayd_client._proto import relay_pb2 as pb
-from relayd_client._session import FRAME_LENGTH, MAX_FRAME, encode_frame
+from relayd_client.wire.framing import (
+    LENGTH_BYTES,
+    MAX_FRAME,
+    decode_frame,
+    encode_frame,
+    frame_length,
+)
+from relayd_client.wire.peercred import peer_credentials
+from relayd_client.wire.proto import relay_pb2 as pb
 
 from ..edges import log_trace
 from ..pools.leases import BIND_DEADLINE, LeaseManager, Session
@@ -201,8 +207,8 @@ class SessionProtocol(asyncio.Protocol):
         buf = self._buf
         pos = 0
         try:
-            while len(buf) - pos >= 4:
-                (n,) = FRAME_LENGTH.unpack_from(buf, pos)
+            while len(buf) - pos >= LENGTH_BYTES:
+                n = frame_length(buf, pos)
                 limit = MAX_FRAME if self.session is not None else UNBOUND_MAX_FRAME
                 if n > limit:
                     self._refuse(
@@ -211,10 +217,11 @@ class SessionProtocol(asyncio.Protocol):
                         + ("" if self.session is not None else " before a session is bound"),
                     )
                     return
-                if len(buf) - pos - 4 < n:
+                start = pos + LENGTH_BYTES
+                if len(buf) - start < n:
                     break
-                frame = pb.SessionFrame.FromString(bytes(buf[pos + 4 : pos + 4 + n]))
-                pos += 4 + n
+                frame = decode_frame(buf[start : start + n])
+                pos = start + n
                 self._handle(frame)
                 if self.transport is None:
                     return

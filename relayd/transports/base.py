@@ -17,7 +17,7 @@ backend's own bounded worker threads.
 ``start()``
     By the daemon lifecycle, once, during start-up (after preflight). Loads
     the native library, creates the engine and makes the local endpoint
-    reachable. Raises a :class:`~relayd_client._errors.RelayError` whose
+    reachable. Raises a :class:`~relayd_client.wire.errors.RelayError` whose
     message says what to fix.
 
 ``register(region)``
@@ -77,7 +77,7 @@ from collections.abc import Iterator, Sequence
 from types import TracebackType
 from typing import NamedTuple
 
-from relayd_client._errors import (
+from relayd_client.wire.errors import (
     InternalError,
     InvalidArgumentError,
     PeerUnavailableError,

@@ -34,7 +34,7 @@ from collections.abc import Mapping
 from types import TracebackType
 from typing import Any
 
-from relayd_client._errors import InvalidArgumentError, ResourceExhaustedError
+from relayd_client.wire.errors import InvalidArgumentError, ResourceExhaustedError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,7 +33,7 @@ import dataclasses
 import itertools
 from collections.abc import Sequence
 
-from relayd_client._errors import InternalError, SessionClosedError
+from relayd_client.wire.errors import InternalError, SessionClosedError
 
 from relayd.transports.base import (
     MemoryRegion,

@@ -74,7 +74,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from relayd_client._errors import (
+from relayd_client.wire.errors import (
     InternalError,
     InvalidArgumentError,
     PeerUnavailableError,

@@ -10,8 +10,8 @@ import time
 from collections.abc import Iterator
 
 import grpc
-from relayd_client._proto import relay_pb2 as pb
-from relayd_client._proto import relay_pb2_grpc as pb_grpc
+from relayd_client.wire.proto import relay_pb2 as pb
+from relayd_client.wire.proto import relay_pb2_grpc as pb_grpc
 
 _LEN = struct.Struct("<I")
 

@@ -15,8 +15,8 @@ from collections.abc import Iterator
 import grpc
 import pytest
 from relayd_client import RelayClient
-from relayd_client._proto import relay_pb2 as pb
-from relayd_client._proto import relay_pb2_grpc as pb_grpc
+from relayd_client.wire.proto import relay_pb2 as pb
+from relayd_client.wire.proto import relay_pb2_grpc as pb_grpc
 
 from tests._daemon import Daemon, wait_until
 from tests._figures import record

@@ -23,9 +23,9 @@ from hypothesis import strategies as st
 from relayd_client import DataRef, RelayError
 from relayd_client._client import _specs
 from relayd_client._codec import decode, decode_pickle, encode
-from relayd_client._dataref import MAGIC, MAX_REF_BYTES, VERSION
 from relayd_client._packing import dtype_from_name, validate_layout
-from relayd_client._proto import relay_pb2 as pb
+from relayd_client.wire.dataref import MAGIC, MAX_REF_BYTES, VERSION
+from relayd_client.wire.proto import relay_pb2 as pb
 
 from tests._figures import count
 

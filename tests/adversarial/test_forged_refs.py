@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 from relayd_client import CorruptRefError, DataRef, RelayClient, SyncRelayClient, _codec
-from relayd_client._proto import relay_pb2 as pb
+from relayd_client.wire.proto import relay_pb2 as pb
 
 from tests._daemon import Daemon, wait_until
 from tests._figures import count

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 from relayd_client import DataRef, RelayClient, StaleRefError
-from relayd_client._proto import relay_pb2 as pb
+from relayd_client.wire.proto import relay_pb2 as pb
 
 from tests._daemon import Daemon
 from tests._figures import count

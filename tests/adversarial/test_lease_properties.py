@@ -26,8 +26,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from relayd_client import RelayError
-from relayd_client._proto import relay_pb2 as pb
-from relayd_client._slots import SlotAllocator
+from relayd_client.wire.proto import relay_pb2 as pb
+from relayd_client.wire.slots import SlotAllocator
 
 from relayd.pools.arena import Arena
 from relayd.pools.leases import GEN_SHIFT, LeaseManager, Session, SessionState

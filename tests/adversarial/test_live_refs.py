@@ -27,8 +27,8 @@ from relayd_client import (
     StaleRefError,
     UnsafePayloadError,
 )
-from relayd_client._dataref import MAGIC, VERSION
-from relayd_client._proto import relay_pb2 as pb
+from relayd_client.wire.dataref import MAGIC, VERSION
+from relayd_client.wire.proto import relay_pb2 as pb
 
 from tests._daemon import Daemon
 from tests._figures import count, record

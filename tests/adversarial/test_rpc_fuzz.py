@@ -12,8 +12,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from relayd_client._proto import relay_pb2 as pb
-from relayd_client._status import ERROR_CODE_KEY
+from relayd_client.wire.proto import relay_pb2 as pb
+from relayd_client.wire.status import ERROR_CODE_KEY
 
 from tests._daemon import Daemon
 from tests._figures import count, record

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 from relayd_client import RelayClient, ResourceExhaustedError
-from relayd_client._proto import relay_pb2 as pb
+from relayd_client.wire.proto import relay_pb2 as pb
 
 from tests._daemon import metric as _metric
 from tests._figures import count

@@ -32,7 +32,7 @@ from typing import Any, TextIO
 
 import torch  # noqa: F401  (imported before fork: the point of the zygote)
 from relayd_client import DataRef, RelayClient, RelayError
-from relayd_client._proto import relay_pb2 as pb
+from relayd_client.wire.proto import relay_pb2 as pb
 
 from tests._workers import digest, make_payload
 

@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from relayd_client._errors import (
+from relayd_client.wire.errors import (
     ErrorCode,
     InternalError,
     InvalidArgumentError,

@@ -14,8 +14,8 @@ from typing import Any
 import grpc
 import pytest
 from relayd_client import AbortedError, RelayClient
-from relayd_client._proto import relay_pb2 as pb
-from relayd_client._proto import relay_pb2_grpc as pb_grpc
+from relayd_client.wire.proto import relay_pb2 as pb
+from relayd_client.wire.proto import relay_pb2_grpc as pb_grpc
 
 from tests._daemon import free_port, wait_until
 from tests._workers import digest, make_payload

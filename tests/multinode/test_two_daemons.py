@@ -31,8 +31,8 @@ from relayd_client import (
     StaleRefError,
     _codec,
 )
-from relayd_client._proto import relay_pb2 as pb
-from relayd_client._proto import relay_pb2_grpc as pb_grpc
+from relayd_client.wire.proto import relay_pb2 as pb
+from relayd_client.wire.proto import relay_pb2_grpc as pb_grpc
 
 from relayd_bench import _netns
 from tests._daemon import Daemon, free_port, run_worker, spawn_worker, wait_until

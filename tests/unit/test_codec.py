@@ -24,7 +24,7 @@ from relayd_client._codec import (
     encode,
     encode_pickle,
 )
-from relayd_client._errors import CorruptRefError, UnsafePayloadError
+from relayd_client.wire.errors import CorruptRefError, UnsafePayloadError
 
 # ---------------------------------------------------------------- helpers
 
@@ -436,7 +436,7 @@ def test_remembered_headers_never_share_a_container_between_gets() -> None:
     import torch
     from relayd_client._client import RelayClient
     from relayd_client._packing import rebuild
-    from relayd_client._proto import relay_pb2 as pb
+    from relayd_client.wire.proto import relay_pb2 as pb
 
     c = RelayClient("x", "/nonexistent")
     for tree in (

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from relayd_client._errors import InvalidArgumentError, ResourceExhaustedError
+from relayd_client.wire.errors import InvalidArgumentError, ResourceExhaustedError
 
 from relayd.transports.credits import CreditPool, PeerCredits
 

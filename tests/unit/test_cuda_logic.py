@@ -17,12 +17,14 @@ from typing import Any
 import pytest
 from relayd_client import CorruptRefError, ResourceExhaustedError, _cuda
 from relayd_client._packing import TensorSpec, validate_layout
-from relayd_client._proto import relay_pb2 as pb
-from relayd_client._shm import HEADER_STRIDE, MappedSegment
-from relayd_client._transport import Transport
+from relayd_client.wire import cuda_ipc
+from relayd_client.wire.cuda_ipc import export_handle
+from relayd_client.wire.proto import relay_pb2 as pb
+from relayd_client.wire.shm import HEADER_STRIDE, MappedSegment
+from relayd_client.wire.transport import Transport
 
 from relayd.pools.arena import Arena
-from relayd.pools.cuda import HEADER_SEGMENT_BASE, CudaPool, export_handle, pool_geometry
+from relayd.pools.cuda import HEADER_SEGMENT_BASE, CudaPool, pool_geometry
 from relayd.pools.leases import Hooks, LeaseManager, LeaseState
 
 SLOT = 64 << 10
@@ -33,9 +35,9 @@ GPU_B = "GPU-58b9e9e8-0000-0000-0000-00000000000b"
 
 
 def test_uuid_of_matches_nvidia_smi_spelling() -> None:
-    assert _cuda.uuid_of(SimpleNamespace(uuid="58b9e9e8-aaaa")) == "GPU-58b9e9e8-aaaa"
-    assert _cuda.uuid_of(SimpleNamespace(uuid="GPU-58b9e9e8-aaaa")) == "GPU-58b9e9e8-aaaa"
-    assert _cuda.uuid_of(SimpleNamespace(uuid="MIG-1234")) == "MIG-1234"
+    assert cuda_ipc.uuid_of(SimpleNamespace(uuid="58b9e9e8-aaaa")) == "GPU-58b9e9e8-aaaa"
+    assert cuda_ipc.uuid_of(SimpleNamespace(uuid="GPU-58b9e9e8-aaaa")) == "GPU-58b9e9e8-aaaa"
+    assert cuda_ipc.uuid_of(SimpleNamespace(uuid="MIG-1234")) == "MIG-1234"
 
 
 def test_uuid_maps_to_each_process_own_ordinal() -> None:
@@ -438,7 +440,7 @@ def test_daemon_routes_gpu_edges_with_the_probed_peer_matrix(
 
 def _pool_desc(handle: bytes, nslots: int = 4) -> pb.CudaPool:
     return pb.CudaPool(
-        name=_cuda.pool_name(GPU_A), gpu_uuid=GPU_A, nslots=nslots, slot_size=SLOT,
+        name=cuda_ipc.pool_name(GPU_A), gpu_uuid=GPU_A, nslots=nslots, slot_size=SLOT,
         storage=pb.CudaIpcHandle(handle=handle, storage_bytes=nslots * SLOT),
     )  # fmt: skip
 
@@ -457,7 +459,7 @@ def fake_gpu(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     monkeypatch.setattr(_cuda, "local_uuids", lambda: (GPU_A,))
     monkeypatch.setattr(_cuda, "_open_storage", open_storage)
     monkeypatch.setattr(_cuda, "_POOLS", {})
-    monkeypatch.setattr(_cuda, "_OWN_EXPORTS", {})
+    monkeypatch.setattr(cuda_ipc, "_OWN_EXPORTS", {})
     return opened
 
 
@@ -517,7 +519,7 @@ def test_a_pool_exported_by_this_process_is_not_reopened(
     export = pb.CudaIpcHandle(handle=b"o" * 65, storage_bytes=4 * SLOT)
     pool = CudaPool(uuid=GPU_A, device_index=0, geometry=geometry, headers=headers,
                     memory=memory, export=export)  # fmt: skip
-    _cuda.register_own_export(export.handle, memory)
+    cuda_ipc.register_own_export(export.handle, memory)
     assert _cuda.import_pool(pool.describe()) is memory and fake_gpu == []
     monkeypatch.setattr(torch.cuda, "ipc_collect", lambda: None)
     pool.close()

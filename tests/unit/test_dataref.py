@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from relayd_client import CorruptRefError, DataRef, RelayError, Transport, VersionMismatchError
-from relayd_client._dataref import MAGIC, VERSION
-from relayd_client._proto import relay_pb2 as pb
+from relayd_client.wire.dataref import MAGIC, VERSION
+from relayd_client.wire.proto import relay_pb2 as pb
 
 
 def _msg(**kw: object) -> pb.DataRef:
@@ -122,7 +122,7 @@ def test_remembered_layout_verdicts_never_let_a_different_layout_through() -> No
 
 @pytest.mark.parametrize("field", ["request_id", "to_stage", "object_id"])
 def test_names_longer_than_the_limit_are_refused_and_the_limit_is_not(field: str) -> None:
-    from relayd_client._dataref import MAX_NAME
+    from relayd_client.wire.dataref import MAX_NAME
 
     assert DataRef.from_bytes(_wire(_msg(**{field: "x" * MAX_NAME})))
     with pytest.raises(CorruptRefError, match="longer than"):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 from prometheus_client import CollectorRegistry
-from relayd_client._latency import BOUNDS, BOUNDS_NS, GET, NBUCKETS, PUT, EdgeLatency, quantile
-from relayd_client._proto import relay_pb2 as pb
+from relayd_client.wire.latency import BOUNDS, BOUNDS_NS, GET, NBUCKETS, PUT, EdgeLatency, quantile
+from relayd_client.wire.proto import relay_pb2 as pb
 
 from relayd.edges import MAX_REPORT_COUNT, OTHER, EdgeStats
 from relayd.metrics import Metrics

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 from relayd_client import _cuda, _gpu_order
-from relayd_client._errors import RelayTimeoutError, StaleRefError
-from relayd_client._proto import relay_pb2 as pb
+from relayd_client.wire.errors import RelayTimeoutError, StaleRefError
+from relayd_client.wire.proto import relay_pb2 as pb
 
 
 class FakeEvent:

@@ -125,3 +125,64 @@ def test_the_daemon_has_no_import_cycles() -> None:
     assert cycles == [], "import cycles among relayd's modules: " + "; ".join(
         " <-> ".join(c) for c in cycles
     )
+
+
+# The daemon reaches the client only through the shared wire package and the
+# public API; everything else in relayd_client is the client's own business.
+CLIENT = "relayd_client"
+CLIENT_OPEN = (f"{CLIENT}.wire", f"{CLIENT}.integrations")
+
+
+def _public_names() -> set[str]:
+    tree = ast.parse((ROOT / "client" / CLIENT / "__init__.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+        ):
+            return {ast.literal_eval(e) for e in node.value.elts}  # type: ignore[attr-defined]
+    raise AssertionError("relayd_client/__init__.py has no __all__")
+
+
+def _client_imports_outside_the_wire() -> list[str]:
+    public = _public_names()
+
+    def open_module(name: str) -> bool:
+        return name == CLIENT or any(name == m or name.startswith(m + ".") for m in CLIENT_OPEN)
+
+    found = []
+    for name, path in _modules().items():
+        # Every import counts here, TYPE_CHECKING ones too: a type is part of the contract.
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                bad = [
+                    a.name
+                    for a in node.names
+                    if a.name.split(".")[0] == CLIENT and not open_module(a.name)
+                ]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                module = node.module or ""
+                if module.split(".")[0] != CLIENT or (module != CLIENT and open_module(module)):
+                    continue
+                if module == CLIENT:
+                    bad = [
+                        f"{CLIENT}.{a.name}"
+                        for a in node.names
+                        if a.name not in public and not open_module(f"{CLIENT}.{a.name}")
+                    ]
+                else:
+                    bad = [module]
+            else:
+                continue
+            found += [f"{name}:{node.lineno} imports {b}" for b in bad]
+    return found
+
+
+def test_the_boundary_check_sees_private_imports() -> None:
+    public = _public_names()
+    assert "RelayClient" in public and "DataRef" in public
+    assert "_client" not in public
+
+
+def test_the_daemon_imports_the_client_only_through_wire_and_the_public_api() -> None:
+    found = _client_imports_outside_the_wire()
+    assert found == [], "relayd imports private client modules:\n" + "\n".join(found)

@@ -15,7 +15,7 @@ import pytest
 from google.protobuf.json_format import MessageToDict
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from relayd_client._latency import BOUNDS, NBUCKETS
+from relayd_client.wire.latency import BOUNDS, NBUCKETS
 
 from relayd.inspect import (
     WIDTH,
@@ -77,7 +77,7 @@ EDGE_TRAFFIC_BEFORE = [
 
 
 def _edge_traffic(spec: list[tuple[Any, ...]]) -> list[Any]:
-    from relayd_client._proto import relay_pb2 as pb
+    from relayd_client.wire.proto import relay_pb2 as pb
 
     return [
         pb.EdgeTraffic(
@@ -305,7 +305,7 @@ STATUS: dict[str, Any] = {
 
 
 def status_response() -> Any:
-    from relayd_client._proto import relay_pb2 as pb
+    from relayd_client.wire.proto import relay_pb2 as pb
 
     resp = pb.StatusResponse(
         node_id="gpu-node-7-3f9a1c2e",

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 from relayd_client import InvalidArgumentError, PermissionDeniedError, ResourceExhaustedError
-from relayd_client._proto import relay_pb2 as pb
+from relayd_client.wire.proto import relay_pb2 as pb
 
 from relayd.pools.arena import Arena
 from relayd.pools.leases import Hooks, LeaseManager, LeaseState, ReclaimReason

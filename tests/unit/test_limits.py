@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 from relayd_client import PermissionDeniedError, ResourceExhaustedError
-from relayd_client._proto import relay_pb2 as pb
+from relayd_client.wire.proto import relay_pb2 as pb
 
 from relayd.pools import leases as leases_mod
 from relayd.pools.arena import Arena

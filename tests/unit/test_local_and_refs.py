@@ -6,10 +6,10 @@ import pytest
 import torch
 from relayd_client import CorruptRefError, DataRef, TensorRef, _local
 from relayd_client._codec import RefSlot, TensorSlot, decode, encode
-from relayd_client._dataref import VERSION
 from relayd_client._packing import flatten
-from relayd_client._proto import relay_pb2 as pb
 from relayd_client._refs import substitute
+from relayd_client.wire.dataref import VERSION
+from relayd_client.wire.proto import relay_pb2 as pb
 
 
 class _Client:

@@ -11,7 +11,6 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from relayd_client._codec import RefSlot, TensorSlot, decode, encode
-from relayd_client._errors import CorruptRefError, InvalidArgumentError, UnsafePayloadError
 from relayd_client._packing import (
     TensorSpec,
     allocate,
@@ -32,6 +31,7 @@ from relayd_client._packing import (
     unpack_from,
     validate_layout,
 )
+from relayd_client.wire.errors import CorruptRefError, InvalidArgumentError, UnsafePayloadError
 
 ALL_DTYPES = [
     name

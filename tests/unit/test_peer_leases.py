@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 from relayd_client import AbortedError, PermissionDeniedError
-from relayd_client._proto import relay_pb2 as pb
+from relayd_client.wire.proto import relay_pb2 as pb
 
 from relayd.peers import PeerConfigError, _resolve, load_token
 from relayd.pools.arena import Arena

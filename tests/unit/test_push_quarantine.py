@@ -6,7 +6,7 @@ import asyncio
 from types import SimpleNamespace
 from typing import Any
 
-from relayd_client._slots import SlotAllocator
+from relayd_client.wire.slots import SlotAllocator
 
 from relayd.pools.arena import Run
 from relayd.push import QUARANTINE_TIMEOUTS, GrantIn, PushManager

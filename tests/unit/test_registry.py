@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from relayd_client._transport import Transport
+from relayd_client.wire.transport import Transport
 
 from relayd.routing.registry import StageRegistry
 from relayd.routing.router import PayloadFacts, Placement, Route, route

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from relayd_client._proto import relay_pb2
-from relayd_client._transport import Transport
+from relayd_client.wire.proto import relay_pb2
+from relayd_client.wire.transport import Transport
 
 from relayd.routing.router import (
     DIRECT_META_LIMIT,

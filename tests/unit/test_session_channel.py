@@ -12,8 +12,8 @@ import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
-from relayd_client._proto import relay_pb2 as pb
 from relayd_client._session import LINGER_MAX_BYTES, LINGER_MAX_NOTICES, SessionChannel
+from relayd_client.wire.proto import relay_pb2 as pb
 
 pytestmark = pytest.mark.timeout(30)
 

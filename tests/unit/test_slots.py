@@ -8,7 +8,7 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from relayd_client._slots import SlotAllocator
+from relayd_client.wire.slots import SlotAllocator
 
 
 def test_first_fit_split_and_coalesce() -> None:

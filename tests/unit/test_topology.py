@@ -8,8 +8,8 @@ import sys
 from collections.abc import Iterator
 
 import pytest
-from relayd_client._proto import relay_pb2 as pb
-from relayd_client._shm import PROBE_BYTES
+from relayd_client.wire.proto import relay_pb2 as pb
+from relayd_client.wire.shm import PROBE_BYTES
 
 from relayd.pools.arena import Arena
 from relayd.pools.leases import LeaseManager, Session

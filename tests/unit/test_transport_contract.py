@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 
 import pytest
-from relayd_client._errors import (
+from relayd_client.wire.errors import (
     InternalError,
     InvalidArgumentError,
     PeerUnavailableError,

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from .._codec import MAX_DEPTH
-from .._errors import UnsafePayloadError
+from ..wire.errors import UnsafePayloadError
 
 _SCALARS = (type(None), bool, int, float, complex, str, bytes)
 

@@ -48,8 +48,8 @@ import torch
 from sglang_omni.relay.base import Relay, RelayOperation, register_relay
 
 from .._client import ClientState, RelayClient
-from .._dataref import DataRef
-from .._errors import (
+from ..wire.dataref import DataRef
+from ..wire.errors import (
     AbortedError,
     InvalidArgumentError,
     PermissionDeniedError,

@@ -40,8 +40,9 @@ from typing import Any
 from vllm_omni.distributed.omni_connectors.connectors.base import OmniConnectorBase
 
 from .._client import ClientState, default_socket
-from .._dataref import DataRef
-from .._errors import (
+from .._sync import SyncRelayClient
+from ..wire.dataref import DataRef
+from ..wire.errors import (
     AbortedError,
     InvalidArgumentError,
     PermissionDeniedError,
@@ -50,7 +51,6 @@ from .._errors import (
     StaleRefError,
     UnsafePayloadError,
 )
-from .._sync import SyncRelayClient
 from ._plain import plain
 
 log = logging.getLogger(__name__)

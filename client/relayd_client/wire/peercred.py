@@ -30,7 +30,7 @@ import socket
 import stat
 import struct
 
-from ._errors import DaemonUnavailableError, PermissionDeniedError
+from .errors import DaemonUnavailableError, PermissionDeniedError
 
 ENV_DAEMON_UID = "RELAYD_DAEMON_UID"
 _CREDS = struct.Struct("3i")

@@ -21,7 +21,8 @@ import mmap
 import os
 import struct
 
-SHM_DIR = "/dev/shm"
+from .paths import SHM_DIR
+
 HEADER_STRIDE = 16
 PROBE_BYTES = 16
 #: A slot header: (generation, length) of the lease whose run starts at that slot.

@@ -16,7 +16,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 
-from ._proto import relay_pb2 as pb
+from .proto import relay_pb2 as pb
 
 # Upper bounds ("le"), 10 us to 10 s in 1-2-5 steps; one more bucket past the
 # last bound counts anything slower.

@@ -20,9 +20,9 @@ from typing import Any
 
 from google.protobuf.message import DecodeError
 
-from ._errors import CorruptRefError, VersionMismatchError
-from ._proto import relay_pb2 as pb
-from ._transport import Transport
+from .errors import CorruptRefError, VersionMismatchError
+from .proto import relay_pb2 as pb
+from .transport import Transport
 
 MAGIC = b"RD"
 VERSION = 1

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import grpc
 
-from ._errors import (
+from .errors import (
     DaemonUnavailableError,
     ErrorCode,
     InternalError,

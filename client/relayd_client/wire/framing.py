@@ -1,0 +1,47 @@
+"""Session-socket framing, both ways: a 4-byte little-endian length, then one
+``relayd.v1.SessionFrame`` of at most :data:`MAX_FRAME` bytes.
+
+The client's :class:`~relayd_client._session.SessionChannel`, the daemon's
+``SessionProtocol`` and the operator's blocking session all frame through
+this module; each side still chooses how to react to a frame that breaks the
+limit (the daemon refuses the session, a client treats the daemon as gone).
+"""
+
+from __future__ import annotations
+
+import struct
+
+from .proto import relay_pb2 as pb
+
+FRAME_LENGTH = struct.Struct("<I")
+#: Bytes of the length prefix.
+LENGTH_BYTES = FRAME_LENGTH.size
+MAX_FRAME = 4 << 20
+SESSION_SOCKET_SUFFIX = ".session"
+
+
+def encode_frame(frame: pb.SessionFrame) -> bytes:
+    """``frame`` as it goes on the session socket."""
+    body = frame.SerializeToString()
+    return FRAME_LENGTH.pack(len(body)) + body
+
+
+def frame_length(buf: bytes | bytearray | memoryview, pos: int = 0) -> int:
+    """The body length announced by the prefix at ``buf[pos:pos + LENGTH_BYTES]``."""
+    (n,) = FRAME_LENGTH.unpack_from(buf, pos)
+    return int(n)
+
+
+def decode_frame(body: bytes | bytearray | memoryview) -> pb.SessionFrame:
+    """One frame's body (without its prefix); ``DecodeError`` when it is not a SessionFrame."""
+    return pb.SessionFrame.FromString(bytes(body))
+
+
+def session_socket_path(socket: str) -> str:
+    """The session socket beside the gRPC socket ``socket``.
+
+    A client derives it from the path it was given rather than taking the
+    daemon's own: a daemon in a container reports its ``/run/relayd``, which
+    the client may reach through another directory (a volume mounted elsewhere).
+    """
+    return socket + SESSION_SOCKET_SUFFIX
