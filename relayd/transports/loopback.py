@@ -17,7 +17,7 @@ What a test can make happen, each deterministic and without timing:
   is there; past the caller's timeout it raises ``PullTimeoutError`` with
   ``in_flight=True``, and the bytes still land when the gate opens, as a late
   Mooncake completion would. :meth:`Gate.release` lets it land or fail;
-  ``close()`` fails it without writing.
+  ``close()`` of either end fails it without writing.
 
 A remote range outside the peer's registered regions fails the transfer
 (``PullFailedError``, ``in_flight=False``), as Mooncake's target refuses it;
@@ -66,6 +66,8 @@ class Loopback:
 
     def _leave(self, session: str) -> None:
         self._endpoints.pop(session, None)
+        for endpoint in self._endpoints.values():
+            endpoint._peer_left(session)
 
     def _reach(self, session: str) -> LoopbackTransport | None:
         endpoint = self._endpoints.get(session)
@@ -96,6 +98,8 @@ class Gate:
 @dataclasses.dataclass(eq=False)
 class _Flight:
     ops: tuple[PullOp, ...]
+    peer_session: str
+    gate: Gate
     settled: asyncio.Future[None]
 
     def overlaps(self, ops: Sequence[PullOp]) -> bool:
@@ -116,7 +120,6 @@ class LoopbackTransport(RemoteTransport):
         self._regions = Regions()
         self._fail = 0
         self._gates: collections.deque[Gate] = collections.deque()
-        self._held: set[Gate] = set()
         self._flights: set[_Flight] = set()
         self.transfers = 0
         """Transfers whose bytes all landed."""
@@ -171,10 +174,9 @@ class LoopbackTransport(RemoteTransport):
             return
         loop = asyncio.get_running_loop()
         gate = self._gates.popleft()
-        flight = _Flight(ops, loop.create_future())
+        flight = _Flight(ops, request.peer_session, gate, loop.create_future())
         self._flights.add(flight)
-        self._held.add(gate)
-        task = loop.create_task(self._when_open(gate, flight, peer, request))
+        task = loop.create_task(self._when_open(flight, peer, request))
         gate._arrived.set()
         try:
             finished, _ = await asyncio.wait((task,), timeout=max(request.timeout, 0.0))
@@ -201,7 +203,7 @@ class LoopbackTransport(RemoteTransport):
         if self._state is TransportState.OPEN:
             self._loopback._leave(self._session)
         self._state = TransportState.CLOSED
-        for gate in list(self._held) + list(self._gates):
+        for gate in [f.gate for f in self._flights] + list(self._gates):
             gate._open("the transport was closed")
         self._gates.clear()
         self._regions.take_all()
@@ -210,11 +212,15 @@ class LoopbackTransport(RemoteTransport):
         if self._state is not TransportState.OPEN:
             raise SessionClosedError(f"the loopback transport is {self._state.value}")
 
-    async def _when_open(
-        self, gate: Gate, flight: _Flight, peer: LoopbackTransport, request: Transfer
-    ) -> None:
+    def _peer_left(self, session: str) -> None:
+        # As Mooncake fails a transfer at once when its peer's connection drops.
+        for flight in self._flights:
+            if flight.peer_session == session:
+                flight.gate._open("the peer went away")
+
+    async def _when_open(self, flight: _Flight, peer: LoopbackTransport, request: Transfer) -> None:
         try:
-            failure = await gate._opened
+            failure = await flight.gate._opened
             if not failure and self._loopback._reach(request.peer_session) is not peer:
                 failure = "the peer went away"
             if failure:
@@ -226,7 +232,6 @@ class LoopbackTransport(RemoteTransport):
                 )
             self._move(peer, flight.ops, request)
         finally:
-            self._held.discard(gate)
             self._flights.discard(flight)
             flight.settled.set_result(None)
 

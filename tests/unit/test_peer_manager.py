@@ -1,0 +1,420 @@
+"""PeerManager between two nodes in one process, on real parts but the wire.
+
+Each node is what a daemon gives its peer layer: an arena in /dev/shm, a
+LeaseManager, the Peer gRPC service on 127.0.0.1 (real handshakes, heartbeats
+and notices), and a loopback transport in place of Mooncake, whose knobs make
+a transfer fail or wait at a gate. Node A writes ("thinker"), node B reads
+("talker"); B lists A in its peers and A dials back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import pathlib
+import time
+from collections.abc import AsyncIterator, Callable, Iterable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+from relayd_client.wire.dataref import DataRef
+from relayd_client.wire.errors import PeerUnavailableError, StaleRefError
+from relayd_client.wire.proto import relay_pb2 as pb
+
+from relayd.config import Settings
+from relayd.peer_context import PeerHooks
+from relayd.peers import PeerManager
+from relayd.pools.arena import Arena
+from relayd.pools.leases import LeaseManager, Session
+from relayd.push import QUARANTINE_TIMEOUTS
+from relayd.transports.base import PullTimeoutError
+from relayd.transports.loopback import Loopback, LoopbackTransport
+from tests._daemon import free_port
+
+pytestmark = pytest.mark.timeout(60)
+
+SLOT = 64 << 10
+PEER_TIMEOUT = 1.0
+BOUND = 20.0  # the longest any wait here may take before the test fails
+WRITER, READER = "thinker", "talker"
+
+
+class Node:
+    """One daemon's peer layer; ``up``/``down`` hear the registry hook per peer node."""
+
+    def __init__(
+        self,
+        name: str,
+        loopback: Loopback,
+        token: pathlib.Path,
+        *,
+        peers: tuple[str, ...] = (),
+        push_grant_size: int = 0,
+        peer_credits: int = 4,
+    ) -> None:
+        self.name = name
+        self.epoch = os.urandom(4).hex()
+        self.address = f"127.0.0.1:{free_port()}"
+        self.settings = Settings(
+            node_id=f"unit-{name}-{self.epoch}",
+            peer_address=self.address,
+            peers=peers,
+            peer_token_file=str(token),
+            peer_timeout=PEER_TIMEOUT,
+            peer_credits=peer_credits,
+            push_grant_size=push_grant_size,
+        )
+        self.arena = Arena(
+            node_id=self.settings.node_id, epoch=self.epoch, total_bytes=64 * SLOT + 8192,
+            segment_bytes=1 << 30, slot_size=SLOT,
+        )  # fmt: skip
+        self.leases = LeaseManager(
+            self.arena, grant_bytes=8 * SLOT, lease_ttl=30.0, stage_quota_bytes=48 * SLOT,
+            max_sessions=8,
+        )  # fmt: skip
+        self.transport: LoopbackTransport = loopback.transport()
+        self.stage_events: list[tuple[str, tuple[str, ...] | None]] = []
+        self.changed = asyncio.Event()
+        self.pulls: list[float] = []
+        self.peers = PeerManager(
+            self.settings,
+            epoch=self.epoch,
+            arena=self.arena,
+            leases=self.leases,
+            hooks=PeerHooks(peer_stages=self._stages, pull_seconds=self.pulls.append),
+            transport=self.transport,
+        )
+        self.frames: list[pb.SessionFrame] = []
+
+    def _stages(self, node: str, stages: Iterable[str] | None) -> None:
+        self.stage_events.append((node, None if stages is None else tuple(stages)))
+        self.changed.set()
+
+    def session(self, stage: str) -> Session:
+        s = self.leases.open_session(pid=os.getpid(), stages=[stage])
+        return self.leases.bind(s.id, s.token, self.frames.append, pid=os.getpid(), uid=0, gid=0)
+
+    async def put(
+        self, writer: Session, data: bytes, *, push: bool = False, request_id: str = "r1"
+    ) -> bytes:
+        """What a client's put does, then the DataRef it hands on (for ``READER``)."""
+        grant = await self.leases.grant(writer, len(data), BOUND)
+        nslots = -(-len(data) // SLOT)
+        lease_id = max(self.leases.new_generation_base(grant), grant.last_lease) + 1
+        seg = self.arena.segments[grant.run.segment]
+        offset = seg.slot_offset(grant.run.slot)
+        seg.mm[offset : offset + len(data)] = data
+        seg.write_header(grant.run.slot, lease_id, len(data))
+        self.leases.on_reserve(
+            writer,
+            pb.Reserve(
+                lease_id=lease_id, grant_id=grant.id, slot=grant.run.slot, nslots=nslots,
+                generation=lease_id, request_id=request_id, to_stage=READER, from_stage=WRITER,
+            ),
+        )  # fmt: skip
+        self.leases.on_publish(
+            writer,
+            pb.Publish(lease_id=lease_id, nbytes=len(data), transport=pb.TRANSPORT_SHM, push=push),
+        )
+        ref = pb.DataRef(
+            version=1, request_id=request_id, chunk_id=-1, transport=pb.TRANSPORT_SHM,
+            to_stage=READER, header_codec=pb.HEADER_CODEC_SAFE, push=push,
+            origin=pb.Origin(
+                node_id=self.settings.node_id, daemon_epoch=self.epoch, stage=WRITER,
+                peer_address=self.address, mooncake_session=self.transport.session_id,
+            ),
+            lease=pb.LeaseRef(
+                pool="shm", segment=grant.run.segment, slot=grant.run.slot, nslots=nslots,
+                offset=offset, length=len(data), generation=lease_id, lease_id=lease_id,
+            ),
+        )  # fmt: skip
+        return DataRef(ref).to_bytes()
+
+    def read(self, ref: pb.LeaseRef) -> bytes:
+        seg = self.arena.segments[ref.segment]
+        return bytes(seg.mm[ref.offset : ref.offset + ref.length])
+
+    def release(self, reader: Session, ref: pb.LeaseRef) -> None:
+        self.leases.on_release(reader, pb.Release(lease_id=ref.lease_id, generation=ref.generation))
+        self.leases.flush()
+
+    def credits_out(self) -> int:
+        return sum(c.in_use for c in self.peers.credits.stats().values())
+
+    async def close(self) -> None:
+        await self.peers.close()
+
+    def dispose(self) -> None:
+        self.arena.close()
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+async def until(predicate: Callable[[], Any], what: str, timeout: float = BOUND) -> None:
+    """Poll ``predicate`` on the loop until truthy; fail naming ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+@asynccontextmanager
+async def two_nodes(tmp_path: pathlib.Path, **kw: Any) -> AsyncIterator[tuple[Node, Node]]:
+    """Node A (writer) and B (reader, which dials A), handshaken both ways."""
+    token = tmp_path / "token"
+    token.write_bytes(os.urandom(32).hex().encode())
+    token.chmod(0o600)
+    loopback = Loopback()
+    a = Node("a", loopback, token, **kw)
+    b = Node("b", loopback, token, peers=(a.address,), **kw)
+    try:
+        await a.peers.start()
+        await b.peers.start()
+        await until(lambda: _up(a, b) and _up(b, a), "the handshake both ways")
+        yield a, b
+    finally:
+        for node in (b, a):
+            await node.close()
+            node.dispose()
+
+
+def _peer(node: Node, other: Node) -> Any:
+    return node.peers.peers.get(other.address)
+
+
+def _up(node: Node, other: Node) -> bool:
+    peer = _peer(node, other)
+    return peer is not None and bool(peer.up)
+
+
+def run(coro: Any) -> None:
+    asyncio.run(asyncio.wait_for(coro, 50))
+
+
+# --- handshake ------------------------------------------------------------------------
+
+
+def test_handshake_both_ways_learns_identity_geometry_and_stages(tmp_path: pathlib.Path) -> None:
+    async def main() -> None:
+        async with two_nodes(tmp_path) as (a, b):
+            reader = b.session(READER)
+            await until(lambda: a.peers.serving(READER) is not None, "A to hear B's stages")
+            seen = b.peers.peers[a.address]
+            assert (seen.node_id, seen.epoch) == (a.settings.node_id, a.epoch)
+            assert seen.mooncake_session == a.transport.session_id
+            assert seen.slot_size == SLOT and len(seen.segments) == len(a.arena.segments)
+            assert a.peers.serving(READER) is a.peers.peers[b.address]
+            assert (b.settings.node_id, (READER,)) in a.stage_events
+            [status] = a.peers.status()
+            assert status.up and status.node_id == b.settings.node_id
+            assert list(status.stages) == [READER]
+            del reader
+
+    run(main())
+
+
+def test_a_wrong_token_is_refused_and_the_peer_stays_down(tmp_path: pathlib.Path) -> None:
+    async def main() -> None:
+        token, other = tmp_path / "token", tmp_path / "other"
+        for path in (token, other):
+            path.write_bytes(os.urandom(32).hex().encode())
+            path.chmod(0o600)
+        loopback = Loopback()
+        a = Node("a", loopback, token)
+        b = Node("b", loopback, other, peers=(a.address,))
+        try:
+            await a.peers.start()
+            await b.peers.start()
+            await until(lambda: _peer(b, a) and _peer(b, a).last_error, "B's refused handshake")
+            assert "token" in b.peers.peers[a.address].last_error
+            assert not b.peers.peers[a.address].up and not a.peers.by_node
+        finally:
+            for node in (b, a):
+                await node.close()
+                node.dispose()
+
+    run(main())
+
+
+# --- the pull -------------------------------------------------------------------------
+
+
+def test_a_pull_end_to_end_frees_both_sides_and_gives_credits_back(
+    tmp_path: pathlib.Path,
+) -> None:
+    async def main() -> None:
+        async with two_nodes(tmp_path) as (a, b):
+            writer, reader = a.session(WRITER), b.session(READER)
+            data = os.urandom(3 * SLOT + 123)
+            ref = await a.put(writer, data)
+            gate = b.transport.hold()
+            fetch = asyncio.ensure_future(b.peers.fetch(reader, ref, BOUND))
+            await gate.entered(BOUND)
+            assert b.credits_out() == 1 and b.peers.peers[a.address].in_flight == 1
+            gate.release()
+            local = await asyncio.wait_for(fetch, BOUND)
+            assert _sha(b.read(local)) == _sha(data)
+            assert b.credits_out() == 0 and b.peers.peers[a.address].in_flight_max == 1
+            assert len(b.pulls) == 1
+            # The verified copy frees the writer's lease (a lingering Release notice).
+            await until(lambda: not a.leases.leases, "A to free the pulled lease")
+            b.release(reader, local)
+            assert not b.leases.leases and b.arena.used_bytes == 0
+            a.leases.close_session(writer.id)
+            assert a.arena.used_bytes == 0
+
+    run(main())
+
+
+def test_a_pull_that_finds_the_writers_lease_reused_is_stale(tmp_path: pathlib.Path) -> None:
+    async def main() -> None:
+        async with two_nodes(tmp_path) as (a, b):
+            writer, reader = a.session(WRITER), b.session(READER)
+            ref = await a.put(writer, os.urandom(SLOT))
+            m = DataRef.from_bytes(ref).proto
+            gate = b.transport.hold()
+            fetch = asyncio.ensure_future(b.peers.fetch(reader, ref, BOUND))
+            await gate.entered(BOUND)
+            # The writer's daemon frees the lease (and zeroes its header) mid-copy.
+            assert a.leases.release_from_peer(m.lease.lease_id, m.lease.generation, None)
+            gate.release()
+            with pytest.raises(StaleRefError):
+                await asyncio.wait_for(fetch, BOUND)
+            assert not b.leases.leases and b.arena.used_bytes == 0 and b.credits_out() == 0
+
+    run(main())
+
+
+def test_a_pull_that_times_out_in_flight_keeps_run_and_credit_until_it_settles(
+    tmp_path: pathlib.Path,
+) -> None:
+    async def main() -> None:
+        async with two_nodes(tmp_path) as (a, b):
+            writer, reader = a.session(WRITER), b.session(READER)
+            ref = await a.put(writer, os.urandom(2 * SLOT))
+            gate = b.transport.hold()
+            fetch = asyncio.ensure_future(b.peers.fetch(reader, ref, 0.2))
+            await gate.entered(BOUND)
+            with pytest.raises(PullTimeoutError) as late:
+                await asyncio.wait_for(fetch, BOUND)
+            assert late.value.in_flight is True
+            # Bytes may still land: the run and the credit stay out of use.
+            assert b.leases.leases and b.arena.used_bytes > 0 and b.credits_out() == 1
+            gate.release()
+            await until(lambda: b.arena.used_bytes == 0, "the quarantined run to come back")
+            assert not b.leases.leases and b.credits_out() == 0
+
+    run(main())
+
+
+def test_peer_loss_fails_a_pending_pull_and_leaves_nothing_held(tmp_path: pathlib.Path) -> None:
+    async def main() -> None:
+        async with two_nodes(tmp_path) as (a, b):
+            writer, reader = a.session(WRITER), b.session(READER)
+            ref = await a.put(writer, os.urandom(SLOT))
+            gate = b.transport.hold()
+            fetch = asyncio.ensure_future(b.peers.fetch(reader, ref, BOUND))
+            await gate.entered(BOUND)
+            b.changed.clear()
+            await a.close()  # node A's daemon goes away with the pull in flight
+            with pytest.raises(PeerUnavailableError):
+                await asyncio.wait_for(fetch, BOUND)
+            assert not b.leases.leases and b.arena.used_bytes == 0 and b.credits_out() == 0
+            await asyncio.wait_for(b.changed.wait(), BOUND)
+            assert (a.settings.node_id, None) in b.stage_events
+            assert not b.peers.peers[a.address].up
+            with pytest.raises(PeerUnavailableError, match="down"):
+                await b.peers.fetch(reader, ref, BOUND)
+            assert b.credits_out() == 0
+
+    run(main())
+
+
+# --- the push -------------------------------------------------------------------------
+
+
+@asynccontextmanager
+async def pushing_nodes(tmp_path: pathlib.Path) -> AsyncIterator[tuple[Node, Node, Session]]:
+    """Two nodes with pushes on; A holds B's push grant and knows B serves READER."""
+    async with two_nodes(tmp_path, push_grant_size=16 * SLOT) as (a, b):
+        reader = b.session(READER)
+        await until(lambda: b.address in a.peers.push.out, "A to hold B's push grant")
+        await until(lambda: a.peers.serving(READER) is not None, "A to hear B's stages")
+        yield a, b, reader
+
+
+def test_a_push_lands_and_the_reader_gets_a_local_lease(tmp_path: pathlib.Path) -> None:
+    async def main() -> None:
+        async with pushing_nodes(tmp_path) as (a, b, reader):
+            given = b.arena.used_bytes  # the push grant B gave A
+            assert given == 16 * SLOT
+            writer = a.session(WRITER)
+            data = os.urandom(2 * SLOT + 5)
+            ref = await a.put(writer, data, push=True)
+            local = await b.peers.fetch(reader, ref, BOUND)
+            assert _sha(b.read(local)) == _sha(data)
+            assert a.transport.transfers == 1 and b.transport.transfers == 0  # no pull
+            assert not a.leases.leases  # freed on the writer's node once it landed
+            assert a.peers.push.counts[b.address].out == 1
+            assert b.peers.push.counts[a.address].into == 1
+            assert a.credits_out() == 0
+            grant = a.peers.push.out[b.address]
+            assert grant.alloc.free_runs() != [(0, grant.nslots)]  # the landed run is out
+            b.release(reader, local)
+            # The run goes back to A's grant by a (lingering) Freed notice.
+            await until(lambda: grant.alloc.free_runs() == [(0, grant.nslots)], "the freed run")
+            assert not b.leases.leases and b.arena.used_bytes == given
+
+    run(main())
+
+
+def test_a_push_that_fails_falls_back_to_the_pull(tmp_path: pathlib.Path) -> None:
+    async def main() -> None:
+        async with pushing_nodes(tmp_path) as (a, b, reader):
+            writer = a.session(WRITER)
+            data = os.urandom(SLOT + 1)
+            a.transport.fail_next()
+            ref = await a.put(writer, data, push=True)
+            local = await b.peers.fetch(reader, ref, BOUND)
+            assert _sha(b.read(local)) == _sha(data)
+            assert a.transport.transfers == 0 and b.transport.transfers == 1  # pulled
+            assert a.peers.push.counts[b.address].declined == 1
+            assert b.peers.push.counts[a.address].reads_pulled == 1
+            assert a.credits_out() == 0 and b.credits_out() == 0
+            b.release(reader, local)
+            await until(lambda: not a.leases.leases, "A to free the pulled lease")
+
+    run(main())
+
+
+def test_a_lost_peer_fails_the_awaited_push_and_its_grant_is_quarantined(
+    tmp_path: pathlib.Path,
+) -> None:
+    async def main() -> None:
+        async with pushing_nodes(tmp_path) as (a, b, reader):
+            given = b.arena.used_bytes
+            writer = a.session(WRITER)
+            gate = a.transport.hold()  # the push write waits at A
+            ref = await a.put(writer, os.urandom(SLOT), push=True)
+            await gate.entered(BOUND)
+            fetch = asyncio.ensure_future(b.peers.fetch(reader, ref, BOUND))
+            b.changed.clear()
+            await a.close()
+            with pytest.raises(PeerUnavailableError):
+                await asyncio.wait_for(fetch, BOUND)
+            await asyncio.wait_for(b.changed.wait(), BOUND)
+            lost = time.monotonic()
+            assert a.settings.node_id not in b.peers.push.given
+            assert not b.leases.leases and b.credits_out() == 0
+            # A write of the lost peer may still land in the grant: it stays out of use
+            # for QUARANTINE_TIMEOUTS peer timeouts, then goes back to the arena.
+            if time.monotonic() - lost < QUARANTINE_TIMEOUTS * PEER_TIMEOUT:
+                assert b.arena.used_bytes == given
+            await until(lambda: b.arena.used_bytes == 0, "the quarantined grant to come back")
+
+    run(main())
