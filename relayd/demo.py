@@ -11,11 +11,9 @@ the daemon's view at the end.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ctypes
 import hashlib
 import multiprocessing as mp
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -24,9 +22,14 @@ from typing import Any
 
 from relayd_client.wire.paths import default_socket_path
 
+from . import launch
+from .launch import DaemonProcess
+
+DAEMON_READY_S, DAEMON_STOP_S = 60.0, 30.0
+
 
 def _digest(t: Any) -> str:
-    # No numpy: a minimal install of the client does not bring it.
+    # The bytes where they lie: bfloat16, the hidden states' dtype, has no numpy twin.
     t = t.contiguous()
     return hashlib.sha256(ctypes.string_at(t.data_ptr(), t.numel() * t.element_size())).hexdigest()[
         :16
@@ -91,28 +94,17 @@ def _talker(socket: str, conn: Connection, result: Connection) -> None:
     asyncio.run(run())
 
 
-def _daemon_alive(socket: str) -> bool:
-    from relayd.status_view import fetch_status
-
-    try:
-        fetch_status(socket, timeout=1)
-        return True
-    except Exception:
-        return False
-
-
 def run_demo(*, socket: str | None, chunks: int, chunk_bytes: int) -> int:
     socket = socket or default_socket_path()
-    daemon: subprocess.Popen[bytes] | None = None
-    if not _daemon_alive(socket):
+    daemon: DaemonProcess | None = None
+    if launch.health(socket):
         print(f"starting relayd on {socket} (embedded default)", flush=True)
-        daemon = subprocess.Popen([sys.executable, "-m", "relayd", "serve", "--socket", socket])
-        deadline = time.monotonic() + 60
-        while not _daemon_alive(socket):
-            if daemon.poll() is not None or time.monotonic() > deadline:
-                print("relayd did not start; see its log above", file=sys.stderr)
-                return 1
-            time.sleep(0.1)
+        daemon = DaemonProcess.serve(socket)  # its log goes to this terminal
+        try:
+            daemon.start(DAEMON_READY_S)
+        except launch.DaemonStartError as exc:
+            print(f"relayd did not start ({exc}); see its log above", file=sys.stderr)
+            return 1
     else:
         print(f"using the relayd already serving on {socket}", flush=True)
     ctx = mp.get_context("spawn")
@@ -151,7 +143,4 @@ def run_demo(*, socket: str | None, chunks: int, chunk_bytes: int) -> int:
             if p.is_alive():
                 p.kill()
         if daemon is not None:
-            daemon.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                daemon.wait(30)
-            print(f"relayd stopped (exit {daemon.returncode})")
+            print(f"relayd stopped (exit {daemon.stop(timeout_s=DAEMON_STOP_S)})")

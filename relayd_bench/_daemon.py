@@ -1,9 +1,9 @@
 """The relayd daemon the relayd methods talk to: started here, or an already running one.
 
-Started: ``python -m relayd serve --socket <tmp>/relayd.sock --shm-pool-size 512MiB``
-in its own session (a Ctrl-C at the terminal reaches the benchmark, which then
-stops the daemon with SIGTERM so it drains and unlinks its segments). Ready means
-the socket exists and the standard gRPC health service answers SERVING.
+Started: ``relayd.launch.DaemonProcess`` serving on ``<tmp>/relayd.sock`` with a
+``--shm-pool-size 512MiB`` arena, in its own session (a Ctrl-C at the terminal
+reaches the benchmark, which then stops the daemon with SIGTERM so it drains and
+unlinks its segments). Ready means the standard gRPC health service answers SERVING.
 
 A pair (:func:`start_pair`, for relayd-mooncake) is two such daemons as two nodes
 on loopback, configured as the two-daemon tests do: distinct node ids (so distinct
@@ -21,10 +21,7 @@ import contextlib
 import dataclasses
 import os
 import secrets
-import signal
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,6 +29,7 @@ from typing import Any
 
 from relayd_client.wire.peercred import peer_credentials
 
+from relayd.launch import DaemonProcess, DaemonStartError, wait_serving
 from relayd_bench._netns import Netns
 
 SHM_DIR = Path("/dev/shm")
@@ -49,19 +47,20 @@ class DaemonError(RuntimeError):
 class Daemon:
     socket: str
     pid: int | None
-    started: bool
-    proc: subprocess.Popen[bytes] | None = None
-    log_path: Path | None = None
+    process: DaemonProcess | None = None  # None: a daemon the bench did not start
     exit_code: int | None = None
     leftover_segments: tuple[str, ...] = ()
     transfers: dict[str, int] | None = None  # transfers_by_transport just before the stop
     _owned: frozenset[str] | None = None
 
+    @property
+    def started(self) -> bool:
+        return self.process is not None
+
     def log_tail(self, lines: int = 15) -> str:
-        if self.log_path is None or not self.log_path.exists():
+        if self.process is None:
             return ""
-        text = self.log_path.read_text(errors="replace").splitlines()
-        return "\n".join(text[-lines:])
+        return "\n".join(self.process.log_tail().splitlines()[-lines:])
 
     def record_transfers(self) -> None:
         """Remember how many transfers the daemon moved over each transport (best effort)."""
@@ -73,24 +72,18 @@ class Daemon:
 
     def terminate(self) -> None:
         """Send SIGTERM (drain) without waiting, so several daemons drain at once."""
-        if self.proc is None or self._owned is not None:
+        if self.process is None or self.process.proc is None or self._owned is not None:
             return
         # Ours are the segments it has open: other daemons may share this host's /dev/shm.
-        self._owned = shm_files_of(self.proc.pid)
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+        self._owned = shm_files_of(self.process.pid)
+        self.process.terminate()
 
     def stop(self) -> None:
         """SIGTERM (drain), then SIGKILL after a grace period; note segments it left behind."""
-        if self.proc is None:
+        if self.process is None or self.process.proc is None:
             return
         self.terminate()
-        try:
-            self.proc.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.exit_code = self.proc.returncode
+        self.exit_code = self.process.stop(timeout_s=STOP_TIMEOUT_S)
         owned = self._owned or frozenset()
         self.leftover_segments = tuple(sorted(n for n in owned if os.path.exists(SHM_DIR / n)))
 
@@ -106,8 +99,9 @@ class Daemon:
 
     def _await_ready(self, timeout_s: float) -> None:
         """Wait until it serves; on failure stop it and say why, with its last log lines."""
+        assert self.process is not None
         try:
-            wait_ready(self.socket, timeout_s, self.proc)
+            wait_serving(self.socket, timeout_s, self.process.proc)
         except BaseException as exc:
             self.stop()
             said = " | ".join(
@@ -145,25 +139,25 @@ def _spawn(
     name: str,
     args: Sequence[str] = (),
     prefix: Sequence[str] = (),
+    settings: dict[str, object] | None = None,
 ) -> Daemon:
-    sock = tmpdir / f"{name}.sock"
-    log = tmpdir / f"{name}.log"
     # `ip netns exec` execs the command, so the pid stays the daemon's
-    cmd = [*prefix, sys.executable, "-m", "relayd", "serve", "--socket", str(sock)]
-    cmd += ["--shm-pool-size", pool_size, *args]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            cmd,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    return Daemon(str(sock), proc.pid, True, proc, log)
+    process = DaemonProcess.serve(
+        str(tmpdir / f"{name}.sock"),
+        *args,
+        settings={"shm_pool_size": pool_size, **(settings or {})},
+        prefix=prefix,
+        log_path=str(tmpdir / f"{name}.log"),
+        new_session=True,
+    )
+    process.spawn()
+    return Daemon(process.socket, process.pid, process)
 
 
-def start(tmpdir: Path, pool_size: str, timeout_s: float) -> Daemon:
-    d = _spawn(tmpdir, pool_size, "relayd")
+def start(
+    tmpdir: Path, pool_size: str, timeout_s: float, settings: dict[str, object] | None = None
+) -> Daemon:
+    d = _spawn(tmpdir, pool_size, "relayd", settings=settings)
     d._await_ready(timeout_s)
     return d
 
@@ -216,8 +210,8 @@ def wait_peered(d: Daemon, peer_address: str, deadline: float) -> None:
     """Until ``d`` reports the peer at ``peer_address`` up, or DaemonError at ``deadline``."""
     why = "not listed yet"
     while True:
-        if d.proc is not None and d.proc.poll() is not None:
-            raise DaemonError(f"{d.socket}: relayd exited with code {d.proc.returncode}")
+        if d.process is not None and not d.process.running():
+            raise DaemonError(f"{d.socket}: relayd exited with code {d.process.exit_code}")
         try:
             peers = status(d.socket).get("peers", [])
         except Exception as exc:  # grpc.RpcError, or the daemon going away
@@ -246,8 +240,8 @@ def status(sock: str, timeout_s: float = 5.0) -> dict[str, Any]:
 
 def attach(sock: str, timeout_s: float) -> Daemon:
     """An already running daemon: check it answers, and find its pid for CPU accounting."""
-    wait_ready(sock, timeout_s, None)
-    return Daemon(sock, peer_pid(sock), False)
+    wait_ready(sock, timeout_s)
+    return Daemon(sock, peer_pid(sock))
 
 
 def peer_pid(path: str) -> int | None:
@@ -265,48 +259,8 @@ def peer_pid(path: str) -> int | None:
         s.close()
 
 
-def wait_ready(sock: str, timeout_s: float, proc: subprocess.Popen[bytes] | None) -> None:
-    deadline = time.monotonic() + timeout_s
-    why = "socket not created"
-    while True:
-        if proc is not None and proc.poll() is not None:
-            raise DaemonError(
-                f"relayd serve exited with code {proc.returncode} before it was ready"
-            )
-        if os.path.exists(sock):
-            why = _health(sock)
-            if not why:
-                return
-        if time.monotonic() > deadline:
-            raise DaemonError(f"daemon not ready after {timeout_s:.0f} s ({why})")
-        time.sleep(POLL_S)
-
-
-def _health(sock: str) -> str:
-    """'' when the health service says SERVING, else why not."""
+def wait_ready(sock: str, timeout_s: float) -> None:
     try:
-        import grpc
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-    except ImportError:
-        return _connectable(sock)
-    try:
-        with grpc.insecure_channel(f"unix:{sock}") as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
-    except grpc.RpcError as exc:
-        return f"health check: {exc.code().name}"
-    if reply.status != health_pb2.HealthCheckResponse.SERVING:
-        return f"health: {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}"
-    return ""
-
-
-def _connectable(sock: str) -> str:
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        s.settimeout(1.0)
-        s.connect(sock)
-        return ""
-    except OSError as exc:
-        return f"connect: {exc}"
-    finally:
-        s.close()
+        wait_serving(sock, timeout_s)
+    except DaemonStartError as exc:
+        raise DaemonError(str(exc)) from None

@@ -24,8 +24,6 @@ import asyncio
 import contextlib
 import json
 import multiprocessing as mp
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,7 +31,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from relayd_bench import _daemon
+from relayd.launch import DaemonProcess, DaemonStartError
 from relayd_bench._stats import Result, Status, add_ratios, machine_info, summarize, to_json
 from relayd_bench._table import render_table
 
@@ -43,6 +41,7 @@ METHODS = (FLOOR, "cuda_ipc_pool", "cuda_ipc_direct")
 # How long one side waits for the other before the method is marked failed.
 ANSWER_TIMEOUT_S = 30.0
 GPU_POOL = "512MiB"  # the largest payload four times over: never the bottleneck
+DAEMON_READY_S, DAEMON_STOP_S = 60.0, 20.0
 
 
 def _iterations(quick: bool) -> tuple[int, int]:
@@ -138,29 +137,28 @@ def _arena_bytes() -> int:
     return max(8 << 20, min(64 << 20, (free - SHM_MARGIN - (4 << 20)) & ~((1 << 20) - 1)))
 
 
-def _start_daemon(tmp: Path) -> subprocess.Popen[bytes]:
-    sock = tmp / "relayd.sock"
-    cmd = [sys.executable, "-m", "relayd", "serve", "--socket", str(sock)]
-    cmd += ["--shm-pool-size", str(_arena_bytes()), "--gpu-pool-size", GPU_POOL]
-    # Page-locking the arena would need RLIMIT_MEMLOCK and buys these methods nothing.
-    cmd += ["--pin-host-memory", "off"]
-    with open(tmp / "relayd.log", "wb") as log:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+def _start_daemon(tmp: Path) -> DaemonProcess:
+    daemon = DaemonProcess.serve(
+        str(tmp / "relayd.sock"),
+        settings={
+            "shm_pool_size": _arena_bytes(),
+            "gpu_pool_size": GPU_POOL,
+            # Page-locking the arena would need RLIMIT_MEMLOCK and buys these methods nothing.
+            "pin_host_memory": "off",
+        },
+        log_path=str(tmp / "relayd.log"),
+    )
     try:
-        _daemon.wait_ready(str(sock), 60.0, proc)
-    except BaseException as exc:
-        proc.kill()
-        proc.wait(10)
-        tail = (tmp / "relayd.log").read_text(errors="replace")[-2000:]
-        print(f"relayd serve did not start ({exc}); its log ends with:\n{tail}", file=sys.stderr)
+        return daemon.start(DAEMON_READY_S)
+    except DaemonStartError as exc:
+        print(f"relayd serve did not start: {exc}", file=sys.stderr)
         raise
-    return proc
 
 
 def _relayd_methods(sizes: tuple[int, ...], warmup: int, n: int, results: list[Result]) -> None:
     with tempfile.TemporaryDirectory(prefix="relayd-gpu-bench-") as tmp:
         try:
-            proc = _start_daemon(Path(tmp))
+            daemon = _start_daemon(Path(tmp))
         except Exception as exc:
             for method in METHODS[1:]:
                 for size in sizes:
@@ -168,7 +166,7 @@ def _relayd_methods(sizes: tuple[int, ...], warmup: int, n: int, results: list[R
                         Result(method, size, Status.FAILED, reason=f"daemon: {exc}"[:200])
                     )
             return
-        sock = os.path.join(tmp, "relayd.sock")
+        sock = daemon.socket
         ctx = mp.get_context("spawn")  # CUDA cannot be used in a forked child
         try:
             for method in METHODS[1:]:
@@ -191,11 +189,7 @@ def _relayd_methods(sizes: tuple[int, ...], warmup: int, n: int, results: list[R
                     if reader.is_alive():
                         reader.kill()
         finally:
-            proc.terminate()
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            daemon.stop(timeout_s=DAEMON_STOP_S)
 
 
 def _ok(method: str, size: int, warmup: int, samples: list[int]) -> Result:

@@ -13,8 +13,7 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from relayd.launch import DaemonProcess, serve_argv
 
 READY_TIMEOUT = 30.0
 
@@ -60,7 +59,13 @@ def wait_until(predicate: Any, timeout: float, what: str, interval: float = 0.02
         time.sleep(interval)
 
 
-class Daemon:
+class Daemon(DaemonProcess):
+    """``relayd.launch.DaemonProcess`` with the tests' defaults and probes.
+
+    ``args``, ``env``, ``socket`` and ``log_path`` may be changed before ``start()``
+    (another uid's ``setpriv`` prefix, the embedded default socket).
+    """
+
     def __init__(
         self,
         tmp: str,
@@ -72,65 +77,40 @@ class Daemon:
     ) -> None:
         self.dir = tmp
         self.node_id = node_id
-        self.socket = os.path.join(tmp, "relayd.sock")
         self.metrics_port = free_port() if metrics else 0
-        self.args = [
-            sys.executable,
-            "-m",
-            "relayd",
-            "serve",
-            "--socket",
-            self.socket,
-            "--shm-pool-size",
-            pool,
-            "--node-id",
-            node_id,
-            # Unread test data should not hold a stopping daemon for the 10 s default.
-            "--drain-grace",
-            "5",
-            *args,
-        ]
+        socket = os.path.join(tmp, "relayd.sock")
         if metrics:
-            self.args += ["--metrics-address", f"127.0.0.1:{self.metrics_port}"]
-        self.env = {**os.environ, **(env or {})}
-        self.proc: subprocess.Popen[bytes] | None = None
+            args = (*args, "--metrics-address", f"127.0.0.1:{self.metrics_port}")
+        argv = serve_argv(
+            socket,
+            *args,
+            # Unread test data should not hold a stopping daemon for the 10 s default.
+            settings={"shm_pool_size": pool, "node_id": node_id, "drain_grace": 5},
+        )
+        super().__init__(
+            socket,
+            argv,
+            env={**os.environ, **(env or {})},
+            log_path=os.path.join(tmp, "daemon.log"),
+        )
         self.epoch = ""
-        self.log_path = os.path.join(tmp, "daemon.log")
 
-    def start(self) -> Daemon:
-        with open(self.log_path, "ab") as log:  # the child keeps its own descriptor
-            self.proc = subprocess.Popen(
-                self.args, stdout=log, stderr=subprocess.STDOUT, env=self.env
-            )
-        _DAEMONS.append(self.proc)
-        wait_until(self._serving, READY_TIMEOUT, f"relayd to serve on {self.socket}\n{self.log()}")
+    @property
+    def args(self) -> list[str]:
+        return self.argv
+
+    @args.setter
+    def args(self, argv: list[str]) -> None:
+        self.argv = argv
+
+    def start(self, timeout_s: float = READY_TIMEOUT) -> Daemon:
+        _DAEMONS.append(self.spawn())
+        self.wait_serving(timeout_s)
         self.epoch = str(self.status()["daemon_epoch"])
         return self
 
-    def _serving(self) -> bool:
-        assert self.proc is not None
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"relayd exited with {self.proc.returncode}:\n{self.log()}")
-        if not os.path.exists(self.socket):
-            return False
-        try:
-            with grpc.insecure_channel(f"unix:{self.socket}") as ch:
-                resp = health_pb2_grpc.HealthStub(ch).Check(
-                    health_pb2.HealthCheckRequest(), timeout=1
-                )
-            return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)
-        except grpc.RpcError:
-            return False
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
     def log(self) -> str:
-        with contextlib.suppress(OSError), open(self.log_path, errors="replace") as fh:
-            return fh.read()[-8000:]
-        return ""
+        return self.log_tail()
 
     def status(self) -> dict[str, Any]:
         from relayd.status_view import fetch_status
@@ -152,17 +132,10 @@ class Daemon:
         prefix = f"relayd.{self.node_id}.{self.epoch}."
         return [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
 
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
-        if self.proc is None:
-            return 0
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        try:
-            rc = self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-            raise AssertionError(f"relayd did not stop within {timeout}s:\n{self.log()}") from None
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> int:
+        rc = super().stop(sig, timeout_s)
+        if self.killed:
+            raise AssertionError(f"relayd did not stop within {timeout_s}s:\n{self.log()}")
         return rc
 
 
@@ -172,7 +145,7 @@ def running_daemon(tmp: str, *args: str, **kw: Any) -> Iterator[Daemon]:
     try:
         yield d
     finally:
-        if d.proc is not None and d.proc.poll() is None:
+        if d.running():
             d.stop()
 
 
