@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from relayd_client.wire.names import printable
+from relayd_client.wire.proto import relay_pb2 as pb
 
 from . import edgeview
 
@@ -105,6 +106,12 @@ def _lease_state(value: Any) -> str:
     return _enum_name(value or "unspecified", "LEASE_STATE_")
 
 
+def _daemon_state(value: Any) -> str:
+    if isinstance(value, int):
+        value = pb.DaemonState.Name(value) if value in pb.DaemonState.values() else "?"
+    return _enum_name(value or "?", "DAEMON_STATE_")
+
+
 def _counts(mapping: Any, prefix: str) -> dict[str, int]:
     if not isinstance(mapping, Mapping):
         return {}
@@ -185,7 +192,7 @@ def _header(d: Mapping[str, Any]) -> list[str]:
     pieces = [
         f"node {d.get('node_id') or '?'}",
         f"epoch {d.get('daemon_epoch') or '?'}",
-        f"state {str(d.get('state') or '?').upper()}",
+        f"state {_daemon_state(d.get('state')).upper()}",
         f"up {format_duration(_float(d.get('uptime_seconds')))}",
     ]
     version = d.get("version")

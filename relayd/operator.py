@@ -99,8 +99,8 @@ def operator_session(socket_path: str, timeout: float = 5.0) -> Iterator[Operato
             while True:
                 frame = _read_frame(sock)
                 for ev in frame.event:
-                    if ev.kind == "error":
+                    if ev.kind == pb.EVENT_KIND_ERROR:
                         raise error_from_code(ev.code, ev.message)
-                if any(ev.kind == "bound" for ev in frame.event):
+                if any(ev.kind == pb.EVENT_KIND_BOUND for ev in frame.event):
                     break
             yield OperatorSession(stub, attach.session_id, attach.session_token)

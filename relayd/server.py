@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import fcntl
 import logging
 import os
@@ -108,11 +109,13 @@ def grpc_server_options(settings: Settings, arena: Arena) -> list[tuple[str, int
     ]
 
 
-class DaemonState:
-    STARTING = "starting"
-    SERVING = "serving"
-    DRAINING = "draining"
-    STOPPED = "stopped"
+class DaemonState(enum.Enum):
+    """Where the daemon is in its lifecycle; one to one with ``relayd.v1.DaemonState``."""
+
+    STARTING = pb.DAEMON_STATE_STARTING
+    SERVING = pb.DAEMON_STATE_SERVING
+    DRAINING = pb.DAEMON_STATE_DRAINING
+    STOPPED = pb.DAEMON_STATE_STOPPED
 
 
 class SocketInUseError(RuntimeError):
@@ -313,7 +316,7 @@ class Daemon:
             self.notifier.watchdog()
 
     async def shutdown(self) -> None:
-        if self.state == DaemonState.STOPPED:
+        if self.state is DaemonState.STOPPED:
             return
         if self._lock_fd < 0:
             # Start-up stopped before it owned the socket (another daemon holds
@@ -548,7 +551,7 @@ class Daemon:
                 for st, n in m.leases_by_state(p.name).items()
             },
             "sessions": len(m.sessions) - len(self.operators),
-            "serving": 1 if self.state == DaemonState.SERVING else 0,
+            "serving": 1 if self.state is DaemonState.SERVING else 0,
             **(self.peers.snapshot() if self.peers is not None else {}),
         }
 
@@ -559,7 +562,7 @@ class Daemon:
         resp = pb.StatusResponse(
             node_id=self.settings.node_id,
             daemon_epoch=self.epoch,
-            state=self.state,
+            state=self.state.value,
             uptime_seconds=now - self.started,
             version=__version__,
         )

@@ -70,7 +70,7 @@ OFFLOAD_BYTES = 8 << 20
 # 50/s stream's chunks, 20 ms apart, share frames, which takes a third off the
 # daemon's CPU per chunk (measured). Nobody waits on them:
 # readers go by the slot header, and a writer short of space flushes its own
-# and has the daemon ask every session for theirs (the "reclaim" event).
+# and has the daemon ask every session for theirs (a RECLAIM event).
 NOTICE_LINGER_S = 0.025
 _ABORTED_MEMORY = 4096
 _LAYOUT_MEMORY = 256  # validated layouts remembered per client (see _checked_specs)
@@ -337,7 +337,7 @@ class RelayClient:
         A process in another IPC/mount namespace (a container without the
         host's /dev/shm) cannot open the segments, or opens a same-named file
         that is not the daemon's: the daemon compares the nonce and answers
-        with the session's data path in the "bound" event.
+        with the session's data path in the BOUND event.
         """
         import torch
 
@@ -1863,21 +1863,22 @@ class RelayClient:
         for ab in frame.aborted:
             self._remember_aborted(ab.request_id)
         for ev in frame.event:
-            if ev.kind == "bound":
-                self.socket_fallback = ev.message == "socket"
-                self.registry_version = ev.registry_version
-            elif ev.kind == "registry":
-                if ev.registry_version != self.registry_version:
+            match ev.kind:
+                case pb.EVENT_KIND_BOUND:
+                    self.socket_fallback = ev.message == "socket"
                     self.registry_version = ev.registry_version
-                    self._routes.clear()
-                    self._remote_stages.clear()
-            elif ev.kind == "draining":
-                self._draining = True
-            elif ev.kind == "reclaim":  # the daemon is short of space
-                self._return_idle_grants()
-                self._session.flush()  # lingering releases free some too
-            elif ev.kind == "error":
-                log.warning("relayd: %s", ev.message)
+                case pb.EVENT_KIND_REGISTRY:
+                    if ev.registry_version != self.registry_version:
+                        self.registry_version = ev.registry_version
+                        self._routes.clear()
+                        self._remote_stages.clear()
+                case pb.EVENT_KIND_DRAINING:
+                    self._draining = True
+                case pb.EVENT_KIND_RECLAIM:  # the daemon is short of space
+                    self._return_idle_grants()
+                    self._session.flush()  # lingering releases free some too
+                case pb.EVENT_KIND_ERROR:
+                    log.warning("relayd: %s", ev.message)
 
     def _on_lost(self) -> None:
         if self.state is ClientState.OPENED:

@@ -350,10 +350,14 @@ class SessionChannel:
                     raise DaemonUnavailableError(f"daemon sent a {n}-byte frame")
                 frame = decode_frame(await self._reader.readexactly(n))
                 for ev in frame.event:
-                    if ev.kind == "bound" and self._bound is not None and not self._bound.done():
-                        self._bound.set_result(None)
-                    elif ev.kind == "error" and self._bound is not None and not self._bound.done():
-                        self._bound.set_exception(error_from_code(ev.code, ev.message))
+                    bound = self._bound
+                    if bound is None or bound.done():
+                        break
+                    match ev.kind:
+                        case pb.EVENT_KIND_BOUND:
+                            bound.set_result(None)
+                        case pb.EVENT_KIND_ERROR:
+                            bound.set_exception(error_from_code(ev.code, ev.message))
                 if frame.fetched:
                     self._answer(frame)
                 if frame.keyed_result:

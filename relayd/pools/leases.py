@@ -541,7 +541,7 @@ class LeaseManager:
             # Freed notices go now, and every other session is asked to return
             # its idle grants and to send the releases it holds back.
             self._send_freed()
-            reclaim = pb.SessionFrame(event=[pb.Event(kind="reclaim")])
+            reclaim = pb.SessionFrame(event=[pb.Event(kind=pb.EVENT_KIND_RECLAIM)])
             for s in self.sessions.values():
                 if s.sink is not None and s is not session:
                     s.sink(reclaim)
@@ -1249,7 +1249,9 @@ class LeaseManager:
         log.warning("session %s: %s", session.id, message, extra={"session_id": session.id})
         if session.sink is not None:
             session.sink(
-                pb.SessionFrame(event=[pb.Event(kind="error", code=code, message=message)])
+                pb.SessionFrame(
+                    event=[pb.Event(kind=pb.EVENT_KIND_ERROR, code=code, message=message)]
+                )
             )
 
     # -- abort, TTL, drain ----------------------------------------------------------
@@ -1341,7 +1343,11 @@ class LeaseManager:
         self._waiters.clear()
         frame = pb.SessionFrame(
             event=[
-                pb.Event(kind="draining", code=pb.ERROR_CODE_DRAINING, message="daemon is draining")
+                pb.Event(
+                    kind=pb.EVENT_KIND_DRAINING,
+                    code=pb.ERROR_CODE_DRAINING,
+                    message="daemon is draining",
+                )
             ]
         )
         for s in self.sessions.values():

@@ -12,7 +12,7 @@ Who calls what (all on the daemon's event loop):
   each writer: :func:`relayd.routing.router.route` on the registry's placements.
 
 Every change of the registry is pushed to every session as an Event of kind
-"registry" carrying the new version; clients drop their cached routes.
+``EVENT_KIND_REGISTRY`` carrying the new version; clients drop their cached routes.
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ class Topology:
 
     def _broadcast(self, skip: str = "") -> None:
         frame = pb.SessionFrame(
-            event=[pb.Event(kind="registry", registry_version=self.registry.version)]
+            event=[pb.Event(kind=pb.EVENT_KIND_REGISTRY, registry_version=self.registry.version)]
         )
         for s in self.manager.sessions.values():
             if s.sink is not None and s.id != skip:

@@ -142,7 +142,7 @@ class SessionProtocol(asyncio.Protocol):
         self.on_report = on_report
         self.on_latency = on_latency
         # Topology hooks: place the session once bound (its data path and the
-        # registry version go back in the "bound" event), forget it on close.
+        # registry version go back in the BOUND event), forget it on close.
         self.on_bound = on_bound
         self.on_closed = on_closed
         self.on_ref = on_ref
@@ -282,7 +282,11 @@ class SessionProtocol(asyncio.Protocol):
         if self.transport is not None:
             self.send(
                 pb.SessionFrame(
-                    event=[pb.Event(kind="error", code=cast(pb.ErrorCode, code), message=message)]
+                    event=[
+                        pb.Event(
+                            kind=pb.EVENT_KIND_ERROR, code=cast(pb.ErrorCode, code), message=message
+                        )
+                    ]
                 )
             )
             self.transport.close()
@@ -323,7 +327,9 @@ class SessionProtocol(asyncio.Protocol):
                 path, version = "shm", 0
             self.send(
                 pb.SessionFrame(
-                    event=[pb.Event(kind="bound", message=path, registry_version=version)]
+                    event=[
+                        pb.Event(kind=pb.EVENT_KIND_BOUND, message=path, registry_version=version)
+                    ]
                 )
             )
         cancelled = {x.lease_id for x in f.cancel}

@@ -75,7 +75,7 @@ class RawSession:
             )
         )
         frames, closed = read_frames(self.sock, 5)
-        assert not closed and any(ev.kind == "bound" for ev in events(frames)), frames
+        assert not closed and any(ev.kind == pb.EVENT_KIND_BOUND for ev in events(frames)), frames
 
     def send(self, f: pb.SessionFrame) -> None:
         self.sock.sendall(frame(f))

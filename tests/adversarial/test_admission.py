@@ -116,7 +116,7 @@ def test_an_unbound_session_can_do_nothing_but_bind(tmp_path: object) -> None:
         assert "OK" not in codes.values(), codes
         assert codes["Status(no session)"] == codes["Drain(no session)"] == "PERMISSION_DENIED"
         assert d.proc is not None and d.proc.poll() is None  # not drained
-        assert d.status()["state"] == "serving"
+        assert d.status()["state"] == "DAEMON_STATE_SERVING"
     finally:
         d.stop()
 
@@ -129,7 +129,7 @@ def test_status_details_and_drain_are_for_operators(users: dict[str, User], run_
         assert stage == {"sessions": 0, "pools": 1, "stages": 0, "drain": "PERMISSION_DENIED"}
         # The operator (root here; the daemon's uid or --admin-gid too) sees everything.
         full = d.status()
-        assert full["state"] == "serving"
+        assert full["state"] == "DAEMON_STATE_SERVING"
     finally:
         d.stop()
     d = _daemon_as(users[DAEMON], run_dir, "--admin-gid", str(users[DAEMON].gid))

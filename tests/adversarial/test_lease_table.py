@@ -51,7 +51,7 @@ def _publish(g: pb.GrantResponse, seq: int) -> pb.Publish:
 
 def _alive_and_drains(d: Daemon) -> None:
     assert d.proc is not None and d.proc.poll() is None, d.log()
-    assert d.status()["state"] == "serving"
+    assert d.status()["state"] == "DAEMON_STATE_SERVING"
     _round_trip(d)
     wait_until(lambda: quiet(d), 10, f"arena back to zero: {d.pool()}")
 
@@ -94,7 +94,7 @@ def _two_leases_on_one_run(d: Daemon) -> tuple[pb.GrantResponse, list[pb.Session
 
 
 def _refused(frames: list[pb.SessionFrame], closed: bool, word: str) -> None:
-    errors = [ev for ev in events(frames) if ev.kind == "error"]
+    errors = [ev for ev in events(frames) if ev.kind == pb.EVENT_KIND_ERROR]
     assert closed, f"the session stayed open; events: {errors}"
     assert any(word in ev.message for ev in errors), errors
 

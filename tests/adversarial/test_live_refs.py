@@ -166,7 +166,7 @@ def test_forged_refs_never_read_outside_their_lease(daemon: Daemon) -> None:
 
     asyncio.run(asyncio.wait_for(scenario(), 150))
     st = daemon.status()
-    assert st["state"] == "serving"
+    assert st["state"] == "DAEMON_STATE_SERVING"
     growth = rss_bytes(daemon.pid) - rss_before
     record(
         "forged DataRefs (live)",

@@ -160,7 +160,7 @@ def test_fuzzed_requests_get_typed_statuses_and_the_daemon_survives(daemon: Daem
     growth = rss_bytes(daemon.pid) - rss_before
     record("gRPC fuzz", f"outcomes={outcomes} daemon RSS growth={growth >> 10} KiB")
     assert growth < 96 * MiB
-    assert daemon.status()["state"] == "serving"
+    assert daemon.status()["state"] == "DAEMON_STATE_SERVING"
 
 
 def test_drain_with_bad_grace_is_refused_and_a_good_one_drains(daemon: Daemon) -> None:

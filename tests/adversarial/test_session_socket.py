@@ -69,12 +69,12 @@ def test_garbage_and_forged_frames_close_only_that_connection(daemon: Daemon) ->
         )
     )
     frames, was_closed = read_frames(s, 5)
-    assert was_closed and events(frames)[0].kind == "error"
+    assert was_closed and events(frames)[0].kind == pb.EVENT_KIND_ERROR
     s.close()
     victim.close()
     assert closed == cases, f"{cases - closed} bad connections stayed open"
     st = daemon.status()
-    assert st["state"] == "serving"
+    assert st["state"] == "DAEMON_STATE_SERVING"
     growth = rss_bytes(daemon.pid) - rss_before
     record(
         "session-socket garbage",
@@ -107,11 +107,11 @@ def test_reserve_outside_grant_and_spoofed_writer_are_refused(daemon: Daemon) ->
         frames, was_closed = read_frames(sess.sock, 5)
         assert was_closed, make.__name__
         evs = events(frames)
-        assert evs and evs[0].kind == "error", make.__name__
+        assert evs and evs[0].kind == pb.EVENT_KIND_ERROR, make.__name__
         count("forged session notices")
         sess.close()
     assert daemon.status()["leases_by_state"].get("reserved", "0") == "0"
-    assert daemon.status()["state"] == "serving"
+    assert daemon.status()["state"] == "DAEMON_STATE_SERVING"
 
 
 def test_a_session_cannot_release_claim_or_abort_another_stages_lease(daemon: Daemon) -> None:

@@ -145,6 +145,6 @@ def test_sigkilled_stages_leak_nothing_and_spare_others(tmp_path: object) -> Non
         assert figures["published_lost"] == 0
         assert leaked_segments == []
         assert fds_after <= fds_before + 2, (fds_before, fds_after)
-        assert st["state"] == "serving"
+        assert st["state"] == "DAEMON_STATE_SERVING"
     finally:
         d.stop()

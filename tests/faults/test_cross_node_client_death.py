@@ -322,7 +322,7 @@ def test_sigkilled_stages_across_nodes_leak_nothing(tmp_path: pathlib.Path) -> N
             assert after <= before + 2, (fds_before, fds_after)
             # Two listeners and at most one connection per credit each way, however many died.
             assert pooled_after <= max(pooled_before, 2 + 2 * CREDITS), (fds_before, fds_after)
-        assert sa["state"] == "serving" and sb["state"] == "serving"
+        assert sa["state"] == "DAEMON_STATE_SERVING" and sb["state"] == "DAEMON_STATE_SERVING"
     finally:
         b.stop()
         a.stop()

@@ -115,7 +115,7 @@ def test_daemon_sigkill_gives_clear_errors_then_clients_reattach(
 
     try:
         asyncio.run(asyncio.wait_for(scenario(), 120))
-        assert d.status()["state"] == "serving"
+        assert d.status()["state"] == "DAEMON_STATE_SERVING"
         record("daemon-death", str(figures))
     finally:
         d.stop()

@@ -210,6 +210,6 @@ def test_soak_mixed_traffic_no_growth_no_loss(tmp_path: object) -> None:
         assert trend_ok(s["rss"], slack=16 * MiB), figures
         assert trend_ok(s["fds"], slack=4), figures
         assert trend_ok(s["arena"], slack=64 * MiB), figures
-        assert d.status()["state"] == "serving"
+        assert d.status()["state"] == "DAEMON_STATE_SERVING"
     finally:
         d.stop()

@@ -375,7 +375,7 @@ def test_second_daemon_on_same_socket_refuses(tmp_path: object) -> None:
         )
         assert cp.returncode == 2
         assert b"another relayd" in cp.stderr and str(d.pid).encode() in cp.stderr
-        assert d.status()["state"] == "serving"
+        assert d.status()["state"] == "DAEMON_STATE_SERVING"
 
 
 def test_metrics_endpoint_reports_pools_sessions_and_transfers(tmp_path: object) -> None:

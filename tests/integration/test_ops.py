@@ -42,7 +42,7 @@ def test_relayd_drain_waits_for_inflight_then_exits_clean(tmp_path: object) -> N
     refs = run_worker(["write", "--socket", d.socket, "--sizes", str(MiB)]).stdout.decode()
     cp = _cli("drain", "--socket", d.socket, "--grace", "30")
     assert cp.returncode == 0, cp.stderr
-    wait_until(lambda: d.status()["state"] == "draining", 10, "draining state")
+    wait_until(lambda: d.status()["state"] == "DAEMON_STATE_DRAINING", 10, "draining state")
     health = _cli("health", "--socket", d.socket)
     assert health.returncode == 1 and "NOT_SERVING" in health.stdout
     # In-flight data is still readable while draining, then the daemon exits 0.

@@ -102,7 +102,7 @@ def _edge_traffic_json(spec: list[tuple[Any, ...]]) -> list[dict[str, Any]]:
 STATUS: dict[str, Any] = {
     "node_id": "gpu-node-7-3f9a1c2e",
     "daemon_epoch": "k3x9q2",
-    "state": "serving",
+    "state": "DAEMON_STATE_SERVING",
     "uptime_seconds": 11523.4,
     "pools": [
         {
@@ -310,7 +310,7 @@ def status_response() -> Any:
     resp = pb.StatusResponse(
         node_id="gpu-node-7-3f9a1c2e",
         daemon_epoch="k3x9q2",
-        state="serving",
+        state=pb.DAEMON_STATE_SERVING,
         uptime_seconds=11523.4,
         version="0.1.0",
         leases_by_state={"reserved": 1, "published": 5, "claimed": 1},

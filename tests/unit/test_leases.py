@@ -368,7 +368,7 @@ def test_freed_notices_linger_per_writer_and_not_while_space_is_short(
         assert _freed(bf) == [[b1]]  # what lingered went when the wait began
         # Every other session, readers without grants included, is asked to
         # send what it holds back and return what it does not use.
-        assert any(ev.kind == "reclaim" for f in rf for ev in f.event)
+        assert any(ev.kind == pb.EVENT_KIND_RECLAIM for f in rf for ev in f.event)
         release(b2)
         assert _freed(bf) == [[b1], [b2]]  # no lingering while space is short
         m.return_grant(hog, hog_grant.id)

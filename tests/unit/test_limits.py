@@ -36,7 +36,7 @@ def _session(m: LeaseManager, stage: str, frames: list[pb.SessionFrame]) -> Sess
 
 
 def _errors(frames: list[pb.SessionFrame]) -> list[pb.Event]:
-    return [ev for f in frames for ev in f.event if ev.kind == "error"]
+    return [ev for f in frames for ev in f.event if ev.kind == pb.EVENT_KIND_ERROR]
 
 
 def test_stage_quota_is_shared_by_all_sessions_of_the_stage(arena: Arena) -> None:

@@ -94,7 +94,7 @@ def test_same_process_is_local_object_other_process_shm_wrong_nonce_socket(
 
     frames.clear()
     topo.closed(r.id)
-    assert [f.event[0].kind for f in frames] == ["registry"] * 4  # every live session
+    assert [f.event[0].kind for f in frames] == [pb.EVENT_KIND_REGISTRY] * 4  # every live session
     assert _route(topo, w, "talker").transport == pb.TRANSPORT_SHM  # gone: unknown again
 
 

@@ -51,6 +51,7 @@ from ..wire.errors import (
     StaleRefError,
     UnsafePayloadError,
 )
+from ..wire.proto import relay_pb2 as pb
 from ._plain import plain
 
 log = logging.getLogger(__name__)
@@ -240,8 +241,8 @@ class RelaydConnector(OmniConnectorBase):  # type: ignore[misc]  # vllm-omni is 
             out.update(status="unhealthy", error=f"{type(exc).__name__}: {exc}")
             return out
         out.update(
-            status="healthy" if st.state.lower() == "serving" else "unhealthy",
-            daemon_state=st.state,
+            status="healthy" if st.state == pb.DAEMON_STATE_SERVING else "unhealthy",
+            daemon_state=pb.DaemonState.Name(st.state).removeprefix("DAEMON_STATE_").lower(),
             node_id=st.node_id,
             daemon_epoch=st.daemon_epoch,
             pools=[

@@ -52,6 +52,23 @@ class LeaseState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     LEASE_STATE_PUBLISHED: _ClassVar[LeaseState]
     LEASE_STATE_CLAIMED: _ClassVar[LeaseState]
 
+class EventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    EVENT_KIND_UNSPECIFIED: _ClassVar[EventKind]
+    EVENT_KIND_BOUND: _ClassVar[EventKind]
+    EVENT_KIND_REGISTRY: _ClassVar[EventKind]
+    EVENT_KIND_DRAINING: _ClassVar[EventKind]
+    EVENT_KIND_RECLAIM: _ClassVar[EventKind]
+    EVENT_KIND_ERROR: _ClassVar[EventKind]
+
+class DaemonState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DAEMON_STATE_UNSPECIFIED: _ClassVar[DaemonState]
+    DAEMON_STATE_STARTING: _ClassVar[DaemonState]
+    DAEMON_STATE_SERVING: _ClassVar[DaemonState]
+    DAEMON_STATE_DRAINING: _ClassVar[DaemonState]
+    DAEMON_STATE_STOPPED: _ClassVar[DaemonState]
+
 class HeaderCodec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     HEADER_CODEC_UNSPECIFIED: _ClassVar[HeaderCodec]
@@ -90,6 +107,17 @@ LEASE_STATE_UNSPECIFIED: LeaseState
 LEASE_STATE_RESERVED: LeaseState
 LEASE_STATE_PUBLISHED: LeaseState
 LEASE_STATE_CLAIMED: LeaseState
+EVENT_KIND_UNSPECIFIED: EventKind
+EVENT_KIND_BOUND: EventKind
+EVENT_KIND_REGISTRY: EventKind
+EVENT_KIND_DRAINING: EventKind
+EVENT_KIND_RECLAIM: EventKind
+EVENT_KIND_ERROR: EventKind
+DAEMON_STATE_UNSPECIFIED: DaemonState
+DAEMON_STATE_STARTING: DaemonState
+DAEMON_STATE_SERVING: DaemonState
+DAEMON_STATE_DRAINING: DaemonState
+DAEMON_STATE_STOPPED: DaemonState
 HEADER_CODEC_UNSPECIFIED: HeaderCodec
 HEADER_CODEC_SAFE: HeaderCodec
 HEADER_CODEC_PICKLE: HeaderCodec
@@ -455,7 +483,7 @@ class StatusResponse(_message.Message):
     LATENCY_BUCKET_BOUNDS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     daemon_epoch: str
-    state: str
+    state: DaemonState
     uptime_seconds: float
     pools: _containers.RepeatedCompositeFieldContainer[PoolStatus]
     leases: _containers.RepeatedCompositeFieldContainer[LeaseStatus]
@@ -470,7 +498,7 @@ class StatusResponse(_message.Message):
     edges: _containers.RepeatedCompositeFieldContainer[EdgeStatus]
     edge_traffic: _containers.RepeatedCompositeFieldContainer[EdgeTraffic]
     latency_bucket_bounds: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, node_id: _Optional[str] = ..., daemon_epoch: _Optional[str] = ..., state: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., leases: _Optional[_Iterable[_Union[LeaseStatus, _Mapping]]] = ..., sessions: _Optional[_Iterable[_Union[SessionStatus, _Mapping]]] = ..., leases_by_state: _Optional[_Mapping[str, int]] = ..., transfers_by_transport: _Optional[_Mapping[str, int]] = ..., reclaimed_by_reason: _Optional[_Mapping[str, int]] = ..., version: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., registry_version: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., edges: _Optional[_Iterable[_Union[EdgeStatus, _Mapping]]] = ..., edge_traffic: _Optional[_Iterable[_Union[EdgeTraffic, _Mapping]]] = ..., latency_bucket_bounds: _Optional[_Iterable[float]] = ...) -> None: ...
+    def __init__(self, node_id: _Optional[str] = ..., daemon_epoch: _Optional[str] = ..., state: _Optional[_Union[DaemonState, str]] = ..., uptime_seconds: _Optional[float] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., leases: _Optional[_Iterable[_Union[LeaseStatus, _Mapping]]] = ..., sessions: _Optional[_Iterable[_Union[SessionStatus, _Mapping]]] = ..., leases_by_state: _Optional[_Mapping[str, int]] = ..., transfers_by_transport: _Optional[_Mapping[str, int]] = ..., reclaimed_by_reason: _Optional[_Mapping[str, int]] = ..., version: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., registry_version: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., edges: _Optional[_Iterable[_Union[EdgeStatus, _Mapping]]] = ..., edge_traffic: _Optional[_Iterable[_Union[EdgeTraffic, _Mapping]]] = ..., latency_bucket_bounds: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class EdgeTraffic(_message.Message):
     __slots__ = ("from_stage", "to_stage", "transport", "transfers", "bytes", "put_buckets", "get_buckets", "put_p50_seconds", "put_p99_seconds", "get_p50_seconds", "get_p99_seconds", "put_sum_seconds", "get_sum_seconds")
@@ -822,11 +850,11 @@ class Event(_message.Message):
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     REGISTRY_VERSION_FIELD_NUMBER: _ClassVar[int]
-    kind: str
+    kind: EventKind
     code: ErrorCode
     message: str
     registry_version: int
-    def __init__(self, kind: _Optional[str] = ..., code: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ..., registry_version: _Optional[int] = ...) -> None: ...
+    def __init__(self, kind: _Optional[_Union[EventKind, str]] = ..., code: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ..., registry_version: _Optional[int] = ...) -> None: ...
 
 class FetchCall(_message.Message):
     __slots__ = ("call_id", "data_ref", "timeout_seconds")
