@@ -38,14 +38,14 @@ MIN_MEASURED = 40
 
 # (row label, side, where: "client" for a client method, else "module:attr")
 PUT_STEPS: tuple[tuple[str, str], ...] = (
-    ("flatten payload", "_packing:flatten"),
+    ("flatten payload", "_flatten:flatten"),
     ("header encode", "_codec:encode"),
     ("shape lookup", "client:_shape"),
     ("plan (DataRef fields, inline check)", "client:_plan_put"),
     ("route (cached)", "client:_route"),
     ("lease cut (allocator)", "client:_alloc_local"),
     ("reserve notice", "client:_reserve_notice"),
-    ("copy in", "_packing:pack_at"),
+    ("copy in", "_copies:pack_at"),
     ("seal: slot header, lease fields, publish notice", "client:_seal_lease"),
     ("DataRef serialize + crc (to_bytes)", "dataref:to_bytes"),
 )
@@ -56,10 +56,10 @@ GET_STEPS: tuple[tuple[str, str], ...] = (
     ("lease checks + layout check", "client:_lease_region"),
     ("allocate + copy out", "client:_read_region"),
     ("header re-check + release notice", "client:_end_read"),
-    ("rebuild payload", "_packing:rebuild"),
+    ("rebuild payload", "_flatten:rebuild"),
 )
 # Steps nested in another step: shown, but not subtracted twice from "other".
-NESTED = {"_packing:flatten", "_codec:encode", "client:_shape"}
+NESTED = {"_flatten:flatten", "_codec:encode", "client:_shape"}
 
 
 class _Timers:
@@ -104,10 +104,10 @@ class _Timers:
 @contextlib.contextmanager
 def _instrumented(timers: _Timers, writer: Any, reader: Any) -> Iterator[None]:
     """Wrap every step on the two (inner) client objects and the shared modules."""
-    from relayd_client import _codec, _packing  # type: ignore[import-not-found, unused-ignore]
+    from relayd_client import _codec, _copies, _flatten  # type: ignore[import-not-found, unused-ignore]
     from relayd_client.wire.dataref import DataRef  # type: ignore[import-not-found, unused-ignore]
 
-    modules = {"_packing": _packing, "_codec": _codec}
+    modules = {"_flatten": _flatten, "_copies": _copies, "_codec": _codec}
     undo: list[tuple[Any, str, Any]] = []  # (owner, attribute, what was there; None: delete)
     try:
         for steps, client in ((PUT_STEPS, writer), (GET_STEPS, reader)):

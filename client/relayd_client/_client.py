@@ -25,7 +25,18 @@ from typing import Any
 
 import grpc
 
-from . import _codec, _cuda, _keyed, _local, _packing, _remote
+from . import (
+    _codec,
+    _codec_decode,
+    _copies,
+    _cuda,
+    _flatten,
+    _header_tree,
+    _keyed,
+    _local,
+    _packing,
+    _remote,
+)
 from ._gpu_order import ReadOnce
 from ._grants import Grant, Lease, LeaseTable
 from ._refs import TensorRef, substitute
@@ -586,7 +597,7 @@ class RelayClient:
             key = (to_stage, request_id)
             self._chunks[key] = max(self._chunks.get(key, 0), chunk_id + 1)
         refs: list[TensorRef] = []
-        tree, tensors = _packing.flatten(obj, refs)
+        tree, tensors = _flatten.flatten(obj, refs)
         if pickle:
             header, codec = _codec.encode_pickle(tree), pb.HEADER_CODEC_PICKLE
         else:
@@ -604,7 +615,7 @@ class RelayClient:
             chunk_id is not None and tensors
         ):
             msg.transport = pb.TRANSPORT_INLINE
-            msg.inline_data = _packing.pack_bytes(tensors, specs, total)
+            msg.inline_data = _copies.pack_bytes(tensors, specs, total)
             self._report(pb.TRANSPORT_INLINE, total, to_stage)
             return DataRef(msg)
         if request_id in self._aborted:
@@ -702,7 +713,7 @@ class RelayClient:
             raise InvalidArgumentError(
                 "buffer() needs the shared arena; this client uses the socket fallback"
             )
-        tree, shapes = _packing.flatten(like)
+        tree, shapes = _flatten.flatten(like)
         metas = [torch.empty(t.shape, dtype=t.dtype, device="meta") for t in shapes]
         specs, total = _meta_layout(metas)
         msg = self._new_msg(a, request_id, to_stage, -1 if chunk_id is None else chunk_id)
@@ -711,7 +722,7 @@ class RelayClient:
         _add_layout(msg, specs)
         lease, start = await self._open_lease(msg, total, timeout)
         region = self._views[lease.grant.segment][start : start + total]
-        out = OutBuffer(_packing.rebuild(tree, _packing.unpack(region, specs, copy=False)))
+        out = OutBuffer(_flatten.rebuild(tree, _copies.unpack(region, specs, copy=False)))
         try:
             yield out
         except BaseException:
@@ -746,17 +757,17 @@ class RelayClient:
         view = self._views[lease.grant.segment]
         try:
             if total >= OFFLOAD_BYTES:
-                # Addresses for the worker where it can (see _packing.Copy).
-                plan = _packing.pack_plan(view, start, total, tensors, specs)
+                # Addresses for the worker where it can (see _copies.Copy).
+                plan = _copies.pack_plan(view, start, total, tensors, specs)
                 if plan is not None:
-                    await asyncio.to_thread(_packing.run_copies, plan)
+                    await asyncio.to_thread(_copies.run_copies, plan)
                 else:
                     # CUDA leaves: the copy runs on the caller's streams, after its producer.
                     streams = _cuda.worker_streams(tensors)
                     await asyncio.to_thread(
                         _cuda.run_on_worker,
                         streams,
-                        _packing.pack_at,
+                        _copies.pack_at,
                         view,
                         start,
                         total,
@@ -764,7 +775,7 @@ class RelayClient:
                         specs,
                     )
             elif total:
-                _packing.pack_at(view, start, total, tensors, specs)
+                _copies.pack_at(view, start, total, tensors, specs)
         except BaseException:
             self._cancel_lease(lease)
             raise
@@ -883,7 +894,7 @@ class RelayClient:
         assert self._stub is not None
         buf = bytearray(total)
         if total:
-            _packing.pack_into(torch.frombuffer(buf, dtype=torch.uint8), tensors, specs)
+            _copies.pack_into(torch.frombuffer(buf, dtype=torch.uint8), tensors, specs)
         wait = self.timeout if timeout is None else timeout
         try:
             resp = await self._stub.PutBytes(
@@ -980,7 +991,7 @@ class RelayClient:
         specs, total = _packing.plan_layout([tensor], alignment=ALIGNMENT)
         msg = self._new_msg(a, request_id, consumer_stage, -1)
         msg.header_codec = pb.HEADER_CODEC_SAFE
-        msg.header = _codec.encode(_codec.TensorSlot(0))
+        msg.header = _codec.encode(_header_tree.TensorSlot(0))
         _add_layout(msg, specs)
         return msg, specs, total
 
@@ -1194,12 +1205,12 @@ class RelayClient:
         return tree
 
     def _slot_bounds(self, m: pb.DataRef, tree: Any) -> tuple[int, int]:
-        """:func:`_codec.slot_bounds` of ``tree``, remembered per safe header."""
+        """:func:`_header_tree.slot_bounds` of ``tree``, remembered per safe header."""
         if m.header_codec == pb.HEADER_CODEC_PICKLE:
-            return _codec.slot_bounds(tree)
+            return _header_tree.slot_bounds(tree)
         bounds = self._header_bounds.get(m.header)
         if bounds is None:
-            bounds = _codec.slot_bounds(tree)
+            bounds = _header_tree.slot_bounds(tree)
             if len(m.header) <= _SHAPE_HEADER_BYTES:
                 if len(self._header_bounds) >= _HEADER_MEMORY:
                     self._header_bounds.clear()
@@ -1214,20 +1225,20 @@ class RelayClient:
             specs, tensors = self._read_inline(m)
             if _cuda.restores_on_gpu(specs):  # small CUDA leaves travel inline too
                 tensors = await _cuda.restore_on_device(tensors, specs, copy=False)
-            return _packing.rebuild(tree, tensors)
+            return _flatten.rebuild(tree, tensors)
         # Cross-node: the local daemon pulls the lease into its arena first.
         if transport is Transport.SHM and _remote.is_foreign(ref, self._require_open().node_id):
             m = await _remote.fetch(self._session, self._require_open(), ref, self.timeout)
             if not copy:
                 self._fetched[m.object_id] = m
         if transport in (Transport.CUDA_IPC_POOL, Transport.CUDA_IPC_DIRECT):
-            return _packing.rebuild(tree, await self._get_gpu(m, transport, copy))
+            return _flatten.rebuild(tree, await self._get_gpu(m, transport, copy))
         if transport not in (Transport.SHM, Transport.SOCKET):
             raise PeerUnavailableError(
                 f"{transport.value} DataRefs are not served by this client yet"
             )
         if self.socket_fallback:
-            return _packing.rebuild(tree, await self._get_socket(m))
+            return _flatten.rebuild(tree, await self._get_socket(m))
         seg, start, specs = self._lease_region(m)
         lease = m.lease
         view = self._views[lease.segment]
@@ -1238,17 +1249,17 @@ class RelayClient:
             # Only a copy is worth a thread: a view is the same few
             # microseconds at any size, and the hand-off alone costs ~100.
             self._claim(m)
-            # Allocated on this thread (see _packing.allocate), copied on a
-            # worker that is given addresses only (see _packing.Copy).
-            tensors = _packing.allocate(specs)
-            plan = _packing.copy_plan(view.data_ptr() + start, specs, tensors)
-            await asyncio.to_thread(_packing.run_copies, plan)
+            # Allocated on this thread (see _copies.allocate), copied on a
+            # worker that is given addresses only (see _copies.Copy).
+            tensors = _copies.allocate(specs)
+            plan = _copies.copy_plan(view.data_ptr() + start, specs, tensors)
+            await asyncio.to_thread(_copies.run_copies, plan)
         else:
             tensors = self._read_region(m, view, start, specs, host_copy)
         if on_gpu:
             tensors = await _cuda.restore_on_device(tensors, specs, copy)
         self._end_read(m, seg, copy)
-        return _packing.rebuild(tree, tensors)
+        return _flatten.rebuild(tree, tensors)
 
     def _check_readable(self, m: pb.DataRef) -> None:
         if m.to_stage not in self.stages:
@@ -1273,7 +1284,7 @@ class RelayClient:
             data = m.inline_data
             # One allocation and a memcpy per tensor, straight from the bytes.
             specs = self._checked_specs(m, len(data))
-            return specs, _packing.unpack_bytes(data, specs)
+            return specs, _copies.unpack_bytes(data, specs)
         except BaseException:
             with self._table.lock:
                 self._inline_reads.forget(key)
@@ -1289,8 +1300,8 @@ class RelayClient:
     ) -> list[Any]:
         """Copies (or views) of a validated lease's tensors, on the calling thread."""
         if host_copy:
-            # By address: no slice of the segment to build (see _packing.pack_at).
-            return _packing.unpack_from(view.data_ptr() + start, specs)
+            # By address: no slice of the segment to build (see _copies.pack_at).
+            return _copies.unpack_from(view.data_ptr() + start, specs)
         # A view (or a GPU restore) outlives this turn: the daemon must
         # know who holds the lease before its TTL could reclaim it
         # (seconds), so the claim may linger like a release and often
@@ -1298,7 +1309,7 @@ class RelayClient:
         # and the release alone says all the claim would.
         self._claim(m, flush=False)
         region = view[start : start + m.lease.length]
-        return _packing.unpack(region, specs, copy=False, validated=True)
+        return _copies.unpack(region, specs, copy=False, validated=True)
 
     def _end_read(self, m: pb.DataRef, seg: MappedSegment, copy: bool) -> None:
         """The seqlock's second check, then release a copy or hold a view's lease."""
@@ -1535,7 +1546,7 @@ class RelayClient:
         src = (
             torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
         )
-        return _packing.unpack(src, specs, copy=False)  # the views own `data`
+        return _copies.unpack(src, specs, copy=False)  # the views own `data`
 
     # -- streams ----------------------------------------------------------------------
 
@@ -1627,17 +1638,17 @@ class RelayClient:
     def _decode_header(self, m: pb.DataRef) -> Any:
         """The header's tree; a safe header seen before is not decoded again.
 
-        Only trees that :func:`_packing.rebuild` returns fresh are remembered
+        Only trees that :func:`_flatten.rebuild` returns fresh are remembered
         (every list and dict in them holds a tensor or ref placeholder), so no
         two gets share a container the application might change.
         """
         header = m.header
         if m.header_codec == pb.HEADER_CODEC_PICKLE:
-            return _codec.decode_pickle(header, self.allow_pickle)
+            return _codec_decode.decode_pickle(header, self.allow_pickle)
         tree = self._headers.get(header)
         if tree is None:
-            tree = _codec.decode(header)
-            if len(header) <= _SHAPE_HEADER_BYTES and _codec.refilled_fresh(tree):
+            tree = _codec_decode.decode(header)
+            if len(header) <= _SHAPE_HEADER_BYTES and _header_tree.refilled_fresh(tree):
                 if len(self._headers) >= _HEADER_MEMORY:
                     self._headers.clear()
                 self._headers[header] = tree

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._codec import RefSlot, fill
+from ._header_tree import RefSlot, fill
 from .wire.dataref import DataRef
 from .wire.proto import relay_pb2 as pb
 

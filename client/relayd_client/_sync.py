@@ -25,7 +25,7 @@ import time
 from collections.abc import AsyncGenerator, Callable, Coroutine, Iterator, Sequence
 from typing import Any, TypeVar, cast
 
-from . import _cuda, _keyed, _local, _packing, _remote
+from . import _copies, _cuda, _flatten, _keyed, _local, _packing, _remote
 from ._client import OFFLOAD_BYTES, ClientState, RelayClient, _check_trace_id, _leased
 from ._refs import TensorRef
 from .wire.dataref import DataRef
@@ -346,7 +346,7 @@ class SyncRelayClient:
         view = c._views[segment]  # held: the mapping outlives a concurrent close
         try:
             if total:
-                _packing.pack_at(view, start, total, tensors, specs)
+                _copies.pack_at(view, start, total, tensors, specs)
         except BaseException:
             c._cancel_lease(lease)
             raise
@@ -418,7 +418,7 @@ class SyncRelayClient:
                 specs, tensors = c._read_inline(m)
                 if _cuda.restores_on_gpu(specs):
                     tensors = self._run(_cuda.restore_on_device(tensors, specs, copy=False))
-                return _packing.rebuild(tree, tensors)
+                return _flatten.rebuild(tree, tensors)
             seg, start, specs = c._lease_region(m)
             if _cuda.restores_on_gpu(specs):
                 return self._run(c._get(ref, copy))
@@ -428,7 +428,7 @@ class SyncRelayClient:
             view = c._views[m.lease.segment]
             tensors = c._read_region(m, view, start, specs, copy)
             c._end_read(m, seg, copy)
-            return _packing.rebuild(tree, tensors)
+            return _flatten.rebuild(tree, tensors)
         except LOST_MAPPING:
             self._raise_if_closed()
             raise

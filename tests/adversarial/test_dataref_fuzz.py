@@ -22,7 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from relayd_client import DataRef, RelayError
 from relayd_client._client import _specs
-from relayd_client._codec import decode, decode_pickle, encode
+from relayd_client._codec import encode
+from relayd_client._codec_decode import decode, decode_pickle
 from relayd_client._packing import dtype_from_name, validate_layout
 from relayd_client.wire.dataref import MAGIC, MAX_REF_BYTES, VERSION
 from relayd_client.wire.proto import relay_pb2 as pb

@@ -13,7 +13,14 @@ import asyncio
 from collections.abc import Callable, Iterator
 
 import pytest
-from relayd_client import CorruptRefError, DataRef, RelayClient, SyncRelayClient, _codec
+from relayd_client import (
+    CorruptRefError,
+    DataRef,
+    RelayClient,
+    SyncRelayClient,
+    _codec,
+    _header_tree,
+)
 from relayd_client.wire.proto import relay_pb2 as pb
 
 from tests._daemon import Daemon, wait_until
@@ -34,11 +41,11 @@ def daemon(tmp_path: object) -> Iterator[Daemon]:
 
 
 def _tensor_past_header(m: pb.DataRef) -> None:
-    m.header = _codec.encode({"x": _codec.TensorSlot(1000)})
+    m.header = _codec.encode({"x": _header_tree.TensorSlot(1000)})
 
 
 def _ref_past_header(m: pb.DataRef) -> None:
-    m.header = _codec.encode({"x": _codec.TensorSlot(0), "y": _codec.RefSlot(3)})
+    m.header = _codec.encode({"x": _header_tree.TensorSlot(0), "y": _header_tree.RefSlot(3)})
 
 
 def _tensor_past_lease(m: pb.DataRef) -> None:
@@ -127,7 +134,9 @@ def test_a_forged_forwarded_ref_consumes_neither_lease(daemon: Daemon) -> None:
             # The outer ref forwards the inner one, and the inner one is forged.
             m = pb.DataRef()
             m.CopyFrom(outer.proto)
-            m.header = _codec.encode({"x": _codec.TensorSlot(0), "y": _codec.RefSlot(0)})
+            m.header = _codec.encode(
+                {"x": _header_tree.TensorSlot(0), "y": _header_tree.RefSlot(0)}
+            )
             m.refs.append(_forge(inner, _tensor_past_header).proto)
             with pytest.raises(CorruptRefError):
                 await r.get(DataRef(m))

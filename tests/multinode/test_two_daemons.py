@@ -30,6 +30,7 @@ from relayd_client import (
     RelayClient,
     StaleRefError,
     _codec,
+    _header_tree,
 )
 from relayd_client.wire.proto import relay_pb2 as pb
 from relayd_client.wire.proto import relay_pb2_grpc as pb_grpc
@@ -582,7 +583,9 @@ def test_a_forged_foreign_ref_is_refused_before_the_pull(pair: tuple[Node, Node]
         ):
             for seed, forge in enumerate(
                 (
-                    lambda m: setattr(m, "header", _codec.encode({"x": _codec.TensorSlot(1000)})),
+                    lambda m: setattr(
+                        m, "header", _codec.encode({"x": _header_tree.TensorSlot(1000)})
+                    ),
                     lambda m: setattr(m.tensors[0], "offset", m.lease.length + (1 << 30)),
                 )
             ):

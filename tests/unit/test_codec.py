@@ -14,16 +14,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from relayd_client._codec import (
-    FORMAT_MAGIC,
-    MAX_DEPTH,
-    RefSlot,
-    TensorSlot,
-    decode,
-    decode_pickle,
-    encode,
-    encode_pickle,
-)
+from relayd_client._codec import FORMAT_MAGIC, MAX_DEPTH, encode, encode_pickle, varint
+from relayd_client._codec_decode import decode, decode_pickle
+from relayd_client._header_tree import RefSlot, TensorSlot
 from relayd_client.wire.errors import CorruptRefError, UnsafePayloadError
 
 # ---------------------------------------------------------------- helpers
@@ -61,15 +54,6 @@ def as_decoded(tree: object) -> object:
     if type(tree) is dict:
         return {as_decoded(k): as_decoded(v) for k, v in tree.items()}
     return tree
-
-
-def varint(n: int) -> bytes:
-    out = bytearray()
-    while n >= 0x80:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
 
 
 MAGIC = bytes((FORMAT_MAGIC,))
@@ -421,7 +405,7 @@ def test_safe_decoder_refuses_pickle() -> None:
 
 
 def test_refilled_fresh_only_when_every_list_and_dict_holds_a_placeholder() -> None:
-    from relayd_client._codec import RefSlot, TensorSlot, refilled_fresh
+    from relayd_client._header_tree import refilled_fresh
 
     t0 = TensorSlot(0)
     assert refilled_fresh({"t": t0, "n": 3, "k": (1, "a")})
@@ -435,7 +419,7 @@ def test_refilled_fresh_only_when_every_list_and_dict_holds_a_placeholder() -> N
 def test_remembered_headers_never_share_a_container_between_gets() -> None:
     import torch
     from relayd_client._client import RelayClient
-    from relayd_client._packing import rebuild
+    from relayd_client._flatten import rebuild
     from relayd_client.wire.proto import relay_pb2 as pb
 
     c = RelayClient("x", "/nonexistent")

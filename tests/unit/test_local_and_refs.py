@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 from relayd_client import CorruptRefError, DataRef, TensorRef, _local
-from relayd_client._codec import RefSlot, TensorSlot, decode, encode
-from relayd_client._packing import flatten
+from relayd_client._codec import encode
+from relayd_client._codec_decode import decode
+from relayd_client._flatten import flatten
+from relayd_client._header_tree import RefSlot, TensorSlot
 from relayd_client._refs import substitute
 from relayd_client.wire.dataref import VERSION
 from relayd_client.wire.proto import relay_pb2 as pb

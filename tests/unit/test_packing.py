@@ -10,25 +10,28 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from relayd_client._codec import RefSlot, TensorSlot, decode, encode
-from relayd_client._packing import (
-    TensorSpec,
+from relayd_client._codec import encode
+from relayd_client._codec_decode import decode
+from relayd_client._copies import (
     allocate,
     copy_plan,
-    dtype_from_name,
-    dtype_name,
-    flatten,
     pack_at,
     pack_bytes,
     pack_into,
     pack_plan,
-    payload_nbytes,
-    plan_layout,
-    rebuild,
     run_copies,
     unpack,
     unpack_bytes,
     unpack_from,
+)
+from relayd_client._flatten import flatten, rebuild
+from relayd_client._header_tree import RefSlot, TensorSlot
+from relayd_client._packing import (
+    TensorSpec,
+    dtype_from_name,
+    dtype_name,
+    payload_nbytes,
+    plan_layout,
     validate_layout,
 )
 from relayd_client.wire.errors import CorruptRefError, InvalidArgumentError, UnsafePayloadError
