@@ -137,7 +137,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         print(_json_text(data))
     else:
-        from .inspect import render_status
+        from .status_tables import render_status
 
         print(render_status(data))
     return 0
@@ -159,7 +159,7 @@ def cmd_leases(args: argparse.Namespace) -> int:
     if args.json:
         print(_json_text(leases))
     else:
-        from .inspect import render_leases
+        from .status_tables import render_leases
 
         print(render_leases(data, args.stage, args.request))
     return 0

@@ -133,7 +133,7 @@ def run_demo(*, socket: str | None, chunks: int, chunk_bytes: int) -> int:
         )
         for transport, n in sorted(seen.items()):
             print(f"  {transport:<14} {n:>6} transfers")
-        from relayd.inspect import render_status
+        from relayd.status_tables import render_status
         from relayd.status_view import fetch_status
 
         print(render_status(fetch_status(socket)))

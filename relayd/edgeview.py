@@ -1,6 +1,6 @@
 """Per-edge rows for ``relayd top`` and ``relayd status``, from status dicts.
 
-Pure functions, like :mod:`relayd.inspect`: the status dict's
+Pure functions, like :mod:`relayd.status_tables`: the status dict's
 ``edge_traffic`` holds each (from_stage, to_stage, transport) series'
 totals since the daemon started, with non-cumulative bucket counts over
 ``latency_bucket_bounds``. ``top`` subtracts the previous snapshot to get

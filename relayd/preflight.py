@@ -34,7 +34,7 @@ from types import ModuleType
 from relayd_client.wire.paths import SHM_DIR
 
 from relayd.config import ARENA_FLOOR, Settings
-from relayd.inspect import format_bytes
+from relayd.status_tables import format_bytes
 
 logger = logging.getLogger(__name__)
 

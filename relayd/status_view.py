@@ -20,7 +20,7 @@ _CAMEL = re.compile(r"(?<!^)(?=[A-Z])")
 
 def fetch_status(socket_path: str, timeout: float = 5.0) -> dict[str, Any]:
     """The daemon's Status reply on ``socket_path``, through an operator session, as
-    ``MessageToDict`` gives it (what :mod:`relayd.inspect` renders and :func:`to_plain`
+    ``MessageToDict`` gives it (what :mod:`relayd.status_tables` renders and :func:`to_plain`
     cleans up)."""
     from google.protobuf.json_format import MessageToDict
 

@@ -1,4 +1,4 @@
-"""``relayd top``: the refresh loop around :func:`relayd.inspect.render_top`.
+"""``relayd top``: the refresh loop around :func:`relayd.status_tables.render_top`.
 
 On a terminal it redraws in place, cut to the terminal's size so the header
 never scrolls away, and quits on ``q`` (the terminal is put in cbreak mode
@@ -88,7 +88,7 @@ def run(
     ``to_json``: print each snapshot as one JSON line instead of the view.
     ``unreachable``: what to say when the first fetch fails.
     """
-    from .inspect import render_top
+    from .status_tables import render_top
 
     out = out or sys.stdout
     previous: dict[str, Any] | None = None

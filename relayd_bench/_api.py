@@ -176,9 +176,6 @@ AnyMethod = PairMethod | AsyncPairMethod | LocalMethod | AsyncLocalMethod
 METHOD_BASES = (PairMethod, AsyncPairMethod, LocalMethod, AsyncLocalMethod)
 
 
-# -- what crosses the process boundary ---------------------------------------------
-
-
 @dataclasses.dataclass(frozen=True)
 class SizePlan:
     size: int

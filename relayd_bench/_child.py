@@ -181,9 +181,6 @@ class _Run:
         self.progress[2] = n
 
 
-# -- blocking hooks ----------------------------------------------------------------------
-
-
 def _writer(m: PairMethod, run: _Run, sock: socket.socket) -> None:
     for index, plan in enumerate(run.step.sizes):
         run.start(index, plan)
@@ -255,9 +252,6 @@ def _local(m: LocalMethod, run: _Run) -> None:
         m.teardown()
         for r in reports:
             run.conn.send(r)
-
-
-# -- coroutine hooks: the same loops, on an event loop ---------------------------------------
 
 
 async def _awriter(m: AsyncPairMethod, run: _Run, sock: socket.socket) -> None:
@@ -332,9 +326,6 @@ async def _alocal(m: AsyncLocalMethod, run: _Run) -> None:
         await m.teardown()
         for r in reports:
             run.conn.send(r)
-
-
-# -- entry point ---------------------------------------------------------------------------
 
 
 def _dispatch(role: str, m: AnyMethod, run: _Run, sock: socket.socket | None) -> None:

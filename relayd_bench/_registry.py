@@ -97,7 +97,6 @@ BASELINES: tuple[Entry, ...] = (
     ),
 )
 
-# ---- relayd methods plug in here ------------------------------------------------------
 # One Entry per way relayd moves a payload; classes in relayd_bench._relayd.
 _CLIENT = ("relayd_client:RelayClient", "relayd_client:DataRef")
 _SHM_NOTE = f"puts <= {INLINE_LIMIT // 1024} KiB go inline (see relayd-inline)"
@@ -156,7 +155,6 @@ RELAYD: tuple[Entry, ...] = (
         cross_node=True,
     ),
 )
-# ---------------------------------------------------------------------------------------
 
 ENTRIES: dict[str, Entry] = {e.name: e for e in BASELINES + RELAYD}
 DEFAULT_STREAM_METHODS = ("floor", "relayd-shm")

@@ -19,7 +19,7 @@ from relayd_client import (
 )
 
 from relayd import _logging
-from relayd.inspect import render_leases
+from relayd.status_tables import render_leases
 from tests._daemon import running_daemon, wait_until
 
 pytestmark = pytest.mark.timeout(120)

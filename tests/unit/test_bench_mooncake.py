@@ -38,9 +38,6 @@ def ok(method: str, size: int, samples: list[int], cpu: Cpu | None = None) -> Re
     )
 
 
-# -- registry ------------------------------------------------------------------------
-
-
 def test_mooncake_raw_is_a_baseline_that_needs_mooncake_only() -> None:
     raw = ENTRIES["mooncake-raw"]
     assert raw in BASELINES
@@ -65,9 +62,6 @@ def test_relayd_mooncake_started_by_the_bench_needs_mooncake_here() -> None:
     else:
         assert why is None
     assert PEER_REQUIRES == ("mooncake.engine:TransferEngine",)
-
-
-# -- arithmetic and output ---------------------------------------------------------------
 
 
 def _rows() -> list[Result]:
@@ -119,9 +113,6 @@ def test_json_carries_the_comparison_and_each_daemons_cpu() -> None:
     assert row["daemon_cpu_ns_per_transfer"] == {"writer_side": 30e3, "reader_side": 40e3}
     floor = next(r for r in doc["results"] if r["method"] == "floor")
     assert floor["daemon_cpu_ns_per_transfer"] == {"writer_side": None, "reader_side": None}
-
-
-# -- the raw Mooncake method, both halves in this process -----------------------------------
 
 
 @requires_mooncake

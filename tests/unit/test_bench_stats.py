@@ -48,9 +48,6 @@ def ok(
     )
 
 
-# -- median and p99 ------------------------------------------------------------------
-
-
 def test_median_odd_count_is_the_middle_sample() -> None:
     assert median([5, 1, 3]) == 3
 
@@ -103,9 +100,6 @@ def test_summarize() -> None:
     assert (s.n, s.median_ns, s.p99_ns, s.min_ns, s.max_ns, s.mean_ns) == (4, 5.0, 8, 2, 8, 5.0)
 
 
-# -- throughput and ratios -------------------------------------------------------------
-
-
 def test_throughput_is_size_over_median_in_decimal_gb_per_s() -> None:
     assert throughput_gbps(1_000_000, 1_000_000) == pytest.approx(1.0)  # 1 MB in 1 ms
     assert throughput_gbps(MIB, 100_000) == pytest.approx(10.48576)
@@ -133,9 +127,6 @@ def test_stream_ratios_match_on_streams_chunk_and_rate() -> None:
     add_stream_ratios(rows)
     assert [r.ratio_vs_floor for r in rows] == [1.0, 3.0, None]
     assert rows[0].target_chunks_per_s == 200.0
-
-
-# -- formatting ------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -235,9 +226,6 @@ def test_table_collapses_a_method_skipped_at_every_size_into_one_line() -> None:
     assert text.count("skipped: cannot import relayd_client") == 1
 
 
-# -- JSON ------------------------------------------------------------------------------
-
-
 def test_json_schema_keys() -> None:
     rows, streams = _busy_results()
     doc = json.loads(json.dumps(to_json(rows, streams, machine_info(), {"run_id": "r"})))
@@ -279,9 +267,6 @@ def test_json_schema_keys() -> None:
         "aggregate_gbps",
         "cpu_ns_per_chunk",
     }
-
-
-# -- plan and command line -------------------------------------------------------------
 
 
 def test_plan_uses_the_reference_counts_and_scales_them() -> None:

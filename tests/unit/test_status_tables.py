@@ -1,7 +1,7 @@
 """Snapshot tests of the status views.
 
 Regenerate the snapshots after an intended change with
-``RELAYD_UPDATE_SNAPSHOTS=1 pytest tests/unit/test_inspect.py`` and review the diff.
+``RELAYD_UPDATE_SNAPSHOTS=1 pytest tests/unit/test_status_tables.py`` and review the diff.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from relayd_client.wire.latency import BOUNDS, NBUCKETS
 
-from relayd.inspect import (
+from relayd.status_tables import (
     WIDTH,
     format_bar,
     format_bytes,
@@ -558,8 +558,6 @@ def test_format_duration(seconds: float, text: str) -> None:
 def test_format_bar(used: int, capacity: int, text: str) -> None:
     assert format_bar(used, capacity) == text
 
-
-# ---------------------------------------------------------------- any state fits 80 columns
 
 _word = st.text(st.characters(min_codepoint=33, max_codepoint=126), max_size=70)
 _u64 = st.integers(min_value=0, max_value=2**64 - 1)

@@ -27,9 +27,6 @@ _LEASE_STATES = {1: "reserved", 2: "published", 3: "claimed"}
 _STATE_ORDER = ("reserved", "published", "claimed")
 
 
-# ---------------------------------------------------------------- units
-
-
 def format_bytes(n: float) -> str:
     """``1536`` -> ``"1.5 KiB"``; binary units, one decimal."""
     value = float(n)
@@ -62,9 +59,6 @@ def format_bar(used: float, capacity: float) -> str:
     fraction = min(max(used / capacity, 0.0), 1.0)
     filled = round(fraction * BAR_WIDTH)
     return f"[{'#' * filled}{'.' * (BAR_WIDTH - filled)}] {round(fraction * 100):3d}%"
-
-
-# ---------------------------------------------------------------- field access
 
 
 def _int(value: Any) -> int:
@@ -116,9 +110,6 @@ def _counts(mapping: Any, prefix: str) -> dict[str, int]:
     if not isinstance(mapping, Mapping):
         return {}
     return {_enum_name(k, prefix): _int(v) for k, v in mapping.items()}
-
-
-# ---------------------------------------------------------------- layout
 
 
 def _fit(text: str, width: int) -> str:
@@ -183,9 +174,6 @@ def _flow(title: str, pieces: Iterable[str]) -> list[str]:
             line = f"{line}  {piece}"
     lines.append(line)
     return lines
-
-
-# ---------------------------------------------------------------- sections
 
 
 def _header(d: Mapping[str, Any]) -> list[str]:
@@ -453,9 +441,6 @@ def _edge_traffic(
 
 def _join(sections: Iterable[list[str]]) -> str:
     return "\n".join("\n".join(s) for s in sections if s)
-
-
-# ---------------------------------------------------------------- views
 
 
 def render_status(d: Mapping[str, Any]) -> str:
