@@ -10,7 +10,9 @@ from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
 from typing import Protocol
 
 from .pools.arena import Run
-from .pools.leases import Lease, RequestInfo, Session
+from .pools.records import Lease
+from .pools.requests import RequestInfo
+from .pools.sessions import Session
 
 
 class PeerLeases(Protocol):
@@ -56,7 +58,7 @@ class PeerLeases(Protocol):
     ) -> bool: ...
     def abort_from_peer(self, request_id: str) -> int: ...
     def flush(self) -> None: ...
-    def _wake(self) -> None:
+    def wake(self) -> None:
         """Serve grant waiters: arena space came back past the lease table."""
 
 

@@ -75,7 +75,8 @@ from relayd_client.wire.version import PROTOCOL_VERSION
 
 from .peer_context import PeerHooks, PeerLeases
 from .peer_notices import PeerNotifier
-from .pools.leases import Lease, Session, SessionState
+from .pools.records import Lease
+from .pools.sessions import Session, SessionState
 from .push import PushManager
 from .transports.base import (
     MemoryRegion,

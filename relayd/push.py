@@ -58,7 +58,8 @@ from relayd_client.wire.proto import relay_pb2 as pb
 from relayd_client.wire.slots import SlotAllocator
 
 from .pools.arena import Run
-from .pools.leases import FREED_LINGER_MAX_BYTES, Lease, LeaseState
+from .pools.freed import FREED_LINGER_MAX_BYTES
+from .pools.records import Lease, LeaseState
 from .transports.base import PullError, split_ops
 
 if TYPE_CHECKING:
@@ -381,7 +382,7 @@ class PushManager:
     def _to_arena(self, runs: list[Run]) -> None:
         for run in runs:
             self.peers.arena.free(run)
-        self.peers.leases._wake()
+        self.peers.leases.wake()
 
     def on_notices(self, n: pb.PeerNotices) -> int:
         """A batch from a peer: validated piece by piece; returns how many pulled
@@ -477,7 +478,7 @@ class PushManager:
         start = run.slot - gin.run.slot
         if gin.retired:
             self.peers.arena.free(run)
-            self.peers.leases._wake()
+            self.peers.leases.wake()
             return
         gin.used.free(start, run.nslots)
         peer = self.peers.by_node.get(gin.node_id)

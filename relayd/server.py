@@ -39,16 +39,10 @@ from .peer_context import PeerHooks
 from .peers import PeerConfigError, PeerManager
 from .pools import cuda as cuda_pools
 from .pools.arena import Arena, remove_stale_segments
-from .pools.leases import (
-    BIND_DEADLINE,
-    Hooks,
-    LeaseManager,
-    LeaseState,
-    ReclaimReason,
-    Session,
-    SessionState,
-    transport_name,
-)
+from .pools.lease_table import transport_name
+from .pools.leases import LeaseManager
+from .pools.records import Hooks, LeaseState, ReclaimReason
+from .pools.sessions import BIND_DEADLINE, Session, SessionState
 from .routing.topology import Topology
 from .rpc.keyed import KeyedCalls
 from .rpc.limits import UidLimits
@@ -575,7 +569,7 @@ class Daemon:
             resp.leases.append(
                 pb.LeaseStatus(
                     lease_id=lease.id,
-                    state=lease.state.value,
+                    state=f"LEASE_STATE_{lease.state.name}",
                     pool=lease.run.pool,
                     bytes=lease.nbytes or lease.run.nslots * self.arena.slot_size,
                     request_id=lease.request_id,

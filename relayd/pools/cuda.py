@@ -162,7 +162,7 @@ class CudaPool:
             export=export,
         )
 
-    # -- what LeaseManager needs (relayd.pools.leases.Pool) ---------------------------
+    # -- what LeaseManager needs (relayd.pools.records.Pool) ---------------------------
 
     @property
     def capacity_slots(self) -> int:

@@ -27,7 +27,9 @@ from relayd_client.wire.shm import PROBE_BYTES, probe_offset_for
 
 from ..pools.arena import Arena
 from ..pools.cuda import peer_access as gpu_peer_access
-from ..pools.leases import LeaseManager, Session
+from ..pools.events import RegistryChanged
+from ..pools.leases import LeaseManager
+from ..pools.sessions import Session
 from .registry import StageRegistry
 from .router import PayloadFacts, Placement, route
 
@@ -143,12 +145,10 @@ class Topology:
         return self._can_map.get(session_id, True)
 
     def _broadcast(self, skip: str = "") -> None:
-        frame = pb.SessionFrame(
-            event=[pb.Event(kind=pb.EVENT_KIND_REGISTRY, registry_version=self.registry.version)]
-        )
+        changed = RegistryChanged(self.registry.version)
         for s in self.manager.sessions.values():
-            if s.sink is not None and s.id != skip:
-                s.sink(frame)
+            if s.id != skip:
+                s.tell(changed)
 
     # -- routing --------------------------------------------------------------------
 

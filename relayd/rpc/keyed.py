@@ -39,7 +39,7 @@ from relayd_client.wire.proto import relay_pb2 as pb
 from ..keys import MAX_TAKE_TIMEOUT, lease_of
 
 if TYPE_CHECKING:
-    from ..pools.leases import Session
+    from ..pools.sessions import Session
     from ..server import Daemon
 
 log = logging.getLogger(__name__)

@@ -16,18 +16,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, TypeAlias
 
-from relayd_client.wire.errors import (
-    AbortedError,
-    InvalidArgumentError,
-    PermissionDeniedError,
-    SessionClosedError,
-    StaleRefError,
-)
+from relayd_client.wire.errors import InvalidArgumentError, SessionClosedError
 from relayd_client.wire.names import REQUEST_ID_MAX, STAGE_NAME_MAX
 from relayd_client.wire.proto import relay_pb2 as pb
 
 from ..edges import log_trace
-from ..pools.leases import LeaseState, Session, SessionState
+from ..pools.sessions import Session, SessionState
 from .errors import mapped
 
 if TYPE_CHECKING:
@@ -55,95 +49,53 @@ class RoutingService:
     @mapped
     async def PutBytes(self, request: pb.PutBytesRequest, context: Ctx) -> pb.PutBytesResponse:
         d = self.daemon
-        m = d.manager
         session = self._bound(request.session_id, request.session_token)
         if not request.request_id or len(request.request_id) > REQUEST_ID_MAX:
             raise InvalidArgumentError(f"request_id must be 1-{REQUEST_ID_MAX} characters")
         if not request.to_stage or len(request.to_stage) > STAGE_NAME_MAX:
             raise InvalidArgumentError(f"to_stage must be 1-{STAGE_NAME_MAX} characters")
-        req = m.requests.get(request.request_id)
-        if req is not None and req.aborted:
-            raise AbortedError(f"request {request.request_id!r} was aborted")
         from_stage = (
             request.from_stage if request.from_stage in session.stages else session.stages[0]
         )
-        data = request.data
         timeout = (
             request.timeout_seconds if request.timeout_seconds > 0 else d.settings.reserve_timeout
         )
         remaining = context.time_remaining()
         if remaining is not None:
             timeout = min(timeout, max(remaining - 0.05, 0.0))
-        grant = await m.grant(session, max(len(data), 1), timeout)
-        run = grant.run
-        seg = d.arena.segments[run.segment]
-        nslots = max(1, -(-len(data) // d.arena.slot_size))
-        lease_id = m.new_generation_base(grant) + 1
-        start = seg.slot_offset(run.slot)
-        seg.mm[start : start + len(data)] = data
-        seg.write_header(run.slot, lease_id, len(data))
-        m.on_reserve(
+        data = request.data
+        lease = await d.manager.put_bytes(
             session,
-            pb.Reserve(
-                lease_id=lease_id,
-                grant_id=grant.id,
-                slot=run.slot,
-                nslots=nslots,
-                generation=lease_id,
-                request_id=request.request_id,
-                to_stage=request.to_stage,
-                from_stage=from_stage,
-            ),
+            data,
+            request_id=request.request_id,
+            to_stage=request.to_stage,
+            from_stage=from_stage,
+            timeout=timeout,
         )
         if request.trace_id:
-            log_trace(lease_id, request.trace_id, request.request_id)
-        m.on_publish(
-            session, pb.Publish(lease_id=lease_id, nbytes=len(data), transport=pb.TRANSPORT_SOCKET)
-        )
-        # The lease now belongs to the daemon, like a dead writer's published
-        # one: it frees its own run when read, aborted or expired.
-        m.detach_grant(session, grant)
-        m.flush()
+            log_trace(lease.id, request.trace_id, request.request_id)
         if request.ref:
             d.count_ref(len(data))
+        run = lease.run
         return pb.PutBytesResponse(
             lease=pb.LeaseRef(
-                pool="shm",
+                pool=run.pool,
                 segment=run.segment,
                 slot=run.slot,
-                nslots=nslots,
-                offset=start,
+                nslots=run.nslots,
+                offset=d.arena.segments[run.segment].slot_offset(run.slot),
                 length=len(data),
-                generation=lease_id,
-                lease_id=lease_id,
+                generation=lease.generation,
+                lease_id=lease.id,
             )
         )
 
     @mapped
     async def GetBytes(self, request: pb.GetBytesRequest, context: Ctx) -> pb.GetBytesResponse:
-        d = self.daemon
-        m = d.manager
         session = self._bound(request.session_id, request.session_token)
         ref = request.lease
-        lease = m.leases.get(ref.lease_id)
-        if (
-            lease is None
-            or lease.generation != ref.generation
-            or lease.state is not LeaseState.PUBLISHED
-        ):
-            req = m.requests.get(request.request_id)
-            if req is not None and req.aborted:
-                raise AbortedError(f"request {request.request_id!r} was aborted")
-            raise StaleRefError(
-                "DataRef's lease was already read, reclaimed (TTL) or aborted; it cannot be read again"
-            )
-        if lease.to_stage not in session.stages:
-            raise PermissionDeniedError(f"lease is addressed to stage {lease.to_stage!r}")
-        m.on_claim(session, pb.Claim(lease_id=lease.id, generation=lease.generation))
-        seg = d.arena.segments[lease.run.segment]
-        start = seg.slot_offset(lease.run.slot)
-        data = bytes(seg.mm[start : start + lease.nbytes])
-        m.on_release(session, pb.Release(lease_id=lease.id, generation=lease.generation))
-        m.flush()
+        data = self.daemon.manager.get_bytes(
+            session, ref.lease_id, ref.generation, request.request_id
+        )
         # Counted once, when it was published, under its DataRef's transport.
         return pb.GetBytesResponse(data=data)

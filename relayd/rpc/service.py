@@ -17,7 +17,8 @@ from relayd_client.wire.proto import relay_pb2_grpc as pb_grpc
 from relayd_client.wire.shm import HEADER_STRIDE
 from relayd_client.wire.version import PROTOCOL_VERSION
 
-from ..pools.leases import LeaseManager, SessionState
+from ..pools.leases import LeaseManager
+from ..pools.sessions import SessionState
 from .errors import mapped
 from .routing import RoutingService
 

@@ -33,7 +33,9 @@ from relayd_client.wire.peercred import peer_credentials
 from relayd_client.wire.proto import relay_pb2 as pb
 
 from ..edges import log_trace
-from ..pools.leases import BIND_DEADLINE, LeaseManager, Session
+from ..pools.leases import LeaseManager
+from ..pools.sessions import BIND_DEADLINE, Session
+from .frames import frame_sink
 from .limits import UidLimits
 
 if TYPE_CHECKING:
@@ -303,7 +305,12 @@ class SessionProtocol(asyncio.Protocol):
             pid, uid, gid = self.creds
             try:
                 session = m.bind(
-                    f.bind.session_id, f.bind.session_token, self.send, pid=pid, uid=uid, gid=gid
+                    f.bind.session_id,
+                    f.bind.session_token,
+                    frame_sink(self.send),
+                    pid=pid,
+                    uid=uid,
+                    gid=gid,
                 )
             except RelayError as err:
                 self._refuse("token", str(err))

@@ -29,7 +29,7 @@ pytestmark = pytest.mark.timeout(240)
 
 MiB = 1 << 20
 FLOOD = 1100  # connections per socket, as in the report that found the defect
-BIND_DEADLINE = 10.0  # relayd.pools.leases.BIND_DEADLINE
+BIND_DEADLINE = 10.0  # relayd.pools.sessions.BIND_DEADLINE
 
 
 @pytest.fixture

@@ -30,7 +30,9 @@ from relayd_client.wire.proto import relay_pb2 as pb
 from relayd_client.wire.slots import SlotAllocator
 
 from relayd.pools.arena import Arena
-from relayd.pools.leases import GEN_SHIFT, LeaseManager, Session, SessionState
+from relayd.pools.leases import LeaseManager
+from relayd.pools.records import GEN_SHIFT
+from relayd.pools.sessions import Session, SessionState
 
 SLOT = 64 << 10
 NSLOTS = 48

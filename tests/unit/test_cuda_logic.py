@@ -25,7 +25,9 @@ from relayd_client.wire.transport import Transport
 
 from relayd.pools.arena import Arena
 from relayd.pools.cuda import HEADER_SEGMENT_BASE, CudaPool, pool_geometry
-from relayd.pools.leases import Hooks, LeaseManager, LeaseState
+from relayd.pools.leases import LeaseManager
+from relayd.pools.records import Hooks, LeaseState
+from relayd.rpc.frames import frame_sink
 
 SLOT = 64 << 10
 GPU_A = "GPU-58b9e9e8-0000-0000-0000-00000000000a"
@@ -212,7 +214,7 @@ def _manager(arena: Arena, pool: CudaPool, reclaimed: list[str]) -> LeaseManager
 
 def _session(m: LeaseManager, stage: str, frames: list[pb.SessionFrame]):  # type: ignore[no-untyped-def]
     s = m.open_session(pid=1, stages=[stage], gpu_uuids=[GPU_A])
-    return m.bind(s.id, s.token, frames.append, pid=1, uid=0, gid=0)
+    return m.bind(s.id, s.token, frame_sink(frames.append), pid=1, uid=0, gid=0)
 
 
 def _publish(m, s, grant, slot: int, n: int) -> int:  # type: ignore[no-untyped-def]
@@ -270,7 +272,7 @@ def test_a_dying_gpu_writers_slots_wait_until_it_has_exited(
 ) -> None:
     """Defect: slots went back while a killed writer's copy into them could still
     run; the next lease there would be overwritten with no generation change."""
-    from relayd.pools import leases
+    from relayd.pools import returns
 
     exiting = {7: True}
     now = [1000.0]
@@ -305,7 +307,7 @@ def test_a_dying_gpu_writers_slots_wait_until_it_has_exited(
     asyncio.run(m.grant(w, 2 * SLOT, 1.0, gpu_pool.name))
     m.close_session(w.id)
     assert gpu_pool.used_bytes == 4 * SLOT  # a whole grant's run
-    now[0] += leases.GPU_FENCE_LIMIT_S
+    now[0] += returns.GPU_FENCE_LIMIT_S
     m.reap()
     assert gpu_pool.used_bytes == 0
 

@@ -11,7 +11,9 @@ from relayd_client import InvalidArgumentError, PermissionDeniedError, ResourceE
 from relayd_client.wire.proto import relay_pb2 as pb
 
 from relayd.pools.arena import Arena
-from relayd.pools.leases import Hooks, LeaseManager, LeaseState, ReclaimReason
+from relayd.pools.leases import LeaseManager
+from relayd.pools.records import Hooks, LeaseState, ReclaimReason
+from relayd.rpc.frames import frame_sink
 
 SLOT = 64 << 10
 
@@ -49,7 +51,7 @@ def _freed(frames: list[pb.SessionFrame]) -> list[list[int]]:
 
 def _session(m: LeaseManager, stage: str, frames: list[pb.SessionFrame]):  # type: ignore[no-untyped-def]
     s = m.open_session(pid=1, stages=[stage])
-    return m.bind(s.id, s.token, frames.append, pid=1, uid=0, gid=0)
+    return m.bind(s.id, s.token, frame_sink(frames.append), pid=1, uid=0, gid=0)
 
 
 def _reserve(
@@ -209,7 +211,7 @@ def test_what_a_reader_said_before_the_publish_holds_after_it_is_gone(arena: Are
     assert released not in m.leases and claimed not in m.leases
     assert reclaimed == ["reader_died"]  # the claim ended as the reader's death would
     assert m.leases[stranger].state is LeaseState.PUBLISHED
-    assert not m._early
+    assert not m.table.early
 
 
 def test_reader_death_while_claimed_frees(arena: Arena) -> None:
@@ -310,9 +312,9 @@ def test_freed_notices_for_large_leases_go_at_once(
     arena: Arena, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The linger holds back at most FREED_LINGER_MAX_BYTES of the writer's arena."""
-    from relayd.pools import leases
+    from relayd.pools import freed
 
-    monkeypatch.setattr(leases, "FREED_LINGER_MAX_BYTES", 3 * SLOT)
+    monkeypatch.setattr(freed, "FREED_LINGER_MAX_BYTES", 3 * SLOT)
     wf, rf = [], []  # type: ignore[var-annotated]
     m = _manager(arena, Clock(), [], freed_linger=60.0)
     w, r = _session(m, "thinker", wf), _session(m, "talker", rf)
@@ -339,9 +341,9 @@ def test_freed_notices_for_large_leases_go_at_once(
 def test_freed_notices_linger_per_writer_and_not_while_space_is_short(
     arena: Arena, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from relayd.pools import leases
+    from relayd.pools import freed
 
-    monkeypatch.setattr(leases, "FREED_LINGER_MAX_BYTES", 2 * SLOT)
+    monkeypatch.setattr(freed, "FREED_LINGER_MAX_BYTES", 2 * SLOT)
     af, bf, rf, hf = [], [], [], []  # type: ignore[var-annotated]
     m = _manager(arena, Clock(), [], freed_linger=60.0)
     a, b = _session(m, "thinker", af), _session(m, "encoder", bf)
@@ -380,9 +382,9 @@ def test_freed_notices_linger_per_writer_and_not_while_space_is_short(
 def test_request_records_are_reaped_oldest_first_and_capped(
     arena: Arena, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from relayd.pools import leases
+    from relayd.pools import requests
 
-    monkeypatch.setattr(leases, "MAX_REQUEST_RECORDS", 5)
+    monkeypatch.setattr(requests, "MAX_REQUEST_RECORDS", 5)
     clock, reclaimed, wf, rf = Clock(), [], [], []  # type: ignore[var-annotated]
     m = _manager(arena, clock, reclaimed)
     w, r = _session(m, "thinker", wf), _session(m, "talker", rf)
@@ -401,7 +403,7 @@ def test_request_records_are_reaped_oldest_first_and_capped(
     # "held" (its lease TTL-reclaimed, touched at 0) goes, the rest are young.
     lid = _publish(m, w, grant, 7, 1, rid="done4")
     m.on_release(r, pb.Release(lease_id=lid, generation=lid))
-    clock.now = 6 + leases.REQUEST_MEMORY - 0.5
+    clock.now = 6 + requests.REQUEST_MEMORY - 0.5
     m.reap()
     assert reclaimed == ["ttl"]
     assert list(m.requests) == ["done5", "done6", "done7", "done4"]
@@ -436,9 +438,9 @@ def test_a_double_free_is_refused_and_logged_never_raised(
     m = _manager(arena, Clock(), [])
     run = arena.allocate(2)
     assert run is not None
-    m._pool_free(run)
+    m.returns.free(run)
     free = arena.free_slots
-    with caplog.at_level("ERROR", logger="relayd.pools.leases"):
-        m._pool_free(run)  # a bug elsewhere must not reach whichever sweep was freeing
+    with caplog.at_level("ERROR", logger="relayd.pools.returns"):
+        m.returns.free(run)  # a bug elsewhere must not reach whichever sweep was freeing
     assert arena.free_slots == free
     assert any("refused to free" in r.getMessage() for r in caplog.records)

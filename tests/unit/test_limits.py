@@ -10,9 +10,11 @@ import pytest
 from relayd_client import PermissionDeniedError, ResourceExhaustedError
 from relayd_client.wire.proto import relay_pb2 as pb
 
-from relayd.pools import leases as leases_mod
+from relayd.pools import requests as requests_mod
 from relayd.pools.arena import Arena
-from relayd.pools.leases import LeaseManager, Session
+from relayd.pools.leases import LeaseManager
+from relayd.pools.sessions import Session
+from relayd.rpc.frames import frame_sink
 
 SLOT = 64 << 10
 
@@ -32,7 +34,7 @@ def _manager(arena: Arena, **kw: int) -> LeaseManager:
 
 def _session(m: LeaseManager, stage: str, frames: list[pb.SessionFrame]) -> Session:
     s = m.open_session(pid=1, stages=[stage])
-    return m.bind(s.id, s.token, frames.append, pid=1, uid=0, gid=0)
+    return m.bind(s.id, s.token, frame_sink(frames.append), pid=1, uid=0, gid=0)
 
 
 def _errors(frames: list[pb.SessionFrame]) -> list[pb.Event]:
@@ -135,7 +137,7 @@ def test_pre_abort_by_an_uninvolved_stage_binds_nothing(arena: Arena) -> None:
 
 
 def test_abort_tombstones_are_capped(arena: Arena, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(leases_mod, "MAX_TOMBSTONES", 64)
+    monkeypatch.setattr(requests_mod, "MAX_TOMBSTONES", 64)
     m = _manager(arena)
     s = _session(m, "flooder", [])
     for i in range(1000):

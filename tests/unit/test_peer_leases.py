@@ -13,7 +13,9 @@ from relayd_client.wire.proto import relay_pb2 as pb
 
 from relayd.peers import PeerConfigError, _resolve, load_token
 from relayd.pools.arena import Arena
-from relayd.pools.leases import LeaseManager, LeaseState
+from relayd.pools.leases import LeaseManager
+from relayd.pools.records import LeaseState
+from relayd.rpc.frames import frame_sink
 
 SLOT = 64 << 10
 
@@ -34,7 +36,7 @@ def _manager(arena: Arena) -> LeaseManager:
 
 def _reader(m: LeaseManager, frames: list[pb.SessionFrame]):  # type: ignore[no-untyped-def]
     s = m.open_session(pid=1, stages=["talker"])
-    return m.bind(s.id, s.token, frames.append, pid=1, uid=0, gid=0)
+    return m.bind(s.id, s.token, frame_sink(frames.append), pid=1, uid=0, gid=0)
 
 
 def test_pull_lease_is_daemon_owned_and_freed_by_the_readers_release(arena: Arena) -> None:
@@ -85,7 +87,7 @@ def test_release_from_peer_checks_generation_and_state(arena: Arena) -> None:
     m = _manager(arena)
     frames: list[pb.SessionFrame] = []
     w = m.open_session(pid=1, stages=["thinker"])
-    w = m.bind(w.id, w.token, frames.append, pid=1, uid=0, gid=0)
+    w = m.bind(w.id, w.token, frame_sink(frames.append), pid=1, uid=0, gid=0)
 
     async def go() -> None:
         grant = await m.grant(w, SLOT, 1.0)

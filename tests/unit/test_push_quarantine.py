@@ -23,7 +23,7 @@ def test_a_lost_peers_grant_goes_back_only_after_its_writes_surely_ended() -> No
     settings = SimpleNamespace(peer_timeout=0.01, push_grant_size=1 << 20)
     peers: Any = SimpleNamespace(
         arena=SimpleNamespace(free=free),
-        leases=SimpleNamespace(_wake=lambda: None),
+        leases=SimpleNamespace(wake=lambda: None),
         settings=settings,
     )
     push = PushManager(peers)

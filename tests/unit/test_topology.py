@@ -12,8 +12,10 @@ from relayd_client.wire.proto import relay_pb2 as pb
 from relayd_client.wire.shm import PROBE_BYTES
 
 from relayd.pools.arena import Arena
-from relayd.pools.leases import LeaseManager, Session
+from relayd.pools.leases import LeaseManager
+from relayd.pools.sessions import Session
 from relayd.routing.topology import Topology, process_key
+from relayd.rpc.frames import frame_sink
 
 SLOT = 64 << 10
 
@@ -31,7 +33,7 @@ def topo() -> Iterator[Topology]:
 
 def _bind(t: Topology, stage: str, pid: int, frames: list[pb.SessionFrame]) -> Session:
     s = t.manager.open_session(pid=pid, stages=[stage])
-    return t.manager.bind(s.id, s.token, frames.append, pid=pid, uid=0, gid=0)
+    return t.manager.bind(s.id, s.token, frame_sink(frames.append), pid=pid, uid=0, gid=0)
 
 
 def _route(t: Topology, s: Session, to: str) -> pb.RouteResponse:

@@ -1,0 +1,443 @@
+"""The lease state machine: the notices of writers and readers, and freeing.
+
+A lease goes ``RESERVED → PUBLISHED → CLAIMED → freed``. Only its writer
+publishes or cancels it; only a session serving the stage it is addressed to
+(or its claimer, or anyone for an adopted lease) claims or releases it, always
+naming the right generation. Notices that break a rule of the table raise
+(the session socket closes that session); notices that are merely wrong for
+a lease (a stale generation, another stage's lease) are ignored or answered
+with a :class:`~relayd.pools.events.SessionError`. Freeing a lease zeroes its
+slot header before the slots can be reused, then gives the slots to whoever
+owns the grant: the writer (through a Freed notice), the pool (an orphan), or
+a peer's push grant.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Collection, Mapping
+from typing import Protocol
+
+from relayd_client.wire.errors import (
+    ErrorCode,
+    InvalidArgumentError,
+    PermissionDeniedError,
+    RelayError,
+)
+from relayd_client.wire.transport import Transport
+
+from .arena import Arena, Run
+from .early import MAX_EARLY_PER_SESSION, Early, EarlyKind, EarlyNotices
+from .freed import FreedBatcher
+from .grant_queue import GrantQueue
+from .records import (
+    GEN_SHIFT,
+    NAME_KEEP,
+    Grant,
+    Hooks,
+    Lease,
+    LeaseState,
+    Pool,
+    ReclaimReason,
+    is_id_of,
+)
+from .requests import Requests
+from .returns import RunReturns
+from .sessions import Session, Sessions
+
+log = logging.getLogger(__name__)
+
+
+class ReserveNotice(Protocol):
+    """A writer cut a lease from one of its grants (``relayd.v1.Reserve``)."""
+
+    @property
+    def lease_id(self) -> int: ...
+    @property
+    def grant_id(self) -> int: ...
+    @property
+    def slot(self) -> int: ...
+    @property
+    def nslots(self) -> int: ...
+    @property
+    def generation(self) -> int: ...
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def to_stage(self) -> str: ...
+    @property
+    def from_stage(self) -> str: ...
+
+
+class PublishNotice(Protocol):
+    """The writer sealed a lease (``relayd.v1.Publish``)."""
+
+    @property
+    def lease_id(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def transport(self) -> int: ...
+    @property
+    def push(self) -> bool: ...
+
+
+class ReaderNotice(Protocol):
+    """A reader claims or releases a lease (``relayd.v1.Claim``, ``Release``)."""
+
+    @property
+    def lease_id(self) -> int: ...
+    @property
+    def generation(self) -> int: ...
+
+
+class CancelNotice(Protocol):
+    """The writer drops a lease it reserved (``relayd.v1.Cancel``)."""
+
+    @property
+    def lease_id(self) -> int: ...
+
+
+# Looked up once per publish: a dict, derived from the one spelling in Transport.
+_TRANSPORT_NAMES = {t.to_proto(): t.value for t in Transport}
+
+
+def transport_name(value: int) -> str:
+    """The label a published transfer is counted under.
+
+    A number this version does not know (a Publish that left it unset) is
+    counted as shm, so that the labels stay the fixed set of transports.
+    """
+    return _TRANSPORT_NAMES.get(value, Transport.SHM.value)
+
+
+class LeaseTable:
+    def __init__(
+        self,
+        arena: Arena,
+        pools: Mapping[str, Pool],
+        sessions: Sessions,
+        requests: Requests,
+        queue: GrantQueue,
+        freed: FreedBatcher,
+        returns: RunReturns,
+        *,
+        hooks: Hooks,
+        clock: Callable[[], float],
+    ) -> None:
+        self.arena = arena
+        self.slot_size = arena.slot_size
+        self.pools = pools
+        self.sessions = sessions
+        self.requests = requests
+        self.queue = queue
+        self.grants = queue.grants
+        self.freed = freed
+        self.returns = returns
+        self.hooks = hooks
+        self.clock = clock
+        self.leases: dict[int, Lease] = {}
+        self.early = EarlyNotices()
+        # Leases a push is reading from: freeing one (abort, TTL, drain) keeps
+        # its slots until the push has stopped reading them (see hold()).
+        self._holds: set[int] = set()
+        self.held: dict[int, Lease] = {}
+
+    def add(self, lease: Lease) -> None:
+        """Record a new lease in its grant and in the table."""
+        lease.grant.leases[lease.id] = lease
+        lease.grant.mark(lease.run, 1)
+        self.leases[lease.id] = lease
+
+    # -- writers' notices -------------------------------------------------------------
+
+    def on_reserve(
+        self, session: Session, r: ReserveNotice, cancelled: Collection[int] = ()
+    ) -> None:
+        """Record a lease the writer cut from one of its grants.
+
+        Raises (the caller closes the session) unless the lease lies inside a
+        grant this session holds, overlaps no live lease of it, and carries an
+        id of that grant (``grant id << GEN_SHIFT | n``, ``n`` above every id
+        reserved in it before): ids are then owned by their grant, so no
+        session can take another's, and none is ever recorded twice.
+
+        ``cancelled``: the lease ids the same frame cancels. A writer reuses a
+        cancelled lease's slots at once, and a frame's reserves are handled
+        before its cancels, so a Reserve over a lease this session cancels in
+        the same frame takes that cancel first.
+        """
+        grant = session.grants.get(r.grant_id)
+        if grant is None:
+            raise InvalidArgumentError(
+                f"lease {r.lease_id} names grant {r.grant_id}, which this session does not hold"
+            )
+        if not (
+            r.nslots >= 1
+            and grant.run.slot <= r.slot
+            and r.slot + r.nslots <= grant.run.slot + grant.run.nslots
+        ):
+            raise InvalidArgumentError(
+                f"lease {r.lease_id} (slots {r.slot}+{r.nslots}) lies outside grant {grant.id}"
+            )
+        if r.lease_id != r.generation or not is_id_of(r.lease_id, grant.id):
+            raise InvalidArgumentError(
+                f"lease id {r.lease_id} (generation {r.generation}) is not an id of grant "
+                f"{grant.id}"
+            )
+        if r.lease_id <= grant.last_lease or r.lease_id in self.leases:
+            raise InvalidArgumentError(
+                f"lease id {r.lease_id} was used already in grant {grant.id}; ids go upward"
+            )
+        if not grant.is_free(r.slot, r.nslots) and not self._cancel_first(
+            session, grant, r, cancelled
+        ):
+            raise InvalidArgumentError(
+                f"lease {r.lease_id} (slots {r.slot}+{r.nslots}) would overlap a live lease "
+                f"of grant {grant.id}"
+            )
+        if r.from_stage[:NAME_KEEP] not in session.stages:
+            # A writer names itself; claiming another stage's name would let it
+            # pass that stage's abort check.
+            raise PermissionDeniedError(
+                f"lease {r.lease_id} names from_stage {r.from_stage[:64]!r}, not this session's"
+            )
+        lease = Lease(
+            id=r.lease_id,
+            generation=r.generation,
+            grant=grant,
+            run=Run(grant.run.segment, r.slot, r.nslots, grant.run.pool),
+            state=LeaseState.RESERVED,
+            request_id=r.request_id[:NAME_KEEP],
+            from_stage=r.from_stage[:NAME_KEEP],
+            to_stage=r.to_stage[:NAME_KEEP],
+            writer=session.id,
+            created=self.clock(),
+        )
+        self.add(lease)
+        grant.last_lease = max(grant.last_lease, lease.id)
+        req = self.requests.touch(lease.request_id, lease.created)
+        if req.aborted and req.aborters and not req.aborters & {lease.from_stage, lease.to_stage}:
+            # A stage with no part in this lease cannot abort it ahead of time.
+            req.aborted = False
+            req.aborters.clear()
+        self.requests.add(lease, lease.created)
+
+    def _cancel_first(
+        self, session: Session, grant: Grant, r: ReserveNotice, cancelled: Collection[int]
+    ) -> bool:
+        """Forget the leases ``r`` overlaps if the same frame cancels every one of them."""
+        if not cancelled:
+            return False
+        end = r.slot + r.nslots
+        clash = [
+            lease for lease in grant.leases.values()
+            if lease.run.slot < end and r.slot < lease.run.slot + lease.run.nslots
+        ]  # fmt: skip
+        if not all(
+            lease.id in cancelled
+            and lease.writer == session.id
+            and lease.state is LeaseState.RESERVED
+            for lease in clash
+        ):
+            return False
+        for lease in clash:
+            self.forget(lease)
+        return True
+
+    def on_publish(self, session: Session, p: PublishNotice) -> Lease | None:
+        """The writer sealed a lease: the lease if it is still live once published."""
+        lease = self.leases.get(p.lease_id)
+        if lease is None or lease.writer != session.id or lease.state is not LeaseState.RESERVED:
+            session.refuse(ErrorCode.INVALID_ARGUMENT, f"bad publish of lease {p.lease_id}")
+            return None
+        self.published(lease, p.nbytes, transport_name(p.transport))
+        return lease if self.leases.get(lease.id) is lease else None
+
+    def published(self, lease: Lease, nbytes: int, transport: str) -> None:
+        """``lease`` is sealed: readable, on the TTL clock, and owed what came early."""
+        lease.state = LeaseState.PUBLISHED
+        lease.published_at = self.clock()
+        lease.nbytes = min(nbytes, lease.run.nslots * self.slot_size)
+        self.hooks.transfer(transport, 1, lease.nbytes, lease.from_stage, lease.to_stage)
+        if self.requests.is_aborted(lease.request_id):
+            self.free(lease, ReclaimReason.ABORT)
+            return
+        for early in self.early.pop(lease.id):
+            if self.leases.get(lease.id) is not lease:
+                return  # an earlier notice freed it
+            self._settle(lease, early)
+
+    def _settle(self, lease: Lease, early: Early) -> None:
+        """Judge a parked notice now that ``lease`` is published."""
+        gen = early.generation
+        if early.kind in (EarlyKind.PEER, EarlyKind.DISCARD):
+            # A pull's release holds only for the stage the lease is addressed to.
+            if gen == lease.generation and (
+                early.kind is EarlyKind.DISCARD or lease.adopted or lease.to_stage in early.stages
+            ):
+                self.free(lease, None)
+            return
+        reader = self.sessions.get(early.session_id)
+        if reader is None:
+            # The reader read and went before the Publish landed (the
+            # writer's notices linger): what it said still holds. A claim
+            # it can no longer release ends as its death would have.
+            if gen == lease.generation and (lease.to_stage in early.stages or lease.adopted):
+                release = early.kind is EarlyKind.RELEASE
+                self.free(lease, None if release else ReclaimReason.READER_DIED)
+            return
+        # What the reader said is judged now, against the reader alone:
+        # nothing it sent may fail the writer's frame being handled.
+        try:
+            if early.kind is EarlyKind.CLAIM:
+                self.claim(reader, lease.id, gen)
+            else:
+                self.release(reader, lease.id, gen)
+        except RelayError as err:
+            reader.refuse(ErrorCode.INVALID_ARGUMENT, str(err))
+
+    def sealed_length(self, lease: Lease) -> int | None:
+        """The length the writer sealed ``lease`` with, per its slot header; None if unsealed.
+
+        The header is written only once the bytes are in, so it is the truth
+        about a lease whose Publish notice has not arrived (it lingers; see
+        the client's SessionChannel.mark) or never will (the writer died).
+        """
+        if lease.run.pool != self.arena.name:
+            return None
+        gen, length = self.arena.header(lease.run.segment, lease.run.slot)
+        if gen != lease.generation or length > lease.run.nslots * self.slot_size:
+            return None
+        return length
+
+    def on_cancel(self, session: Session, c: CancelNotice) -> None:
+        lease = self.leases.get(c.lease_id)
+        if lease is not None and lease.writer == session.id and lease.state is LeaseState.RESERVED:
+            self.forget(lease)
+
+    # -- readers' notices -------------------------------------------------------------
+
+    def _reader_lease(
+        self, session: Session, lease_id: int, generation: int, kind: EarlyKind
+    ) -> Lease | None:
+        lease = self.leases.get(lease_id)
+        if lease is None or lease.state is LeaseState.RESERVED:
+            if lease is None and (
+                generation != lease_id or lease_id >> GEN_SHIFT not in self.grants
+            ):
+                return None  # not an id of a live grant: nothing will come to settle it
+            if self.early.from_session(lease_id, session.id) >= MAX_EARLY_PER_SESSION:
+                raise InvalidArgumentError(
+                    f"more than {MAX_EARLY_PER_SESSION} claims/releases of lease {lease_id} "
+                    "before it was published"
+                )
+            self.early.park(
+                lease_id, Early(kind, session.id, generation, self.clock(), session.stages)
+            )
+            return None
+        if lease.generation != generation:
+            return None  # stale: the reader already saw that in the slot header
+        if (
+            lease.to_stage not in session.stages
+            and lease.claimer != session.id
+            and not lease.adopted
+        ):
+            session.refuse(
+                ErrorCode.PERMISSION_DENIED,
+                f"lease {lease_id} is addressed to stage {lease.to_stage!r}",
+            )
+            return None
+        return lease
+
+    def on_claim(self, session: Session, c: ReaderNotice) -> None:
+        self.claim(session, c.lease_id, c.generation)
+
+    def on_release(self, session: Session, r: ReaderNotice) -> None:
+        self.release(session, r.lease_id, r.generation)
+
+    def claim(self, session: Session, lease_id: int, generation: int) -> Lease | None:
+        """``session`` reads the lease until it releases it: the lease, if claimed now."""
+        lease = self._reader_lease(session, lease_id, generation, EarlyKind.CLAIM)
+        if lease is None or lease.state is not LeaseState.PUBLISHED:
+            return None
+        lease.state = LeaseState.CLAIMED
+        lease.claimer = session.id
+        session.claimed.add(lease.id)
+        return lease
+
+    def release(self, session: Session, lease_id: int, generation: int) -> None:
+        lease = self._reader_lease(session, lease_id, generation, EarlyKind.RELEASE)
+        if lease is None:
+            return
+        if lease.state is LeaseState.CLAIMED and lease.claimer != session.id:
+            session.refuse(
+                ErrorCode.PERMISSION_DENIED, f"lease {lease_id} is claimed by another session"
+            )
+            return
+        self.free(lease, None)
+
+    # -- freeing ----------------------------------------------------------------------
+
+    def forget(self, lease: Lease) -> None:
+        """Drop a lease record; the slots go back to whoever owns the grant."""
+        self.leases.pop(lease.id, None)
+        lease.grant.leases.pop(lease.id, None)
+        self.requests.remove(lease)
+        if lease.claimer:
+            claimer = self.sessions.get(lease.claimer)
+            if claimer is not None:
+                claimer.claimed.discard(lease.id)
+        if lease.id in self._holds:
+            self.held[lease.id] = lease  # the slots wait for unhold()
+            return
+        self.return_slots(lease)
+
+    def return_slots(self, lease: Lease) -> None:
+        self.pools[lease.run.pool].clear_header(lease.run.segment, lease.run.slot)
+        grant = lease.grant
+        grant.mark(lease.run, 0)
+        if grant.returns is not None:
+            self.grants.pop(grant.id, None)
+            grant.returns(lease.run)
+        elif grant.orphan:
+            self.returns.from_orphan(lease.run, grant.writer_pid)
+            if not grant.leases:
+                self.grants.pop(grant.id, None)
+            self.queue.wake()
+        else:
+            self.freed.add(grant.session_id, lease.id, lease.run.nslots * self.slot_size)
+
+    def free(self, lease: Lease, reason: ReclaimReason | None) -> None:
+        """Free ``lease``; with a ``reason``, it was reclaimed (counted and logged)."""
+        self.forget(lease)
+        if reason is not None:
+            self.hooks.reclaimed(reason, 1)
+            log.info(
+                "reclaimed lease",
+                extra={
+                    "lease_id": lease.id,
+                    "request_id": lease.request_id,
+                    "reason": reason.value,
+                    "session_id": lease.writer,
+                },
+            )
+
+    def flush(self) -> None:
+        """Send the Freed notices that are due (all of them while a grant waits)."""
+        self.freed.flush(space_short=self.queue.space_short)
+
+    def hold(self, lease: Lease) -> None:
+        """A push reads ``lease``'s slots: whatever frees the lease meanwhile (abort,
+        TTL, drain, a reader) frees the record at once but the slots only at
+        :meth:`unhold`, so the writer cannot refill them under the push."""
+        self._holds.add(lease.id)
+
+    def unhold(self, lease: Lease) -> bool:
+        """The push stopped reading: True if this gave the slots back."""
+        self._holds.discard(lease.id)
+        held = self.held.pop(lease.id, None)
+        if held is None:
+            return False
+        self.return_slots(held)
+        return True

@@ -1,0 +1,127 @@
+"""The records of the lease table: grants, leases, their states, and the pool they come from.
+
+Plain data with the few rules that belong to one record (a grant's slot map);
+who may change them, and when, is in :mod:`relayd.pools.leases`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Callable
+from typing import Protocol
+
+from .arena import Run
+
+# A lease id is ``grant id << GEN_SHIFT | n``; the same number is its generation.
+GEN_SHIFT = 32
+# Request ids and stage names kept in a record are cut to this length.
+NAME_KEEP = 256
+
+
+def slots_for(nbytes: int, slot_size: int) -> int:
+    """The slots ``nbytes`` take (at least one)."""
+    return max(1, -(-nbytes // slot_size))
+
+
+def is_id_of(lease_id: int, grant_id: int) -> bool:
+    """Whether ``lease_id`` is one of the ids grant ``grant_id`` numbers its leases with."""
+    return lease_id >> GEN_SHIFT == grant_id and bool(lease_id & ((1 << GEN_SHIFT) - 1))
+
+
+class LeaseState(enum.Enum):
+    # The relayd.v1.LeaseState numbers (Status reports them as they are); a
+    # unit test checks them against the generated enum.
+    RESERVED = 1
+    PUBLISHED = 2
+    CLAIMED = 3
+
+
+class ReclaimReason(enum.Enum):
+    WRITER_DIED = "writer_died"
+    READER_DIED = "reader_died"
+    TTL = "ttl"
+    ABORT = "abort"
+    DRAIN = "drain"
+
+
+class Pool(Protocol):
+    """What the lease rules need of a pool of slots (the arena, a GPU pool)."""
+
+    name: str
+    slot_size: int
+
+    @property
+    def capacity_bytes(self) -> int: ...
+    @property
+    def used_bytes(self) -> int: ...
+    def largest_free_run(self) -> int: ...
+    def max_run_slots(self) -> int: ...
+    def allocate(self, nslots: int) -> Run | None: ...
+    def free(self, run: Run) -> None: ...
+    def clear_header(self, segment: int, slot: int) -> None: ...
+
+
+@dataclasses.dataclass(eq=False)
+class Grant:
+    id: int
+    session_id: str
+    run: Run
+    leases: dict[int, Lease] = dataclasses.field(default_factory=dict)
+    orphan: bool = False
+    writer_pid: int = 0  # of the session that held it, once it is an orphan
+    # Highest lease id reserved in it: the writer numbers its leases upward and
+    # announces them in order, so an unknown id at or below this is gone.
+    last_lease: int = 0
+    # Where a freed lease's run goes instead of back to the pool: a landed push
+    # lives in a peer's standing push grant, which gets the run back.
+    returns: Callable[[Run], None] | None = None
+    # One byte per slot of the run, set while a lease record covers it: no two
+    # live leases of a grant may share a slot, or freeing both frees it twice.
+    busy: bytearray = dataclasses.field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.busy = bytearray(self.run.nslots)
+
+    def mark(self, run: Run, value: int) -> None:
+        first = run.slot - self.run.slot
+        self.busy[first : first + run.nslots] = bytes((value,)) * run.nslots
+
+    def is_free(self, slot: int, nslots: int) -> bool:
+        first = slot - self.run.slot
+        return self.busy.find(1, first, first + nslots) < 0
+
+    def first_lease_id(self) -> int:
+        """The id of the one lease of a grant the daemon itself fills (a pull, a push)."""
+        return (self.id << GEN_SHIFT) | 1
+
+
+@dataclasses.dataclass(eq=False)
+class Lease:
+    id: int
+    generation: int
+    grant: Grant
+    run: Run
+    state: LeaseState
+    request_id: str
+    from_stage: str
+    to_stage: str
+    writer: str
+    created: float
+    published_at: float = 0.0
+    nbytes: int = 0
+    claimer: str = ""
+    # Found sealed in a dead writer's grant with no Reserve/Publish received
+    # (see Orphans.adopt_sealed): its request and stages are unknown, so any
+    # reader that names its lease id and generation may read and release it.
+    adopted: bool = False
+
+
+@dataclasses.dataclass
+class Hooks:
+    """Metric callbacks, so the lease table needs no Prometheus import."""
+
+    reclaimed: Callable[[ReclaimReason, int], None] = lambda reason, n: None
+    # (transport, count, bytes, from_stage, to_stage)
+    transfer: Callable[[str, int, int, str, str], None] = lambda t, n, nbytes, src, dst: None
+    reserve_wait: Callable[[float], None] = lambda seconds: None

@@ -1,0 +1,52 @@
+"""The session frames of the lease table's events: one place for their wire layout."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import cast
+
+from relayd_client.wire.proto import relay_pb2 as pb
+
+from ..pools.events import (
+    Aborted,
+    Draining,
+    Freed,
+    Reclaim,
+    RegistryChanged,
+    SessionError,
+    SessionEvent,
+    Sink,
+)
+
+
+def session_frame(event: SessionEvent) -> pb.SessionFrame:
+    """The ``SessionFrame`` that tells a client ``event``."""
+    match event:
+        case Freed(lease_ids):
+            return pb.SessionFrame(freed=pb.Freed(lease_ids=lease_ids))
+        case Aborted(request_id):
+            return pb.SessionFrame(aborted=[pb.Aborted(request_id=request_id)])
+        case SessionError(code, message):
+            ev = pb.Event(
+                kind=pb.EVENT_KIND_ERROR, code=cast(pb.ErrorCode, int(code)), message=message
+            )
+        case Draining():
+            ev = pb.Event(
+                kind=pb.EVENT_KIND_DRAINING,
+                code=pb.ERROR_CODE_DRAINING,
+                message="daemon is draining",
+            )
+        case Reclaim():
+            ev = pb.Event(kind=pb.EVENT_KIND_RECLAIM)
+        case RegistryChanged(version):
+            ev = pb.Event(kind=pb.EVENT_KIND_REGISTRY, registry_version=version)
+    return pb.SessionFrame(event=[ev])
+
+
+def frame_sink(send: Callable[[pb.SessionFrame], None]) -> Sink:
+    """A session's sink that sends each event as its frame."""
+
+    def sink(event: SessionEvent) -> None:
+        send(session_frame(event))
+
+    return sink
