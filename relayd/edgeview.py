@@ -113,14 +113,15 @@ def _minus(now: list[int], before: list[int]) -> list[int]:
 
 
 def transport_name(value: Any) -> str:
-    """``5``, ``"TRANSPORT_SHM"`` or ``"shm"`` -> ``"shm"``."""
-    if isinstance(value, int):
-        try:
-            return Transport.from_proto(value).value
-        except ValueError:
-            return "unspecified"
-    text = str(value or "unspecified")
-    return (text[len("TRANSPORT_") :] if text.startswith("TRANSPORT_") else text).lower()
+    """``5``, ``"TRANSPORT_SHM"`` or ``"shm"`` -> ``"shm"`` (:meth:`Transport.parse`).
+
+    A view shows what a newer daemon sends instead of failing on it: a number
+    it does not know is ``"unspecified"``, a name is shown as it came.
+    """
+    try:
+        return Transport.parse(value).value
+    except ValueError:
+        return "unspecified" if isinstance(value, int) or not value else str(value).lower()
 
 
 def _int(value: Any) -> int:

@@ -28,6 +28,7 @@ from relayd_client.wire.errors import PeerUnavailableError, SessionClosedError
 from relayd_client.wire.latency import BOUNDS as LATENCY_BOUNDS
 from relayd_client.wire.proto import relay_pb2 as pb
 from relayd_client.wire.proto import relay_pb2_grpc as pb_grpc
+from relayd_client.wire.transport import Transport
 
 from . import __version__, rundir
 from ._systemd import SystemdNotifier
@@ -39,7 +40,6 @@ from .peer_context import PeerHooks
 from .peers import PeerConfigError, PeerManager
 from .pools import cuda as cuda_pools
 from .pools.arena import Arena, remove_stale_segments
-from .pools.lease_table import transport_name
 from .pools.leases import LeaseManager
 from .pools.records import Hooks, LeaseState, ReclaimReason
 from .pools.sessions import BIND_DEADLINE, Session, SessionState
@@ -486,14 +486,18 @@ class Daemon:
             )
         children[0].inc(count)
         children[1].inc(nbytes)
-        if transport == "inline":
+        if transport == Transport.INLINE.value:
             self.metrics.inline_tensor_bytes.inc(nbytes)
 
     def _on_report(self, session: Session, rep: pb.TransferReport) -> None:
         """A client's batch of transfers the daemon never saw (inline, local_object, ...)."""
         if self.edges.check_report(session.stages, rep):
             self._count_transfer(
-                transport_name(rep.transport), rep.count, rep.bytes, rep.from_stage, rep.to_stage
+                Transport.from_proto(rep.transport).value,
+                rep.count,
+                rep.bytes,
+                rep.from_stage,
+                rep.to_stage,
             )
 
     def _on_latency(self, session: Session, rep: pb.EdgeLatencyReport) -> None:

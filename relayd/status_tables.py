@@ -81,7 +81,7 @@ def _items(d: Mapping[str, Any], key: str) -> list[Mapping[str, Any]]:
 
 
 def _enum_name(value: Any, prefix: str) -> str:
-    """``"TRANSPORT_SHM"`` -> ``"shm"``; names without the prefix pass through, lowercased."""
+    """``"LEASE_STATE_PUBLISHED"`` -> ``"published"``; names without the prefix pass through, lowercased."""
     text = str(value)
     return (text[len(prefix) :] if text.startswith(prefix) else text).lower()
 
@@ -110,6 +110,13 @@ def _counts(mapping: Any, prefix: str) -> dict[str, int]:
     if not isinstance(mapping, Mapping):
         return {}
     return {_enum_name(k, prefix): _int(v) for k, v in mapping.items()}
+
+
+def _transfer_counts(d: Mapping[str, Any]) -> dict[str, int]:
+    mapping = d.get("transfers_by_transport")
+    if not isinstance(mapping, Mapping):
+        return {}
+    return {edgeview.transport_name(k): _int(v) for k, v in mapping.items()}
 
 
 def _fit(text: str, width: int) -> str:
@@ -386,7 +393,7 @@ def _peers(d: Mapping[str, Any]) -> list[str]:
 
 def _totals(d: Mapping[str, Any]) -> list[str]:
     lines: list[str] = []
-    transfers = _counts(d.get("transfers_by_transport"), "TRANSPORT_")
+    transfers = _transfer_counts(d)
     if transfers:
         lines += _flow("TRANSFERS", (f"{k} {v}" for k, v in sorted(transfers.items())))
     reclaimed = _counts(d.get("reclaimed_by_reason"), "")
@@ -396,7 +403,7 @@ def _totals(d: Mapping[str, Any]) -> list[str]:
 
 
 def _rates(d: Mapping[str, Any], previous: Mapping[str, Any] | None, interval: float) -> list[str]:
-    now = _counts(d.get("transfers_by_transport"), "TRANSPORT_")
+    now = _transfer_counts(d)
     if not now:
         return ["TRANSFERS  none"]
     comparable = (
@@ -404,7 +411,7 @@ def _rates(d: Mapping[str, Any], previous: Mapping[str, Any] | None, interval: f
         and interval > 0
         and previous.get("daemon_epoch") == d.get("daemon_epoch")
     )
-    before = _counts(previous.get("transfers_by_transport"), "TRANSPORT_") if previous else {}
+    before = _transfer_counts(previous) if previous else {}
 
     def rate(name: str) -> str:
         if not comparable or name not in before or now[name] < before[name]:

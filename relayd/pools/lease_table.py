@@ -98,19 +98,6 @@ class CancelNotice(Protocol):
     def lease_id(self) -> int: ...
 
 
-# Looked up once per publish: a dict, derived from the one spelling in Transport.
-_TRANSPORT_NAMES = {t.to_proto(): t.value for t in Transport}
-
-
-def transport_name(value: int) -> str:
-    """The label a published transfer is counted under.
-
-    A number this version does not know (a Publish that left it unset) is
-    counted as shm, so that the labels stay the fixed set of transports.
-    """
-    return _TRANSPORT_NAMES.get(value, Transport.SHM.value)
-
-
 class LeaseTable:
     def __init__(
         self,
@@ -251,7 +238,15 @@ class LeaseTable:
         if lease is None or lease.writer != session.id or lease.state is not LeaseState.RESERVED:
             session.refuse(ErrorCode.INVALID_ARGUMENT, f"bad publish of lease {p.lease_id}")
             return None
-        self.published(lease, p.nbytes, transport_name(p.transport))
+        try:
+            transport = Transport.from_proto(p.transport)
+        except ValueError:
+            session.refuse(
+                ErrorCode.INVALID_ARGUMENT,
+                f"bad publish of lease {p.lease_id}: unknown transport {p.transport}",
+            )
+            return None
+        self.published(lease, p.nbytes, transport.value)
         return lease if self.leases.get(lease.id) is lease else None
 
     def published(self, lease: Lease, nbytes: int, transport: str) -> None:

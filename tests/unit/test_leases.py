@@ -87,6 +87,29 @@ def test_lifecycle_reserved_published_claimed_freed(arena: Arena) -> None:
     assert arena.header(grant.run.segment, grant.run.slot) == (0, 0)
 
 
+@pytest.mark.parametrize("transport", [pb.TRANSPORT_UNSPECIFIED, 99])
+def test_a_publish_with_an_unknown_transport_is_refused_not_counted_as_shm(
+    arena: Arena, transport: int
+) -> None:
+    counted: list[str] = []
+    m = LeaseManager(
+        arena, grant_bytes=8 * SLOT, lease_ttl=10.0, stage_quota_bytes=24 * SLOT,
+        max_sessions=8, clock=Clock(), freed_linger=0.0,
+        hooks=Hooks(transfer=lambda t, n, nbytes, src, dst: counted.append(t)),
+    )  # fmt: skip
+    wf: list[pb.SessionFrame] = []
+    w = _session(m, "thinker", wf)
+    grant = asyncio.run(m.grant(w, SLOT, 1.0))
+    lid = max(m.new_generation_base(grant), grant.last_lease) + 1
+    _reserve(m, w, grant, 0, 1, lid)
+    m.on_publish(w, pb.Publish(lease_id=lid, nbytes=SLOT, transport=transport))  # type: ignore[arg-type]
+    assert m.leases[lid].state is LeaseState.RESERVED and counted == []
+    errors = [e for f in wf for e in f.event if e.code == pb.ERROR_CODE_INVALID_ARGUMENT]
+    assert len(errors) == 1 and "transport" in errors[0].message
+    m.on_publish(w, pb.Publish(lease_id=lid, nbytes=SLOT, transport=pb.TRANSPORT_SHM))
+    assert m.leases[lid].state is LeaseState.PUBLISHED and counted == ["shm"]
+
+
 def test_writer_death_drops_reservations_keeps_published(arena: Arena) -> None:
     clock, reclaimed, wf, rf = Clock(), [], [], []  # type: ignore[var-annotated]
     m = _manager(arena, clock, reclaimed)

@@ -4,6 +4,12 @@ The router (daemon side) picks one from the topology; the client writes it into
 every DataRef, and the reader dispatches on it. Values are the lower-case names
 shown in ``relayd status`` and used as metric label values.
 
+A transport is spelled three ways: the label (``"shm"``), the proto enum name
+(``"TRANSPORT_SHM"``, as a status reply turned into JSON shows it) and the
+proto number (5). :meth:`Transport.parse` is the one place that reads any of
+them, and it raises on anything else: a guessed transport would count or read
+the wrong thing.
+
 The proto numbers are spelled out here instead of imported from the generated
 stubs so that this module stays importable without protobuf; a unit test checks
 them against ``relay_pb2.Transport``.
@@ -51,7 +57,20 @@ class Transport(enum.Enum):
         except KeyError:
             raise ValueError(f"unknown relayd.v1.Transport number: {number!r}") from None
 
+    @classmethod
+    def parse(cls, spelling: str | int) -> Transport:
+        """The member for a label, a proto enum name or a proto number; ValueError otherwise."""
+        if isinstance(spelling, bool):
+            raise ValueError(f"not a transport: {spelling!r}")
+        if isinstance(spelling, int):
+            return cls.from_proto(spelling)
+        member = _BY_SPELLING.get(spelling)
+        if member is None:
+            raise ValueError(f"unknown transport {spelling!r}")
+        return member
 
+
+_PROTO_PREFIX = "TRANSPORT_"
 _TO_PROTO: dict[Transport, int] = {
     Transport.INLINE: 1,
     Transport.LOCAL_OBJECT: 2,
@@ -62,3 +81,7 @@ _TO_PROTO: dict[Transport, int] = {
     Transport.SOCKET: 7,
 }
 _FROM_PROTO: dict[int, Transport] = {number: member for member, number in _TO_PROTO.items()}
+_BY_SPELLING: dict[str, Transport] = {
+    **{member.value: member for member in Transport},
+    **{f"{_PROTO_PREFIX}{member.name}": member for member in Transport},
+}
