@@ -68,7 +68,7 @@ from relayd_client.wire.errors import (
 )
 from relayd_client.wire.proto import relay_pb2 as pb
 from relayd_client.wire.proto import relay_pb2_grpc as pb_grpc
-from relayd_client.wire.shm import HEADER_STRIDE, SLOT_HEADER
+from relayd_client.wire.shm import HEADER_STRIDE, SHM_POOL, SLOT_HEADER
 from relayd_client.wire.status import from_rpc_error
 from relayd_client.wire.transport import Transport
 from relayd_client.wire.version import PROTOCOL_VERSION
@@ -607,7 +607,7 @@ class PeerManager:
     def _lease_ref(self, local: Lease, length: int) -> pb.LeaseRef:
         seg = self.arena.segments[local.run.segment]
         return pb.LeaseRef(
-            pool="shm",
+            pool=SHM_POOL,
             segment=local.run.segment,
             slot=local.run.slot,
             nslots=local.run.nslots,

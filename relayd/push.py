@@ -55,6 +55,7 @@ from relayd_client.wire.errors import (
     RelayError,
 )
 from relayd_client.wire.proto import relay_pb2 as pb
+from relayd_client.wire.shm import SHM_POOL
 from relayd_client.wire.slots import SlotAllocator
 
 from .pools.arena import Run
@@ -196,7 +197,7 @@ class PushManager:
     def on_publish(self, lease: Lease) -> None:
         """LeaseManager hook: ``lease`` was published with Publish.push set."""
         peer = self._target(lease.to_stage)
-        if peer is None or not self.enabled or lease.nbytes == 0 or lease.run.pool != "shm":
+        if peer is None or not self.enabled or lease.nbytes == 0 or lease.run.pool != SHM_POOL:
             # Nobody to push to (the consumer moved, or its node is down): every up
             # peer hears Declined, so the reader's daemon, wherever it is, pulls.
             for p in self.peers.peers.values():

@@ -28,6 +28,7 @@ from relayd_client.wire.errors import PeerUnavailableError, SessionClosedError
 from relayd_client.wire.latency import BOUNDS as LATENCY_BOUNDS
 from relayd_client.wire.proto import relay_pb2 as pb
 from relayd_client.wire.proto import relay_pb2_grpc as pb_grpc
+from relayd_client.wire.shm import SHM_POOL
 from relayd_client.wire.transport import Transport
 
 from . import __version__, rundir
@@ -528,7 +529,7 @@ class Daemon:
         return {
             "pools": [
                 {
-                    "name": "shm",
+                    "name": SHM_POOL,
                     "capacity_bytes": a.capacity_bytes,
                     "used_bytes": m.lease_slots() * a.slot_size,
                     "granted_bytes": m.granted_slots() * a.slot_size,
@@ -542,7 +543,7 @@ class Daemon:
                 cuda_pools.pool_status(p, m.lease_slots(p.name), m.granted_slots(p.name))
                 for p in self.cuda_pools
             ],
-            "leases": {("shm", st.name.lower()): n for st, n in by_state.items()}
+            "leases": {(SHM_POOL, st.name.lower()): n for st, n in by_state.items()}
             | {
                 (p.name, st.name.lower()): n
                 for p in self.cuda_pools

@@ -65,7 +65,7 @@ from .wire.names import check_key, check_request_id, check_stage
 from .wire.paths import default_socket_path
 from .wire.proto import relay_pb2 as pb
 from .wire.proto import relay_pb2_grpc as pb_grpc
-from .wire.shm import PROBE_BYTES, MappedSegment
+from .wire.shm import PROBE_BYTES, SHM_POOL, MappedSegment
 from .wire.status import from_rpc_error
 from .wire.transport import DIRECT_META_LIMIT, INLINE_LIMIT, Transport
 from .wire.version import PROTOCOL_VERSION
@@ -248,7 +248,7 @@ class RelayClient:
         self._segments: list[MappedSegment] = []
         self._views: list[Any] = []
         self._space = asyncio.Event()
-        self._grant_calls: dict[str, _GrantCall] = {}  # by pool, "shm" included
+        self._grant_calls: dict[str, _GrantCall] = {}  # by pool, the arena included
         self._aborted: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._released: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._valid_layouts: dict[tuple[tuple[bytes, ...], int], list[_packing.TensorSpec]] = {}
@@ -401,7 +401,7 @@ class RelayClient:
             # A put may be waiting on the grant call: let it fail by itself once
             # the channel is closed (a cancel would reach that put as
             # CancelledError), and only then forget the old grants.
-            pending = self._grant_calls.pop("shm", None)
+            pending = self._grant_calls.pop(SHM_POOL, None)
             await self._teardown()
             if pending is not None:
                 with contextlib.suppress(BaseException):
@@ -844,7 +844,7 @@ class RelayClient:
         seg.write_header(lease.slot, gen, total)
         msg.transport = transport
         out = msg.lease
-        out.pool = "shm"
+        out.pool = SHM_POOL
         out.segment = grant.segment
         out.slot = lease.slot
         out.nslots = lease.nslots
@@ -1030,7 +1030,7 @@ class RelayClient:
         msg.message = message[:4096]
         return DataRef(msg)
 
-    async def _reserve(self, nbytes: int, deadline: float, pool: str = "shm") -> Lease:
+    async def _reserve(self, nbytes: int, deadline: float, pool: str = SHM_POOL) -> Lease:
         a = self._require_open()
         nslots = max(1, -(-nbytes // a.slot_size))
         while True:
@@ -1082,7 +1082,7 @@ class RelayClient:
                     raise exc
 
     async def _request_grant(
-        self, min_bytes: int, timeout: float, pool: str = "shm"
+        self, min_bytes: int, timeout: float, pool: str = SHM_POOL
     ) -> pb.GrantResponse:
         a = self._require_open()
         assert self._stub is not None
@@ -1104,7 +1104,7 @@ class RelayClient:
         return resp
 
     def _add_grant(self, resp: pb.GrantResponse) -> None:
-        if resp.pool not in ("", "shm"):
+        if resp.pool not in ("", SHM_POOL):
             if self._gpu is None or not self._gpu.fits(resp.pool, resp.slot, resp.nslots):
                 raise RelayError(f"daemon granted a run outside GPU pool {resp.pool!r}")
         elif (
@@ -1118,11 +1118,11 @@ class RelayClient:
             raise RelayError(f"daemon granted run {resp.grant_id} twice") from None
         self._space.set()
 
-    def _alloc_local(self, nslots: int, pool: str = "shm") -> Lease | None:
+    def _alloc_local(self, nslots: int, pool: str = SHM_POOL) -> Lease | None:
         return self._table.cut(nslots, pool)
 
     def _free_local(self, lease: Lease) -> None:
-        if self._gpu is not None and lease.grant.pool != "shm":
+        if self._gpu is not None and lease.grant.pool != SHM_POOL:
             # Not before the writer's copy into these slots is complete.
             self._gpu.free_slots(lease.id, functools.partial(self._slots_back, lease))
             return
@@ -1876,7 +1876,7 @@ class RelayClient:
         for ev in frame.event:
             match ev.kind:
                 case pb.EVENT_KIND_BOUND:
-                    self.socket_fallback = ev.message == "socket"
+                    self.socket_fallback = ev.message == Transport.SOCKET.value
                     self.registry_version = ev.registry_version
                 case pb.EVENT_KIND_REGISTRY:
                     if ev.registry_version != self.registry_version:

@@ -19,6 +19,7 @@ import collections
 import threading
 from collections.abc import Iterator
 
+from .wire.shm import SHM_POOL
 from .wire.slots import SlotAllocator
 
 # Freed runs remembered per grant for reuse; older ones are cut first-fit.
@@ -41,7 +42,7 @@ class Grant:
         self.base = base
         self.nslots = nslots
         self.gen_base = gen_base
-        self.pool = pool or "shm"
+        self.pool = pool or SHM_POOL
         self.alloc = SlotAllocator(nslots)
         self.next_seq = 1
         self.live = 0
@@ -97,7 +98,7 @@ class LeaseTable:
                 raise ValueError(f"grant {grant.id} is held already")
             self.grants[grant.id] = grant
 
-    def cut(self, nslots: int, pool: str = "shm") -> Lease | None:
+    def cut(self, nslots: int, pool: str = SHM_POOL) -> Lease | None:
         """A lease of ``nslots`` from the first grant of ``pool`` with room, or None."""
         with self.lock:
             for grant in self.grants.values():

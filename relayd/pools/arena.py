@@ -18,7 +18,7 @@ import re
 import time
 
 from relayd_client.wire.paths import SHM_DIR
-from relayd_client.wire.shm import MappedSegment, segment_nslots
+from relayd_client.wire.shm import SHM_POOL, MappedSegment, segment_nslots
 from relayd_client.wire.slots import SlotAllocator
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ class Run:
     segment: int
     slot: int
     nslots: int
-    pool: str = "shm"  # which pool's allocator the run belongs to ("shm", "cuda:<uuid>")
+    pool: str = SHM_POOL  # which pool's allocator the run belongs to (SHM_POOL, "cuda:<uuid>")
 
 
 def remove_stale_segments(shm_dir: str = SHM_DIR) -> list[str]:
@@ -95,7 +95,7 @@ def _unlink_all(shm_dir: str, members: list[str], removed: list[str]) -> None:
 class Arena:
     """Segments plus one allocator per segment (a run never crosses segments)."""
 
-    name = "shm"
+    name = SHM_POOL
 
     def __init__(
         self,

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable
 
 from relayd_client.wire.proto import relay_pb2 as pb
 from relayd_client.wire.shm import PROBE_BYTES, probe_offset_for
+from relayd_client.wire.transport import Transport
 
 from ..pools.arena import Arena
 from ..pools.cuda import peer_access as gpu_peer_access
@@ -119,7 +120,8 @@ class Topology:
         self.registry.register(session.id, placement)
         self._on_stages(session.stages)
         self._broadcast(skip=session.id)
-        return ("shm" if can_map else "socket"), self.registry.version
+        path = Transport.SHM if can_map else Transport.SOCKET
+        return path.value, self.registry.version
 
     def closed(self, session_id: str) -> None:
         self._can_map.pop(session_id, None)
@@ -210,7 +212,7 @@ class Topology:
                 )
             )
         for s in resp.sessions:
-            s.data_path = "shm" if self.can_map(s.session_id) else "socket"
+            s.data_path = (Transport.SHM if self.can_map(s.session_id) else Transport.SOCKET).value
 
 
 def _gpu_uuids(raw: Iterable[str]) -> tuple[str, ...]:

@@ -14,7 +14,7 @@ from relayd_client.wire.errors import (
 from relayd_client.wire.names import check_request_id, check_stage
 from relayd_client.wire.proto import relay_pb2 as pb
 from relayd_client.wire.proto import relay_pb2_grpc as pb_grpc
-from relayd_client.wire.shm import HEADER_STRIDE
+from relayd_client.wire.shm import HEADER_STRIDE, SHM_POOL
 from relayd_client.wire.version import PROTOCOL_VERSION
 
 from ..pools.leases import LeaseManager
@@ -112,7 +112,7 @@ class RelayService(RoutingService, pb_grpc.RelayServicer):
         remaining = context.time_remaining()
         if remaining is not None:
             timeout = min(timeout, max(remaining - 0.05, 0.0))
-        grant = await m.grant(session, request.min_bytes, timeout, request.pool or "shm")
+        grant = await m.grant(session, request.min_bytes, timeout, request.pool or SHM_POOL)
         return pb.GrantResponse(
             pool=grant.run.pool,
             grant_id=grant.id,

@@ -31,6 +31,7 @@ from relayd_client.wire.framing import (
 )
 from relayd_client.wire.peercred import peer_credentials
 from relayd_client.wire.proto import relay_pb2 as pb
+from relayd_client.wire.transport import Transport
 
 from ..edges import log_trace
 from ..pools.leases import LeaseManager
@@ -331,7 +332,7 @@ class SessionProtocol(asyncio.Protocol):
             elif self.on_bound is not None:
                 path, version = self.on_bound(session, f.bind.shm_nonce, pid)
             else:
-                path, version = "shm", 0
+                path, version = Transport.SHM.value, 0
             self.send(
                 pb.SessionFrame(
                     event=[

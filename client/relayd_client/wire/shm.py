@@ -23,6 +23,9 @@ import struct
 
 from .paths import SHM_DIR
 
+#: The arena's name wherever a pool is named (grants, leases, status); a GPU
+#: pool is named ``cuda:<uuid>`` (:func:`.cuda_ipc.pool_name`).
+SHM_POOL = "shm"
 HEADER_STRIDE = 16
 PROBE_BYTES = 16
 #: A slot header: (generation, length) of the lease whose run starts at that slot.
