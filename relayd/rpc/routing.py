@@ -4,12 +4,12 @@ Kept beside :mod:`relayd.rpc.service` as a mixin so routing stays one concern.
 
 The socket fallback serves sessions that cannot map the arena (a container
 without the host's IPC namespace) with one unary call per put or get carrying
-the packed region. Measured put+get on a busy 2-core machine: about the same
-as SHM at 64 KiB, about 3-7x slower at 4 MiB (two extra copies plus gRPC
-framing). That is acceptable for a path that announces itself in status and
-metrics, and it needs no second framing protocol. The bytes
-still land in an arena lease, so an SHM reader reads a socket writer's put
-exactly like any other.
+the packed region. A put+get costs about what SHM costs at 64 KiB and 3-7x as
+much at 4 MiB (two extra copies plus gRPC framing): acceptable for a path
+that announces itself in status and metrics, and it needs no second framing
+protocol. The bytes still land in an arena lease
+(:meth:`~relayd.pools.leases.LeaseManager.put_bytes`), so an SHM reader reads
+a socket writer's put exactly like any other.
 """
 
 from __future__ import annotations
