@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Mapping
 
 from relayd_client.wire.errors import (
     AbortedError,
@@ -42,12 +42,12 @@ from relayd_client.wire.errors import (
 )
 from relayd_client.wire.transport import Transport
 
-from .arena import Arena, Run
+from .arena import Arena
 from .crossnode import CrossNodeLeases
-from .events import Freed, Sink
+from .events import Freed
 from .freed import FreedBatcher
 from .grant_queue import GrantQueue
-from .lease_table import CancelNotice, LeaseTable, PublishNotice, ReaderNotice, ReserveNotice
+from .lease_table import LeaseTable, PublishNotice
 from .orphans import Orphans
 from .reclaim import Reclaimer
 from .records import GEN_SHIFT, Grant, Hooks, Lease, LeaseState, Pool, ReclaimReason, slots_for
@@ -145,6 +145,24 @@ class LeaseManager:
         self.requests: dict[str, RequestInfo] = self.request_records.by_id
         # Called with each lease published with Publish.push set (relayd.push).
         self.on_push: Callable[[Lease], None] | None = None
+        # The calls that are one part's alone, under the names callers use.
+        self.open_session = self.session_table.open
+        self.authenticate = self.session_table.authenticate
+        self.bind = self.session_table.bind
+        self.on_reserve = self.table.on_reserve
+        self.on_claim = self.table.on_claim
+        self.on_release = self.table.on_release
+        self.on_cancel = self.table.on_cancel
+        self.hold = self.table.hold
+        self.reserve_for_pull = self.crossnode.reserve_for_pull
+        self.publish_pull = self.crossnode.publish_pull
+        self.drop_pull = self.crossnode.drop_pull
+        self.free_pushed = self.crossnode.free_pushed
+        self.adopt_push = self.crossnode.adopt_push
+        self.release_from_peer = self.crossnode.release_from_peer
+        self.abort = self.reclaim.abort
+        self.start_drain = self.reclaim.start_drain
+        self.drop_all = self.reclaim.drop_all
 
     def _deliver_freed(self, session_id: str, event: Freed) -> None:
         session = self.sessions.get(session_id)
@@ -152,26 +170,6 @@ class LeaseManager:
             session.tell(event)
 
     # -- sessions -----------------------------------------------------------------------
-
-    def open_session(
-        self,
-        *,
-        pid: int,
-        stages: Iterable[str],
-        namespaces: dict[str, str] | None = None,
-        gpu_uuids: Iterable[str] = (),
-    ) -> Session:
-        return self.session_table.open(
-            pid=pid, stages=stages, namespaces=namespaces, gpu_uuids=gpu_uuids
-        )
-
-    def authenticate(self, session_id: str, token: bytes) -> Session:
-        return self.session_table.authenticate(session_id, token)
-
-    def bind(
-        self, session_id: str, token: bytes, sink: Sink, *, pid: int, uid: int, gid: int
-    ) -> Session:
-        return self.session_table.bind(session_id, token, sink, pid=pid, uid=uid, gid=gid)
 
     def close_session(self, session_id: str) -> None:
         """The session's connection is gone: reclaim what only it could finish."""
@@ -227,24 +225,10 @@ class LeaseManager:
 
     # -- notices (hot path) -------------------------------------------------------------
 
-    def on_reserve(
-        self, session: Session, r: ReserveNotice, cancelled: Collection[int] = ()
-    ) -> None:
-        self.table.on_reserve(session, r, cancelled)
-
     def on_publish(self, session: Session, p: PublishNotice) -> None:
         lease = self.table.on_publish(session, p)
         if lease is not None and p.push and self.on_push is not None:
             self.on_push(lease)
-
-    def on_claim(self, session: Session, c: ReaderNotice) -> None:
-        self.table.on_claim(session, c)
-
-    def on_release(self, session: Session, r: ReaderNotice) -> None:
-        self.table.on_release(session, r)
-
-    def on_cancel(self, session: Session, c: CancelNotice) -> None:
-        self.table.on_cancel(session, c)
 
     def flush(self) -> None:
         """Send the Freed notices due (see :mod:`relayd.pools.freed`)."""
@@ -311,73 +295,15 @@ class LeaseManager:
 
     # -- cross-node leases (relayd.pools.crossnode) ------------------------------------
 
-    async def reserve_for_pull(
-        self,
-        session: Session,
-        nbytes: int,
-        timeout: float,
-        *,
-        request_id: str,
-        from_stage: str,
-        to_stage: str,
-    ) -> Lease:
-        return await self.crossnode.reserve_for_pull(
-            session,
-            nbytes,
-            timeout,
-            request_id=request_id,
-            from_stage=from_stage,
-            to_stage=to_stage,
-        )
-
-    def publish_pull(self, lease: Lease, nbytes: int) -> None:
-        self.crossnode.publish_pull(lease, nbytes)
-
-    def drop_pull(self, lease: Lease) -> None:
-        self.crossnode.drop_pull(lease)
-
-    def hold(self, lease: Lease) -> None:
-        self.table.hold(lease)
-
     def unhold(self, lease: Lease) -> None:
         if self.table.unhold(lease):
             self.flush()
-
-    def free_pushed(self, lease: Lease) -> bool:
-        return self.crossnode.free_pushed(lease)
-
-    def adopt_push(
-        self,
-        run: Run,
-        nbytes: int,
-        *,
-        request_id: str,
-        from_stage: str,
-        to_stage: str,
-        returns: Callable[[Run], None],
-    ) -> Lease:
-        return self.crossnode.adopt_push(
-            run,
-            nbytes,
-            request_id=request_id,
-            from_stage=from_stage,
-            to_stage=to_stage,
-            returns=returns,
-        )
-
-    def release_from_peer(
-        self, lease_id: int, generation: int, reader_stages: Collection[str] | None = None
-    ) -> bool:
-        return self.crossnode.release_from_peer(lease_id, generation, reader_stages)
 
     def abort_from_peer(self, request_id: str) -> int:
         """A peer aborted ``request_id``: free it here too (the peer was authenticated)."""
         return self.reclaim.abort_request(request_id)[0]
 
     # -- abort, TTL, drain --------------------------------------------------------------
-
-    def abort(self, session: Session, request_id: str) -> tuple[int, int]:
-        return self.reclaim.abort(session, request_id)
 
     def reap(self) -> int:
         """Expire unread leases, unbound sessions and old request records."""
@@ -391,12 +317,6 @@ class LeaseManager:
         self.request_records.forget_old(now)
         self.flush()
         return expired
-
-    def start_drain(self) -> None:
-        self.reclaim.start_drain()
-
-    def drop_all(self) -> None:
-        self.reclaim.drop_all()
 
     # -- views for status and metrics ---------------------------------------------------
 
