@@ -63,27 +63,22 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
-import enum
-import importlib
 import logging
 import math
 import os
 import pathlib
 import threading
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from relayd_client.wire.errors import (
     InternalError,
     InvalidArgumentError,
-    PeerUnavailableError,
     RelayError,
     SessionClosedError,
 )
 
 from relayd.config import Settings
-from relayd.transports._native_log import native_stderr_to_log
 from relayd.transports.base import (
     MemoryRegion,
     PullFailedError,
@@ -97,86 +92,28 @@ from relayd.transports.base import (
     TransportUnavailableError,
     follow,
 )
+from relayd.transports.mooncake_engine import (
+    Call,
+    check,
+    import_engine_module,
+    mooncake_error,
+    open_engine,
+    submit_blocking,
+    teardown_engine,
+)
 
 logger = logging.getLogger(__name__)
 
-PACKAGE = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
-"""What to install on CPU-only hosts (and GPU hosts that only move host memory)."""
-
 _INFINIBAND = pathlib.Path("/sys/class/infiniband")
 
-# The submit job watches its batches on the worker thread (see the module docstring).
-_WATCH_INTERVAL = 50e-6
+# The longest a submit job watches its batches on the worker thread (see the module
+# docstring) before the loop polls them.
 _WATCH_BUDGET = 20e-3
 # Loop polling: back off from the first delay to the cap; once the caller's deadline
 # has passed, only the quarantine is waiting, so poll rarely.
 _POLL_FIRST = 50e-6
 _POLL_CAP = 1e-3
 _POLL_LATE = 20e-3
-
-# Mooncake reads its settings from the process environment, so they are set just
-# before the engine is constructed; the lock keeps two engines in one process from
-# seeing each other's values half-written.
-_ENV_LOCK = threading.Lock()
-
-
-# --- Mooncake return codes -> RelayErrors: this table and nowhere else -------------
-
-
-class _Call(enum.Enum):
-    INITIALIZE = "initialize"
-    REGISTER = "register_memory"
-    SUBMIT = "batch_transfer_async_read"
-    STATUS = "transfer_check_status"
-
-
-_RC_MEANING: dict[int, str] = {
-    0: "no batch id",
-    -1: "failed; the reason is in Mooncake's log on stderr",
-    -3: "address not registered",
-    -7: "range overlaps a registered one",
-    -102: "peer did not answer",
-    -200: "metadata server unreachable",
-}
-_ERROR_FOR_CALL: dict[_Call, type[RelayError]] = {
-    _Call.INITIALIZE: TransportUnavailableError,
-    _Call.REGISTER: InternalError,
-    _Call.SUBMIT: PeerUnavailableError,
-    _Call.STATUS: InternalError,
-}
-_ERROR_FOR_RC: dict[tuple[_Call, int], type[RelayError]] = {
-    (_Call.REGISTER, -7): InvalidArgumentError,
-    # A transfer that ended FAILED: the peer is gone, refused us (e.g. the remote
-    # range is not registered there) or stopped answering for MC_TCP_STATUS_TIMEOUT_SEC.
-    (_Call.STATUS, -1): PeerUnavailableError,
-}
-_STATE_FOR_STATUS: dict[int, TransferState] = {
-    1: TransferState.DONE,
-    0: TransferState.PENDING,
-    -1: TransferState.FAILED,
-    -2: TransferState.TIMEOUT,
-}
-
-
-def mooncake_error(call: _Call, rc: int, context: str) -> RelayError:
-    """The RelayError for Mooncake call ``call`` returning ``rc``."""
-    cls = _ERROR_FOR_RC.get((call, rc), _ERROR_FOR_CALL[call])
-    meaning = _RC_MEANING.get(rc, "unknown return code")
-    return cls(f"mooncake {call.value} {context}: returned {rc} ({meaning})")
-
-
-def transfer_state(rc: int) -> TransferState:
-    """``transfer_check_status``'s integer as a TransferState."""
-    state = _STATE_FOR_STATUS.get(rc)
-    if state is None:
-        raise mooncake_error(_Call.STATUS, rc, "of a submitted op")
-    return state
-
-
-def _submit_failed(batch_id: int) -> bool:
-    # 0 on failure (measured); the C++ source can also return -1 cast to uint64.
-    return batch_id <= 0 or batch_id >= 1 << 63
-
 
 # --- settings -> Mooncake's inputs ----------------------------------------------------
 
@@ -236,28 +173,6 @@ def _session_id(host: str, port: int) -> str:
 
 # --- preflight ------------------------------------------------------------------------
 
-_LIBRARY_FIXES = (
-    ("libibverbs.so", "apt-get install libibverbs1"),
-    ("libnuma.so", "apt-get install libnuma1"),
-    ("libcurl.so", "apt-get install libcurl4 (libcurl4t64 on Debian 13 / Ubuntu 24.04)"),
-    ("libcudart.so", f"the CUDA wheel needs the CUDA 12 runtime; without it install {PACKAGE}"),
-    ("libcuda.so", f"the CUDA wheel needs the NVIDIA driver; without it install {PACKAGE}"),
-)
-
-
-def _import_engine_module() -> Any:
-    """``mooncake.engine``, or TransportUnavailableError saying what to install."""
-    try:
-        return importlib.import_module("mooncake.engine")
-    except ImportError as exc:
-        text = str(exc)
-        if isinstance(exc, ModuleNotFoundError) and (exc.name or "").startswith("mooncake"):
-            message = f"Mooncake Transfer Engine is not installed: pip install '{PACKAGE}'"
-        else:
-            fix = next((f for lib, f in _LIBRARY_FIXES if lib in text), f"reinstall {PACKAGE}")
-            message = f"cannot load Mooncake Transfer Engine ({text}); fix: {fix}"
-        raise TransportUnavailableError(message) from exc
-
 
 def rdma_problem(settings: Settings, *, infiniband: pathlib.Path = _INFINIBAND) -> str | None:
     """Why ``mooncake_protocol = "rdma"`` cannot work here, or None (also None for tcp)."""
@@ -282,7 +197,7 @@ def rdma_problem(settings: Settings, *, infiniband: pathlib.Path = _INFINIBAND) 
 def preflight(settings: Settings) -> str | None:
     """What stops Mooncake from working here, or None. Imports ``mooncake.engine``."""
     try:
-        _import_engine_module()
+        import_engine_module()
     except TransportUnavailableError as exc:
         return exc.message
     return rdma_problem(settings)
@@ -375,7 +290,7 @@ class MooncakeTransport(RemoteTransport):
         try:
             self._engine, port = await loop.run_in_executor(
                 pool,
-                _open_engine,
+                open_engine,
                 host,
                 env,
                 self._settings.mooncake_protocol,
@@ -402,7 +317,7 @@ class MooncakeTransport(RemoteTransport):
         )
         if rc != 0:
             raise mooncake_error(
-                _Call.REGISTER, rc, f"of {region.name} ({region.length} B at {region.base:#x})"
+                Call.REGISTER, rc, f"of {region.name} ({region.length} B at {region.base:#x})"
             )
         self._regions.add(region)
 
@@ -490,7 +405,7 @@ class MooncakeTransport(RemoteTransport):
 
         def teardown() -> None:
             try:
-                _teardown(handoff.pop(), pool, regions)
+                teardown_engine(handoff.pop(), pool, regions)
             finally:
                 # RuntimeError: the loop is gone, nobody is left to tell.
                 with contextlib.suppress(RuntimeError):
@@ -549,7 +464,7 @@ class MooncakeTransport(RemoteTransport):
         if rec.failure is not None or TransferState.FAILED in rec.states:
             failed = sum(s is TransferState.FAILED for s in rec.states)
             cause = rec.failure or mooncake_error(
-                _Call.STATUS, -1, f"for {failed} of {len(rec.ops)} op(s) from {rec.peer}"
+                Call.STATUS, -1, f"for {failed} of {len(rec.ops)} op(s) from {rec.peer}"
             )
             raise PullFailedError(
                 f"pull from {rec.peer} failed: {cause.message}",
@@ -578,7 +493,7 @@ class MooncakeTransport(RemoteTransport):
         try:
             ids, states, failure = await loop.run_in_executor(
                 self._pool,
-                _submit_blocking,
+                submit_blocking,
                 self._engine,
                 rec.peer,
                 rec.phases_left(),
@@ -598,7 +513,7 @@ class MooncakeTransport(RemoteTransport):
         loop = asyncio.get_running_loop()
         delay = _POLL_FIRST
         while True:
-            if _check(self._engine, rec.batch_ids, rec.states):
+            if check(self._engine, rec.batch_ids, rec.states):
                 return
             late = loop.time() > rec.deadline
             await asyncio.sleep(_POLL_LATE if late else delay)
@@ -608,83 +523,3 @@ class MooncakeTransport(RemoteTransport):
 def _consume(task: asyncio.Task[None]) -> None:
     if not task.cancelled() and task.exception() is not None:
         logger.debug("abandoned pull ended: %s", task.exception())
-
-
-def _open_engine(host: str, env: Mapping[str, str | None], protocol: str, device: str) -> Any:
-    """Worker thread: import, configure and initialise an engine; returns (engine, port)."""
-    with _ENV_LOCK, native_stderr_to_log():
-        module = _import_engine_module()
-        for key, value in env.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        engine = module.TransferEngine()
-        rc = engine.initialize(host, "P2PHANDSHAKE", protocol, device)
-    if rc != 0:
-        raise mooncake_error(_Call.INITIALIZE, rc, f"as {host} over {protocol}")
-    return engine, int(engine.get_rpc_port())
-
-
-def _submit_blocking(
-    engine: Any,
-    peer: str,
-    phases: tuple[tuple[PullOp, ...], ...],
-    watch: float,
-    write: bool = False,
-) -> tuple[list[int], list[TransferState], RelayError | None]:
-    """Worker thread: one batch per op (see the module docstring), then watch them
-    for up to ``watch`` seconds; a phase seen to land lets the next one go, in this
-    same job. Returns ids and states of the ops it submitted, a prefix."""
-    ids: list[int] = []
-    states: list[TransferState] = []
-    failure: RelayError | None = None
-    end = time.perf_counter() + watch
-    submit = engine.batch_transfer_async_write if write else engine.batch_transfer_async_read
-    for k, ops in enumerate(phases):
-        if k and (not all(s is TransferState.DONE for s in states) or failure is not None):
-            break  # the phase before has not landed (or failed): not ours to go on
-        start = len(states)
-        for op in ops:
-            if failure is not None:  # the pull has failed; don't put more bytes in flight
-                ids.append(0)
-                states.append(TransferState.FAILED)
-                continue
-            batch_id = int(submit(peer, [op.local_addr], [op.remote_addr], [op.length]))
-            if _submit_failed(batch_id):
-                failure = mooncake_error(_Call.SUBMIT, 0, f"to {peer}")
-                ids.append(0)
-                states.append(TransferState.FAILED)
-            else:
-                ids.append(batch_id)
-                states.append(TransferState.PENDING)
-        while watch:
-            if _check(engine, ids, states, start) or time.perf_counter() >= end:
-                break
-            time.sleep(_WATCH_INTERVAL)
-    return ids, states, failure
-
-
-def _check(engine: Any, ids: list[int], states: list[TransferState], start: int = 0) -> bool:
-    """Ask once for every op from ``start`` not yet terminal (a terminal one's batch
-    is freed: it is never asked again); True when all of them are terminal."""
-    for i in range(start, len(states)):
-        if not states[i].terminal:
-            states[i] = transfer_state(engine.transfer_check_status(ids[i]))
-    return all(s.terminal for s in states[start:])
-
-
-def _teardown(
-    engine: Any,
-    pool: concurrent.futures.ThreadPoolExecutor | None,
-    regions: list[MemoryRegion],
-) -> None:
-    """Teardown thread: wait for the workers, then unregister and drop the engine."""
-    if pool is not None:
-        pool.shutdown(wait=True)
-    with native_stderr_to_log():
-        for region in regions:
-            rc = engine.unregister_memory(region.base)
-            if rc != 0:
-                logger.warning("mooncake unregister_memory(%s) returned %d", region.name, rc)
-        del engine  # the last reference: the engine stops its threads here (0.3-1 s)

@@ -45,6 +45,7 @@ from relayd_client.wire.errors import (
 
 from relayd.config import Settings
 from relayd.transports import mooncake as mc
+from relayd.transports import mooncake_engine as engine
 from relayd.transports.base import (
     MemoryRegion,
     PullError,
@@ -63,7 +64,7 @@ try:
 
     _NO_MOONCAKE = ""
 except ImportError as exc:
-    _NO_MOONCAKE = f"mooncake.engine cannot be imported ({exc}); install {mc.PACKAGE}"
+    _NO_MOONCAKE = f"mooncake.engine cannot be imported ({exc}); install {engine.PACKAGE}"
 
 requires_mooncake = pytest.mark.skipif(bool(_NO_MOONCAKE), reason=_NO_MOONCAKE)
 pytestmark = pytest.mark.timeout(120)
@@ -563,15 +564,17 @@ def test_wildcard_peer_address_is_refused(address: str) -> None:
 
 
 def test_return_codes_map_to_typed_errors() -> None:
-    assert isinstance(mc.mooncake_error(mc._Call.REGISTER, -7, "x"), InvalidArgumentError)
-    assert isinstance(mc.mooncake_error(mc._Call.SUBMIT, 0, "x"), PeerUnavailableError)
-    assert isinstance(mc.mooncake_error(mc._Call.INITIALIZE, -1, "x"), TransportUnavailableError)
-    assert [mc.transfer_state(rc) for rc in (1, 0, -1, -2)] == [
+    assert isinstance(engine.mooncake_error(engine.Call.REGISTER, -7, "x"), InvalidArgumentError)
+    assert isinstance(engine.mooncake_error(engine.Call.SUBMIT, 0, "x"), PeerUnavailableError)
+    assert isinstance(
+        engine.mooncake_error(engine.Call.INITIALIZE, -1, "x"), TransportUnavailableError
+    )
+    assert [engine.transfer_state(rc) for rc in (1, 0, -1, -2)] == [
         TransferState.DONE, TransferState.PENDING, TransferState.FAILED, TransferState.TIMEOUT,
     ]  # fmt: skip
     assert not TransferState.TIMEOUT.terminal  # bytes may still land
     with pytest.raises(InternalError):
-        mc.transfer_state(7)
+        engine.transfer_state(7)
     assert issubclass(PullTimeoutError, RelayTimeoutError) and issubclass(PullError, RelayError)
     # They cross the wire as the codes of the classes they refine.
     assert PullFailedError.code is ErrorCode.PEER_UNAVAILABLE
@@ -581,7 +584,7 @@ def test_return_codes_map_to_typed_errors() -> None:
 def test_preflight_names_the_fix(monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path) -> None:
     monkeypatch.setitem(sys.modules, "mooncake.engine", None)
     problem = mc.preflight(Settings())
-    assert problem is not None and mc.PACKAGE in problem
+    assert problem is not None and engine.PACKAGE in problem
     monkeypatch.delitem(sys.modules, "mooncake.engine")
     rdma = Settings(mooncake_protocol="rdma", mooncake_device="mlx5_0")
     assert "no RDMA device" in (mc.rdma_problem(rdma, infiniband=tmp_path / "none") or "")

@@ -35,13 +35,14 @@ from relayd.transports.base import (
     TransportState,
 )
 from relayd.transports.loopback import Loopback, LoopbackTransport
+from relayd.transports.mooncake_engine import PACKAGE
 
 try:
     import mooncake.engine  # noqa: F401
 
     _NO_MOONCAKE = ""
 except ImportError as exc:
-    _NO_MOONCAKE = f"mooncake.engine cannot be imported ({exc}); install {mc.PACKAGE}"
+    _NO_MOONCAKE = f"mooncake.engine cannot be imported ({exc}); install {PACKAGE}"
 
 PEER_TIMEOUT = 2.0
 # No endpoint serves it: a closed port for Mooncake, an unknown id for the loopback.

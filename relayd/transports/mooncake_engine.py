@@ -1,0 +1,211 @@
+"""The Mooncake engine's own calls, for :mod:`relayd.transports.mooncake`.
+
+The one table that turns Mooncake's return codes into RelayErrors, loading
+the native module (with the fix for each missing library), and the blocking
+calls that run on the transport's worker threads: open an engine, submit a
+pull's batches and watch them, check their states, tear the engine down. The
+module docstring of :mod:`relayd.transports.mooncake` says why they are
+shaped this way (one batch per op, a watch on the worker thread).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import enum
+import importlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from relayd_client.wire.errors import (
+    InternalError,
+    InvalidArgumentError,
+    PeerUnavailableError,
+    RelayError,
+)
+
+from relayd.transports._native_log import native_stderr_to_log
+from relayd.transports.base import (
+    MemoryRegion,
+    PullOp,
+    TransferState,
+    TransportUnavailableError,
+)
+
+logger = logging.getLogger(__name__)
+
+PACKAGE = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
+"""What to install on CPU-only hosts (and GPU hosts that only move host memory)."""
+
+# A submit job sleeps this long between checks of its batches (a thread's sleep is
+# not rounded up to the event loop's millisecond).
+WATCH_INTERVAL = 50e-6
+
+# Mooncake reads its settings from the process environment, so they are set just
+# before the engine is constructed; the lock keeps two engines in one process from
+# seeing each other's values half-written.
+ENV_LOCK = threading.Lock()
+
+
+# --- Mooncake return codes -> RelayErrors: this table and nowhere else -------------
+
+
+class Call(enum.Enum):
+    INITIALIZE = "initialize"
+    REGISTER = "register_memory"
+    SUBMIT = "batch_transfer_async_read"
+    STATUS = "transfer_check_status"
+
+
+_RC_MEANING: dict[int, str] = {
+    0: "no batch id",
+    -1: "failed; the reason is in Mooncake's log on stderr",
+    -3: "address not registered",
+    -7: "range overlaps a registered one",
+    -102: "peer did not answer",
+    -200: "metadata server unreachable",
+}
+_ERROR_FOR_CALL: dict[Call, type[RelayError]] = {
+    Call.INITIALIZE: TransportUnavailableError,
+    Call.REGISTER: InternalError,
+    Call.SUBMIT: PeerUnavailableError,
+    Call.STATUS: InternalError,
+}
+_ERROR_FOR_RC: dict[tuple[Call, int], type[RelayError]] = {
+    (Call.REGISTER, -7): InvalidArgumentError,
+    # A transfer that ended FAILED: the peer is gone, refused us (e.g. the remote
+    # range is not registered there) or stopped answering for MC_TCP_STATUS_TIMEOUT_SEC.
+    (Call.STATUS, -1): PeerUnavailableError,
+}
+_STATE_FOR_STATUS: dict[int, TransferState] = {
+    1: TransferState.DONE,
+    0: TransferState.PENDING,
+    -1: TransferState.FAILED,
+    -2: TransferState.TIMEOUT,
+}
+
+
+def mooncake_error(call: Call, rc: int, context: str) -> RelayError:
+    """The RelayError for Mooncake call ``call`` returning ``rc``."""
+    cls = _ERROR_FOR_RC.get((call, rc), _ERROR_FOR_CALL[call])
+    meaning = _RC_MEANING.get(rc, "unknown return code")
+    return cls(f"mooncake {call.value} {context}: returned {rc} ({meaning})")
+
+
+def transfer_state(rc: int) -> TransferState:
+    """``transfer_check_status``'s integer as a TransferState."""
+    state = _STATE_FOR_STATUS.get(rc)
+    if state is None:
+        raise mooncake_error(Call.STATUS, rc, "of a submitted op")
+    return state
+
+
+def submit_failed(batch_id: int) -> bool:
+    # 0 on failure (measured); the C++ source can also return -1 cast to uint64.
+    return batch_id <= 0 or batch_id >= 1 << 63
+
+
+_LIBRARY_FIXES = (
+    ("libibverbs.so", "apt-get install libibverbs1"),
+    ("libnuma.so", "apt-get install libnuma1"),
+    ("libcurl.so", "apt-get install libcurl4 (libcurl4t64 on Debian 13 / Ubuntu 24.04)"),
+    ("libcudart.so", f"the CUDA wheel needs the CUDA 12 runtime; without it install {PACKAGE}"),
+    ("libcuda.so", f"the CUDA wheel needs the NVIDIA driver; without it install {PACKAGE}"),
+)
+
+
+def import_engine_module() -> Any:
+    """``mooncake.engine``, or TransportUnavailableError saying what to install."""
+    try:
+        return importlib.import_module("mooncake.engine")
+    except ImportError as exc:
+        text = str(exc)
+        if isinstance(exc, ModuleNotFoundError) and (exc.name or "").startswith("mooncake"):
+            message = f"Mooncake Transfer Engine is not installed: pip install '{PACKAGE}'"
+        else:
+            fix = next((f for lib, f in _LIBRARY_FIXES if lib in text), f"reinstall {PACKAGE}")
+            message = f"cannot load Mooncake Transfer Engine ({text}); fix: {fix}"
+        raise TransportUnavailableError(message) from exc
+
+
+def open_engine(host: str, env: Mapping[str, str | None], protocol: str, device: str) -> Any:
+    """Worker thread: import, configure and initialise an engine; returns (engine, port)."""
+    with ENV_LOCK, native_stderr_to_log():
+        module = import_engine_module()
+        for key, value in env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        engine = module.TransferEngine()
+        rc = engine.initialize(host, "P2PHANDSHAKE", protocol, device)
+    if rc != 0:
+        raise mooncake_error(Call.INITIALIZE, rc, f"as {host} over {protocol}")
+    return engine, int(engine.get_rpc_port())
+
+
+def submit_blocking(
+    engine: Any,
+    peer: str,
+    phases: tuple[tuple[PullOp, ...], ...],
+    watch: float,
+    write: bool = False,
+) -> tuple[list[int], list[TransferState], RelayError | None]:
+    """Worker thread: one batch per op (see the module docstring), then watch them
+    for up to ``watch`` seconds; a phase seen to land lets the next one go, in this
+    same job. Returns ids and states of the ops it submitted, a prefix."""
+    ids: list[int] = []
+    states: list[TransferState] = []
+    failure: RelayError | None = None
+    end = time.perf_counter() + watch
+    submit = engine.batch_transfer_async_write if write else engine.batch_transfer_async_read
+    for k, ops in enumerate(phases):
+        if k and (not all(s is TransferState.DONE for s in states) or failure is not None):
+            break  # the phase before has not landed (or failed): not ours to go on
+        start = len(states)
+        for op in ops:
+            if failure is not None:  # the pull has failed; don't put more bytes in flight
+                ids.append(0)
+                states.append(TransferState.FAILED)
+                continue
+            batch_id = int(submit(peer, [op.local_addr], [op.remote_addr], [op.length]))
+            if submit_failed(batch_id):
+                failure = mooncake_error(Call.SUBMIT, 0, f"to {peer}")
+                ids.append(0)
+                states.append(TransferState.FAILED)
+            else:
+                ids.append(batch_id)
+                states.append(TransferState.PENDING)
+        while watch:
+            if check(engine, ids, states, start) or time.perf_counter() >= end:
+                break
+            time.sleep(WATCH_INTERVAL)
+    return ids, states, failure
+
+
+def check(engine: Any, ids: list[int], states: list[TransferState], start: int = 0) -> bool:
+    """Ask once for every op from ``start`` not yet terminal (a terminal one's batch
+    is freed: it is never asked again); True when all of them are terminal."""
+    for i in range(start, len(states)):
+        if not states[i].terminal:
+            states[i] = transfer_state(engine.transfer_check_status(ids[i]))
+    return all(s.terminal for s in states[start:])
+
+
+def teardown_engine(
+    engine: Any,
+    pool: concurrent.futures.ThreadPoolExecutor | None,
+    regions: list[MemoryRegion],
+) -> None:
+    """Teardown thread: wait for the workers, then unregister and drop the engine."""
+    if pool is not None:
+        pool.shutdown(wait=True)
+    with native_stderr_to_log():
+        for region in regions:
+            rc = engine.unregister_memory(region.base)
+            if rc != 0:
+                logger.warning("mooncake unregister_memory(%s) returned %d", region.name, rc)
+        del engine  # the last reference: the engine stops its threads here (0.3-1 s)
