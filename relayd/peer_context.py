@@ -1,7 +1,8 @@
-"""What the peer layer (``peers``, ``push``, ``rpc/peer_service``) uses of the rest
-of the daemon, and nothing more: the lease table's cross-node calls, and hooks
-into the registry, the metrics and keyed delivery. The daemon builds these once;
-a test builds them from real parts without a daemon."""
+"""What the peer layer (``peers``, ``pull``, ``push``, ``rpc/peer_service``) uses of
+the rest of the daemon, and nothing more: the lease table's cross-node calls, and
+hooks into the registry, the metrics and keyed delivery. The daemon builds these
+once; a test builds them from real parts without a daemon. :class:`PeerParts` is
+what the parts of the peer layer share among themselves."""
 
 from __future__ import annotations
 
@@ -9,10 +10,15 @@ import dataclasses
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
 from typing import Protocol
 
-from .pools.arena import Run
+from .config import Settings
+from .peer_links import PeerLinks
+from .peer_notices import PeerNotifier
+from .pools.arena import Arena, Run
 from .pools.records import Lease
 from .pools.requests import RequestInfo
 from .pools.sessions import Session
+from .transports.base import RemoteTransport
+from .transports.credits import CreditPool
 
 
 class PeerLeases(Protocol):
@@ -76,4 +82,21 @@ class PeerHooks:
     """A peer aborted a request: its keys here go too."""
 
 
-__all__ = ["PeerHooks", "PeerLeases"]
+@dataclasses.dataclass(frozen=True)
+class PeerParts:
+    """What the peer manager, the pull and the push share; built once by PeerManager."""
+
+    settings: Settings
+    epoch: str
+    arena: Arena
+    leases: PeerLeases
+    hooks: PeerHooks
+    transport: RemoteTransport
+    credits: CreditPool
+    links: PeerLinks
+    notifier: PeerNotifier
+    local_bases: list[int] = dataclasses.field(default_factory=list)
+    """Each arena segment's address, in segment order (filled at start)."""
+
+
+__all__ = ["PeerHooks", "PeerLeases", "PeerParts"]

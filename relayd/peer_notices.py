@@ -3,17 +3,17 @@
 Pushes that landed or were declined, push-grant runs freed, pulled leases to
 free: none of them is answered, so none is worth a call of its own. Each peer
 has one pending :class:`relayd_client.wire.proto.relay_pb2.PeerNotices`, one
-long-lived Notify stream (a message costs about half a unary call, in latency
-and CPU, measured in the reference) and at most one write in flight on it;
-whatever is added meanwhile rides the next write, which goes as soon as the
-one before is done. Under load that batches like the
-session's notices; idle, a notice leaves at the end of the loop turn that made
-it. Frees and releases may linger (``linger``), since nothing waits for them.
+long-lived Notify stream (a message on it costs about half a unary call, in
+latency and CPU) and at most one write in flight on it; whatever is added
+meanwhile rides the next write, which goes as soon as the one before is done.
+Under load that batches like the session's notices; idle, a notice leaves at
+the end of the loop turn that made it. Frees and releases may linger
+(``linger``), since nothing waits for them.
 
 A write that fails is dropped, not retried, and the stream is opened anew for
-the next batch: the peer is gone or cut off, and
-each kind has its fallback there (a reader waiting for a push ends at the peer
-timeout or the peer's loss; a writer's pulled lease ends at its TTL).
+the next batch: the peer is gone or cut off, and each kind has its fallback
+there (a reader waiting for a push ends at the peer timeout or the peer's
+loss; a writer's pulled lease ends at its TTL).
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import grpc
 from relayd_client.wire.proto import relay_pb2 as pb
-from relayd_client.wire.proto import relay_pb2_grpc as pb_grpc
 from relayd_client.wire.status import from_rpc_error
+
+from .peer_links import PeerLinks
 
 log = logging.getLogger(__name__)
 
@@ -45,26 +45,13 @@ class _Outbox:
 
 
 class PeerNotifier:
-    """Outboxes by peer address; ``stub_for`` gives a peer's stub (None: it is gone)."""
+    """Outboxes by peer address, written to the live peers of ``links``."""
 
-    def __init__(
-        self,
-        node_id: str,
-        epoch: str,
-        stub_for: Callable[[str], pb_grpc.PeerStub | None],
-        metadata: Callable[[], tuple[tuple[str, bytes], ...]],
-        timeout: float,
-        linger: float,
-    ) -> None:
-        self._node_id = node_id
-        self._epoch = epoch
-        self._stub_for = stub_for
-        self._metadata = metadata
-        self._timeout = timeout
+    def __init__(self, links: PeerLinks, linger: float) -> None:
+        self._links = links
         self._linger = linger
         self._boxes: dict[str, _Outbox] = {}
         self._tasks: set[asyncio.Task[None]] = set()
-        self.calls = 0  # Notify calls made (the bench counts messages with it)
 
     def box(self, address: str) -> pb.PeerNotices:
         """The batch to add notices to; call :meth:`send` after adding."""
@@ -125,8 +112,8 @@ class PeerNotifier:
         if not ob.count:
             return
         batch, ob.pending, ob.count = ob.pending, pb.PeerNotices(), 0
-        batch.node_id = self._node_id
-        batch.daemon_epoch = self._epoch
+        batch.node_id = self._links.settings.node_id
+        batch.daemon_epoch = self._links.epoch
         ob.busy = True
         task = asyncio.get_running_loop().create_task(self._write(address, ob, batch))
         self._tasks.add(task)
@@ -135,12 +122,11 @@ class PeerNotifier:
     async def _write(self, address: str, ob: _Outbox, batch: pb.PeerNotices) -> None:
         try:
             if ob.call is None or ob.call.done():
-                stub = self._stub_for(address)
+                stub = self._links.stub_for(address)
                 if stub is None:
                     return
-                ob.call = stub.Notify(metadata=self._metadata())
-            self.calls += 1
-            await asyncio.wait_for(ob.call.write(batch), self._timeout)
+                ob.call = stub.Notify(metadata=self._links.metadata())
+            await asyncio.wait_for(ob.call.write(batch), self._links.settings.peer_timeout)
         except (grpc.RpcError, asyncio.InvalidStateError, TimeoutError) as exc:
             call, ob.call = ob.call, None
             if call is not None:

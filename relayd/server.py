@@ -38,7 +38,8 @@ from .edges import EdgeStats
 from .keys import KeyIndex, LeaseKey
 from .metrics import Metrics
 from .peer_context import PeerHooks
-from .peers import PeerConfigError, PeerManager
+from .peer_links import PeerConfigError
+from .peers import PeerManager
 from .pools import cuda as cuda_pools
 from .pools.arena import Arena, remove_stale_segments
 from .pools.leases import LeaseManager

@@ -1,15 +1,17 @@
 """The ``relayd.v1.Peer`` gRPC service: what other daemons may ask of this one.
 
 Served on ``--peer-address`` (TCP). Every call is authenticated first (the
-shared peer token, see :mod:`relayd.peers`); the work itself is the
-PeerManager's (handshake, heartbeat) or the LeaseManager's (release a lease a
-peer pulled, abort a request), with the same rules as for local readers.
+shared peer token, see :mod:`relayd.peer_links`); the work itself is the peer
+links' (handshake, heartbeat), the push's (grants, notices) or the lease
+table's (release a lease a peer pulled, abort a request), with the same rules
+as for local readers.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any, TypeAlias
+import functools
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
 from relayd_client.wire.errors import InvalidArgumentError, PermissionDeniedError
 from relayd_client.wire.names import REQUEST_ID_MAX
@@ -23,64 +25,74 @@ if TYPE_CHECKING:
 
 # grpc ships no type stubs; the servicer context is untyped.
 Ctx: TypeAlias = Any
+R = TypeVar("R")
+
+
+def _peer_call(
+    what: str,
+) -> Callable[[Callable[..., Awaitable[R]]], Callable[..., Awaitable[R]]]:
+    """A Peer method: the caller must hold our token; errors become statuses."""
+
+    def wrap(fn: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[R]]:
+        @functools.wraps(fn)
+        async def call(self: PeerService, request: Any, context: Ctx) -> R:
+            self.peers.links.authenticate(context, what)
+            return await fn(self, request, context)
+
+        return mapped(call)
+
+    return wrap
 
 
 class PeerService(pb_grpc.PeerServicer):
     def __init__(self, peers: PeerManager) -> None:
         self.peers = peers
 
-    @mapped
+    @_peer_call("handshake")
     async def Handshake(self, request: pb.PeerHello, context: Ctx) -> pb.PeerHello:
-        self.peers.authenticate(context, "handshake")
-        return self.peers.on_hello(request, str(context.peer()))
+        return self.peers.links.on_hello(request, str(context.peer()))
 
-    @mapped
+    @_peer_call("heartbeat")
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: Ctx) -> pb.HeartbeatResponse:
-        self.peers.authenticate(context, "heartbeat")
-        return self.peers.on_heartbeat(request)
+        return self.peers.links.on_heartbeat(request)
 
-    @mapped
+    @_peer_call("release")
     async def ReleaseRemote(
         self, request: pb.ReleaseRemoteRequest, context: Ctx
     ) -> pb.ReleaseRemoteResponse:
-        self.peers.authenticate(context, "release")
         stages = None if request.discard else ()
         released = self.peers.leases.release_from_peer(request.lease_id, request.generation, stages)
         return pb.ReleaseRemoteResponse(released=released)
 
-    @mapped
+    @_peer_call("abort")
     async def AbortRemote(
         self, request: pb.AbortRemoteRequest, context: Ctx
     ) -> pb.AbortRemoteResponse:
-        self.peers.authenticate(context, "abort")
         if not request.request_id or len(request.request_id) > REQUEST_ID_MAX:
             raise InvalidArgumentError(f"request_id must be 1-{REQUEST_ID_MAX} characters")
         freed = self.peers.leases.abort_from_peer(request.request_id)
         self.peers.hooks.aborted(request.request_id)
-        self.peers.push.abort(request.request_id)
+        self.peers.push.landing.abort(request.request_id)
         return pb.AbortRemoteResponse(leases_freed=freed)
 
-    @mapped
+    @_peer_call("keyed put")
     async def KeyedPut(
         self, request: pb.PeerKeyedPutRequest, context: Ctx
     ) -> pb.PeerKeyedPutResponse:
-        self.peers.authenticate(context, "keyed put")
-        peer = self.peers.by_node.get(request.node_id)
+        peer = self.peers.links.by_node.get(request.node_id)
         if peer is None or not peer.up:
             raise PermissionDeniedError(f"node {request.node_id[:64]!r} is not a connected peer")
         self.peers.hooks.keyed_from_peer(request.node_id, request.key, request.data_ref)
         return pb.PeerKeyedPutResponse()
 
-    @mapped
+    @_peer_call("push grant")
     async def PushGrant(self, request: pb.PushGrantRequest, context: Ctx) -> pb.PushGrantResponse:
-        self.peers.authenticate(context, "push grant")
-        return self.peers.push.grant_to(request)
+        return self.peers.push.landing.grant_to(request)
 
-    @mapped
+    @_peer_call("notify")
     async def Notify(
         self, requests: AsyncIterator[pb.PeerNotices], context: Ctx
     ) -> pb.PeerNoticesAck:
-        self.peers.authenticate(context, "notify")
         released = 0
         async for batch in requests:
             released += self.peers.push.on_notices(batch)

@@ -73,7 +73,7 @@ import abc
 import asyncio
 import dataclasses
 import enum
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from types import TracebackType
 from typing import NamedTuple
 
@@ -83,6 +83,7 @@ from relayd_client.wire.errors import (
     PeerUnavailableError,
     RelayError,
     RelayTimeoutError,
+    SessionClosedError,
 )
 
 
@@ -169,6 +170,17 @@ class Transfer:
     def verb(self) -> str:
         return "push" if self.write else "pull"
 
+    def error(
+        self,
+        cls: type[PullError],
+        message: str,
+        *,
+        in_flight: bool,
+        settled: asyncio.Future[None],
+    ) -> PullError:
+        """``cls`` (PullFailedError or PullTimeoutError) for this transfer."""
+        return cls(message, peer_session=self.peer_session, in_flight=in_flight, settled=settled)
+
 
 class Regions:
     """The memory regions a backend registered, and the checks every op passes
@@ -209,6 +221,19 @@ class Regions:
             if not self.holds(op.local_addr, op.length):
                 raise InvalidArgumentError(f"pull op {op} writes outside every registered region")
         return checked
+
+
+InFlight = tuple[Sequence[PullOp], asyncio.Future[None]]
+"""A transfer that may still write: its ops and its (internal) settled future."""
+
+
+def overlaps(a: Sequence[PullOp], b: Sequence[PullOp]) -> bool:
+    """Whether a local range of ``a`` overlaps one of ``b``."""
+    return any(
+        x.local_addr < y.local_addr + y.length and y.local_addr < x.local_addr + x.length
+        for x in a
+        for y in b
+    )
 
 
 def follow(settled: asyncio.Future[None]) -> asyncio.Future[None]:
@@ -261,11 +286,21 @@ class TransportUnavailableError(InternalError):
 
 
 class RemoteTransport(abc.ABC):
-    """A cross-node transport backend; see the module docstring for the contract."""
+    """A cross-node transport backend; see the module docstring for the contract.
+
+    The lifecycle state, the session id and the registered regions are kept
+    here, the same for every backend; a backend's ``start()`` begins with
+    :meth:`_begin_start` and ends by setting ``_session`` and ``_state``.
+    """
+
+    def __init__(self) -> None:
+        self._state = TransportState.UNOPENED
+        self._session = ""
+        self._regions = Regions()
 
     @property
-    @abc.abstractmethod
-    def state(self) -> TransportState: ...
+    def state(self) -> TransportState:
+        return self._state
 
     @abc.abstractmethod
     async def start(self) -> None:
@@ -280,9 +315,10 @@ class RemoteTransport(abc.ABC):
         """Make ``region`` usable as a pull destination and as a source for peers."""
 
     @property
-    @abc.abstractmethod
     def session_id(self) -> str:
         """What peers pass as ``peer_session`` to reach this endpoint."""
+        self._require_open()
+        return self._session
 
     async def pull(
         self,
@@ -318,9 +354,27 @@ class RemoteTransport(abc.ABC):
     async def transfer(self, request: Transfer) -> None:
         """The backend's part of :meth:`pull` and :meth:`push`, with their contract."""
 
-    @abc.abstractmethod
     async def wait_settled(self, ops: Sequence[PullOp]) -> None:
         """Return once no earlier pull can write into any of ``ops``' local ranges."""
+        pending = [settled for mine, settled in self._in_flight() if overlaps(mine, ops)]
+        if pending:
+            await asyncio.shield(asyncio.gather(*pending))
+
+    @abc.abstractmethod
+    def _in_flight(self) -> Iterable[InFlight]:
+        """Each transfer that may still write."""
+
+    def _begin_start(self) -> None:
+        """``start()`` runs once; until it succeeds the transport counts as closed, so
+        a failed start is final."""
+        if self._state is not TransportState.UNOPENED:
+            name = type(self).__name__
+            raise InternalError(f"{name}.start() on a {self._state.value} transport")
+        self._state = TransportState.CLOSED
+
+    def _require_open(self) -> None:
+        if self._state is not TransportState.OPEN:
+            raise SessionClosedError(f"the {type(self).__name__} is {self._state.value}")
 
     async def __aenter__(self) -> RemoteTransport:
         await self.start()

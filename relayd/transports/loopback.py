@@ -31,16 +31,14 @@ import collections
 import ctypes
 import dataclasses
 import itertools
-from collections.abc import Sequence
-
-from relayd_client.wire.errors import InternalError, SessionClosedError
 
 from relayd.transports.base import (
+    InFlight,
     MemoryRegion,
+    PullError,
     PullFailedError,
     PullOp,
     PullTimeoutError,
-    Regions,
     RemoteTransport,
     Transfer,
     TransportState,
@@ -102,40 +100,21 @@ class _Flight:
     gate: Gate
     settled: asyncio.Future[None]
 
-    def overlaps(self, ops: Sequence[PullOp]) -> bool:
-        return any(
-            a.local_addr < b.local_addr + b.length and b.local_addr < a.local_addr + a.length
-            for a in self.ops
-            for b in ops
-        )
-
 
 class LoopbackTransport(RemoteTransport):
     """One endpoint of a :class:`Loopback`."""
 
     def __init__(self, loopback: Loopback) -> None:
+        super().__init__()
         self._loopback = loopback
-        self._state = TransportState.UNOPENED
-        self._session = ""
-        self._regions = Regions()
         self._fail = 0
         self._gates: collections.deque[Gate] = collections.deque()
         self._flights: set[_Flight] = set()
         self.transfers = 0
         """Transfers whose bytes all landed."""
 
-    @property
-    def state(self) -> TransportState:
-        return self._state
-
-    @property
-    def session_id(self) -> str:
-        self._require_open()
-        return self._session
-
     async def start(self) -> None:
-        if self._state is not TransportState.UNOPENED:
-            raise InternalError(f"LoopbackTransport.start() on a {self._state.value} transport")
+        self._begin_start()
         self._session = self._loopback._join(self)
         self._state = TransportState.OPEN
 
@@ -163,12 +142,7 @@ class LoopbackTransport(RemoteTransport):
         if peer is None or self._fail:
             self._fail = max(self._fail - 1, 0)
             why = "is not reachable" if peer is None else "refused it"
-            raise PullFailedError(
-                f"{what} failed: the peer {why}",
-                peer_session=request.peer_session,
-                in_flight=False,
-                settled=_settled(),
-            )
+            raise _failed(request, f"{what} failed: the peer {why}")
         if not self._gates:
             self._move(peer, ops, request)
             return
@@ -187,17 +161,11 @@ class LoopbackTransport(RemoteTransport):
             task.result()
             return
         task.add_done_callback(_consume)
-        raise PullTimeoutError(
-            f"{what} did not finish within {request.timeout:g}s; still in flight",
-            peer_session=request.peer_session,
-            in_flight=True,
-            settled=follow(flight.settled),
-        )
+        why = f"{what} did not finish within {request.timeout:g}s; still in flight"
+        raise request.error(PullTimeoutError, why, in_flight=True, settled=follow(flight.settled))
 
-    async def wait_settled(self, ops: Sequence[PullOp]) -> None:
-        pending = [f.settled for f in self._flights if f.overlaps(ops)]
-        if pending:
-            await asyncio.shield(asyncio.gather(*pending))
+    def _in_flight(self) -> list[InFlight]:
+        return [(f.ops, f.settled) for f in self._flights]
 
     async def close(self) -> None:
         if self._state is TransportState.OPEN:
@@ -207,10 +175,6 @@ class LoopbackTransport(RemoteTransport):
             gate._open("the transport was closed")
         self._gates.clear()
         self._regions.take_all()
-
-    def _require_open(self) -> None:
-        if self._state is not TransportState.OPEN:
-            raise SessionClosedError(f"the loopback transport is {self._state.value}")
 
     def _peer_left(self, session: str) -> None:
         # As Mooncake fails a transfer at once when its peer's connection drops.
@@ -224,12 +188,8 @@ class LoopbackTransport(RemoteTransport):
             if not failure and self._loopback._reach(request.peer_session) is not peer:
                 failure = "the peer went away"
             if failure:
-                raise PullFailedError(
-                    f"{request.verb} with {request.peer_session} failed: {failure}",
-                    peer_session=request.peer_session,
-                    in_flight=False,
-                    settled=follow(flight.settled),
-                )
+                why = f"{request.verb} with {request.peer_session} failed: {failure}"
+                raise _failed(request, why)
             self._move(peer, flight.ops, request)
         finally:
             self._flights.discard(flight)
@@ -238,12 +198,8 @@ class LoopbackTransport(RemoteTransport):
     def _move(self, peer: LoopbackTransport, ops: tuple[PullOp, ...], request: Transfer) -> None:
         for op in ops:
             if not peer._regions.holds(op.remote_addr, op.length):
-                raise PullFailedError(
-                    f"{request.verb} op {op} failed: the peer has no registered region there",
-                    peer_session=request.peer_session,
-                    in_flight=False,
-                    settled=_settled(),
-                )
+                why = f"{request.verb} op {op} failed: the peer has no registered region there"
+                raise _failed(request, why)
             if request.write:
                 ctypes.memmove(op.remote_addr, op.local_addr, op.length)
             else:
@@ -251,10 +207,11 @@ class LoopbackTransport(RemoteTransport):
         self.transfers += 1
 
 
-def _settled() -> asyncio.Future[None]:
+def _failed(request: Transfer, message: str) -> PullError:
+    """A failure with nothing left in flight."""
     done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     done.set_result(None)
-    return done
+    return request.error(PullFailedError, message, in_flight=False, settled=done)
 
 
 def _consume(task: asyncio.Task[None]) -> None:

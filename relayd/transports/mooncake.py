@@ -68,23 +68,22 @@ import math
 import os
 import pathlib
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from relayd_client.wire.errors import (
     InternalError,
     InvalidArgumentError,
     RelayError,
-    SessionClosedError,
 )
 
 from relayd.config import Settings
 from relayd.transports.base import (
+    InFlight,
     MemoryRegion,
     PullFailedError,
     PullOp,
     PullTimeoutError,
-    Regions,
     RemoteTransport,
     Transfer,
     TransferState,
@@ -241,43 +240,23 @@ class _Pull:
             return tuple(p for p in (self.ops[done : self.first], self.ops[self.first :]) if p)
         return (self.ops[done:],) if done < len(self.ops) else ()
 
-    def overlaps(self, ops: Sequence[PullOp]) -> bool:
-        return any(
-            a.local_addr < b.local_addr + b.length and b.local_addr < a.local_addr + a.length
-            for a in self.ops
-            for b in ops
-        )
-
 
 class MooncakeTransport(RemoteTransport):
     """Pull-based cross-node transfers through one Mooncake engine (P2PHANDSHAKE)."""
 
     def __init__(self, settings: Settings, *, workers: int = 8) -> None:
+        super().__init__()
         self._settings = settings
         self._workers = workers
-        self._state = TransportState.UNOPENED
         self._engine: Any = None
-        self._session = ""
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._regions = Regions()
         self._unsettled: set[_Pull] = set()
         self._reached: set[str] = set()
         self._first_contact: dict[str, asyncio.Lock] = {}
         self._submitting = 0  # submit jobs on the workers now
 
-    @property
-    def state(self) -> TransportState:
-        return self._state
-
-    @property
-    def session_id(self) -> str:
-        self._require_open()
-        return self._session
-
     async def start(self) -> None:
-        if self._state is not TransportState.UNOPENED:
-            raise InternalError(f"MooncakeTransport.start() on a {self._state.value} transport")
-        self._state = TransportState.CLOSED  # until it works; a failed start is final
+        self._begin_start()
         problem = rdma_problem(self._settings)
         if problem:
             raise TransportUnavailableError(problem)
@@ -351,31 +330,19 @@ class MooncakeTransport(RemoteTransport):
         nbytes = sum(op.length for op in checked)
         what = f"{request.verb} of {nbytes} B in {len(checked)} op(s) with {peer_session}"
         suffix = "; still in flight" if in_flight else ""
+        settled = follow(rec.settled)
         if done:  # close() cancelled the pull under us
-            raise PullFailedError(
-                f"{what} stopped: the transport was closed{suffix}",
-                peer_session=peer_session,
-                in_flight=in_flight,
-                settled=follow(rec.settled),
-            )
+            why = f"{what} stopped: the transport was closed{suffix}"
+            raise request.error(PullFailedError, why, in_flight=in_flight, settled=settled)
         if rec.failure is not None or TransferState.FAILED in rec.states:
-            raise PullFailedError(
-                f"{what} failed{suffix}",
-                peer_session=peer_session,
-                in_flight=in_flight,
-                settled=follow(rec.settled),
-            ) from rec.failure
-        raise PullTimeoutError(
-            f"{what} did not finish within {timeout:g}s{suffix}",
-            peer_session=peer_session,
-            in_flight=in_flight,
-            settled=follow(rec.settled),
-        )
+            why = f"{what} failed{suffix}"
+            failed = request.error(PullFailedError, why, in_flight=in_flight, settled=settled)
+            raise failed from rec.failure
+        why = f"{what} did not finish within {timeout:g}s{suffix}"
+        raise request.error(PullTimeoutError, why, in_flight=in_flight, settled=settled)
 
-    async def wait_settled(self, ops: Sequence[PullOp]) -> None:
-        pending = [rec.settled for rec in self._unsettled if rec.overlaps(ops)]
-        if pending:
-            await asyncio.shield(asyncio.gather(*pending))
+    def _in_flight(self) -> list[InFlight]:
+        return [(rec.ops, rec.settled) for rec in self._unsettled]
 
     async def close(self) -> None:
         if self._state is not TransportState.OPEN:
@@ -423,10 +390,6 @@ class MooncakeTransport(RemoteTransport):
             )
 
     # --- internals ---------------------------------------------------------------
-
-    def _require_open(self) -> None:
-        if self._state is not TransportState.OPEN:
-            raise SessionClosedError(f"the Mooncake transport is {self._state.value}")
 
     def _abandon(self, rec: _Pull) -> None:
         """The caller stopped waiting; only a pull that never reached Mooncake stops."""

@@ -7,7 +7,7 @@ import stat
 import subprocess
 from pathlib import Path
 
-from relayd.peers import load_token
+from relayd.peer_links import load_token
 
 REPO = Path(__file__).resolve().parents[2]
 TOOL_TIMEOUT = 30

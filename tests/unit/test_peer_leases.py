@@ -11,7 +11,7 @@ import pytest
 from relayd_client import AbortedError, PermissionDeniedError
 from relayd_client.wire.proto import relay_pb2 as pb
 
-from relayd.peers import PeerConfigError, _resolve, load_token
+from relayd.peer_links import PeerConfigError, _resolve, load_token
 from relayd.pools.arena import Arena
 from relayd.pools.leases import LeaseManager
 from relayd.pools.records import LeaseState

@@ -22,13 +22,16 @@ import pytest
 from relayd_client.wire.dataref import DataRef
 from relayd_client.wire.errors import PeerUnavailableError, StaleRefError
 from relayd_client.wire.proto import relay_pb2 as pb
+from relayd_client.wire.shm import SHM_POOL
 
 from relayd.config import Settings
 from relayd.peer_context import PeerHooks
 from relayd.peers import PeerManager
 from relayd.pools.arena import Arena
-from relayd.pools.leases import LeaseManager, Session
-from relayd.push import QUARANTINE_TIMEOUTS
+from relayd.pools.leases import LeaseManager
+from relayd.pools.sessions import Session
+from relayd.push_landing import QUARANTINE_TIMEOUTS
+from relayd.rpc.frames import frame_sink
 from relayd.transports.base import PullTimeoutError
 from relayd.transports.loopback import Loopback, LoopbackTransport
 from tests._daemon import free_port
@@ -94,7 +97,9 @@ class Node:
 
     def session(self, stage: str) -> Session:
         s = self.leases.open_session(pid=os.getpid(), stages=[stage])
-        return self.leases.bind(s.id, s.token, self.frames.append, pid=os.getpid(), uid=0, gid=0)
+        return self.leases.bind(
+            s.id, s.token, frame_sink(self.frames.append), pid=os.getpid(), uid=0, gid=0
+        )
 
     async def put(
         self, writer: Session, data: bytes, *, push: bool = False, request_id: str = "r1"
@@ -126,7 +131,7 @@ class Node:
                 peer_address=self.address, mooncake_session=self.transport.session_id,
             ),
             lease=pb.LeaseRef(
-                pool="shm", segment=grant.run.segment, slot=grant.run.slot, nslots=nslots,
+                pool=SHM_POOL, segment=grant.run.segment, slot=grant.run.slot, nslots=nslots,
                 offset=offset, length=len(data), generation=lease_id, lease_id=lease_id,
             ),
         )  # fmt: skip
@@ -184,7 +189,7 @@ async def two_nodes(tmp_path: pathlib.Path, **kw: Any) -> AsyncIterator[tuple[No
 
 
 def _peer(node: Node, other: Node) -> Any:
-    return node.peers.peers.get(other.address)
+    return node.peers.links.peers.get(other.address)
 
 
 def _up(node: Node, other: Node) -> bool:
@@ -204,11 +209,11 @@ def test_handshake_both_ways_learns_identity_geometry_and_stages(tmp_path: pathl
         async with two_nodes(tmp_path) as (a, b):
             reader = b.session(READER)
             await until(lambda: a.peers.serving(READER) is not None, "A to hear B's stages")
-            seen = b.peers.peers[a.address]
+            seen = b.peers.links.peers[a.address]
             assert (seen.node_id, seen.epoch) == (a.settings.node_id, a.epoch)
             assert seen.mooncake_session == a.transport.session_id
             assert seen.slot_size == SLOT and len(seen.segments) == len(a.arena.segments)
-            assert a.peers.serving(READER) is a.peers.peers[b.address]
+            assert a.peers.serving(READER) is a.peers.links.peers[b.address]
             assert (b.settings.node_id, (READER,)) in a.stage_events
             [status] = a.peers.status()
             assert status.up and status.node_id == b.settings.node_id
@@ -231,8 +236,8 @@ def test_a_wrong_token_is_refused_and_the_peer_stays_down(tmp_path: pathlib.Path
             await a.peers.start()
             await b.peers.start()
             await until(lambda: _peer(b, a) and _peer(b, a).last_error, "B's refused handshake")
-            assert "token" in b.peers.peers[a.address].last_error
-            assert not b.peers.peers[a.address].up and not a.peers.by_node
+            assert "token" in b.peers.links.peers[a.address].last_error
+            assert not b.peers.links.peers[a.address].up and not a.peers.links.by_node
         finally:
             for node in (b, a):
                 await node.close()
@@ -255,11 +260,11 @@ def test_a_pull_end_to_end_frees_both_sides_and_gives_credits_back(
             gate = b.transport.hold()
             fetch = asyncio.ensure_future(b.peers.fetch(reader, ref, BOUND))
             await gate.entered(BOUND)
-            assert b.credits_out() == 1 and b.peers.peers[a.address].in_flight == 1
+            assert b.credits_out() == 1 and b.peers.links.peers[a.address].in_flight == 1
             gate.release()
             local = await asyncio.wait_for(fetch, BOUND)
             assert _sha(b.read(local)) == _sha(data)
-            assert b.credits_out() == 0 and b.peers.peers[a.address].in_flight_max == 1
+            assert b.credits_out() == 0 and b.peers.links.peers[a.address].in_flight_max == 1
             assert len(b.pulls) == 1
             # The verified copy frees the writer's lease (a lingering Release notice).
             await until(lambda: not a.leases.leases, "A to free the pulled lease")
@@ -327,7 +332,7 @@ def test_peer_loss_fails_a_pending_pull_and_leaves_nothing_held(tmp_path: pathli
             assert not b.leases.leases and b.arena.used_bytes == 0 and b.credits_out() == 0
             await asyncio.wait_for(b.changed.wait(), BOUND)
             assert (a.settings.node_id, None) in b.stage_events
-            assert not b.peers.peers[a.address].up
+            assert not b.peers.links.peers[a.address].up
             with pytest.raises(PeerUnavailableError, match="down"):
                 await b.peers.fetch(reader, ref, BOUND)
             assert b.credits_out() == 0
@@ -409,7 +414,7 @@ def test_a_lost_peer_fails_the_awaited_push_and_its_grant_is_quarantined(
                 await asyncio.wait_for(fetch, BOUND)
             await asyncio.wait_for(b.changed.wait(), BOUND)
             lost = time.monotonic()
-            assert a.settings.node_id not in b.peers.push.given
+            assert a.settings.node_id not in b.peers.push.landing.given
             assert not b.leases.leases and b.credits_out() == 0
             # A write of the lost peer may still land in the grant: it stays out of use
             # for QUARANTINE_TIMEOUTS peer timeouts, then goes back to the arena.

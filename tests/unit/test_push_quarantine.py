@@ -9,7 +9,8 @@ from typing import Any
 from relayd_client.wire.slots import SlotAllocator
 
 from relayd.pools.arena import Run
-from relayd.push import QUARANTINE_TIMEOUTS, GrantIn, PushManager
+from relayd.push import PushManager
+from relayd.push_landing import QUARANTINE_TIMEOUTS, GrantIn
 
 
 def test_a_lost_peers_grant_goes_back_only_after_its_writes_surely_ended() -> None:
@@ -21,15 +22,15 @@ def test_a_lost_peers_grant_goes_back_only_after_its_writes_surely_ended() -> No
         back.set()
 
     settings = SimpleNamespace(peer_timeout=0.01, push_grant_size=1 << 20)
-    peers: Any = SimpleNamespace(
+    parts: Any = SimpleNamespace(
         arena=SimpleNamespace(free=free),
         leases=SimpleNamespace(wake=lambda: None),
         settings=settings,
     )
-    push = PushManager(peers)
+    push = PushManager(parts)
     used = SlotAllocator(8)
     assert used.allocate(3) == 0  # a landed lease still holds slots 0-2
-    push.given["node-a"] = GrantIn("node-a", "e1", 1, Run(0, 16, 8, "shm"), used)
+    push.landing.given["node-a"] = GrantIn("node-a", "e1", 1, Run(0, 16, 8, "shm"), used)
 
     async def scenario() -> None:
         push.peer_down(SimpleNamespace(node_id="node-a", address="10.0.0.5:9092"))  # type: ignore[arg-type]
@@ -39,4 +40,4 @@ def test_a_lost_peers_grant_goes_back_only_after_its_writes_surely_ended() -> No
 
     asyncio.run(scenario())
     assert freed == [Run(0, 19, 5, "shm")]  # the free part only; the landed run stays
-    assert "node-a" not in push.given
+    assert "node-a" not in push.landing.given

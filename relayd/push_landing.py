@@ -1,0 +1,337 @@
+"""Pushes on the reader's node: the grants this daemon gives its peers, the
+leases their pushes landed, and the readers waiting for them.
+
+A peer writes into the standing run this daemon granted it (see the flow in
+:mod:`relayd.push`), then says Landed; only then does a lease exist here, and
+only once it is validated: the run must lie inside the grant given to *that*
+peer and overlap no live landed lease, its length must fit the run, and its
+addressee stage must be served on this node. A reader whose DataRef says
+``push`` waits for the Landed (or Declined) notice, never past the peer
+timeout or the peer's loss, then reads the landed lease or pulls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import functools
+import logging
+
+from relayd_client.wire.dataref import MAX_NAME
+from relayd_client.wire.errors import (
+    AbortedError,
+    PeerUnavailableError,
+    PermissionDeniedError,
+    RelayError,
+)
+from relayd_client.wire.proto import relay_pb2 as pb
+from relayd_client.wire.slots import SlotAllocator
+
+from .peer_context import PeerParts
+from .peer_links import PeerState
+from .pools.arena import Run
+from .pools.freed import FREED_LINGER_MAX_BYTES
+from .pools.records import Lease, LeaseState
+
+log = logging.getLogger(__name__)
+
+# Keys of leases landed and already read, and of pushes declined, remembered so
+# a second fetch of the same DataRef does not wait for a push that will not come.
+REMEMBER = 1 << 14
+# Peer timeouts the free part of a grant given to a lost peer stays out of use.
+QUARANTINE_TIMEOUTS = 4
+
+Key = tuple[str, str, int, int]  # (origin node, its epoch, lease id, generation)
+
+
+@dataclasses.dataclass(eq=False)
+class GrantIn:
+    """A push grant this daemon gave a peer (the reader's side)."""
+
+    node_id: str
+    epoch: str
+    grant_id: int
+    run: Run
+    used: SlotAllocator  # which runs of it hold live landed leases
+    retired: bool = False
+
+
+@dataclasses.dataclass
+class PushCounts:
+    out: int = 0
+    declined: int = 0
+    into: int = 0
+    reads_landed: int = 0
+    reads_awaited: int = 0
+    reads_pulled: int = 0
+    pull_phases: int = 0
+
+
+class PushLanding:
+    """The reader's side of pushes for one daemon; owned by the PushManager."""
+
+    def __init__(self, parts: PeerParts, counts: dict[str, PushCounts]) -> None:
+        self.parts = parts
+        self.settings = parts.settings
+        self.counts = counts  # shared with the writer's side, by peer address
+        self.given: dict[str, GrantIn] = {}  # by node id
+        self._next_grant = 1
+        self._landed: dict[Key, Lease] = {}
+        self._declined: collections.OrderedDict[Key, None] = collections.OrderedDict()
+        self._waiters: dict[Key, list[asyncio.Future[None]]] = {}
+        self._waiting_for: dict[Key, str] = {}  # request id of each awaited push
+
+    def peer_lost(self, node: str) -> None:
+        """Whatever the lost peer ``node`` was given is void; readers waiting on it stop."""
+        given = self.given.pop(node, None) if node else None
+        if given is not None:
+            # It may be alive behind a broken link, its writes into the grant still
+            # in flight or retried when the link heals: nothing may reuse that space
+            # until they have surely ended (each is bounded by the peer timeout, and
+            # it stops pushing once it takes us for lost or hears the grant is void).
+            self._retire(given, quarantine=QUARANTINE_TIMEOUTS * self.settings.peer_timeout)
+        for key in [k for k in self._waiters if k[0] == node]:
+            self._wake(key)
+
+    def on_declined(self, n: pb.PeerNotices) -> None:
+        for d in n.declined:
+            key = (n.node_id, n.daemon_epoch, int(d.lease_id), int(d.generation))
+            self._remember(key)
+            self._wake(key)
+
+    def grant_to(self, req: pb.PushGrantRequest) -> pb.PushGrantResponse:
+        none = pb.PushGrantResponse(daemon_epoch=self.parts.epoch)
+        peer = self.parts.links.by_node.get(req.node_id)
+        pushes_on = self.settings.push_grant_size > 0
+        if not pushes_on or peer is None or not peer.up or peer.epoch != req.daemon_epoch:
+            return none  # it asks again after its next handshake
+        old = self.given.get(req.node_id)
+        if old is not None and old.epoch == req.daemon_epoch:
+            return self._grant_response(old)
+        if old is not None:
+            self._retire(old)
+            del self.given[req.node_id]
+        arena = self.parts.arena
+        want = min(int(req.nbytes), self.settings.push_grant_size, arena.capacity_bytes // 4)
+        nslots = min(want // arena.slot_size, arena.max_run_slots())
+        run = arena.allocate(nslots) if nslots > 0 else None
+        if run is None:
+            return none
+        gin = GrantIn(req.node_id, req.daemon_epoch, self._next_grant, run, SlotAllocator(nslots))
+        self._next_grant += 1
+        self.given[req.node_id] = gin
+        return self._grant_response(gin)
+
+    def _grant_response(self, gin: GrantIn) -> pb.PushGrantResponse:
+        return pb.PushGrantResponse(
+            grant_id=gin.grant_id,
+            segment=gin.run.segment,
+            slot=gin.run.slot,
+            nslots=gin.run.nslots,
+            daemon_epoch=self.parts.epoch,
+        )
+
+    def _retire(self, gin: GrantIn, *, quarantine: float = 0.0) -> None:
+        """The grant is void: its free parts go back to the arena (after
+        ``quarantine`` s), each landed lease's run when that lease is freed."""
+        gin.retired = True
+        runs = [
+            Run(gin.run.segment, gin.run.slot + start, n, gin.run.pool)
+            for start, n in gin.used.free_runs()
+        ]
+        if quarantine > 0:
+            asyncio.get_running_loop().call_later(quarantine, self._to_arena, runs)
+        else:
+            self._to_arena(runs)
+
+    def _to_arena(self, runs: list[Run]) -> None:
+        for run in runs:
+            self.parts.arena.free(run)
+        self.parts.leases.wake()
+
+    def on_landed(self, peer: PeerState, m: pb.PushLanded) -> None:
+        key = (peer.node_id, peer.epoch, int(m.lease_id), int(m.generation))
+        gin = self.given.get(peer.node_id)
+        slot_size = self.parts.arena.slot_size
+        why = ""
+        if gin is None or gin.retired or m.grant_id != gin.grant_id:
+            why = "names no push grant of ours"
+        elif m.nslots == 0 or m.slot + m.nslots > gin.run.nslots:
+            why = "lies outside the push grant"
+        elif m.length == 0 or m.length > m.nslots * slot_size:
+            why = f"length {m.length} does not fit {m.nslots} slots"
+        elif not gin.used.allocate_at(int(m.slot), int(m.nslots)):
+            why = "overlaps a landed lease not yet read"
+        if why:
+            log.warning(
+                "peer %s: landed push of lease %d %s; ignored", peer.address, m.lease_id, why
+            )
+            self._remember(key)
+            self._wake(key)
+            return
+        assert gin is not None
+        run = Run(gin.run.segment, gin.run.slot + int(m.slot), int(m.nslots), gin.run.pool)
+        refuse = ""
+        req = self.parts.leases.requests.get(m.request_id)
+        if key in self._landed or key in self._declined:
+            refuse = "landed twice"
+        elif len(m.request_id) > MAX_NAME or len(m.to_stage) > MAX_NAME:
+            refuse = "names too long"
+        elif m.to_stage not in self.parts.links.local_stages():
+            refuse = f"stage {m.to_stage!r} is not served on this node"
+        elif req is not None and req.aborted:
+            refuse = f"request {m.request_id!r} was aborted"
+        if refuse:
+            log.info("push of lease %d from %s refused: %s", m.lease_id, peer.address, refuse)
+            self._give_back(gin, run)
+            self._remember(key)
+            self._wake(key)
+            return
+        try:
+            lease = self.parts.leases.adopt_push(
+                run,
+                int(m.length),
+                request_id=m.request_id,
+                from_stage=m.from_stage[:MAX_NAME],
+                to_stage=m.to_stage,
+                returns=functools.partial(self._returned, gin, key),
+            )
+        except RelayError as exc:  # draining
+            log.info("push of lease %d from %s refused: %s", m.lease_id, peer.address, exc)
+            self._give_back(gin, run)
+            self._remember(key)
+            self._wake(key)
+            return
+        self.counts[peer.address].into += 1
+        self._landed[key] = lease
+        self._wake(key)
+
+    def _returned(self, gin: GrantIn, key: Key, run: Run) -> None:
+        """A landed lease was freed (read, TTL, abort, drain)."""
+        self._landed.pop(key, None)
+        self._remember(key)
+        self._give_back(gin, run)
+
+    def _give_back(self, gin: GrantIn, run: Run) -> None:
+        start = run.slot - gin.run.slot
+        if gin.retired:
+            self.parts.arena.free(run)
+            self.parts.leases.wake()
+            return
+        gin.used.free(start, run.nslots)
+        peer = self.parts.links.by_node.get(gin.node_id)
+        if peer is not None and peer.up:
+            self.parts.notifier.box(peer.address).freed.add(
+                grant_id=gin.grant_id, slot=start, nslots=run.nslots
+            )
+            # A big run goes back at once, as a local Freed does: the writer's
+            # daemon cannot push the next big lease until it has it.
+            big = run.nslots * self.parts.arena.slot_size >= FREED_LINGER_MAX_BYTES
+            self.parts.notifier.send(peer.address, urgent=big)
+
+    def _remember(self, key: Key) -> None:
+        self._declined[key] = None
+        self._declined.move_to_end(key)
+        while len(self._declined) > REMEMBER:
+            self._declined.popitem(last=False)
+
+    def _wake(self, key: Key) -> None:
+        self._waiting_for.pop(key, None)
+        for fut in self._waiters.pop(key, ()):
+            if not fut.done():
+                fut.set_result(None)
+
+    async def take(self, m: pb.DataRef, deadline: float) -> Lease | None:
+        """The landed lease for DataRef ``m``, waiting for its push when the writer
+        asked for one; None: read it by pull."""
+        key = _key_of(m)
+        lease = self._landed.get(key)
+        waited = False
+        # Only a peer holding a grant here can push here: from any other, nothing
+        # will come (its pushes are off, or it pushes to another node), so pull.
+        given = self.given.get(key[0])
+        pushable = given is not None and not given.retired and given.epoch == key[1]
+        if lease is None and m.push and pushable and key not in self._declined:
+            peer = self.parts.links.by_node.get(key[0])
+            if peer is None or not peer.up:
+                return None  # the pull says what is wrong with the peer
+            loop = asyncio.get_running_loop()
+            waited = True
+            fut: asyncio.Future[None] = loop.create_future()
+            self._waiters.setdefault(key, []).append(fut)
+            self._waiting_for[key] = m.request_id
+            wait = min(deadline - loop.time(), self.settings.peer_timeout)
+            try:
+                await asyncio.wait_for(fut, max(wait, 0.0))
+            except TimeoutError:
+                log.warning("push of lease %d from %s did not arrive; pulling", key[2], key[0])
+            finally:
+                waiters = self._waiters.get(key)
+                if waiters is not None and fut in waiters:
+                    waiters.remove(fut)
+                    if not waiters:
+                        del self._waiters[key]
+                        self._waiting_for.pop(key, None)
+            req = self.parts.leases.requests.get(m.request_id)
+            if req is not None and req.aborted:
+                raise AbortedError(f"request {m.request_id!r} was aborted")
+            lease = self._landed.get(key)
+            if lease is None and not (peer.up and self.parts.links.by_node.get(key[0]) is peer):
+                raise PeerUnavailableError(
+                    f"peer node {key[0]!r} went down while its push of lease {key[2]} "
+                    f"was awaited: {peer.last_error or 'unreachable'}"
+                )
+        if lease is None:
+            return None
+        if self.parts.leases.leases.get(lease.id) is not lease:
+            return None
+        if lease.to_stage != m.to_stage or lease.request_id != m.request_id:
+            raise PermissionDeniedError(
+                "the DataRef does not match the lease its writer's daemon pushed here"
+            )
+        if lease.state is not LeaseState.PUBLISHED:
+            return None
+        peer = self.parts.links.by_node.get(key[0])
+        if peer is not None:
+            counts = self.counts[peer.address]
+            if waited:
+                counts.reads_awaited += 1
+            else:
+                counts.reads_landed += 1
+        return lease
+
+    def pulled(self, address: str, phases: int) -> None:
+        """A read of that peer's DataRef was served by a pull that waited for
+        ``phases`` Mooncake phases (round trips), one after the other."""
+        counts = self.counts[address]
+        counts.reads_pulled += 1
+        counts.pull_phases += phases
+
+    def discard(self, m: pb.DataRef) -> bool:
+        """Free the landed copy of DataRef ``m`` unread; False when none is here."""
+        key = _key_of(m)
+        lease = self._landed.get(key)
+        manager = self.parts.leases
+        if lease is None or manager.leases.get(lease.id) is not lease:
+            return False
+        manager.drop_pull(lease)
+        manager.flush()
+        return True
+
+    def abort(self, request_id: str) -> None:
+        """Readers waiting for pushes of ``request_id`` stop with AbortedError (the
+        abort itself freed the landed leases; the writer's side declines the rest)."""
+        for key in [k for k, rid in self._waiting_for.items() if rid == request_id]:
+            self._wake(key)
+
+    def close(self) -> None:
+        for key in list(self._waiters):
+            self._wake(key)
+
+
+def _key_of(m: pb.DataRef) -> Key:
+    return (m.origin.node_id, m.origin.daemon_epoch, int(m.lease.lease_id), int(m.lease.generation))
+
+
+__all__ = ["QUARANTINE_TIMEOUTS", "REMEMBER", "GrantIn", "PushCounts", "PushLanding"]
