@@ -5,26 +5,19 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-import struct
 import time
 from collections.abc import Iterator
 
 import grpc
+from relayd_client.wire.framing import LENGTH_BYTES, decode_frame, encode_frame, frame_length
 from relayd_client.wire.proto import relay_pb2 as pb
 from relayd_client.wire.proto import relay_pb2_grpc as pb_grpc
-
-_LEN = struct.Struct("<I")
 
 
 @contextlib.contextmanager
 def stub(sock: str) -> Iterator[pb_grpc.RelayStub]:
     with grpc.insecure_channel(f"unix:{sock}") as ch:
         yield pb_grpc.RelayStub(ch)
-
-
-def frame(f: pb.SessionFrame) -> bytes:
-    body = f.SerializeToString()
-    return _LEN.pack(len(body)) + body
 
 
 def read_frames(s: socket.socket, timeout: float) -> tuple[list[pb.SessionFrame], bool]:
@@ -46,10 +39,10 @@ def read_frames(s: socket.socket, timeout: float) -> tuple[list[pb.SessionFrame]
         if not chunk:
             return frames, True
         buf += chunk
-        while len(buf) >= 4 and len(buf) - 4 >= _LEN.unpack_from(buf)[0]:
-            (n,) = _LEN.unpack_from(buf)
-            frames.append(pb.SessionFrame.FromString(buf[4 : 4 + n]))
-            buf = buf[4 + n :]
+        while len(buf) >= LENGTH_BYTES and len(buf) - LENGTH_BYTES >= frame_length(buf):
+            end = LENGTH_BYTES + frame_length(buf)
+            frames.append(decode_frame(buf[LENGTH_BYTES:end]))
+            buf = buf[end:]
 
 
 def events(frames: list[pb.SessionFrame]) -> list[pb.Event]:
@@ -78,7 +71,7 @@ class RawSession:
         assert not closed and any(ev.kind == pb.EVENT_KIND_BOUND for ev in events(frames)), frames
 
     def send(self, f: pb.SessionFrame) -> None:
-        self.sock.sendall(frame(f))
+        self.sock.sendall(encode_frame(f))
 
     def grant(self, min_bytes: int, timeout: float = 1.0) -> pb.GrantResponse:
         with stub(self.path) as st:

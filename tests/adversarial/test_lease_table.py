@@ -16,12 +16,13 @@ from collections.abc import Iterator
 
 import pytest
 from relayd_client import RelayClient
+from relayd_client.wire.framing import encode_frame
 from relayd_client.wire.proto import relay_pb2 as pb
 
 from tests._daemon import Daemon, wait_until
 from tests._figures import record
 from tests._workers import digest, make_payload
-from tests.adversarial._raw import RawSession, events, frame, read_frames
+from tests.adversarial._raw import RawSession, events, read_frames
 from tests.faults._support import apoll, quiet, rss_bytes, start_daemon, unique_node
 
 pytestmark = pytest.mark.timeout(240)
@@ -171,7 +172,7 @@ def _flood(sess: RawSession, frames: Iterator[pb.SessionFrame]) -> tuple[int, bo
     sent = 0
     for f in frames:
         try:
-            sess.sock.sendall(frame(f))
+            sess.sock.sendall(encode_frame(f))
         except (BrokenPipeError, ConnectionResetError):
             return sent, True
         sent += 1
@@ -260,7 +261,7 @@ def test_raw_sockets_closed_mid_flood_leave_nothing(daemon: Daemon) -> None:
     # Half a frame, then gone: the session's leases are reclaimed as for any death.
     sess = RawSession(daemon.socket, "thinker")
     g = sess.grant(MiB)
-    body = frame(pb.SessionFrame(reserve=[_reserve(g, 1, g.slot)]))
+    body = encode_frame(pb.SessionFrame(reserve=[_reserve(g, 1, g.slot)]))
     sess.sock.sendall(body[: len(body) // 2])
     sess.sock.shutdown(socket.SHUT_RDWR)
     sess.close()

@@ -14,12 +14,13 @@ from collections.abc import Iterator
 import grpc
 import pytest
 from relayd_client import RelayClient, ResourceExhaustedError
+from relayd_client.wire.framing import encode_frame
 from relayd_client.wire.proto import relay_pb2 as pb
 
 from tests._daemon import metric as _metric
 from tests._figures import count
 from tests._workers import make_payload
-from tests.adversarial._raw import RawSession, events, frame
+from tests.adversarial._raw import RawSession, events
 from tests.faults._support import node_segments, start_daemon, unique_node
 
 pytestmark = pytest.mark.timeout(180)
@@ -63,7 +64,9 @@ def open_dir() -> Iterator[str]:
 def _probe_as_nobody(session_socket: str) -> list[pb.Event]:
     if os.geteuid() != 0 or shutil.which("setpriv") is None:
         pytest.skip("needs root and setpriv to run a client as another uid")
-    bind = frame(pb.SessionFrame(bind=pb.Bind(session_id="s1-none", session_token=b"x" * 16)))
+    bind = encode_frame(
+        pb.SessionFrame(bind=pb.Bind(session_id="s1-none", session_token=b"x" * 16))
+    )
     cp = subprocess.run(
         ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
          "/usr/bin/python3", "-c", PROBE, session_socket, bind.hex()],

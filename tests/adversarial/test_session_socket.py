@@ -12,12 +12,13 @@ from collections.abc import Iterator
 
 import pytest
 from relayd_client import DataRef, PeerUnavailableError, PermissionDeniedError, RelayClient
+from relayd_client.wire.framing import encode_frame
 from relayd_client.wire.proto import relay_pb2 as pb
 
 from tests._daemon import Daemon
 from tests._figures import count, record
 from tests._workers import digest, make_payload
-from tests.adversarial._raw import RawSession, events, frame, read_frames, stub
+from tests.adversarial._raw import RawSession, events, read_frames, stub
 from tests.faults._support import rss_bytes, start_daemon, unique_node
 
 pytestmark = pytest.mark.timeout(180)
@@ -45,8 +46,11 @@ def test_garbage_and_forged_frames_close_only_that_connection(daemon: Daemon) ->
     cases = 0
     bodies: list[bytes] = [struct.pack("<I", 1 << 31) + b"x" * 16]  # length prefix 2^31
     bodies.append(struct.pack("<I", (4 << 20) + 1))  # one byte over the frame limit
-    bodies.append(frame(pb.SessionFrame(release=[pb.Release(lease_id=1, generation=1)])))  # no bind
-    bodies.append(frame(pb.SessionFrame(bind=pb.Bind(session_id="s1-x", session_token=b"bad"))))
+    # a release before any bind
+    bodies.append(encode_frame(pb.SessionFrame(release=[pb.Release(lease_id=1, generation=1)])))
+    bodies.append(
+        encode_frame(pb.SessionFrame(bind=pb.Bind(session_id="s1-x", session_token=b"bad")))
+    )
     for _ in range(60):
         junk = rng.randbytes(rng.randrange(1, 300))
         bodies.append(struct.pack("<I", len(junk)) + junk)  # a complete frame of random bytes
@@ -62,7 +66,7 @@ def test_garbage_and_forged_frames_close_only_that_connection(daemon: Daemon) ->
     victim = RawSession(daemon.socket, "thinker")
     s = _connect(daemon)
     s.sendall(
-        frame(
+        encode_frame(
             pb.SessionFrame(
                 bind=pb.Bind(session_id=victim.attach.session_id, session_token=b"0" * 16)
             )

@@ -35,12 +35,18 @@ def arena() -> Iterator[Arena]:
 
 
 def _manager(
-    arena: Arena, clock: Clock, reclaimed: list[str], freed_linger: float = 0.0
+    arena: Arena,
+    clock: Clock,
+    reclaimed: list[str],
+    freed_linger: float = 0.0,
+    transfers: list[str] | None = None,
 ) -> LeaseManager:
+    counted = transfers if transfers is not None else []
     return LeaseManager(
         arena, grant_bytes=8 * SLOT, lease_ttl=10.0, stage_quota_bytes=24 * SLOT,
         max_sessions=8, clock=clock, freed_linger=freed_linger,
-        hooks=Hooks(reclaimed=lambda reason, n: reclaimed.extend([reason.value] * n)),
+        hooks=Hooks(reclaimed=lambda reason, n: reclaimed.extend([reason.value] * n),
+                    transfer=lambda t, n, nbytes, src, dst: counted.append(t)),
     )  # fmt: skip
 
 
@@ -92,11 +98,7 @@ def test_a_publish_with_an_unknown_transport_is_refused_not_counted_as_shm(
     arena: Arena, transport: int
 ) -> None:
     counted: list[str] = []
-    m = LeaseManager(
-        arena, grant_bytes=8 * SLOT, lease_ttl=10.0, stage_quota_bytes=24 * SLOT,
-        max_sessions=8, clock=Clock(), freed_linger=0.0,
-        hooks=Hooks(transfer=lambda t, n, nbytes, src, dst: counted.append(t)),
-    )  # fmt: skip
+    m = _manager(arena, Clock(), [], transfers=counted)
     wf: list[pb.SessionFrame] = []
     w = _session(m, "thinker", wf)
     grant = asyncio.run(m.grant(w, SLOT, 1.0))

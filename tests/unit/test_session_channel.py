@@ -8,16 +8,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 from relayd_client._session import LINGER_MAX_BYTES, LINGER_MAX_NOTICES, SessionChannel
+from relayd_client.wire.framing import LENGTH_BYTES, decode_frame, frame_length
 from relayd_client.wire.proto import relay_pb2 as pb
 
 pytestmark = pytest.mark.timeout(30)
 
-_LEN = struct.Struct("<I")
 LONG = 60.0  # a linger no test waits out: a frame that needs it is a failure
 
 
@@ -36,10 +35,10 @@ class Daemon:
         except BlockingIOError:
             pass
         frames = []
-        while len(self.buf) >= 4:
-            (n,) = _LEN.unpack_from(self.buf)
-            frames.append(pb.SessionFrame.FromString(self.buf[4 : 4 + n]))
-            self.buf = self.buf[4 + n :]
+        while len(self.buf) >= LENGTH_BYTES:
+            end = LENGTH_BYTES + frame_length(self.buf)
+            frames.append(decode_frame(self.buf[LENGTH_BYTES:end]))
+            self.buf = self.buf[end:]
         return frames
 
     async def next(self, timeout: float = 5.0) -> pb.SessionFrame:
