@@ -13,6 +13,7 @@ version (:mod:`.version`).
 
 The daemon imports the client only through this package and the public API
 of ``relayd_client`` (``tests/unit/test_import_graph.py`` checks it). This
-module imports nothing, so importing a part pulls in only what that part needs
-(never torch; grpc only through :mod:`.status`, :mod:`.peercred` not at all).
+module imports nothing, so importing a part pulls in only what that part needs:
+never torch, and grpc only through :mod:`.status` and the generated service
+stubs (``tests/unit/test_wire_imports.py``).
 """
