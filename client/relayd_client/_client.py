@@ -30,6 +30,11 @@ from . import (
     _codec_decode,
     _copies,
     _cuda,
+    _cuda_copy,
+    _cuda_direct,
+    _cuda_facts,
+    _cuda_pool,
+    _cuda_staging,
     _flatten,
     _header_tree,
     _keyed,
@@ -142,9 +147,11 @@ class _Shape:
     ) -> None:
         to_stage, codec, header, _ = key
         specs, self.total = _packing.plan_layout(tensors, alignment=ALIGNMENT)
-        self.specs = _cuda.name_gpus(specs)
+        self.specs = _cuda_facts.name_gpus(specs)
         self.has_cpu = any(t.device.type == "cpu" for t in tensors)
-        self.cuda_uuids = _cuda.payload_facts([s.device for s in self.specs if s.nbytes]).cuda_uuids
+        self.cuda_uuids = _cuda_facts.payload_facts(
+            [s.device for s in self.specs if s.nbytes]
+        ).cuda_uuids
         # Every field but the per-put ones (object and request id, chunk, transport, lease).
         self.template = client._new_msg(a, "", to_stage, -1)
         self.template.ClearField("object_id")
@@ -318,7 +325,7 @@ class RelayClient:
                     stages=list(self.stages),
                     pid=os.getpid(),
                     namespaces=_namespaces(),
-                    gpu_uuids=list(_cuda.used_gpus()),
+                    gpu_uuids=list(_cuda_facts.used_gpus()),
                 ),
                 timeout=self.timeout,
             )
@@ -763,9 +770,9 @@ class RelayClient:
                     await asyncio.to_thread(_copies.run_copies, plan)
                 else:
                     # CUDA leaves: the copy runs on the caller's streams, after its producer.
-                    streams = _cuda.worker_streams(tensors)
+                    streams = _cuda_copy.worker_streams(tensors)
                     await asyncio.to_thread(
-                        _cuda.run_on_worker,
+                        _cuda_copy.run_on_worker,
                         streams,
                         _copies.pack_at,
                         view,
@@ -936,7 +943,7 @@ class RelayClient:
                     encoded_bytes=INLINE_LIMIT + 1,  # inline was ruled out by the caller
                     has_cpu_tensors=has_cpu,
                     cuda_uuids=list(cuda_uuids),
-                    inline_meta_bytes=_cuda.direct_meta_estimate(len(cuda_uuids)),
+                    inline_meta_bytes=_cuda_facts.direct_meta_estimate(len(cuda_uuids)),
                     allow_cuda_ipc_direct=self.cuda_ipc_direct,
                 ),
                 timeout=self.timeout,
@@ -1223,8 +1230,8 @@ class RelayClient:
         transport = ref.transport
         if transport is Transport.INLINE:
             specs, tensors = self._read_inline(m)
-            if _cuda.restores_on_gpu(specs):  # small CUDA leaves travel inline too
-                tensors = await _cuda.restore_on_device(tensors, specs, copy=False)
+            if _cuda_facts.restores_on_gpu(specs):  # small CUDA leaves travel inline too
+                tensors = await _cuda_staging.restore_on_device(tensors, specs, copy=False)
             return _flatten.rebuild(tree, tensors)
         # Cross-node: the local daemon pulls the lease into its arena first.
         if transport is Transport.SHM and _remote.is_foreign(ref, self._require_open().node_id):
@@ -1243,7 +1250,7 @@ class RelayClient:
         lease = m.lease
         view = self._views[lease.segment]
         # CUDA leaves go straight from the (pinned) arena to this process's GPU.
-        on_gpu = _cuda.restores_on_gpu(specs)
+        on_gpu = _cuda_facts.restores_on_gpu(specs)
         host_copy = copy and not on_gpu
         if host_copy and lease.length >= OFFLOAD_BYTES:
             # Only a copy is worth a thread: a view is the same few
@@ -1257,7 +1264,7 @@ class RelayClient:
         else:
             tensors = self._read_region(m, view, start, specs, host_copy)
         if on_gpu:
-            tensors = await _cuda.restore_on_device(tensors, specs, copy)
+            tensors = await _cuda_staging.restore_on_device(tensors, specs, copy)
         self._end_read(m, seg, copy)
         return _flatten.rebuild(tree, tensors)
 
@@ -1363,7 +1370,7 @@ class RelayClient:
         # None: PyTorch will not re-export memory it imported over CUDA IPC (a
         # stage forwarding a zero-copy get) or memory of an allocator without
         # IPC (cudaMallocAsync); the pool path copies it instead.
-        handles = _cuda.export_all_direct(tensors, specs, streams=streams)
+        handles = _cuda_direct.export_all_direct(tensors, specs, streams=streams)
         if handles is not None:
             for layout, spec, h in zip(msg.tensors, specs, handles, strict=True):
                 layout.device = spec.device
@@ -1374,7 +1381,7 @@ class RelayClient:
                 return True
             for h in handles:  # too big after all: the counts taken go back
                 if h is not None and h.ref_counter_handle:
-                    _cuda._release_counter(h)
+                    _cuda_direct.release_counter(h)
         msg.transport = pb.TRANSPORT_UNSPECIFIED
         for layout in msg.tensors:
             layout.ClearField("cuda_ipc")
@@ -1392,13 +1399,13 @@ class RelayClient:
         """cuda_ipc_pool: copy into a lease of the source GPU's pool, event in the DataRef."""
         gpu = self._gpu
         assert gpu is not None
-        source = _cuda.leaf_gpu(next(s.device for s in specs if s.nbytes))
+        source = _cuda_facts.leaf_gpu(next(s.device for s in specs if s.nbytes))
         desc = gpu.pools[source or ""]
         lease = await self._reserve(total, deadline, desc.name)
         self._reserve_notice(lease, msg)
         try:
             region = gpu.pool_region(desc.name, lease.slot, total)
-            event, handle = _cuda.write_pool(region, tensors, specs, streams)
+            event, handle = _cuda_pool.write_pool(region, tensors, specs, streams)
             gpu.keep_event(lease.id, event)
             if msg.request_id in self._aborted:
                 raise AbortedError(f"request {msg.request_id!r} was aborted")
@@ -1439,14 +1446,14 @@ class RelayClient:
                 raise PeerUnavailableError("direct CUDA IPC DataRefs cannot leave their node")
             specs = _specs(m)
             _packing.validate_layout(specs, max((s.offset + s.nbytes for s in specs), default=0))
-            if any(_cuda.leaf_gpu(s.device) is None for s in specs if s.nbytes):
+            if any(_cuda_facts.leaf_gpu(s.device) is None for s in specs if s.nbytes):
                 raise CorruptRefError("a direct CUDA IPC DataRef holds a CPU tensor")
             handles = [t.cuda_ipc for t in m.tensors]
             # A second read would give PyTorch's IPC count back twice (freeing early).
             key = (m.origin.daemon_epoch, m.object_id)
             gpu.direct_reads.claim(key, "this direct CUDA IPC DataRef")
             deadline = time.monotonic() + self.timeout
-            return await _cuda.read_direct(specs, handles, copy, deadline)
+            return await _cuda_direct.read_direct(specs, handles, copy, deadline)
         specs = self._checked_specs(m, m.lease.length)
         self._check_not_released(m)
         try:
@@ -1457,7 +1464,7 @@ class RelayClient:
         self._claim(m)
         try:
             deadline = time.monotonic() + self.timeout
-            tensors = await _cuda.read_pool(region, specs, bytes(m.cuda_event), deadline)
+            tensors = await _cuda_pool.read_pool(region, specs, bytes(m.cuda_event), deadline)
         except BaseException:
             # Nothing usable was read (e.g. the writer died before its event could
             # be opened): release rather than hold the claim until this session ends.

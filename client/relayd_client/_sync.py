@@ -25,7 +25,17 @@ import time
 from collections.abc import AsyncGenerator, Callable, Coroutine, Iterator, Sequence
 from typing import Any, TypeVar, cast
 
-from . import _copies, _cuda, _flatten, _keyed, _local, _packing, _remote
+from . import (
+    _copies,
+    _cuda_copy,
+    _cuda_facts,
+    _cuda_staging,
+    _flatten,
+    _keyed,
+    _local,
+    _packing,
+    _remote,
+)
 from ._client import OFFLOAD_BYTES, ClientState, RelayClient, _check_trace_id, _leased
 from ._refs import TensorRef
 from .wire.dataref import DataRef
@@ -298,7 +308,7 @@ class SyncRelayClient:
                 return c._put_local(obj, plan)
             if c._gpu is not None and not plan.refs and shape.cuda_uuids:
                 # The copies are enqueued on the loop thread: after this thread's producer.
-                streams = _cuda.worker_streams(plan.tensors)
+                streams = _cuda_copy.worker_streams(plan.tensors)
                 gpu_ref = self._run(
                     c._put_gpu(
                         plan.msg, plan.tensors, shape.specs, shape.total, timeout, route, streams
@@ -416,11 +426,11 @@ class SyncRelayClient:
             tree = c._checked_ref(m)  # before any claim: a forged ref consumes nothing
             if transport is Transport.INLINE:
                 specs, tensors = c._read_inline(m)
-                if _cuda.restores_on_gpu(specs):
-                    tensors = self._run(_cuda.restore_on_device(tensors, specs, copy=False))
+                if _cuda_facts.restores_on_gpu(specs):
+                    tensors = self._run(_cuda_staging.restore_on_device(tensors, specs, copy=False))
                 return _flatten.rebuild(tree, tensors)
             seg, start, specs = c._lease_region(m)
-            if _cuda.restores_on_gpu(specs):
+            if _cuda_facts.restores_on_gpu(specs):
                 return self._run(c._get(ref, copy))
             if copy and m.lease.length >= OFFLOAD_BYTES:
                 # A long copy: the daemon learns who reads the lease first.

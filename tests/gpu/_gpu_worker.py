@@ -33,7 +33,7 @@ import time
 from typing import Any
 
 import torch
-from relayd_client import DataRef, RelayClient, _cuda
+from relayd_client import DataRef, RelayClient, _cuda_pool
 
 # A matmul chain of this length keeps an H100/H200 busy for ~0.2 s (fp32,
 # 4096^2): put() enqueues its copy behind it and hands the DataRef out first.
@@ -220,7 +220,7 @@ async def main() -> None:
                 elif cmd["op"] == "facts":
                     gpu = client._gpu
                     answer = {
-                        "pool_imports": _cuda.pool_imports,
+                        "pool_imports": _cuda_pool.pool_imports,
                         "pinned": bool(gpu is not None and gpu.pinned),
                         "cuda": torch.cuda.is_initialized(),
                     }

@@ -34,7 +34,7 @@ import time
 from typing import Any
 
 NBYTES = 4 << 20
-# cudaHostRegisterPortable, as relayd_client._cuda pins the arena.
+# cudaHostRegisterPortable, as relayd_client._cuda_staging pins the arena.
 _HOST_REGISTER_PORTABLE = 1
 STEPS = (
     ("ipc_mem_export", "CUDA IPC memory handle export (cudaIpcGetMemHandle)"),
@@ -75,7 +75,7 @@ def host_register_shm() -> dict[str, Any]:
         cudart: Any = torch.cuda.cudart()
         rc = int(cudart.cudaHostRegister(int(view.data_ptr()), NBYTES, _HOST_REGISTER_PORTABLE))
         if rc != 0:
-            from relayd_client._cuda import _clear_cuda_error
+            from relayd_client._cuda_staging import _clear_cuda_error
 
             _clear_cuda_error()
             return {"ok": False, "error": f"cudaHostRegister returned error {rc}"}

@@ -17,7 +17,7 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PROTO = ROOT / "client" / "relayd_client" / "_proto"
+PROTO = ROOT / "client" / "relayd_client" / "wire" / "proto"
 CHECK = ROOT / "tests" / "gpu" / "run_device_checks.sh"
 WHEELS = ROOT / "scripts" / "gpu-wheels.sh"
 

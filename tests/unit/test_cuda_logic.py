@@ -15,7 +15,15 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from relayd_client import CorruptRefError, ResourceExhaustedError, _cuda
+from relayd_client import (
+    CorruptRefError,
+    ResourceExhaustedError,
+    _cuda,
+    _cuda_direct,
+    _cuda_facts,
+    _cuda_pool,
+    _cuda_staging,
+)
 from relayd_client._packing import TensorSpec, validate_layout
 from relayd_client.wire import cuda_ipc
 from relayd_client.wire.cuda_ipc import export_handle
@@ -45,30 +53,32 @@ def test_uuid_of_matches_nvidia_smi_spelling() -> None:
 def test_uuid_maps_to_each_process_own_ordinal() -> None:
     # Writer sees (A, B); a reader started with CUDA_VISIBLE_DEVICES=1 sees (B,).
     writer, reader = (GPU_A, GPU_B), (GPU_B,)
-    assert _cuda.local_ordinal(GPU_B, writer) == 1
-    assert _cuda.local_ordinal(GPU_B, reader) == 0
-    assert _cuda.local_ordinal(GPU_A, reader) is None
+    assert _cuda_facts.local_ordinal(GPU_B, writer) == 1
+    assert _cuda_facts.local_ordinal(GPU_B, reader) == 0
+    assert _cuda_facts.local_ordinal(GPU_A, reader) is None
 
 
 def test_leaf_gpu_reads_layout_devices() -> None:
-    assert _cuda.leaf_gpu("cpu") is None
-    assert _cuda.leaf_gpu(_cuda.device_field(GPU_A)) == GPU_A
-    assert _cuda.leaf_gpu("cuda:0") == ""  # an ordinal: "some GPU", never matched by UUID
+    assert _cuda_facts.leaf_gpu("cpu") is None
+    assert _cuda_facts.leaf_gpu(_cuda_facts.device_field(GPU_A)) == GPU_A
+    assert _cuda_facts.leaf_gpu("cuda:0") == ""  # an ordinal: "some GPU", never matched by UUID
     with pytest.raises(CorruptRefError):
-        _cuda.leaf_gpu("mps:0")
+        _cuda_facts.leaf_gpu("mps:0")
 
 
 def test_cpu_process_never_initializes_cuda() -> None:
     import torch
 
     assert not torch.cuda.is_initialized()
-    assert not _cuda.uses_cuda() and _cuda.used_gpus() == ()
-    assert _cuda.pin_host([torch.zeros(8, dtype=torch.uint8)], "auto") == []
-    assert _cuda.reader_device() == torch.device("cpu")
+    assert not _cuda_facts.uses_cuda() and _cuda_facts.used_gpus() == ()
+    assert _cuda_staging.pin_host([torch.zeros(8, dtype=torch.uint8)], "auto") == []
+    assert _cuda_facts.reader_device() == torch.device("cpu")
     # A CPU reader gets CUDA leaves back on CPU, without touching CUDA.
-    leaf = TensorSpec(0, (4,), "uint8", 0, 4, _cuda.device_field(GPU_A))
-    assert not _cuda.restores_on_gpu([leaf])
-    got = asyncio.run(_cuda.restore_on_device([torch.arange(4, dtype=torch.uint8)], [leaf], True))
+    leaf = TensorSpec(0, (4,), "uint8", 0, 4, _cuda_facts.device_field(GPU_A))
+    assert not _cuda_facts.restores_on_gpu([leaf])
+    got = asyncio.run(
+        _cuda_staging.restore_on_device([torch.arange(4, dtype=torch.uint8)], [leaf], True)
+    )
     assert got[0].device.type == "cpu" and got[0].tolist() == [0, 1, 2, 3]
     assert not torch.cuda.is_initialized()
 
@@ -76,14 +86,18 @@ def test_cpu_process_never_initializes_cuda() -> None:
 # ---------------------------------------------------------------- route
 
 
-def _facts(*devices: str) -> _cuda.PayloadGpuFacts:
-    return _cuda.payload_facts(list(devices))
+def _facts(*devices: str) -> _cuda_facts.PayloadGpuFacts:
+    return _cuda_facts.payload_facts(list(devices))
 
 
 def test_payload_facts() -> None:
-    f = _facts(_cuda.device_field(GPU_B), _cuda.device_field(GPU_A), _cuda.device_field(GPU_A))
+    f = _facts(
+        _cuda_facts.device_field(GPU_B),
+        _cuda_facts.device_field(GPU_A),
+        _cuda_facts.device_field(GPU_A),
+    )
     assert f.cuda_uuids == (GPU_A, GPU_B) and not f.has_cpu_tensors
-    assert _facts("cpu", _cuda.device_field(GPU_A)).has_cpu_tensors
+    assert _facts("cpu", _cuda_facts.device_field(GPU_A)).has_cpu_tensors
     assert _facts("cpu").cuda_uuids == ()
 
 
@@ -102,19 +116,15 @@ def test_payload_facts() -> None:
         (("cuda:0",), Transport.CUDA_IPC_POOL, Transport.SHM),  # no UUID, no pool
     ],
 )
-def test_choose_gpu_transport(
-    devices: tuple[str, ...], daemon: Transport, expected: Transport
-) -> None:
-    fields = [d if d.startswith(("cpu", "cuda:")) else _cuda.device_field(d) for d in devices]
-    got = _cuda.choose_gpu_transport(_facts(*fields), pools={GPU_A}, daemon_route=daemon)
+def test_carry_out_route(devices: tuple[str, ...], daemon: Transport, expected: Transport) -> None:
+    fields = [d if d.startswith(("cpu", "cuda:")) else _cuda_facts.device_field(d) for d in devices]
+    got = _cuda.carry_out_route(_facts(*fields), pools={GPU_A}, daemon_route=daemon)
     assert got is expected
 
 
 def test_direct_falls_back_to_the_pool_when_handles_do_not_fit() -> None:
-    facts = _cuda.PayloadGpuFacts(cuda_uuids=(GPU_A,), direct_meta_bytes=64 * 1024 + 1)
-    chosen = _cuda.choose_gpu_transport(
-        facts, pools={GPU_A}, daemon_route=Transport.CUDA_IPC_DIRECT
-    )
+    facts = _cuda_facts.PayloadGpuFacts(cuda_uuids=(GPU_A,), direct_meta_bytes=64 * 1024 + 1)
+    chosen = _cuda.carry_out_route(facts, pools={GPU_A}, daemon_route=Transport.CUDA_IPC_DIRECT)
     assert chosen is Transport.CUDA_IPC_POOL
 
 
@@ -122,7 +132,7 @@ def test_client_facts_agree_with_the_router() -> None:
     from relayd.routing.router import DIRECT_META_LIMIT, PayloadFacts
 
     assert _cuda.DIRECT_META_LIMIT == DIRECT_META_LIMIT
-    f = _facts(_cuda.device_field(GPU_A), _cuda.device_field(GPU_B))
+    f = _facts(_cuda_facts.device_field(GPU_A), _cuda_facts.device_field(GPU_B))
     PayloadFacts(encoded_bytes=1 << 20, cuda_uuids=f.cuda_uuids)  # UUIDs, not ordinals
 
 
@@ -131,7 +141,7 @@ def test_client_facts_agree_with_the_router() -> None:
 
 def test_dataref_layout_for_cuda_tensors_round_trips() -> None:
     specs = [
-        TensorSpec(0, (4, 256), "bfloat16", 0, 2048, _cuda.device_field(GPU_A)),
+        TensorSpec(0, (4, 256), "bfloat16", 0, 2048, _cuda_facts.device_field(GPU_A)),
         TensorSpec(1, (3,), "int64", 2048, 24, "cpu"),
     ]
     validate_layout(specs, 4096)
@@ -153,12 +163,12 @@ def test_dataref_layout_for_cuda_tensors_round_trips() -> None:
 
 def test_direct_handle_view_must_stay_inside_its_storage() -> None:
     ok = pb.CudaIpcHandle(storage_bytes=4 * 8 * 2, stride=[8, 1], storage_offset=0)
-    _cuda.check_direct_handle(ok, (4, 8), 2)
+    _cuda_direct.check_direct_handle(ok, (4, 8), 2)
     past = pb.CudaIpcHandle(storage_bytes=4 * 8 * 2, stride=[8, 1], storage_offset=1)
     with pytest.raises(CorruptRefError):
-        _cuda.check_direct_handle(past, (4, 8), 2)
+        _cuda_direct.check_direct_handle(past, (4, 8), 2)
     with pytest.raises(CorruptRefError):
-        _cuda.check_direct_handle(pb.CudaIpcHandle(storage_bytes=64, stride=[1]), (4, 8), 2)
+        _cuda_direct.check_direct_handle(pb.CudaIpcHandle(storage_bytes=64, stride=[1]), (4, 8), 2)
 
 
 def test_export_handle_drops_the_ordinal() -> None:
@@ -432,8 +442,8 @@ def test_daemon_routes_gpu_edges_with_the_probed_peer_matrix(
     monkeypatch.setitem(cuda_pools._PEERS, (GPU_A, GPU_B), True)
     assert route(writer, other, facts, peer_access=peers).transport is Transport.CUDA_IPC_POOL
     # What the client then does with the daemon's answer.
-    mine = _cuda.payload_facts([_cuda.device_field(GPU_A)])
-    chosen = _cuda.choose_gpu_transport(mine, pools={GPU_A}, daemon_route=Transport.CUDA_IPC_POOL)
+    mine = _cuda_facts.payload_facts([_cuda_facts.device_field(GPU_A)])
+    chosen = _cuda.carry_out_route(mine, pools={GPU_A}, daemon_route=Transport.CUDA_IPC_POOL)
     assert chosen is Transport.CUDA_IPC_POOL
 
 
@@ -454,24 +464,24 @@ def fake_gpu(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
     opened: list[int] = []
 
-    def open_storage(ordinal, h, dtype, shape, stride, offset):  # type: ignore[no-untyped-def]
+    def open_storage(ordinal, h):  # type: ignore[no-untyped-def]
         opened.append(ordinal)
         return torch.zeros(h.storage_bytes, dtype=torch.uint8)
 
-    monkeypatch.setattr(_cuda, "local_uuids", lambda: (GPU_A,))
-    monkeypatch.setattr(_cuda, "_open_storage", open_storage)
-    monkeypatch.setattr(_cuda, "_POOLS", {})
+    monkeypatch.setattr(_cuda_pool, "local_uuids", lambda: (GPU_A,))
+    monkeypatch.setattr(_cuda_pool, "_open_storage", open_storage)
+    monkeypatch.setattr(_cuda_pool, "_POOLS", {})
     monkeypatch.setattr(cuda_ipc, "_OWN_EXPORTS", {})
     return opened
 
 
 def test_pool_import_happens_once_per_process(fake_gpu: list[int]) -> None:
-    before = _cuda.pool_imports
-    first = _cuda.import_pool(_pool_desc(b"h" * 65))
-    assert _cuda.import_pool(_pool_desc(b"h" * 65)) is first
-    assert fake_gpu == [0] and _cuda.pool_imports == before + 1
-    _cuda.import_pool(_pool_desc(b"n" * 65))  # a new daemon epoch exports a new handle
-    assert fake_gpu == [0, 0] and _cuda.pool_imports == before + 2
+    before = _cuda_pool.pool_imports
+    first = _cuda_pool.import_pool(_pool_desc(b"h" * 65))
+    assert _cuda_pool.import_pool(_pool_desc(b"h" * 65)) is first
+    assert fake_gpu == [0] and _cuda_pool.pool_imports == before + 1
+    _cuda_pool.import_pool(_pool_desc(b"n" * 65))  # a new daemon epoch exports a new handle
+    assert fake_gpu == [0, 0] and _cuda_pool.pool_imports == before + 2
 
 
 def test_reattach_to_a_new_epoch_forgets_the_old_pools(
@@ -479,16 +489,18 @@ def test_reattach_to_a_new_epoch_forgets_the_old_pools(
 ) -> None:
     collected: list[int] = []
     monkeypatch.setattr(
-        _cuda, "_tc", lambda: type("C", (), {"ipc_collect": lambda: collected.append(1)})
+        _cuda_pool,
+        "torch_cuda",
+        lambda: type("C", (), {"ipc_collect": lambda: collected.append(1)}),
     )
-    old = _cuda.import_pool(_pool_desc(b"h" * 65), "node-a", "e1")
-    other_node = _cuda.import_pool(_pool_desc(b"x" * 65), "node-b", "e1")
-    assert _cuda.forget_pools("node-a", "e1") == 0 and collected == []  # same epoch: kept
-    assert _cuda.import_pool(_pool_desc(b"h" * 65), "node-a", "e1") is old
-    assert _cuda.forget_pools("node-a", "e2") == 1 and collected == [1]
+    old = _cuda_pool.import_pool(_pool_desc(b"h" * 65), "node-a", "e1")
+    other_node = _cuda_pool.import_pool(_pool_desc(b"x" * 65), "node-b", "e1")
+    assert _cuda_pool.forget_pools("node-a", "e1") == 0 and collected == []  # same epoch: kept
+    assert _cuda_pool.import_pool(_pool_desc(b"h" * 65), "node-a", "e1") is old
+    assert _cuda_pool.forget_pools("node-a", "e2") == 1 and collected == [1]
     # node-a's old mapping is gone (re-imported if named again); node-b's is not.
-    assert _cuda.import_pool(_pool_desc(b"x" * 65), "node-b", "e1") is other_node
-    assert set(_cuda._POOLS) == {("node-b", "e1", _pool_desc(b"x" * 65).name, b"x" * 65)}
+    assert _cuda_pool.import_pool(_pool_desc(b"x" * 65), "node-b", "e1") is other_node
+    assert set(_cuda_pool._POOLS) == {("node-b", "e1", _pool_desc(b"x" * 65).name, b"x" * 65)}
 
 
 def test_pool_import_checks_visibility_and_size(
@@ -499,10 +511,10 @@ def test_pool_import_checks_visibility_and_size(
     small = _pool_desc(b"s" * 65)
     small.storage.storage_bytes = SLOT  # less than nslots * slot_size
     with pytest.raises(CorruptRefError):
-        _cuda.import_pool(small)
-    monkeypatch.setattr(_cuda, "local_uuids", lambda: (GPU_B,))
+        _cuda_pool.import_pool(small)
+    monkeypatch.setattr(_cuda_pool, "local_uuids", lambda: (GPU_B,))
     with pytest.raises(PeerUnavailableError, match="CUDA_VISIBLE_DEVICES"):
-        _cuda.import_pool(_pool_desc(b"h" * 65))
+        _cuda_pool.import_pool(_pool_desc(b"h" * 65))
 
 
 def test_a_pool_exported_by_this_process_is_not_reopened(
@@ -522,10 +534,10 @@ def test_a_pool_exported_by_this_process_is_not_reopened(
     pool = CudaPool(uuid=GPU_A, device_index=0, geometry=geometry, headers=headers,
                     memory=memory, export=export)  # fmt: skip
     cuda_ipc.register_own_export(export.handle, memory)
-    assert _cuda.import_pool(pool.describe()) is memory and fake_gpu == []
+    assert _cuda_pool.import_pool(pool.describe()) is memory and fake_gpu == []
     monkeypatch.setattr(torch.cuda, "ipc_collect", lambda: None)
     pool.close()
-    assert _cuda.import_pool(pool.describe()) is not memory and fake_gpu == [0]
+    assert _cuda_pool.import_pool(pool.describe()) is not memory and fake_gpu == [0]
 
 
 class _FakeCudart:
@@ -555,15 +567,15 @@ def test_a_failed_pin_unpins_and_clears_the_cuda_error(
 
     cudart = _FakeCudart([0, 2])  # the second segment fails (cudaErrorMemoryAllocation)
     cleared: list[bool] = []
-    monkeypatch.setattr(_cuda, "uses_cuda", lambda: True)
-    monkeypatch.setattr(_cuda, "_tc", lambda: SimpleNamespace(cudart=lambda: cudart))
-    monkeypatch.setattr(_cuda, "_clear_cuda_error", lambda: cleared.append(True))
+    monkeypatch.setattr(_cuda_staging, "uses_cuda", lambda: True)
+    monkeypatch.setattr(_cuda_staging, "torch_cuda", lambda: SimpleNamespace(cudart=lambda: cudart))
+    monkeypatch.setattr(_cuda_staging, "_clear_cuda_error", lambda: cleared.append(True))
     views = [torch.zeros(SLOT, dtype=torch.uint8), torch.zeros(SLOT, dtype=torch.uint8)]
     if mode == "on":
         with pytest.raises(RelayError, match="RLIMIT_MEMLOCK"):
-            _cuda.pin_host(views, mode)
+            _cuda_staging.pin_host(views, mode)
     else:
-        assert _cuda.pin_host(views, mode) == []
+        assert _cuda_staging.pin_host(views, mode) == []
         assert "stay pageable" in caplog.text
     assert cudart.unregistered == cudart.registered == [views[0].data_ptr()]
     assert cleared == [True]  # the next kernel launch must not inherit the error
@@ -573,18 +585,18 @@ def test_pinning_succeeds_and_unpins_on_close(monkeypatch: pytest.MonkeyPatch) -
     import torch
 
     cudart = _FakeCudart([0, 0])
-    monkeypatch.setattr(_cuda, "uses_cuda", lambda: True)
-    monkeypatch.setattr(_cuda, "_tc", lambda: SimpleNamespace(cudart=lambda: cudart))
+    monkeypatch.setattr(_cuda_staging, "uses_cuda", lambda: True)
+    monkeypatch.setattr(_cuda_staging, "torch_cuda", lambda: SimpleNamespace(cudart=lambda: cudart))
     views = [torch.zeros(SLOT, dtype=torch.uint8), torch.zeros(SLOT, dtype=torch.uint8)]
-    pinned = _cuda.pin_host(views, "auto")
+    pinned = _cuda_staging.pin_host(views, "auto")
     assert pinned == [v.data_ptr() for v in views]
-    _cuda.unpin_host(pinned)
+    _cuda_staging.unpin_host(pinned)
     assert cudart.unregistered == [v.data_ptr() for v in views] and pinned == []
-    assert _cuda.pin_host(views, "off") == []
+    assert _cuda_staging.pin_host(views, "off") == []
 
 
 def test_clearing_the_cuda_error_is_harmless_without_cuda() -> None:
-    _cuda._clear_cuda_error()  # no libcudart loaded here: nothing to do, nothing raised
+    _cuda_staging._clear_cuda_error()  # no libcudart loaded here: nothing to do, nothing raised
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from relayd_client import _cuda, _gpu_order
+from relayd_client import _cuda_copy, _cuda_direct, _gpu_order
 from relayd_client.wire.errors import RelayTimeoutError, StaleRefError
 from relayd_client.wire.proto import relay_pb2 as pb
 
@@ -133,26 +133,28 @@ def test_shm_copy_on_a_worker_runs_on_the_callers_stream(monkeypatch: pytest.Mon
     """Defect: a worker thread starts on the legacy default stream, which a
     producer on a side stream does not order; the copy must see the caller's."""
     fake = _FakeTorchCuda()
-    monkeypatch.setattr(_cuda, "_tc", lambda: fake)
-    monkeypatch.setattr(_cuda, "uses_cuda", lambda: True)
+    monkeypatch.setattr(_cuda_copy, "torch_cuda", lambda: fake)
+    monkeypatch.setattr(_cuda_copy, "uses_cuda", lambda: True)
     fake._local.stream = "caller"  # the producer's side stream on this thread
-    streams = _cuda.worker_streams([_FakeTensor(None), _FakeTensor(0), _FakeTensor(2)])
+    streams = _cuda_copy.worker_streams([_FakeTensor(None), _FakeTensor(0), _FakeTensor(2)])
     assert streams == ("caller-side-stream-0", "caller-side-stream-2")
 
     seen: list[str] = []
 
     async def offload() -> None:
-        await asyncio.to_thread(_cuda.run_on_worker, streams, lambda: seen.append(fake.current()))
+        await asyncio.to_thread(
+            _cuda_copy.run_on_worker, streams, lambda: seen.append(fake.current())
+        )
         # Without the streams a worker copies on its own default stream: the bug.
-        await asyncio.to_thread(_cuda.run_on_worker, (), lambda: seen.append(fake.current()))
+        await asyncio.to_thread(_cuda_copy.run_on_worker, (), lambda: seen.append(fake.current()))
 
     asyncio.run(offload())
     assert seen == ["caller-side-stream-2", "legacy-default"]
 
 
 def test_worker_streams_of_a_cpu_only_process_are_none(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_cuda, "uses_cuda", lambda: False)
-    assert _cuda.worker_streams([_FakeTensor(None)]) == ()
+    monkeypatch.setattr(_cuda_copy, "uses_cuda", lambda: False)
+    assert _cuda_copy.worker_streams([_FakeTensor(None)]) == ()
 
 
 def test_dedicated_streams_one_per_device_until_discarded() -> None:
@@ -333,12 +335,12 @@ def test_a_partial_export_gives_back_the_counts_it_took() -> None:
 
     tensors = ["a", "empty", "b", "imported"]
     specs = [_Spec(0, 8), _Spec(1, 0), _Spec(2, 8), _Spec(3, 8)]
-    got = _cuda.export_all_direct(
+    got = _cuda_direct.export_all_direct(
         tensors, specs, export, lambda h: released.append(h.ref_counter_handle)
     )
     assert got is None and released == [b"rc-a", b"rc-b"]
     released.clear()
-    ok = _cuda.export_all_direct(
+    ok = _cuda_direct.export_all_direct(
         tensors[:3], specs[:3], export, lambda h: released.append(h.ref_counter_handle)
     )
     assert ok is not None and ok[1] is None and [h.handle for h in ok if h] == [b"a", b"b"]
@@ -373,12 +375,12 @@ def test_direct_mappings_are_cached_per_handle_and_offset(monkeypatch: pytest.Mo
             ref_counter_handle=b"/rc", ref_counter_offset=rc,
         )  # fmt: skip
 
-    first = _cuda._open_direct(0, handle(0, 1))
-    again = _cuda._open_direct(0, handle(0, 2))  # while `first` is held: the same mapping
+    first = _cuda_direct._open_direct(0, handle(0, 1))
+    again = _cuda_direct._open_direct(0, handle(0, 2))  # while `first` is held: the same mapping
     assert opened == [(b"H" * 64, 0)] and released == [(b"/rc", 2)]
     assert again.data_ptr() == first.data_ptr()
-    _cuda._open_direct(0, handle(64, 3))  # another block of the same segment
+    _cuda_direct._open_direct(0, handle(64, 3))  # another block of the same segment
     assert opened == [(b"H" * 64, 0), (b"H" * 64, 64)]
     del first, again
-    _cuda._open_direct(0, handle(0, 4))  # nobody holds it any more: opened anew
+    _cuda_direct._open_direct(0, handle(0, 4))  # nobody holds it any more: opened anew
     assert opened[-1] == (b"H" * 64, 0) and released == [(b"/rc", 2)]
