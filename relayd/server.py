@@ -208,7 +208,7 @@ class Daemon:
         self.topology = Topology(
             s.node_id,
             self.arena,
-            self.manager,
+            self.manager.session_table,
             on_socket_session=m.socket_fallback.inc,
             on_stages=self.edges.attached,
         )

@@ -29,8 +29,7 @@ from relayd_client.wire.transport import Transport
 from ..pools.arena import Arena
 from ..pools.cuda import peer_access as gpu_peer_access
 from ..pools.events import RegistryChanged
-from ..pools.leases import LeaseManager
-from ..pools.sessions import Session
+from ..pools.sessions import Session, Sessions
 from .registry import StageRegistry
 from .router import PayloadFacts, Placement, route
 
@@ -62,13 +61,13 @@ class Topology:
         self,
         node_id: str,
         arena: Arena,
-        manager: LeaseManager,
+        sessions: Sessions,
         *,
         on_socket_session: Callable[[], None] = lambda: None,
         on_stages: Callable[[Iterable[str]], None] = lambda stages: None,
     ) -> None:
         self.node_id = node_id
-        self.manager = manager
+        self.sessions = sessions
         self.registry = StageRegistry(node_id)
         self._on_socket_session = on_socket_session
         # Stages that attached here or at a peer: the only names metrics label.
@@ -147,10 +146,7 @@ class Topology:
         return self._can_map.get(session_id, True)
 
     def _broadcast(self, skip: str = "") -> None:
-        changed = RegistryChanged(self.registry.version)
-        for s in self.manager.sessions.values():
-            if s.id != skip:
-                s.tell(changed)
+        self.sessions.tell_all(RegistryChanged(self.registry.version), skip=self.sessions.get(skip))
 
     # -- routing --------------------------------------------------------------------
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -12,8 +13,7 @@ from relayd_client.wire.proto import relay_pb2 as pb
 from relayd_client.wire.shm import PROBE_BYTES
 
 from relayd.pools.arena import Arena
-from relayd.pools.leases import LeaseManager
-from relayd.pools.sessions import Session
+from relayd.pools.sessions import Session, Sessions
 from relayd.routing.topology import Topology, process_key
 from relayd.rpc.frames import frame_sink
 
@@ -21,19 +21,21 @@ SLOT = 64 << 10
 
 
 @pytest.fixture
-def topo() -> Iterator[Topology]:
+def arena() -> Iterator[Arena]:
     a = Arena(node_id="unit", epoch=os.urandom(4).hex(), total_bytes=8 * SLOT + 8192,
               segment_bytes=1 << 30, slot_size=SLOT)  # fmt: skip
-    m = LeaseManager(
-        a, grant_bytes=2 * SLOT, lease_ttl=10.0, stage_quota_bytes=8 * SLOT, max_sessions=8
-    )
-    yield Topology("unit", a, m)
+    yield a
     a.close()
 
 
+@pytest.fixture
+def topo(arena: Arena) -> Topology:
+    return Topology("unit", arena, Sessions(8, time.monotonic))
+
+
 def _bind(t: Topology, stage: str, pid: int, frames: list[pb.SessionFrame]) -> Session:
-    s = t.manager.open_session(pid=pid, stages=[stage])
-    return t.manager.bind(s.id, s.token, frame_sink(frames.append), pid=pid, uid=0, gid=0)
+    s = t.sessions.open(pid=pid, stages=[stage])
+    return t.sessions.bind(s.id, s.token, frame_sink(frames.append), pid=pid, uid=0, gid=0)
 
 
 def _route(t: Topology, s: Session, to: str) -> pb.RouteResponse:
@@ -44,8 +46,8 @@ def _route(t: Topology, s: Session, to: str) -> pb.RouteResponse:
     )  # fmt: skip
 
 
-def test_the_nonce_is_in_the_arena_and_only_there(topo: Topology) -> None:
-    seg = topo.manager.arena.segments[0]
+def test_the_nonce_is_in_the_arena_and_only_there(topo: Topology, arena: Arena) -> None:
+    seg = arena.segments[0]
     probe = topo.probe_offset
     assert bytes(seg.mm[probe : probe + PROBE_BYTES]) == topo.nonce
     assert probe + PROBE_BYTES <= seg.data_offset  # never inside slot data
