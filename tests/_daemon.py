@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -16,6 +17,7 @@ from typing import Any
 from relayd.launch import DaemonProcess, serve_argv
 
 READY_TIMEOUT = 30.0
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def free_port() -> int:
@@ -158,7 +160,7 @@ def run_worker(
         input=input,
         capture_output=True,
         timeout=timeout,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        cwd=REPO,
     )
     if check and cp.returncode != 0:
         raise AssertionError(
@@ -189,16 +191,21 @@ def reap_workers() -> None:
                     pipe.close()
 
 
-def spawn_worker(args: Sequence[str]) -> subprocess.Popen[bytes]:
+def _piped(argv: Sequence[str]) -> subprocess.Popen[bytes]:
+    """``argv`` from the repository root with its three pipes, reaped after the test."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests._workers", *args],
+        argv,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        cwd=REPO,
     )
     _SPAWNED.append(proc)
     return proc
+
+
+def spawn_worker(args: Sequence[str]) -> subprocess.Popen[bytes]:
+    return _piped([sys.executable, "-m", "tests._workers", *args])
 
 
 def unshare_available() -> bool:
@@ -215,15 +222,38 @@ def unshare_available() -> bool:
 def isolated_worker(args: Sequence[str]) -> subprocess.Popen[bytes]:
     """A worker in its own mount namespace with a private, empty /dev/shm (no hostIPC)."""
     inner = " ".join([sys.executable, "-m", "tests._workers", *args])
-    proc = subprocess.Popen(
-        ["unshare", "--mount", "sh", "-c", f"mount -t tmpfs tmpfs /dev/shm && exec {inner}"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    return _piped(
+        ["unshare", "--mount", "sh", "-c", f"mount -t tmpfs tmpfs /dev/shm && exec {inner}"]
     )
-    _SPAWNED.append(proc)
-    return proc
+
+
+_PENDING: dict[int, bytes] = {}  # per worker pid: what was read past its last line
+
+
+def read_line(proc: subprocess.Popen[bytes], timeout: float) -> str:
+    """One line of a worker's stdout, or fail after ``timeout`` seconds. Reads the
+    pipe unbuffered: a buffered reader could hold a line that select() won't see."""
+    assert proc.stdout is not None
+    fd = proc.stdout.fileno()
+    deadline = time.monotonic() + timeout
+    buf = _PENDING.pop(proc.pid, b"")
+    while b"\n" not in buf:
+        ready, _, _ = select.select([fd], [], [], max(deadline - time.monotonic(), 0))
+        if not ready:
+            _PENDING[proc.pid] = buf
+            raise TimeoutError(f"no output from worker within {timeout}s")
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            raise EOFError(f"worker exited with {proc.wait(timeout=10)}")
+        buf += chunk
+    line, _, _PENDING[proc.pid] = buf.partition(b"\n")
+    return line.decode().strip()
+
+
+def send_line(proc: subprocess.Popen[bytes], line: str) -> None:
+    assert proc.stdin is not None
+    proc.stdin.write(line.encode() + b"\n")
+    proc.stdin.flush()
 
 
 def kill9(proc: subprocess.Popen[bytes]) -> None:

@@ -19,17 +19,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import select
 import subprocess
 import sys
-import time
 from typing import Any
 
 import torch
 from relayd_client import DataRef, RelayClient, RelayError, SyncRelayClient, TensorRef
 
-from tests._daemon import _SPAWNED
+from tests._daemon import _SPAWNED, REPO, read_line, send_line
 from tests._workers import digest, make_payload, out
 
 ANSWER_TIMEOUT = 30.0
@@ -45,43 +42,25 @@ class Stage:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
-            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+            cwd=REPO,
         )
         _SPAWNED.append(self.proc)  # reaped after the test, whatever happens
-        self._buf = b""
         assert self._line(ANSWER_TIMEOUT) == "READY"
 
     def ask(self, *words: object, timeout: float = ANSWER_TIMEOUT) -> str:
         """Send one command; its one-line answer."""
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(" ".join(map(str, words)).encode() + b"\n")
-        self.proc.stdin.flush()
+        self.send(*words)
         return self._line(timeout)
 
     def send(self, *words: object) -> None:
         """Send a command whose answer :meth:`answer` collects later."""
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(" ".join(map(str, words)).encode() + b"\n")
-        self.proc.stdin.flush()
+        send_line(self.proc, " ".join(map(str, words)))
 
     def answer(self, timeout: float = ANSWER_TIMEOUT) -> str:
         return self._line(timeout)
 
     def _line(self, timeout: float) -> str:
-        # Unbuffered reads: a buffered reader could hold a line select() won't see.
-        assert self.proc.stdout is not None
-        fd = self.proc.stdout.fileno()
-        deadline = time.monotonic() + timeout
-        while b"\n" not in self._buf:
-            ready, _, _ = select.select([fd], [], [], max(deadline - time.monotonic(), 0))
-            if not ready:
-                raise TimeoutError(f"no answer from the worker within {timeout}s")
-            chunk = os.read(fd, 1 << 16)
-            if not chunk:
-                raise EOFError(f"worker exited with {self.proc.wait(timeout=10)}")
-            self._buf += chunk
-        line, _, self._buf = self._buf.partition(b"\n")
-        return line.decode().strip()
+        return read_line(self.proc, timeout)
 
 
 class _Blocking:

@@ -1,16 +1,29 @@
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
 import pytest
 
+from tests._daemon import Daemon
+from tests._fixtures import separate_processes
+from tests.faults._support import start_daemon, unique_node
 
-@pytest.fixture(autouse=True)
-def _separate_processes(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Writer and reader clients share the test process but must use the SHM path.
+__all__ = ["daemon", "daemon_options", "separate_processes"]
 
-    Two stages in one process would exchange objects by reference
-    (local_object); hide the process-local stage table so each client treats
-    the other as a separate process, as the stages under test would be.
-    """
-    import relayd_client._local
 
-    monkeypatch.setattr(relayd_client._local, "serves", lambda stage: False)
+@pytest.fixture
+def daemon_options() -> dict[str, Any]:
+    """How ``daemon`` starts (``start_daemon``'s keywords, flags under ``args``); a test
+    module overrides this fixture for its own pool or flags."""
+    return {"pool": "64MiB"}
+
+
+@pytest.fixture
+def daemon(tmp_path: Path, daemon_options: dict[str, Any]) -> Iterator[Daemon]:
+    # Function-scoped: tests/conftest.py kills every daemon a test leaves running.
+    options = dict(daemon_options)
+    d = start_daemon(str(tmp_path), unique_node(), *options.pop("args", ()), **options)
+    yield d
+    d.stop()

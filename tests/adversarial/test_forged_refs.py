@@ -10,7 +10,7 @@ reader afterwards still reads the real bytes. (The cross-node path is in
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 from relayd_client import (
@@ -26,18 +26,11 @@ from relayd_client.wire.proto import relay_pb2 as pb
 from tests._daemon import Daemon, wait_until
 from tests._figures import count
 from tests._workers import digest, make_payload
-from tests.faults._support import quiet, start_daemon, unique_node
+from tests.faults._support import quiet
 
 pytestmark = pytest.mark.timeout(120)
 
 MiB = 1 << 20
-
-
-@pytest.fixture
-def daemon(tmp_path: object) -> Iterator[Daemon]:
-    d = start_daemon(str(tmp_path), unique_node(), pool="64MiB")
-    yield d
-    d.stop()
 
 
 def _tensor_past_header(m: pb.DataRef) -> None:

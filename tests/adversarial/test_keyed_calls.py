@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from relayd_client import DataRef, RelayClient, StaleRefError
@@ -15,7 +15,6 @@ from tests._daemon import Daemon
 from tests._figures import count
 from tests._workers import digest, make_payload
 from tests.adversarial._raw import RawSession, read_frames
-from tests.faults._support import start_daemon, unique_node
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -23,10 +22,8 @@ MiB = 1 << 20
 
 
 @pytest.fixture
-def daemon(tmp_path: object) -> Iterator[Daemon]:
-    d = start_daemon(str(tmp_path), unique_node(), pool="32MiB")
-    yield d
-    d.stop()
+def daemon_options() -> dict[str, Any]:
+    return {"pool": "32MiB"}
 
 
 def _results(sess: RawSession, want: int, timeout: float = 20.0) -> dict[int, pb.KeyedResult]:

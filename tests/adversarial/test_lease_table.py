@@ -13,6 +13,7 @@ import asyncio
 import itertools
 import socket
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from relayd_client import RelayClient
@@ -23,7 +24,7 @@ from tests._daemon import Daemon, wait_until
 from tests._figures import record
 from tests._workers import digest, make_payload
 from tests.adversarial._raw import RawSession, events, read_frames
-from tests.faults._support import apoll, quiet, rss_bytes, start_daemon, unique_node
+from tests.faults._support import apoll, quiet, rss_bytes
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -32,10 +33,8 @@ TTL = 1.0
 
 
 @pytest.fixture
-def daemon(tmp_path: object) -> Iterator[Daemon]:
-    d = start_daemon(str(tmp_path), unique_node(), "--lease-ttl", str(TTL), pool="32MiB")
-    yield d
-    d.stop()
+def daemon_options() -> dict[str, Any]:
+    return {"args": ("--lease-ttl", str(TTL)), "pool": "32MiB"}
 
 
 def _reserve(g: pb.GrantResponse, seq: int, slot: int, nslots: int = 1, **kw: str) -> pb.Reserve:

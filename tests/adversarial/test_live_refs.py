@@ -13,7 +13,7 @@ import pickle
 import random
 import struct
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -33,20 +33,12 @@ from relayd_client.wire.proto import relay_pb2 as pb
 from tests._daemon import Daemon
 from tests._figures import count, record
 from tests._workers import digest, make_payload
-from tests.faults._support import rss_bytes, start_daemon, unique_node
+from tests.faults._support import rss_bytes
 
 pytestmark = pytest.mark.timeout(180)
 
 MiB = 1 << 20
 ROUNDS = int(os.environ.get("RELAYD_FUZZ_ROUNDS", "150"))
-
-
-@pytest.fixture
-def daemon(tmp_path: object) -> Iterator[Daemon]:
-    # Function-scoped: tests/conftest.py kills every daemon a test leaves running.
-    d = start_daemon(str(tmp_path), unique_node(), pool="64MiB")
-    yield d
-    d.stop()
 
 
 def seal(m: pb.DataRef) -> DataRef:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -33,18 +32,8 @@ NEVER = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.I
 
 
 @pytest.fixture
-def daemon(tmp_path: object) -> Iterator[Daemon]:
-    d = start_daemon(
-        str(tmp_path),
-        unique_node(),
-        "--max-sessions",
-        "64",
-        "--reserve-timeout",
-        "0.3",
-        pool="32MiB",
-    )
-    yield d
-    d.stop()
+def daemon_options() -> dict[str, Any]:
+    return {"args": ("--max-sessions", "64", "--reserve-timeout", "0.3"), "pool": "32MiB"}
 
 
 text = st.one_of(st.text(max_size=50), st.text(min_size=200, max_size=3000), st.just("x" * 70_000))

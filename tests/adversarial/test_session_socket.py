@@ -8,7 +8,7 @@ import random
 import socket
 import struct
 import time
-from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from relayd_client import DataRef, PeerUnavailableError, PermissionDeniedError, RelayClient
@@ -19,7 +19,7 @@ from tests._daemon import Daemon
 from tests._figures import count, record
 from tests._workers import digest, make_payload
 from tests.adversarial._raw import RawSession, events, read_frames, stub
-from tests.faults._support import rss_bytes, start_daemon, unique_node
+from tests.faults._support import rss_bytes
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -27,10 +27,8 @@ MiB = 1 << 20
 
 
 @pytest.fixture
-def daemon(tmp_path: object) -> Iterator[Daemon]:
-    d = start_daemon(str(tmp_path), unique_node(), pool="32MiB", metrics=True)
-    yield d
-    d.stop()
+def daemon_options() -> dict[str, Any]:
+    return {"pool": "32MiB", "metrics": True}
 
 
 def _connect(d: Daemon) -> socket.socket:

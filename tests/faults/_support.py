@@ -202,3 +202,18 @@ class Healthy:
                     self.mismatched += 1
                 i += 1
                 await asyncio.sleep(0)
+
+
+def killed_by_kind(figures: dict[str, int]) -> dict[str, int]:
+    """``killed_<role>`` counts of a chaos run, by role."""
+    prefix = "killed_"
+    return {k[len(prefix) :]: v for k, v in sorted(figures.items()) if k.startswith(prefix)}
+
+
+def assert_survived(figures: dict[str, int], healthy: Healthy, min_kills: int) -> None:
+    """A chaos run killed enough victims, the healthy pair verified every payload it
+    moved, and every payload a victim published before dying was read back."""
+    assert figures["kills"] >= min_kills
+    assert not healthy.errors, healthy.errors
+    assert healthy.mismatched == 0 and healthy.verified > 0
+    assert figures["published_lost"] == 0

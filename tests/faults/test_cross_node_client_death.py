@@ -25,12 +25,15 @@ from relayd_client import DataRef, RelayClient, StaleRefError
 
 from tests._daemon import Daemon, free_port, wait_until
 from tests._figures import record
+from tests._mooncake import requires_mooncake
 from tests._workers import digest, make_payload
 from tests.faults._support import (
     Healthy,
     Zygote,
+    assert_survived,
     foreign_segments,
     kill,
+    killed_by_kind,
     leases,
     lines,
     process_gone,
@@ -39,17 +42,10 @@ from tests.faults._support import (
     zygote,
 )
 
-try:
-    import mooncake.engine  # noqa: F401
-
-    _NO_MOONCAKE = ""
-except ImportError as exc:
-    _NO_MOONCAKE = f"mooncake.engine cannot be imported ({exc})"
-
 pytestmark = [
     pytest.mark.multinode,
     pytest.mark.timeout(150),
-    pytest.mark.skipif(bool(_NO_MOONCAKE), reason=_NO_MOONCAKE),
+    requires_mooncake,
 ]
 
 MiB = 1 << 20
@@ -295,7 +291,7 @@ def test_sigkilled_stages_across_nodes_leak_nothing(tmp_path: pathlib.Path) -> N
         fds_after = (_fds(a.pid, ports), _fds(b.pid, ports))
         leaked = foreign_segments(a.node_id, a.epoch) + foreign_segments(b.node_id, b.epoch)
         sa, sb = a.status(), b.status()
-        by_kind = {k[7:]: v for k, v in sorted(figures.items()) if k.startswith("killed_")}
+        by_kind = killed_by_kind(figures)
         record(
             "cross-node client-death",
             f"seed={seed} kills={figures['kills']} by kind={by_kind} "
@@ -311,10 +307,7 @@ def test_sigkilled_stages_across_nodes_leak_nothing(tmp_path: pathlib.Path) -> N
             f"reclaimed A={dict(sa.get('reclaimed_by_reason', {}))} "
             f"B={dict(sb.get('reclaimed_by_reason', {}))}",
         )
-        assert figures["kills"] >= min(KILLS, 8)
-        assert not healthy.errors, healthy.errors
-        assert healthy.mismatched == 0 and healthy.verified > 0
-        assert figures["published_lost"] == 0
+        assert_survived(figures, healthy, min(KILLS, 8))
         assert leaked == []
         for (before, pooled_before), (after, pooled_after) in zip(
             fds_before, fds_after, strict=True

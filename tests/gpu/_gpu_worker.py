@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import contextlib
 import gc
-import hashlib
 import json
 import statistics
 import sys
@@ -35,31 +34,11 @@ from typing import Any
 import torch
 from relayd_client import DataRef, RelayClient, _cuda_pool
 
+from tests._workers import digest
+
 # A matmul chain of this length keeps an H100/H200 busy for ~0.2 s (fp32,
 # 4096^2): put() enqueues its copy behind it and hands the DataRef out first.
 HEAVY_STEPS = 100
-
-
-def digest(obj: Any) -> str:
-    h = hashlib.sha256()
-
-    def walk(o: Any) -> None:
-        if isinstance(o, torch.Tensor):
-            t = o.detach().cpu().contiguous()
-            h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-        elif isinstance(o, dict):
-            for k in sorted(o):
-                h.update(repr(k).encode())
-                walk(o[k])
-        elif isinstance(o, (list, tuple)):
-            for v in o:
-                walk(v)
-        else:
-            h.update(repr(o).encode())
-
-    walk(obj)
-    return h.hexdigest()
 
 
 def devices(obj: Any) -> list[str]:

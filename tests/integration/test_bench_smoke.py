@@ -18,12 +18,7 @@ from typing import Any
 
 import pytest
 
-try:
-    import mooncake.engine  # noqa: F401
-
-    _NO_MOONCAKE = ""
-except ImportError as exc:
-    _NO_MOONCAKE = f"mooncake.engine cannot be imported ({exc})"
+from tests._mooncake import NO_MOONCAKE, requires_mooncake
 
 BASELINES = ["floor", "floor-view", "shm-per-transfer", "pickle-uds", "memcpy"]
 SIZES = {"4K": 4 << 10, "1M": 1 << 20}
@@ -93,7 +88,7 @@ def test_quick_baselines_produce_every_cell(tmp_path: Path) -> None:
 
 
 @pytest.mark.multinode
-@pytest.mark.skipif(bool(_NO_MOONCAKE), reason=_NO_MOONCAKE)
+@requires_mooncake
 def test_quick_relayd_mooncake_runs_on_two_daemons_beside_raw_mooncake(tmp_path: Path) -> None:
     before = _bench_segments()
     doc, stdout = _bench(tmp_path, ["mooncake-raw", "relayd-mooncake"], ["1M"])
@@ -167,7 +162,7 @@ def _netns_unavailable() -> str:
         check_available()
     except NetnsUnavailable as exc:
         return str(exc)
-    return _NO_MOONCAKE
+    return NO_MOONCAKE
 
 
 @pytest.mark.multinode

@@ -12,15 +12,16 @@ import pytest
 
 from tests._daemon import wait_until
 from tests._keyed_worker import Stage
+from tests._mooncake import requires_mooncake
 from tests.multinode import test_two_daemons as two
-from tests.multinode.test_two_daemons import _NO_MOONCAKE, Node
+from tests.multinode.test_two_daemons import Node
 
 pair = two.pair  # the same two daemons, real Mooncake between them
 
 pytestmark = [
     pytest.mark.multinode,
     pytest.mark.timeout(120),
-    pytest.mark.skipif(bool(_NO_MOONCAKE), reason=_NO_MOONCAKE),
+    requires_mooncake,
 ]
 
 INLINE = 100

@@ -58,15 +58,8 @@ from relayd.transports.base import (
 from relayd.transports.credits import CreditPool
 from relayd_bench import _netns
 from relayd_bench._netns import Netns
+from tests._mooncake import requires_mooncake
 
-try:
-    import mooncake.engine  # noqa: F401
-
-    _NO_MOONCAKE = ""
-except ImportError as exc:
-    _NO_MOONCAKE = f"mooncake.engine cannot be imported ({exc}); install {engine.PACKAGE}"
-
-requires_mooncake = pytest.mark.skipif(bool(_NO_MOONCAKE), reason=_NO_MOONCAKE)
 pytestmark = pytest.mark.timeout(120)
 
 PEER_TIMEOUT = 2.0

@@ -18,13 +18,14 @@ from relayd_client.wire.proto import relay_pb2 as pb
 from relayd_client.wire.proto import relay_pb2_grpc as pb_grpc
 
 from tests._daemon import free_port, wait_until
+from tests._mooncake import requires_mooncake
 from tests._workers import digest, make_payload
-from tests.multinode.test_two_daemons import _NO_MOONCAKE, MiB, Node, _metric, _token
+from tests.multinode.test_two_daemons import MiB, Node, _metric, _token
 
 pytestmark = [
     pytest.mark.multinode,
     pytest.mark.timeout(120),
-    pytest.mark.skipif(bool(_NO_MOONCAKE), reason=_NO_MOONCAKE),
+    requires_mooncake,
 ]
 
 TOKEN = "0123456789abcdef-shared-peer-token"

@@ -20,23 +20,21 @@ from typing import Any
 import pytest
 
 from relayd_bench import _netns
-from tests._daemon import Daemon, run_worker, spawn_worker, wait_until
+from tests._daemon import Daemon, read_line, run_worker, send_line, spawn_worker, wait_until
+from tests._mooncake import requires_mooncake
 from tests.multinode.test_push import _count, _free_but_grant, _pair, _pulls, _ready_to_push
 from tests.multinode.test_two_daemons import (
-    _NO_MOONCAKE,
     PEER_TIMEOUT,
     MiB,
     Node,
     _lines,
-    _readline,
-    _send,
     _token,
 )
 
 pytestmark = [
     pytest.mark.multinode,
     pytest.mark.timeout(150),
-    pytest.mark.skipif(bool(_NO_MOONCAKE), reason=_NO_MOONCAKE),
+    requires_mooncake,
 ]
 
 
@@ -55,7 +53,7 @@ def nodes(tmp_path: pathlib.Path) -> Iterator[tuple[Node, Node]]:
 
 def _reader(b: Node) -> subprocess.Popen[bytes]:
     reader = spawn_worker(["read", "--socket", b.daemon.socket])
-    assert _readline(reader, 30) == "READY"
+    assert read_line(reader, 30) == "READY"
     return reader
 
 
@@ -69,11 +67,11 @@ def _frozen_writes(a: Node, b: Node, count: int, size: int) -> list[str]:
     their pushes stay in flight until B is thawed or dies."""
     args = ["write", "--socket", a.daemon.socket, "--split", "--count", str(count)]
     writer = spawn_worker([*args, "--sizes", str(size), "--go"])
-    assert _readline(writer, 30) == "ATTACHED"
+    assert read_line(writer, 30) == "ATTACHED"
     assert b.daemon.proc is not None
     b.daemon.proc.send_signal(signal.SIGSTOP)
-    _send(writer, "go")
-    return [_readline(writer, 30) for _ in range(count)]  # the writer exits by itself
+    send_line(writer, "go")
+    return [read_line(writer, 30) for _ in range(count)]  # the writer exits by itself
 
 
 def _in_flight_pushes(a: Node, b: Node) -> int:
@@ -90,20 +88,20 @@ def test_writer_killed_after_publishing_with_pushes_in_flight(nodes: tuple[Node,
         ["write", "--socket", a.daemon.socket, "--split", "--count", "3", "--sizes",
          str(4 * MiB), "--hold", "--go"]
     )  # fmt: skip
-    assert _readline(writer, 30) == "ATTACHED"
+    assert read_line(writer, 30) == "ATTACHED"
     b.daemon.proc.send_signal(signal.SIGSTOP)  # the pushes cannot land yet
     try:
-        _send(writer, "go")
-        refs = [_readline(writer, 30) for _ in range(3)]
-        assert _readline(writer, 10) == "HOLDING"
+        send_line(writer, "go")
+        refs = [read_line(writer, 30) for _ in range(3)]
+        assert read_line(writer, 10) == "HOLDING"
         wait_until(lambda: _in_flight_pushes(a, b) == 3, PEER_TIMEOUT, "three pushes in flight")
         writer.kill()
         writer.wait(timeout=10)
     finally:
         b.daemon.proc.send_signal(signal.SIGCONT)
     for line in refs:
-        _send(reader, line)
-        assert _readline(reader, PEER_TIMEOUT + 5) == line.split()[1]
+        send_line(reader, line)
+        assert read_line(reader, PEER_TIMEOUT + 5) == line.split()[1]
     # Pushed unless the peer timeout ran out while node B was frozen (then pulled).
     assert _count(b, a, "pushes_in") + _pulls(b) == 3
     wait_until(lambda: _free_but_grant(a, b), 10, "both arenas back to the push grants alone")
@@ -133,13 +131,13 @@ def test_consumer_daemon_killed_mid_push(nodes: tuple[Node, Node]) -> None:
     wait_until(lambda: a.sees(b) and b.sees(a), 15, "the daemons to meet again")
     reader = _reader(b)
     for line in refs:  # the writer's leases survived: pulled now
-        _send(reader, line)
-        assert _readline(reader, PEER_TIMEOUT + 10) == line.split()[1]
+        send_line(reader, line)
+        assert read_line(reader, PEER_TIMEOUT + 10) == line.split()[1]
     _ready_to_push(a, b)
     fresh = _writer_refs(a, 2, MiB)
     for line in fresh:
-        _send(reader, line)
-        assert _readline(reader, PEER_TIMEOUT + 5) == line.split()[1]
+        send_line(reader, line)
+        assert read_line(reader, PEER_TIMEOUT + 5) == line.split()[1]
     assert _count(b, a, "pushes_in") == 2
     wait_until(lambda: _free_but_grant(a, b), 10, "both arenas back to the push grants alone")
     assert _in_flight_pushes(a, b) == 0
@@ -161,8 +159,8 @@ def test_writer_daemon_killed_with_pushes_in_flight(nodes: tuple[Node, Node]) ->
         b.daemon.proc.send_signal(signal.SIGCONT)
     for line in refs:
         start = time.monotonic()
-        _send(reader, line)
-        got = _readline(reader, PEER_TIMEOUT + 10)
+        send_line(reader, line)
+        got = read_line(reader, PEER_TIMEOUT + 10)
         assert got.startswith("ERR PeerUnavailableError"), got
         assert time.monotonic() - start < PEER_TIMEOUT + 2
     pool = b.daemon.pool()
@@ -178,8 +176,8 @@ def test_writer_daemon_killed_with_pushes_in_flight(nodes: tuple[Node, Node]) ->
     _ready_to_push(a, b)
     fresh = _writer_refs(a, 2, MiB)
     for line in fresh:
-        _send(reader, line)
-        assert _readline(reader, PEER_TIMEOUT + 5) == line.split()[1]
+        send_line(reader, line)
+        assert read_line(reader, PEER_TIMEOUT + 5) == line.split()[1]
     assert _count(b, a, "pushes_in") == 2
     wait_until(lambda: _free_but_grant(a, b), 10, "both arenas back to the push grants alone")
 
@@ -233,17 +231,17 @@ def test_link_down_mid_stream_then_up(tmp_path: pathlib.Path, netns: _netns.Netn
         b.start()
         wait_until(lambda: peer(b, peer_a).get("up"), 15, "the daemons to handshake")
         reader = spawn_worker(["read", "--socket", b.socket])
-        assert _readline(reader, 30) == "READY"
+        assert read_line(reader, 30) == "READY"
         wait_until(ready, 15, "node A to push to node B")
         for line in write(2, 0):
-            _send(reader, line)
-            assert _readline(reader, 10) == line.split()[1]
+            send_line(reader, line)
+            assert read_line(reader, 10) == line.split()[1]
         netns.link(0, up=False)
         cut = write(2, 10)
         for line in cut:
             start = time.monotonic()
-            _send(reader, line)
-            got = _readline(reader, PEER_TIMEOUT + 10)
+            send_line(reader, line)
+            got = read_line(reader, PEER_TIMEOUT + 10)
             assert got.startswith("ERR PeerUnavailableError"), got
             assert time.monotonic() - start < PEER_TIMEOUT + 2
         netns.link(0, up=True)
@@ -254,12 +252,12 @@ def test_link_down_mid_stream_then_up(tmp_path: pathlib.Path, netns: _netns.Netn
             # landed in the grant the reader's daemon had already voided: the writer's
             # daemon freed its lease on the write's ack, so the bytes are gone. The
             # design promises no copy of them, only a clear error (and no leak).
-            _send(reader, line)
-            got = _readline(reader, PEER_TIMEOUT + 10)
+            send_line(reader, line)
+            got = read_line(reader, PEER_TIMEOUT + 10)
             assert got == line.split()[1] or got.startswith("ERR StaleRefError"), got
         for line in after:  # made after the link is back: these must read
-            _send(reader, line)
-            assert _readline(reader, PEER_TIMEOUT + 10) == line.split()[1]
+            send_line(reader, line)
+            assert read_line(reader, PEER_TIMEOUT + 10) == line.split()[1]
         assert int(peer(b, peer_a).get("pushes_in", 0)) >= 4
         wait_until(lambda: all(d.pool()["used_bytes"] == 0 for d in (a, b)), 10, "no lease left")
         assert int(peer(b, peer_a).get("credits_in_use", 0)) == 0

@@ -9,7 +9,6 @@ every non-inline payload from A's arena into B's through Mooncake.
 from __future__ import annotations
 
 import asyncio
-import os
 import pathlib
 import re
 import signal
@@ -36,20 +35,22 @@ from relayd_client.wire.proto import relay_pb2 as pb
 from relayd_client.wire.proto import relay_pb2_grpc as pb_grpc
 
 from relayd_bench import _netns
-from tests._daemon import Daemon, free_port, run_worker, spawn_worker, wait_until
+from tests._daemon import (
+    Daemon,
+    free_port,
+    read_line,
+    run_worker,
+    send_line,
+    spawn_worker,
+    wait_until,
+)
+from tests._mooncake import requires_mooncake
 from tests._workers import digest, make_payload
-
-try:
-    import mooncake.engine  # noqa: F401
-
-    _NO_MOONCAKE = ""
-except ImportError as exc:
-    _NO_MOONCAKE = f"mooncake.engine cannot be imported ({exc})"
 
 pytestmark = [
     pytest.mark.multinode,
     pytest.mark.timeout(120),
-    pytest.mark.skipif(bool(_NO_MOONCAKE), reason=_NO_MOONCAKE),
+    requires_mooncake,
 ]
 
 MiB = 1 << 20
@@ -134,34 +135,18 @@ def _metric(text: str, name: str, **labels: str) -> float | None:
     return None
 
 
-_PENDING: dict[int, bytes] = {}
-
-
-def _readline(proc: subprocess.Popen[bytes], timeout: float) -> str:
-    """One line of a worker's stdout, or fail after ``timeout`` seconds. Reads the
-    pipe unbuffered: a buffered reader could hold a line that select() won't see."""
-    import select
-
-    assert proc.stdout is not None
-    fd = proc.stdout.fileno()
-    deadline = time.monotonic() + timeout
-    buf = _PENDING.get(proc.pid, b"")
-    while b"\n" not in buf:
-        ready, _, _ = select.select([fd], [], [], max(deadline - time.monotonic(), 0))
-        if not ready:
-            raise TimeoutError(f"no output from worker within {timeout}s")
-        chunk = os.read(fd, 65536)
-        if not chunk:
-            raise EOFError(f"worker exited with {proc.wait(timeout=10)}")
-        buf += chunk
-    line, _, _PENDING[proc.pid] = buf.partition(b"\n")
-    return line.decode().strip()
-
-
-def _send(proc: subprocess.Popen[bytes], line: str) -> None:
-    assert proc.stdin is not None
-    proc.stdin.write(line.encode() + b"\n")
-    proc.stdin.flush()
+def _held_writes_and_reader(
+    a: Node, b: Node, count: int
+) -> tuple[list[str], subprocess.Popen[bytes]]:
+    """The DataRef lines of ``count`` MiB payloads a writer on A put for B (it stays
+    attached, holding them), and a reader on B ready for them."""
+    write = ["write", "--socket", a.daemon.socket, "--split", "--count", str(count)]
+    writer = spawn_worker([*write, "--sizes", str(MiB), "--hold"])
+    refs = [read_line(writer, 30) for _ in range(count)]
+    assert read_line(writer, 10) == "HOLDING"
+    reader = spawn_worker(["read", "--socket", b.daemon.socket])
+    assert read_line(reader, 30) == "READY"
+    return refs, reader
 
 
 def test_round_trips_1b_to_64mib(pair: tuple[Node, Node]) -> None:
@@ -293,36 +278,20 @@ def test_wrong_token_and_wrong_version_are_refused_with_clear_errors(
 
 def test_killed_origin_daemon_fails_fast_then_transfers_resume(pair: tuple[Node, Node]) -> None:
     a, b = pair
-    writer = spawn_worker(
-        [
-            "write",
-            "--socket",
-            a.daemon.socket,
-            "--split",
-            "--count",
-            "6",
-            "--sizes",
-            str(MiB),
-            "--hold",
-        ]
-    )
-    refs = [_readline(writer, 30) for _ in range(6)]
-    assert _readline(writer, 10) == "HOLDING"
-    reader = spawn_worker(["read", "--socket", b.daemon.socket])
-    assert _readline(reader, 30) == "READY"
+    refs, reader = _held_writes_and_reader(a, b, 6)
     # The daemons exchange who serves which stage (handshake, then heartbeats).
     wait_until(lambda: "talker" in a.peer(b.address).get("stages", []), 10, "a to know talker")
     wait_until(lambda: "thinker" in b.peer(a.address).get("stages", []), 10, "b to know thinker")
     for line in refs[:3]:  # mid-stream: the first half arrives
-        _send(reader, line)
-        assert _readline(reader, 10) == line.split()[1]
+        send_line(reader, line)
+        assert read_line(reader, 10) == line.split()[1]
     assert a.daemon.proc is not None
     a.daemon.proc.send_signal(signal.SIGKILL)
     a.daemon.proc.wait(timeout=10)
     for line in refs[3:]:
         start = time.monotonic()
-        _send(reader, line)
-        got = _readline(reader, PEER_TIMEOUT + 5)
+        send_line(reader, line)
+        got = read_line(reader, PEER_TIMEOUT + 5)
         elapsed = time.monotonic() - start
         assert got.startswith("ERR PeerUnavailableError"), got
         assert elapsed < PEER_TIMEOUT + 1.0, f"error took {elapsed:.2f}s"
@@ -339,12 +308,12 @@ def test_killed_origin_daemon_fails_fast_then_transfers_resume(pair: tuple[Node,
     )
     fresh = _lines(w)
     for line in fresh:
-        _send(reader, line)
-        assert _readline(reader, 10) == line.split()[1]
+        send_line(reader, line)
+        assert read_line(reader, 10) == line.split()[1]
     # A routed edge to the reader is cross-node: talker is a peer's stage.
     edges = a.daemon.status().get("edges", [])
     assert all(e["transport"] == "TRANSPORT_MOONCAKE" for e in edges if e["to_stage"] == "talker")
-    _send(reader, "")
+    send_line(reader, "")
     assert reader.wait(timeout=10) == 0
     wait_until(lambda: a.used() == 0 and b.used() == 0, 10, "both arenas back to zero")
 
@@ -452,36 +421,20 @@ def test_frozen_origin_daemon_is_peer_unavailable(pair: tuple[Node, Node]) -> No
     """A writer's daemon that stops answering mid-stream (SIGSTOP) is the same error for the
     reader as a dead one: PeerUnavailableError, not a bare timeout."""
     a, b = pair
-    writer = spawn_worker(
-        [
-            "write",
-            "--socket",
-            a.daemon.socket,
-            "--split",
-            "--count",
-            "2",
-            "--sizes",
-            str(MiB),
-            "--hold",
-        ]
-    )
-    refs = [_readline(writer, 30) for _ in range(2)]
-    assert _readline(writer, 10) == "HOLDING"
-    reader = spawn_worker(["read", "--socket", b.daemon.socket])
-    assert _readline(reader, 30) == "READY"
+    refs, reader = _held_writes_and_reader(a, b, 2)
     wait_until(lambda: "thinker" in b.peer(a.address).get("stages", []), 10, "b to know thinker")
-    _send(reader, refs[0])
-    assert _readline(reader, 10) == refs[0].split()[1]
+    send_line(reader, refs[0])
+    assert read_line(reader, 10) == refs[0].split()[1]
     assert a.daemon.proc is not None
     a.daemon.proc.send_signal(signal.SIGSTOP)
     try:
-        _send(reader, refs[1])
-        got = _readline(reader, PEER_TIMEOUT * 4 + 10)
+        send_line(reader, refs[1])
+        got = read_line(reader, PEER_TIMEOUT * 4 + 10)
         assert got.startswith("ERR PeerUnavailableError "), got
         wait_until(lambda: b.used() == 0, 10, "the reader's arena back to zero")
     finally:
         a.daemon.proc.send_signal(signal.SIGCONT)
-    _send(reader, "")
+    send_line(reader, "")
     assert reader.wait(timeout=10) == 0
 
 

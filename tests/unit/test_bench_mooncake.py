@@ -7,35 +7,15 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from relayd_bench._api import BenchContext
 from relayd_bench._payload import Stamp, check_tensor, make_source
 from relayd_bench._registry import BASELINES, ENTRIES, PEER_REQUIRES, Entry
-from relayd_bench._stats import Cpu, Result, Status, add_ratios, comparisons, summarize, to_json
+from relayd_bench._stats import Cpu, Result, Status, add_ratios, comparisons, to_json
 from relayd_bench._table import TABLE_WIDTH, render_table
+from tests._mooncake import NO_MOONCAKE, requires_mooncake
+from tests.unit._bench_results import ok
 
-try:
-    import mooncake.engine  # noqa: F401
-
-    _NO_MOONCAKE = ""
-except ImportError as exc:
-    _NO_MOONCAKE = f"mooncake.engine cannot be imported ({exc})"
-
-requires_mooncake = pytest.mark.skipif(bool(_NO_MOONCAKE), reason=_NO_MOONCAKE)
 KIB, MIB = 1 << 10, 1 << 20
-
-
-def ok(method: str, size: int, samples: list[int], cpu: Cpu | None = None) -> Result:
-    return Result(
-        method,
-        size,
-        Status.OK,
-        warmup=1,
-        iterations=len(samples),
-        latency=summarize(samples),
-        cpu=cpu or Cpu(),
-    )
 
 
 def test_mooncake_raw_is_a_baseline_that_needs_mooncake_only() -> None:
@@ -57,7 +37,7 @@ def test_relayd_mooncake_with_the_users_daemon_needs_the_users_reader_daemon() -
 def test_relayd_mooncake_started_by_the_bench_needs_mooncake_here() -> None:
     fake = Entry("x", "m:C", "", needs_peer_daemon=True)
     why = fake.unavailable(socket=None, reader_socket=None)
-    if _NO_MOONCAKE:
+    if NO_MOONCAKE:
         assert why is not None and "Mooncake" in why and "--reader-socket" in why
     else:
         assert why is None

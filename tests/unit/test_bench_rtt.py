@@ -15,8 +15,8 @@ from relayd_bench._rtt import (
     read_counts,
     relayd_round_trips,
 )
-from relayd_bench._stats import Cpu, Result, Status, summarize
 from relayd_bench._table import TABLE_WIDTH, render_table
+from tests.unit._bench_results import ok
 
 KIB = 1 << 10
 
@@ -75,24 +75,16 @@ def test_parse_rt_ignores_garbage() -> None:
     assert parse_rt({}) is None
 
 
-def _ok(method: str, samples: list[int], extra: dict[str, str]) -> Result:
-    return Result(
-        method,
-        256 * KIB,
-        Status.OK,
-        warmup=1,
-        iterations=len(samples),
-        latency=summarize(samples),
-        cpu=Cpu(),
-        extra=extra,
-    )
-
-
 def test_table_has_the_round_trip_and_modelled_columns() -> None:
     results = [
-        _ok("mooncake-raw", [100_000] * 3, {EXTRA_RT: "1.50"}),
-        _ok("relayd-mooncake", [300_000] * 3, {EXTRA_RT: "0.50", "rt+": "1.50", "reads": "4/0/0"}),
-        _ok("relayd-shm", [50_000] * 3, {"transport": "shm"}),
+        ok("mooncake-raw", 256 * KIB, [100_000] * 3, extra={EXTRA_RT: "1.50"}),
+        ok(
+            "relayd-mooncake",
+            256 * KIB,
+            [300_000] * 3,
+            extra={EXTRA_RT: "0.50", "rt+": "1.50", "reads": "4/0/0"},
+        ),
+        ok("relayd-shm", 256 * KIB, [50_000] * 3, extra={"transport": "shm"}),
     ]
     table = render_table(results)
     lines = table.splitlines()
@@ -131,5 +123,5 @@ def test_table_has_the_round_trip_and_modelled_columns() -> None:
 
 
 def test_no_round_trips_no_section() -> None:
-    table = render_table([_ok("relayd-shm", [50_000] * 3, {"transport": "shm"})])
+    table = render_table([ok("relayd-shm", 256 * KIB, [50_000] * 3, extra={"transport": "shm"})])
     assert not any(line.startswith("size") and " RT " in line for line in table.splitlines())

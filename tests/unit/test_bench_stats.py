@@ -25,27 +25,9 @@ from relayd_bench._stats import (
     to_json,
 )
 from relayd_bench._table import TABLE_WIDTH, fmt_ns, fmt_size, render_table
+from tests.unit._bench_results import ok
 
 KIB, MIB = 1 << 10, 1 << 20
-
-
-def ok(
-    method: str,
-    size: int,
-    samples: list[int],
-    cpu: Cpu | None = None,
-    extra: dict[str, str] | None = None,
-) -> Result:
-    return Result(
-        method,
-        size,
-        Status.OK,
-        warmup=1,
-        iterations=len(samples),
-        latency=summarize(samples),
-        cpu=cpu or Cpu(),
-        extra=extra or {},
-    )
 
 
 def test_median_odd_count_is_the_middle_sample() -> None:
