@@ -1,6 +1,6 @@
 """Ordering and lifetime of the client's GPU work, with no torch in sight.
 
-:mod:`._cuda` does the CUDA calls; the decisions it needs are here, over
+The ``_cuda*`` modules do the CUDA calls; the decisions they need are here, over
 "stream-like" and "event-like" objects, so they are tested with fakes on
 machines without a GPU. What each piece answers:
 
