@@ -7,13 +7,14 @@ what the parts of the peer layer share among themselves."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol
 
 from .config import Settings
 from .peer_links import PeerLinks
 from .peer_notices import PeerNotifier
-from .pools.arena import Arena, Run
+from .pools.arena import Arena
+from .pools.crossnode import CrossNodeLeases
 from .pools.records import Lease
 from .pools.requests import RequestInfo
 from .pools.sessions import Session
@@ -34,34 +35,12 @@ class PeerLeases(Protocol):
     on_push: Callable[[Lease], None] | None
     """Called with each lease published with ``Publish.push`` set."""
 
-    def reserve_for_pull(
-        self,
-        session: Session,
-        nbytes: int,
-        timeout: float,
-        *,
-        request_id: str,
-        from_stage: str,
-        to_stage: str,
-    ) -> Awaitable[Lease]: ...
-    def publish_pull(self, lease: Lease, nbytes: int) -> None: ...
-    def drop_pull(self, lease: Lease) -> None: ...
+    @property
+    def crossnode(self) -> CrossNodeLeases:
+        """Pulled, pushed and peer-released leases: the peer layer's own lease calls."""
+
     def hold(self, lease: Lease) -> None: ...
     def unhold(self, lease: Lease) -> None: ...
-    def free_pushed(self, lease: Lease) -> bool: ...
-    def adopt_push(
-        self,
-        run: Run,
-        nbytes: int,
-        *,
-        request_id: str,
-        from_stage: str,
-        to_stage: str,
-        returns: Callable[[Run], None],
-    ) -> Lease: ...
-    def release_from_peer(
-        self, lease_id: int, generation: int, reader_stages: Collection[str] | None = None
-    ) -> bool: ...
     def abort_from_peer(self, request_id: str) -> int: ...
     def flush(self) -> None: ...
     def wake(self) -> None:

@@ -90,7 +90,7 @@ class Puller:
         peer = self.links.peer_for(m)
         remote = m.lease
         # 16 bytes past the data hold the writer's slot header, read back after the copy.
-        local = await self.leases.reserve_for_pull(
+        local = await self.leases.crossnode.reserve_for_pull(
             session,
             remote.length + HEADER_STRIDE,
             max(deadline - loop.time(), 0.0),
@@ -112,7 +112,7 @@ class Puller:
             if session.state is SessionState.CLOSED:
                 # The reader died during the pull: nobody would ever release the lease.
                 raise SessionClosedError("the reader's session closed during the pull")
-            self.leases.publish_pull(local, remote.length)
+            self.leases.crossnode.publish_pull(local, remote.length)
             self.landing.pulled(peer.address, phases=len([p for p in (body, check) if p]))
         except BaseException:
             # The run is ours alone, so whatever Mooncake still has in flight into
@@ -180,7 +180,7 @@ class Puller:
         leases = self.leases
 
         def drop(_: Any = None) -> None:
-            leases.drop_pull(lease)
+            leases.crossnode.drop_pull(lease)
             leases.flush()
 
         if quarantine is None or quarantine.done():

@@ -227,7 +227,7 @@ class PushManager:
             return
         # Landed: the bytes are safe at the peer, W's lease goes now, and the peer
         # is told (unless an abort or TTL freed the lease meanwhile).
-        if not manager.free_pushed(lease):
+        if not manager.crossnode.free_pushed(lease):
             out.alloc.free(start, lease.run.nslots)
             self._decline(peer.address, lease)
             return
@@ -295,7 +295,7 @@ class PushManager:
         released = 0
         for r in n.released:
             try:
-                released += manager.release_from_peer(
+                released += manager.crossnode.release_from_peer(
                     r.lease_id, r.generation, r.reader_stages[:64]
                 )
             except RelayError as err:  # that lease stays for its reader; the rest go on

@@ -189,7 +189,7 @@ class PushLanding:
             self._wake(key)
             return
         try:
-            lease = self.parts.leases.adopt_push(
+            lease = self.parts.leases.crossnode.adopt_push(
                 run,
                 int(m.length),
                 request_id=m.request_id,
@@ -315,7 +315,7 @@ class PushLanding:
         manager = self.parts.leases
         if lease is None or manager.leases.get(lease.id) is not lease:
             return False
-        manager.drop_pull(lease)
+        manager.crossnode.drop_pull(lease)
         manager.flush()
         return True
 

@@ -61,7 +61,9 @@ class PeerService(pb_grpc.PeerServicer):
         self, request: pb.ReleaseRemoteRequest, context: Ctx
     ) -> pb.ReleaseRemoteResponse:
         stages = None if request.discard else ()
-        released = self.peers.leases.release_from_peer(request.lease_id, request.generation, stages)
+        released = self.peers.leases.crossnode.release_from_peer(
+            request.lease_id, request.generation, stages
+        )
         return pb.ReleaseRemoteResponse(released=released)
 
     @_peer_call("abort")
