@@ -295,6 +295,40 @@ def test_a_pull_that_finds_the_writers_lease_reused_is_stale(tmp_path: pathlib.P
     run(main())
 
 
+def test_an_abort_on_the_readers_node_frees_the_writers_lease(tmp_path: pathlib.Path) -> None:
+    async def main() -> None:
+        async with two_nodes(tmp_path) as (a, b):
+            writer, reader = a.session(WRITER), b.session(READER)
+            ref = await a.put(writer, os.urandom(SLOT), request_id="doomed")
+            gate = b.transport.hold()
+            fetch = asyncio.ensure_future(b.peers.fetch(reader, ref, BOUND))
+            await gate.entered(BOUND)  # the pull noted A as an origin of "doomed"
+            assert await b.peers.abort_remote("doomed") == 1
+            assert not a.leases.leases
+            gate.release()
+            # The copy checks the writer's header after the bytes: the abort zeroed it.
+            with pytest.raises(StaleRefError):
+                await asyncio.wait_for(fetch, BOUND)
+            assert not b.leases.leases and b.arena.used_bytes == 0 and b.credits_out() == 0
+
+    run(main())
+
+
+def test_a_discard_on_the_readers_node_frees_the_writers_lease_once(
+    tmp_path: pathlib.Path,
+) -> None:
+    async def main() -> None:
+        async with two_nodes(tmp_path) as (a, b):
+            writer = a.session(WRITER)
+            ref = await a.put(writer, os.urandom(SLOT))
+            m = DataRef.from_bytes(ref).proto
+            assert await b.peers.release_now(m) is True
+            assert not a.leases.leases
+            assert await b.peers.release_now(m) is False  # gone already
+
+    run(main())
+
+
 def test_a_pull_that_times_out_in_flight_keeps_run_and_credit_until_it_settles(
     tmp_path: pathlib.Path,
 ) -> None:
