@@ -14,9 +14,12 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import __version__, config
+
+if TYPE_CHECKING:
+    from google.protobuf.message import Message
 
 EXIT_CONFIG = 2
 # A reader that closes the pipe early (`relayd status | head`): exit as if by
@@ -30,21 +33,17 @@ def _client_socket(args: argparse.Namespace) -> str:
     return str(args.socket or config.load({}, environ=None).socket)
 
 
-def _json_text(value: Any, *, indent: int | None = 2) -> str:
-    """``--json`` output: numbers as numbers, enum values by their short names.
-
-    ``value`` is a status dict from :func:`~relayd.status_view.fetch_status` or a list of
-    its leases.
-    """
-    from google.protobuf.json_format import ParseDict
-    from relayd_client.wire.proto import relay_pb2 as pb
+def _json_text(value: Message | Sequence[Message], *, indent: int | None = 2) -> str:
+    """``--json`` output of a Status reply or of some of its leases: numbers as numbers,
+    enum values by their short names."""
+    from google.protobuf.message import Message
 
     from .status_view import to_plain
 
-    if isinstance(value, list):
-        plain: Any = [to_plain(ParseDict(x, pb.LeaseStatus())) for x in value]
+    if isinstance(value, Message):
+        plain: Any = to_plain(value)
     else:
-        plain = to_plain(ParseDict(value, pb.StatusResponse(), ignore_unknown_fields=True))
+        plain = [to_plain(x) for x in value]
     return json.dumps(plain, indent=indent, sort_keys=True)
 
 
@@ -127,41 +126,41 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from .status_view import fetch_status
+    from .status_view import fetch_status, status_dict
 
     path = _client_socket(args)
     try:
-        data = fetch_status(path)
+        reply = fetch_status(path)
     except Exception as exc:
         return _fail_unreachable(path, exc)
     if args.json:
-        print(_json_text(data))
+        print(_json_text(reply))
     else:
         from .status_tables import render_status
 
-        print(render_status(data))
+        print(render_status(status_dict(reply)))
     return 0
 
 
 def cmd_leases(args: argparse.Namespace) -> int:
-    from .status_view import fetch_status
+    from .status_view import fetch_status, status_dict
 
     path = _client_socket(args)
     try:
-        data = fetch_status(path)
+        reply = fetch_status(path)
     except Exception as exc:
         return _fail_unreachable(path, exc)
-    leases = sorted(data.get("leases", []), key=lambda d: -float(d.get("age_seconds", 0)))
+    leases = sorted(reply.leases, key=lambda x: -x.age_seconds)
     if args.stage:
-        leases = [d for d in leases if args.stage in (d.get("from_stage"), d.get("to_stage"))]
+        leases = [x for x in leases if args.stage in (x.from_stage, x.to_stage)]
     if args.request:
-        leases = [d for d in leases if d.get("request_id") == args.request]
+        leases = [x for x in leases if x.request_id == args.request]
     if args.json:
         print(_json_text(leases))
     else:
         from .status_tables import render_leases
 
-        print(render_leases(data, args.stage, args.request))
+        print(render_leases(status_dict(reply), args.stage, args.request))
     return 0
 
 

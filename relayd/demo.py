@@ -134,9 +134,9 @@ def run_demo(*, socket: str | None, chunks: int, chunk_bytes: int) -> int:
         for transport, n in sorted(seen.items()):
             print(f"  {transport:<14} {n:>6} transfers")
         from relayd.status_tables import render_status
-        from relayd.status_view import fetch_status
+        from relayd.status_view import fetch_status, status_dict
 
-        print(render_status(fetch_status(socket)))
+        print(render_status(status_dict(fetch_status(socket))))
         return 0 if bad == 0 and ok == chunks else 1
     finally:
         for p in procs:

@@ -14,22 +14,26 @@ from typing import Any
 
 from google.protobuf.descriptor import EnumDescriptor, FieldDescriptor
 from google.protobuf.message import Message
+from relayd_client.wire.proto import relay_pb2 as pb
 
 _CAMEL = re.compile(r"(?<!^)(?=[A-Z])")
 
 
-def fetch_status(socket_path: str, timeout: float = 5.0) -> dict[str, Any]:
-    """The daemon's Status reply on ``socket_path``, through an operator session, as
-    ``MessageToDict`` gives it (what :mod:`relayd.status_tables` renders and :func:`to_plain`
-    cleans up)."""
-    from google.protobuf.json_format import MessageToDict
-
+def fetch_status(socket_path: str, timeout: float = 5.0) -> pb.StatusResponse:
+    """The daemon's Status reply on ``socket_path``, through an operator session."""
     from .operator import operator_session
 
     with operator_session(socket_path, timeout) as op:
-        resp = op.status(timeout)
+        return op.status(timeout)
+
+
+def status_dict(reply: pb.StatusResponse) -> dict[str, Any]:
+    """``reply`` as :mod:`relayd.status_tables` reads it: ``MessageToDict`` with the
+    proto's field names and every field, set or not."""
+    from google.protobuf.json_format import MessageToDict
+
     return MessageToDict(
-        resp, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+        reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
     )
 
 

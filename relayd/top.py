@@ -17,7 +17,10 @@ import termios
 import time
 import tty
 from collections.abc import Callable, Iterator
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
+
+if TYPE_CHECKING:
+    from relayd_client.wire.proto import relay_pb2 as pb
 
 QUIT_KEYS = frozenset("qQ")
 _CLEAR = "\x1b[H\x1b[2J"
@@ -73,12 +76,12 @@ def _keys(stream: TextIO) -> Iterator[Callable[[float], str]]:
 
 
 def run(
-    fetch: Callable[[], dict[str, Any]],
+    fetch: Callable[[], pb.StatusResponse],
     socket_path: str,
     *,
     interval: float,
     iterations: int = 0,
-    to_json: Callable[[dict[str, Any]], str] | None = None,
+    to_json: Callable[[pb.StatusResponse], str] | None = None,
     unreachable: Callable[[BaseException], str] | None = None,
     out: TextIO | None = None,
     keys: TextIO | None = None,
@@ -89,6 +92,7 @@ def run(
     ``unreachable``: what to say when the first fetch fails.
     """
     from .status_tables import render_top
+    from .status_view import status_dict
 
     out = out or sys.stdout
     previous: dict[str, Any] | None = None
@@ -98,14 +102,15 @@ def run(
         with _keys(keys or sys.stdin) as wait:
             while iterations <= 0 or count < iterations:
                 try:
-                    data = fetch()
+                    reply = fetch()
                 except Exception as exc:  # grpc errors: the daemon is gone or unreachable
                     if previous is None and unreachable is not None:
                         print(f"relayd: {unreachable(exc)}", file=sys.stderr)
                         return 1
                     return _gone(socket_path, exc, seen=previous is not None)
+                data = status_dict(reply)
                 if to_json is not None:
-                    out.write(to_json(data) + "\n")
+                    out.write(to_json(reply) + "\n")
                 else:
                     text = render_top(data, previous, interval)
                     if tty_out:

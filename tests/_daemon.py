@@ -115,9 +115,9 @@ class Daemon(DaemonProcess):
         return self.log_tail()
 
     def status(self) -> dict[str, Any]:
-        from relayd.status_view import fetch_status
+        from relayd.status_view import fetch_status, status_dict
 
-        return fetch_status(self.socket)
+        return status_dict(fetch_status(self.socket))
 
     def pool(self) -> dict[str, int]:
         p = self.status()["pools"][0]

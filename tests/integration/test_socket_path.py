@@ -54,8 +54,8 @@ def _round_trip(prefix: list[str], socket: str) -> None:
 def _drained(socket: str) -> bool:
     from relayd.status_view import fetch_status
 
-    pool = fetch_status(socket)["pools"][0]
-    return int(pool["used_bytes"]) == 0 and int(pool["granted_bytes"]) == 0
+    pool = fetch_status(socket).pools[0]
+    return pool.used_bytes == 0 and pool.granted_bytes == 0
 
 
 def test_socket_directory_through_another_symlink(tmp_path: Path) -> None:
