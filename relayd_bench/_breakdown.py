@@ -36,30 +36,32 @@ WRITER, READER = "breakdown-writer", "breakdown-reader"
 WARMUP, MEASURED = 100, 400
 MIN_MEASURED = 40
 
-# (row label, side, where: "client" for a client method, else "module:attr")
+# (row label, where: "part:attr" for a method of one of the client's parts, else "module:attr")
 PUT_STEPS: tuple[tuple[str, str], ...] = (
     ("flatten payload", "_flatten:flatten"),
     ("header encode", "_codec:encode"),
-    ("shape lookup", "client:_shape"),
-    ("plan (DataRef fields, inline check)", "client:_plan_put"),
-    ("route (cached)", "client:_route"),
-    ("lease cut (allocator)", "client:_alloc_local"),
-    ("reserve notice", "client:_reserve_notice"),
+    ("shape lookup", "writer:shape"),
+    ("plan (DataRef fields, inline check)", "writer:plan"),
+    ("route (cached)", "routes:cached"),
+    ("lease cut (allocator)", "grants:cut"),
+    ("reserve notice", "notices:reserve"),
     ("copy in", "_copies:pack_at"),
-    ("seal: slot header, lease fields, publish notice", "client:_seal_lease"),
+    ("seal: slot header, lease fields, publish notice", "writer:seal"),
     ("DataRef serialize + crc (to_bytes)", "dataref:to_bytes"),
 )
 GET_STEPS: tuple[tuple[str, str], ...] = (
     ("DataRef parse + validate (from_bytes)", "dataref:from_bytes"),
-    ("stage, kind, abort checks", "client:_check_readable"),
-    ("header decode", "client:_decode_header"),
-    ("lease checks + layout check", "client:_lease_region"),
-    ("allocate + copy out", "client:_read_region"),
-    ("header re-check + release notice", "client:_end_read"),
+    ("stage, kind, abort checks", "reader:check_readable"),
+    ("header decode", "checks:decode_header"),
+    ("lease checks + layout check", "reader:lease_region"),
+    ("allocate + copy out", "reader:read_region"),
+    ("header re-check + release notice", "reader:end_read"),
     ("rebuild payload", "_flatten:rebuild"),
 )
 # Steps nested in another step: shown, but not subtracted twice from "other".
-NESTED = {"_flatten:flatten", "_codec:encode", "client:_shape"}
+NESTED = {"_flatten:flatten", "_codec:encode", "writer:shape"}
+# The parts of a RelayClient whose methods are steps (its attributes `_<part>`).
+PARTS = ("writer", "routes", "grants", "notices", "reader", "checks")
 
 
 class _Timers:
@@ -113,9 +115,10 @@ def _instrumented(timers: _Timers, writer: Any, reader: Any) -> Iterator[None]:
         for steps, client in ((PUT_STEPS, writer), (GET_STEPS, reader)):
             for _, where in steps:
                 scope, attr = where.split(":")
-                if scope == "client":
-                    setattr(client, attr, timers.wrap(where, getattr(client, attr)))
-                    undo.append((client, attr, None))
+                if scope in PARTS:
+                    part = getattr(client, f"_{scope}")
+                    setattr(part, attr, timers.wrap(where, getattr(part, attr)))
+                    undo.append((part, attr, None))
                     continue
                 owner: Any = DataRef if scope == "dataref" else modules[scope]
                 original = owner.__dict__[attr]

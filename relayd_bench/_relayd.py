@@ -167,8 +167,8 @@ class RelaydMooncake(RelaydShm):
         deadline = loop.time() + ROUTE_WAIT_S
         to_stage = self._stages()[1]
         while loop.time() < deadline:
-            self.client._routes.clear()
-            if await self.client._route(to_stage, True) == pb.TRANSPORT_MOONCAKE:
+            self.client._routes.answers.clear()
+            if await self.client._routes.ask((to_stage, True, ())) == pb.TRANSPORT_MOONCAKE:
                 return
             await asyncio.sleep(0.05)  # polling the daemon's registry, bounded above
 

@@ -134,9 +134,9 @@ async def cmd_local(a: argparse.Namespace) -> None:
 async def cmd_hold_reserved(a: argparse.Namespace) -> None:
     """Reserve a lease and never publish it (killed by the test)."""
     async with RelayClient(a.stage, a.socket) as c:
-        lease = await c._reserve(a.sizes[0], time.monotonic() + 10)
-        c._reserve_notice(lease, pb.DataRef(request_id=a.request, to_stage=a.to))
-        c._session.mark(flush=True)
+        lease = await c._grants.reserve(a.sizes[0], time.monotonic() + 10)
+        c._notices.reserve(lease, pb.DataRef(request_id=a.request, to_stage=a.to))
+        c._conn.session.mark(flush=True)
         out("RESERVED")
         await asyncio.sleep(3600)
 

@@ -43,7 +43,8 @@ from .wire.errors import (
 from .wire.transport import Transport
 
 if TYPE_CHECKING:
-    from ._client import ClientState, RelayClient
+    from ._client import RelayClient
+    from ._connection import ClientState
     from ._sync import SyncRelayClient
 
 __version__ = "0.1.0"
@@ -52,10 +53,14 @@ __version__ = "0.1.0"
 def __getattr__(name: str) -> Any:
     # RelayClient pulls in torch (~2 s); tools that only need the wire types
     # (the daemon, `relayd status`) import this package without paying for it.
-    if name in ("RelayClient", "ClientState"):
+    if name == "RelayClient":
         from . import _client
 
-        return getattr(_client, name)
+        return _client.RelayClient
+    if name == "ClientState":
+        from . import _connection
+
+        return _connection.ClientState
     if name == "SyncRelayClient":
         from . import _sync
 

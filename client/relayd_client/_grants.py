@@ -4,7 +4,13 @@ A grant is a run of arena (or GPU pool) slots the daemon handed this session;
 a lease is a run inside one grant, cut here without asking the daemon. This
 module owns only that bookkeeping - which grant, which slots, which lease id -
 so the async and the blocking client share it and it can be tested without a
-daemon. Notices, events and waiting for space stay with the clients.
+daemon.
+
+:class:`Grants` is the wait policy on top: a put short of space returns idle
+grants, flushes its lingering notices and asks for one grant (every put short
+of space in that pool waits on the same call), then takes whichever comes
+first - that grant, or space freed by readers. It talks to the daemon only
+through a :class:`GrantSource`, so it is unit-tested with a fake one.
 
 Reuse is last-in first-out: a lease of the size just freed goes back into
 the run freed last. A writer in steady state then copies into the same few
@@ -15,15 +21,27 @@ measured).
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import contextlib
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
+from typing import Protocol
 
+from .wire.errors import RelayError, ResourceExhaustedError
 from .wire.shm import SHM_POOL
 from .wire.slots import SlotAllocator
 
 # Freed runs remembered per grant for reuse; older ones are cut first-fit.
 LIFO_DEPTH = 64
+# Idle grants a session keeps, in default grants' worth of slots: a Freed
+# notice can trail the reader's ack, and a new grant costs a gRPC round trip
+# (~1 ms, half a 16 MiB copy). The daemon asks for them back under pressure.
+IDLE_GRANTS = 4
+# A grant wait that ends this close to its deadline ran out of time; earlier,
+# the daemon refused it.
+DEADLINE_SLACK_S = 0.01
 
 
 class Grant:
@@ -146,3 +164,186 @@ class LeaseTable:
     def __iter__(self) -> Iterator[Grant]:
         with self.lock:
             return iter(list(self.grants.values()))
+
+
+class GrantSource(Protocol):
+    """What the grant wait needs from the session."""
+
+    async def request_grant(self, min_bytes: int, timeout: float, pool: str) -> Grant:
+        """A new grant of at least ``min_bytes``, validated; raises the daemon's refusal."""
+        ...
+
+    def return_grant(self, grant_id: int) -> None:
+        """Queue the notice that gives an idle grant back."""
+        ...
+
+    def flush(self) -> None:
+        """Send the lingering notices now."""
+        ...
+
+
+class GrantCall:
+    """A Grant call in flight for one pool; every put short of space waits on it."""
+
+    __slots__ = ("ended", "nslots", "task", "until")
+
+    def __init__(self, task: asyncio.Task[Grant], nslots: int, until: float) -> None:
+        self.task = task
+        self.nslots = nslots  # what it asked for
+        self.until = until  # its own deadline (monotonic)
+        self.ended = until
+        task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task[Grant]) -> None:
+        self.ended = time.monotonic()
+        if not task.cancelled():  # the put that started it may have given up: seen here
+            task.exception()
+
+    def refused(self, nslots: int) -> bool:
+        """Did the daemon say no to this ask, not merely run out of time waiting?
+
+        A refusal before the call's deadline means no amount of waiting makes
+        room (beyond the stage quota or the largest run), so it holds for any
+        put of at least the size asked.
+        """
+        exc = self.task.exception()
+        return (
+            isinstance(exc, ResourceExhaustedError)
+            and self.ended < self.until - DEADLINE_SLACK_S
+            and self.nslots <= nslots
+        )
+
+
+class Grants:
+    """Leases for puts: cut from held grants, or wait for a new grant or freed space.
+
+    ``check_open`` raises when the session is gone; a waiting put calls it
+    each time it wakes, so losing the daemon fails the wait at once
+    (:meth:`wake` is called then). :attr:`wake` is what a freed run calls;
+    a client whose frees may come from other threads replaces it with a
+    thread-safe one.
+    """
+
+    def __init__(
+        self, table: LeaseTable, source: GrantSource, check_open: Callable[[], object]
+    ) -> None:
+        self.table = table
+        self.source = source
+        self.check_open = check_open
+        self.space = asyncio.Event()
+        self.calls: dict[str, GrantCall] = {}  # by pool, the arena included
+        self.slot_size = 1
+        self.idle_budget = 0  # idle slots kept per pool; 0 until attached
+        self.wake: Callable[[], None] = self.space.set
+
+    def configure(self, slot_size: int, default_grant_bytes: int) -> None:
+        """The session's slot size and default grant size (at every attach)."""
+        self.slot_size = max(slot_size, 1)
+        self.idle_budget = IDLE_GRANTS * max(default_grant_bytes // self.slot_size, 1)
+
+    def nslots(self, nbytes: int) -> int:
+        return max(1, -(-nbytes // self.slot_size))
+
+    def cut(self, nbytes: int, pool: str = SHM_POOL) -> Lease | None:
+        """A lease for ``nbytes`` from a grant held, or None: never waits."""
+        return self.table.cut(self.nslots(nbytes), pool)
+
+    async def reserve(self, nbytes: int, deadline: float, pool: str = SHM_POOL) -> Lease:
+        """A lease for ``nbytes`` of ``pool``, waiting up to ``deadline`` (monotonic)."""
+        self.check_open()
+        nslots = self.nslots(nbytes)
+        while True:
+            lease = self.table.cut(nslots, pool)
+            if lease is not None:
+                return lease
+            self.check_open()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise ResourceExhaustedError(
+                    f"no space for {nbytes} bytes before the deadline (readers may be slow)"
+                )
+            call = self.calls.get(pool)
+            if call is None or call.task.done():
+                # No idle grant could take this lease, so none is worth keeping
+                # against our quota while we ask for a bigger one. And our
+                # lingering publishes go first: readers' releases of those
+                # leases wait for them in the daemon, and they may be the space.
+                self.return_idle(pool)
+                self.source.flush()
+                task = asyncio.get_running_loop().create_task(
+                    self._request(nslots * self.slot_size, remaining, pool)
+                )
+                call = self.calls[pool] = GrantCall(task, nslots, deadline)
+            task = call.task
+            self.space.clear()
+            space = asyncio.ensure_future(self.space.wait())
+            try:
+                done, _ = await asyncio.wait(
+                    {task, space}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED
+                )
+            finally:
+                space.cancel()
+            if task in done:
+                if self.calls.get(pool) is call:
+                    del self.calls[pool]
+                exc = task.exception()
+                # A grant that timed out for a put with a shorter deadline is
+                # retried; a timeout within our own deadline, a refusal of
+                # this size or any other error is ours.
+                if exc is not None and (
+                    not isinstance(exc, ResourceExhaustedError)
+                    or call.refused(nslots)
+                    or time.monotonic() >= deadline - DEADLINE_SLACK_S
+                ):
+                    lease = self.table.cut(nslots, pool)
+                    if lease is not None:
+                        return lease
+                    raise exc
+
+    async def _request(self, min_bytes: int, timeout: float, pool: str) -> Grant:
+        grant = await self.source.request_grant(min_bytes, timeout, pool)
+        # Registered here, once, however many puts were waiting on this task.
+        self.add(grant)
+        return grant
+
+    def add(self, grant: Grant) -> None:
+        try:
+            self.table.add(grant)
+        except ValueError:
+            raise RelayError(f"daemon granted run {grant.id} twice") from None
+        self.space.set()
+
+    def slots_back(self, lease: Lease) -> None:
+        """A lease's run is free again (its reader's Freed notice, or a cancel)."""
+        table = self.table
+        with table.lock:
+            if table.free(lease.id) is None:
+                return
+            grant = lease.grant
+            budget = self.idle_budget
+            if grant.live == 0 and budget and table.idle_slots(grant.pool) > budget:
+                self.give_back(grant)
+        self.wake()
+
+    def give_back(self, grant: Grant) -> None:
+        with self.table.lock:
+            self.table.drop(grant.id)
+            self.source.return_grant(grant.id)
+
+    def return_idle(self, pool: str | None = None) -> None:
+        with self.table.lock:
+            for g in self.table.idle(pool):
+                self.give_back(g)
+
+    def detach(self, pool: str) -> GrantCall | None:
+        """Take ``pool``'s call in flight out of the table (a re-attach lets it fail by itself)."""
+        return self.calls.pop(pool, None)
+
+    async def cancel_calls(self) -> None:
+        calls = list(self.calls.values())
+        self.calls.clear()
+        for call in calls:
+            call.task.cancel()
+        for call in calls:
+            with contextlib.suppress(BaseException):
+                await call.task

@@ -21,16 +21,17 @@ from .wire.proto import relay_pb2 as pb
 from .wire.transport import Transport
 
 if TYPE_CHECKING:
-    from ._client import RelayClient
+    from ._checks import ReadChecks
+    from ._connection import Connection
 
 # Transports whose bytes live in a daemon's lease: a discard frees it there.
 _LEASED = (Transport.SHM, Transport.SOCKET, Transport.CUDA_IPC_POOL)
 
 
-async def index(client: RelayClient, ref: DataRef, key: str, timeout: float) -> None:
+async def index(conn: Connection, ref: DataRef, key: str, timeout: float) -> None:
     """Have the consumer's daemon index ``ref`` under ``key`` (after the put published it)."""
     try:
-        await client._session.keyed(pb.KeyedPut(key=key, data_ref=ref.to_bytes()), timeout)
+        await conn.session.keyed(pb.KeyedPut(key=key, data_ref=ref.to_bytes()), timeout)
     except BaseException:
         # The put fails: what it left for a reader in this process goes too
         # (a leased one was freed by the daemon).
@@ -41,19 +42,19 @@ async def index(client: RelayClient, ref: DataRef, key: str, timeout: float) -> 
 
 
 async def take(
-    client: RelayClient, key: str, from_stage: str, to_stage: str | None, timeout: float
+    conn: Connection, key: str, from_stage: str, to_stage: str | None, timeout: float
 ) -> DataRef | None:
     """The DataRef under ``key``, consumed; None when ``timeout`` <= 0 and there is none."""
     check_key(key)
     if not isinstance(from_stage, str) or not from_stage:
         raise InvalidArgumentError("from_stage must name the writer stage")
     if to_stage is None:
-        if len(client.stages) != 1:
+        if len(conn.stages) != 1:
             raise InvalidArgumentError(
-                f"this client serves {client.stages}; say which one reads the key (to_stage=)"
+                f"this client serves {conn.stages}; say which one reads the key (to_stage=)"
             )
-        to_stage = client.stages[0]
-    wire = await client._session.keyed(
+        to_stage = conn.stages[0]
+    wire = await conn.session.keyed(
         pb.KeyedTake(
             key=key, from_stage=from_stage, to_stage=to_stage, timeout_seconds=max(timeout, 0.0)
         ),
@@ -62,7 +63,9 @@ async def take(
     return DataRef.from_bytes(wire) if wire else None
 
 
-async def discard(client: RelayClient, ref: DataRef | TensorRef | bytes, timeout: float) -> None:
+async def discard(
+    conn: Connection, checks: ReadChecks, ref: DataRef | TensorRef | bytes, timeout: float
+) -> None:
     """Free what ``ref`` holds, unread (see RelayClient.discard)."""
     if isinstance(ref, (bytes, bytearray, memoryview)):
         ref = DataRef.from_bytes(ref)
@@ -71,12 +74,12 @@ async def discard(client: RelayClient, ref: DataRef | TensorRef | bytes, timeout
         raise InvalidArgumentError("a done/error signal holds nothing to discard")
     transport = Transport.from_proto(m.transport)
     if transport in _LEASED:
-        a = client._require_open()
-        if m.lease.lease_id in client._released and m.origin.daemon_epoch == a.daemon_epoch:
+        a = conn.require_open()
+        if checks.was_released(m, a.daemon_epoch):
             raise StaleRefError("this DataRef was already read or discarded by this client")
-        await client._session.keyed(pb.DiscardCall(data_ref=_wire(ref)), timeout)
+        await conn.session.keyed(pb.DiscardCall(data_ref=_wire(ref)), timeout)
         if m.origin.daemon_epoch == a.daemon_epoch:
-            client._remember_released(m.lease.lease_id)
+            checks.remember_released(m.lease.lease_id)
     elif transport is Transport.LOCAL_OBJECT:
         try:
             _local.take(m.object_id)
@@ -87,13 +90,12 @@ async def discard(client: RelayClient, ref: DataRef | TensorRef | bytes, timeout
     else:
         # Inline (or CUDA handles): nothing to free anywhere. Marked as read, so
         # that a second discard, or a get, in this process is StaleRefError.
-        with client._table.lock:
-            client._inline_reads.claim((m.origin.daemon_epoch, m.object_id), "this DataRef")
+        checks.claim_inline(m, "this DataRef")
     # Forwarded tensors inside it would otherwise wait for their TTL; one
     # that its consumer read already is no error here.
     for inner in m.refs:
         with contextlib.suppress(StaleRefError):
-            await discard(client, TensorRef(inner), timeout)
+            await discard(conn, checks, TensorRef(inner), timeout)
 
 
 def _wire(ref: DataRef | TensorRef) -> bytes:

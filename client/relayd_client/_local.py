@@ -15,7 +15,10 @@ reader rebinding a key cannot change what another reader sees; the tensors
 and other leaves stay shared and stay read-only.
 
 An object that is never read is dropped when its request is aborted or when
-the client serving its target stage closes.
+the client serving its target stage closes. The daemon never hears of these
+transfers, so it cannot tell this process's other clients about an abort:
+:func:`abort` does, through the ``on_abort`` each client registered with
+:func:`serve`.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import os
 import secrets
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +43,8 @@ class _Entry:
 
 
 _SERVED: dict[str, weakref.ReferenceType[Any]] = {}
+# id(client) -> its on_abort, held weakly (a bound method would keep the client alive).
+_ON_ABORT: dict[int, weakref.WeakMethod[Callable[[str], None]]] = {}
 _OBJECTS: dict[str, _Entry] = {}
 # id(obj) of objects waiting for a reader -> how many puts of them are unread.
 _PENDING: dict[int, int] = {}
@@ -48,29 +54,28 @@ def process_tag() -> str:
     return f"{os.getpid()}-{_TOKEN}"
 
 
-def serve(stages: tuple[str, ...], client: Any) -> None:
-    """``client`` (an open RelayClient) serves ``stages`` in this process."""
+def serve(
+    stages: tuple[str, ...], client: Any, on_abort: Callable[[str], None] | None = None
+) -> None:
+    """``client`` (an open RelayClient) serves ``stages`` in this process.
+
+    ``on_abort(request_id)`` (a method of ``client``) is called when another
+    client of this process aborts a request.
+    """
     for stage in stages:
         _SERVED[stage] = weakref.ref(client)
+    if on_abort is not None:
+        _ON_ABORT[id(client)] = weakref.WeakMethod(on_abort)
 
 
 def unserve(stages: tuple[str, ...], client: Any) -> None:
+    _ON_ABORT.pop(id(client), None)
     for stage in stages:
         ref = _SERVED.get(stage)
         if ref is not None and ref() in (client, None):
             del _SERVED[stage]
     for oid in [k for k, e in _OBJECTS.items() if e.to_stage in stages]:
         _drop(oid)
-
-
-def clients() -> list[Any]:
-    """The open clients of this process, each once."""
-    out: list[Any] = []
-    for ref in _SERVED.values():
-        c = ref()
-        if c is not None and all(c is not o for o in out):
-            out.append(c)
-    return out
 
 
 def serves(stage: str) -> bool:
@@ -92,10 +97,19 @@ def take(object_id: str) -> Any:
     return entry.obj
 
 
-def abort(request_id: str) -> int:
+def abort(request_id: str, by: Any = None) -> int:
+    """Drop the unread objects of ``request_id``; tell every client but ``by`` of the abort.
+
+    Returns how many objects were dropped.
+    """
     dropped = [k for k, e in _OBJECTS.items() if e.request_id == request_id]
     for oid in dropped:
         _drop(oid)
+    if by is not None:
+        for key, ref in list(_ON_ABORT.items()):
+            on_abort = ref()
+            if key != id(by) and on_abort is not None:
+                on_abort(request_id)
     return len(dropped)
 
 

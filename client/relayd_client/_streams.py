@@ -18,9 +18,18 @@ stay in the arena until the reader reaches it.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
-from .wire.dataref import DataRef
+from ._aborts import AbortedRequests
+from .wire.dataref import KIND_DONE, KIND_ERROR, DataRef
+from .wire.errors import (
+    InvalidArgumentError,
+    RelayTimeoutError,
+    ResourceExhaustedError,
+    StreamError,
+)
 
 MAX_BUFFERED = 1 << 16
 
@@ -40,8 +49,64 @@ class StreamState:
 class Streams:
     """Per (request_id, from_stage) reassembly buffers of one client."""
 
-    def __init__(self) -> None:
+    def __init__(self, aborts: AbortedRequests) -> None:
         self._by_key: dict[tuple[str, str], StreamState] = {}
+        self._aborts = aborts
+
+    def feed(self, ref: DataRef) -> None:
+        """Buffer a chunk, or note a done or error signal (addressed to this client)."""
+        m = ref.proto
+        st = self.state(m.request_id, m.origin.stage)
+        if m.kind == KIND_DONE:
+            st.end = m.chunk_id
+        elif m.kind == KIND_ERROR:
+            st.error = m.message or "stream failed"
+            st.error_at = m.chunk_id
+        elif m.chunk_id < 0:
+            raise InvalidArgumentError("feed() takes stream chunks (put with chunk_id) and signals")
+        elif m.chunk_id >= st.next:
+            if len(st.refs) >= MAX_BUFFERED:
+                raise ResourceExhaustedError(f"more than {MAX_BUFFERED} chunks buffered")
+            st.refs[m.chunk_id] = ref
+        if st.aborted or m.request_id in self._aborts:
+            st.aborted = True
+        st.wake.set()
+
+    async def chunks(
+        self,
+        request_id: str,
+        from_stage: str,
+        timeout: float | None,
+        get: Callable[[DataRef], Awaitable[Any]],
+    ) -> AsyncIterator[Any]:
+        """The payloads of one stream in chunk order, each read with ``get``."""
+        st = self.state(request_id, from_stage)
+        if st.consuming:
+            raise InvalidArgumentError(f"stream {request_id!r} from {from_stage!r} is read already")
+        st.consuming = True
+        try:
+            while True:
+                if st.aborted:
+                    self._aborts.remember(request_id)
+                self._aborts.check(request_id)
+                ref = st.refs.pop(st.next, None)
+                if ref is not None:
+                    st.next += 1
+                    yield await get(ref)
+                    continue
+                if st.error is not None and st.next >= st.error_at:
+                    raise StreamError(st.error)
+                if st.end is not None and st.next >= st.end:
+                    return
+                st.wake.clear()
+                try:
+                    await asyncio.wait_for(st.wake.wait(), timeout)
+                except TimeoutError:
+                    raise RelayTimeoutError(
+                        f"no chunk {st.next} of {request_id!r} within {timeout}s"
+                    ) from None
+        finally:
+            self.discard(request_id, from_stage)
 
     def state(self, request_id: str, from_stage: str) -> StreamState:
         key = (request_id, from_stage)

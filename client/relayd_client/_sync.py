@@ -25,19 +25,12 @@ import time
 from collections.abc import AsyncGenerator, Callable, Coroutine, Iterator, Sequence
 from typing import Any, TypeVar, cast
 
-from . import (
-    _copies,
-    _cuda_copy,
-    _cuda_facts,
-    _cuda_staging,
-    _flatten,
-    _keyed,
-    _local,
-    _packing,
-    _remote,
-)
-from ._client import OFFLOAD_BYTES, ClientState, RelayClient, _check_trace_id, _leased
+from . import _cuda_copy, _keyed, _packing
+from ._client import RelayClient
+from ._connection import ClientState
+from ._reader import InlineOnGpu
 from ._refs import TensorRef
+from ._writer import check_trace_id, leased
 from .wire.dataref import DataRef
 from .wire.errors import (
     InvalidArgumentError,
@@ -114,30 +107,32 @@ class _LoopThread:
             self.thread.join(CLOSE_JOIN_S)
 
 
-class _LoopClient(RelayClient):
-    """The async client on the private loop; the few loop-bound steps made thread-safe."""
+def _bind_to_loop(c: RelayClient, lt: _LoopThread) -> None:
+    """Make the client's loop-bound wake-ups safe to call from the caller's threads.
 
-    loop_thread: _LoopThread | None = None
+    A put or get on a caller's thread may free space a waiting put needs, or
+    be the first to need a report flush; both must then reach the loop.
+    """
+    space, on_loop = c._grants.space, asyncio.get_running_loop
+    thread_loop = lt.loop
 
-    def _off_loop(self) -> _LoopThread | None:
-        lt = self.loop_thread
-        if lt is not None and asyncio._get_running_loop() is not lt.loop:
-            return lt
-        return None
+    def off_loop() -> bool:
+        return asyncio._get_running_loop() is not thread_loop
 
-    def _space_freed(self) -> None:
-        lt = self._off_loop()
-        if lt is None:
-            super()._space_freed()
+    def wake() -> None:
+        if off_loop():
+            lt.call_soon(space.set)
         else:
-            lt.call_soon(self._space.set)
+            space.set()
 
-    def _later(self, delay: float, callback: Callable[[], None]) -> None:
-        lt = self._off_loop()
-        if lt is None:
-            super()._later(delay, callback)
+    def later(delay: float, callback: Callable[[], None]) -> None:
+        if off_loop():
+            lt.call_soon(lambda: on_loop().call_later(delay, callback))
         else:
-            lt.call_soon(lambda: asyncio.get_running_loop().call_later(delay, callback))
+            on_loop().call_later(delay, callback)
+
+    c._grants.wake = wake
+    c._reports.later = later
 
 
 class SyncRelayClient:
@@ -156,7 +151,7 @@ class SyncRelayClient:
         timeout: float = 10.0,
         allow_pickle: bool = False,
     ) -> None:
-        self._client = _LoopClient(stage, socket, timeout=timeout, allow_pickle=allow_pickle)
+        self._client = RelayClient(stage, socket, timeout=timeout, allow_pickle=allow_pickle)
         self._loop: _LoopThread | None = None
         self._state_lock = threading.Lock()
 
@@ -213,7 +208,7 @@ class SyncRelayClient:
                     "a closed SyncRelayClient cannot be reopened; make a new one"
                 )
             lt = self._loop = _LoopThread()
-            c.loop_thread = lt
+            _bind_to_loop(c, lt)
             try:
                 lt.run(c.open(), c.timeout * 2 + LOOP_GRACE_S)
             except BaseException:
@@ -242,7 +237,7 @@ class SyncRelayClient:
         lt = self._loop
         if lt is None:
             coro.close()
-            self._client._require_open()  # raises the async client's error
+            self._client._conn.require_open()  # raises the async client's error
             raise SessionClosedError("SyncRelayClient is not open")
         wait = self._client.timeout if timeout is None else timeout
         return lt.run(coro, 2 * max(wait, 0.0) + LOOP_GRACE_S)
@@ -271,11 +266,11 @@ class SyncRelayClient:
         if key is not None:
             check_key(key)
         started = time.perf_counter_ns()
-        trace = _check_trace_id(trace_id)
+        trace = check_trace_id(trace_id)
         ref = self._put(obj, to_stage, request_id, chunk_id, timeout, pickle, trace)
         if key is not None:
-            wait = self._client.timeout if timeout is None else timeout
-            self._run(_keyed.index(self._client, ref, key, wait), wait)
+            wait = self._client._conn.rpc_timeout(timeout)
+            self._run(_keyed.index(self._client._conn, ref, key, wait), wait)
         return self._client._put_finished(ref, started)
 
     def _put(
@@ -289,41 +284,35 @@ class SyncRelayClient:
         trace_id: str = "",
     ) -> DataRef:
         c = self._client
-        if c._lost:  # re-attach first, on the loop
+        a = c._conn.usable()
+        if a is None:  # re-attach first, on the loop
             return self._run(
                 c._put(obj, to_stage, request_id, chunk_id, timeout, pickle, trace_id), timeout
             )
-        a = c._require_open()
         try:
-            plan = c._plan_put(a, obj, to_stage, request_id, chunk_id, pickle)
+            plan = c._writer.plan(a, obj, to_stage, request_id, chunk_id, pickle)
             if isinstance(plan, DataRef):
                 return plan
-            shape = plan.shape
-            cached = c._routes.get((to_stage, shape.has_cpu, shape.cuda_uuids))
-            if cached is not None:
-                route = int(cached.transport)
-            else:
-                route = self._run(c._route(to_stage, shape.has_cpu, shape.cuda_uuids))
-            if route == pb.TRANSPORT_LOCAL_OBJECT and not plan.refs and _local.serves(to_stage):
-                return c._put_local(obj, plan)
-            if c._gpu is not None and not plan.refs and shape.cuda_uuids:
+            route = c._routes.cached(plan.route_key)
+            if route is None:
+                route = self._run(c._routes.ask(plan.route_key))
+            here = c._writer.put_here(plan, route)
+            if here is not None:
+                return here
+            if c._gpu_paths.may_take(plan):
                 # The copies are enqueued on the loop thread: after this thread's producer.
                 streams = _cuda_copy.worker_streams(plan.tensors)
-                gpu_ref = self._run(
-                    c._put_gpu(
-                        plan.msg, plan.tensors, shape.specs, shape.total, timeout, route, streams
-                    ),
-                    timeout,
-                )
+                gpu_ref = self._run(c._gpu_paths.put(plan, timeout, route, streams), timeout)
                 if gpu_ref is not None:
                     return gpu_ref
+            shape = plan.shape
             return self._publish(
                 plan.msg,
                 plan.tensors,
                 shape.specs,
                 shape.total,
                 timeout,
-                transport=_leased(route),
+                transport=leased(route),
                 trace_id=trace_id,
             )
         except LOST_MAPPING:
@@ -342,25 +331,18 @@ class SyncRelayClient:
         transport: pb.Transport = pb.TRANSPORT_SHM,
         trace_id: str = "",
     ) -> DataRef:
-        c = self._client
-        c._check_publishable(msg)
-        if c.socket_fallback:
+        """The writer's publish with the copy on this thread; only a grant wait goes to the loop."""
+        w = self._client._writer
+        w.check_publishable(msg)
+        if self._client.socket_fallback:
             return self._run(
-                c._publish_socket(msg, tensors, specs, total, timeout, ref=ref, trace_id=trace_id)
+                w.publish_socket(msg, tensors, specs, total, timeout, ref=ref, trace_id=trace_id)
             )
-        cut = c._lease_now(msg, total, trace_id)
+        cut = w.lease_now(msg, total, trace_id)
         if cut is None:  # no room in the grants held: ask the daemon, on the loop
-            cut = self._run(c._open_lease(msg, total, timeout, trace_id), timeout)
+            cut = self._run(w.open_lease(msg, total, timeout, trace_id), timeout)
         lease, start = cut
-        segment = lease.grant.segment
-        view = c._views[segment]  # held: the mapping outlives a concurrent close
-        try:
-            if total:
-                _copies.pack_at(view, start, total, tensors, specs)
-        except BaseException:
-            c._cancel_lease(lease)
-            raise
-        return c._seal_lease(msg, lease, total, ref=ref, transport=transport)
+        return w.fill_and_seal(msg, lease, start, tensors, specs, total, ref, transport)
 
     def ref(
         self,
@@ -372,16 +354,16 @@ class SyncRelayClient:
     ) -> TensorRef:
         """Publish ``tensor`` once for ``consumer_stage``; see :meth:`RelayClient.ref`."""
         c = self._client
-        if c._lost:
+        a = c._conn.usable()
+        if a is None:
             return self._run(
                 c.ref(
                     tensor, consumer_stage=consumer_stage, request_id=request_id, timeout=timeout
                 ),
                 timeout,
             )
-        a = c._require_open()
         try:
-            msg, specs, total = c._plan_ref(a, tensor, consumer_stage, request_id)
+            msg, specs, total = c._writer.plan_ref(a, tensor, consumer_stage, request_id)
             self._publish(msg, [tensor], specs, total, timeout, ref=True)
         except LOST_MAPPING:
             self._raise_if_closed()
@@ -408,37 +390,22 @@ class SyncRelayClient:
 
     def _get(self, ref: DataRef, copy: bool) -> Any:
         c = self._client
-        if c._lost:
+        if c._conn.lost:
             return self._run(c._get(ref, copy))
+        r = c._reader
         m = ref.proto
-        c._check_readable(m)
-        transport = ref.transport
-        if transport is Transport.LOCAL_OBJECT:
-            return c._take_local(m)
+        r.check_readable(m)
+        if ref.transport is Transport.LOCAL_OBJECT:
+            return r.take_local(m)
         try:
-            if (
-                m.refs
-                or transport not in (Transport.SHM, Transport.INLINE)
-                or c.socket_fallback
-                or (transport is Transport.SHM and _remote.is_foreign(ref, c.node_id))
-            ):
+            if not r.here(ref):
                 return self._run(c._get(ref, copy))
-            tree = c._checked_ref(m)  # before any claim: a forged ref consumes nothing
-            if transport is Transport.INLINE:
-                specs, tensors = c._read_inline(m)
-                if _cuda_facts.restores_on_gpu(specs):
-                    tensors = self._run(_cuda_staging.restore_on_device(tensors, specs, copy=False))
-                return _flatten.rebuild(tree, tensors)
-            seg, start, specs = c._lease_region(m)
-            if _cuda_facts.restores_on_gpu(specs):
+            got = r.read_here(m, r.checked_ref(m), copy)  # checked before any claim
+            if got is None:  # CUDA leaves: restored on the loop
                 return self._run(c._get(ref, copy))
-            if copy and m.lease.length >= OFFLOAD_BYTES:
-                # A long copy: the daemon learns who reads the lease first.
-                c._claim(m)
-            view = c._views[m.lease.segment]
-            tensors = c._read_region(m, view, start, specs, copy)
-            c._end_read(m, seg, copy)
-            return _flatten.rebuild(tree, tensors)
+            if isinstance(got, InlineOnGpu):
+                return self._run(got.restore())
+            return got
         except LOST_MAPPING:
             self._raise_if_closed()
             raise
@@ -456,7 +423,7 @@ class SyncRelayClient:
         try:
             yield obj
         finally:
-            if ref.transport in (Transport.SHM, Transport.SOCKET) and not self.socket_fallback:
+            if self._client._reader.holds_views(ref):
                 self.release(ref)
 
     # -- keyed delivery and discard: one call on the session socket, on the loop ----------
@@ -543,7 +510,7 @@ class SyncRelayClient:
 
         lt = self._loop
         if lt is None:
-            self._client._require_open()
+            self._client._conn.require_open()
             raise SessionClosedError("SyncRelayClient is not open")
         # Each step waits up to the stream's own per-chunk timeout (None: as
         # long as the stream takes, like the async client).

@@ -21,7 +21,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from relayd_client import DataRef, RelayError
-from relayd_client._client import _specs
+from relayd_client._checks import layout_specs as _specs
 from relayd_client._codec import encode
 from relayd_client._codec_decode import decode, decode_pickle
 from relayd_client._packing import dtype_from_name, validate_layout

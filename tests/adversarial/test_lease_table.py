@@ -66,7 +66,7 @@ def _round_trip(d: Daemon, *, freed: bool = False) -> None:
             ref = await w.put(payload, to_stage="talker", request_id="honest")
             assert digest(await r.get(ref)) == digest(payload)
             if freed:
-                r._session.flush()  # the release, not lingering
+                r._conn.session.flush()  # the release, not lingering
                 await apoll(lambda: not w._table.leases, 10, "the writer told its lease is free")
 
     asyncio.run(asyncio.wait_for(scenario(), 60))

@@ -62,8 +62,8 @@ async def _writer(c: RelayClient, cmd: dict[str, Any], out: TextIO, stream: bool
 
 
 async def _hold_grant(c: RelayClient, cmd: dict[str, Any], out: TextIO) -> None:
-    lease = await c._reserve(cmd["sizes"][0], time.monotonic() + 5)
-    c._session.pending.reserve.append(
+    lease = await c._grants.reserve(cmd["sizes"][0], time.monotonic() + 5)
+    c._conn.session.pending.reserve.append(
         pb.Reserve(
             lease_id=lease.id,
             grant_id=lease.grant.id,
@@ -75,7 +75,7 @@ async def _hold_grant(c: RelayClient, cmd: dict[str, Any], out: TextIO) -> None:
             from_stage=c.stages[0],
         )
     )
-    c._session.mark(flush=True)
+    c._conn.session.mark(flush=True)
     _emit(out, "RESERVED")
     await asyncio.sleep(HOLD_SECONDS)  # held until the test kills us
 

@@ -45,12 +45,12 @@ async def _load(w: RelayClient, r: RelayClient, stop: asyncio.Event, out: list[s
 def test_daemon_sigkill_gives_clear_errors_then_clients_reattach(
     tmp_path: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import relayd_client._client
+    import relayd_client._connection
 
     # Backoff far longer than any deadline below: only a call cutting it
     # short (it needs the daemon now) re-attaches in time.
-    monkeypatch.setattr(relayd_client._client, "RECONNECT_FIRST_DELAY", 60.0)
-    monkeypatch.setattr(relayd_client._client, "RECONNECT_MAX_DELAY", 60.0)
+    monkeypatch.setattr(relayd_client._connection, "RECONNECT_FIRST_DELAY", 60.0)
+    monkeypatch.setattr(relayd_client._connection, "RECONNECT_MAX_DELAY", 60.0)
     node = unique_node()
     flags = ("--grant-size", "1MiB")
     d = start_daemon(str(tmp_path), node, *flags, pool="32MiB")

@@ -197,7 +197,7 @@ async def main() -> None:
                     await client.close()
                     answer = {"closed": True}
                 elif cmd["op"] == "facts":
-                    gpu = client._gpu
+                    gpu = client._conn.gpu
                     answer = {
                         "pool_imports": _cuda_pool.pool_imports,
                         "pinned": bool(gpu is not None and gpu.pinned),

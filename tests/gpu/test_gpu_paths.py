@@ -336,7 +336,7 @@ def test_kill_9_writer_and_reader_returns_the_pool_to_zero(daemon: Daemon) -> No
 def test_shm_put_from_a_side_stream_producer_on_a_worker_thread_is_exact(daemon: Daemon) -> None:
     """GPU -> CPU through shm at >= 8 MiB: the device-to-host copy runs on a
     worker thread, which must run it after the producer's side stream."""
-    from relayd_client._client import OFFLOAD_BYTES
+    from relayd_client._writer import OFFLOAD_BYTES
 
     w, r = _stages(daemon, ("side-thinker", True), ("side-talker", False))
     pending = []

@@ -283,10 +283,10 @@ def test_a_writer_short_of_space_gets_the_releases_readers_hold_back(
     The readers' linger is made a minute here: only the daemon's reclaim,
     sent when the writer's Grant has to wait, can bring the releases in time.
     """
-    import relayd_client._client
+    import relayd_client._notices
     import relayd_client._session
 
-    monkeypatch.setattr(relayd_client._client, "NOTICE_LINGER_S", 60.0)
+    monkeypatch.setattr(relayd_client._notices, "NOTICE_LINGER_S", 60.0)
     monkeypatch.setattr(relayd_client._session, "LINGER_MAX_BYTES", 1 << 40)
 
     async def scenario(sock: str) -> None:
@@ -295,7 +295,7 @@ def test_a_writer_short_of_space_gets_the_releases_readers_hold_back(
                 ref = await w.put(make_payload(i, MiB), to_stage="talker", request_id=f"q{i}")
                 assert digest(await r.get(ref)) == digest(make_payload(i, MiB))
             await r.get(await w.put(make_payload(99, MiB), to_stage="talker", request_id="x"))
-            r._session.flush()  # the last release would linger past the check below
+            r._conn.session.flush()  # the last release would linger past the check below
 
     with running_daemon(str(tmp_path), "--grant-size", "1MiB", pool="16MiB") as d:
         asyncio.run(asyncio.wait_for(scenario(d.socket), 25))

@@ -112,10 +112,10 @@ def test_hostile_request_ids_are_escaped_in_tables_and_logs(tmp_path: Path) -> N
     with running_daemon(str(tmp_path)) as d:
         rid = "r\x1b[2J\nFAKE"
         code = (
-            "import asyncio, torch, relayd_client._client as c\n"
-            "c._check_names = lambda *a: None\n"  # what a client without the check does
+            "import asyncio, torch, relayd_client, relayd_client._writer as w\n"
+            "w.check_names = lambda *a: None\n"  # what a client without the check does
             "async def main():\n"
-            f"    async with c.RelayClient('w', {d.socket!r}) as cl:\n"
+            f"    async with relayd_client.RelayClient('w', {d.socket!r}) as cl:\n"
             f"        await cl.put(torch.zeros(1 << 20, dtype=torch.uint8), to_stage='t', "
             f"request_id={rid!r})\n"
             "asyncio.run(main())\n"

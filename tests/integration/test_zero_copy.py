@@ -71,7 +71,7 @@ def test_large_copies_leave_the_loop_by_address_and_views_stay_on_it(
     copies nothing, so it must not leave the loop at all: the hand-off was
     all it cost (~250 us of a 16 MiB view's ~480 us, measured).
     """
-    from relayd_client import _client, _local
+    from relayd_client import _local, _reader, _writer
 
     threaded: list[tuple[object, ...]] = []
     real_to_thread = asyncio.to_thread
@@ -87,10 +87,10 @@ def test_large_copies_leave_the_loop_by_address_and_views_stay_on_it(
             return sum(tensors_in(a) for a in args)
         return 0
 
-    monkeypatch.setattr(_client.asyncio, "to_thread", spy)
+    monkeypatch.setattr(_reader.asyncio, "to_thread", spy)
     # Two stages of one process would hand puts over by reference.
     monkeypatch.setattr(_local, "serves", lambda stage: False)
-    n = _client.OFFLOAD_BYTES // 4 + 1024
+    n = _writer.OFFLOAD_BYTES // 4 + 1024
     payload = torch.arange(n, dtype=torch.int32)
 
     async def scenario(sock: str) -> None:
@@ -105,7 +105,7 @@ def test_large_copies_leave_the_loop_by_address_and_views_stay_on_it(
             threaded.clear()
             async with r.view(DataRef.from_bytes(refs[0].to_bytes())) as obj:
                 x = obj["x"]
-                seg = r._views[refs[0].proto.lease.segment]
+                seg = r._conn.views[refs[0].proto.lease.segment]
                 start = seg.data_ptr()
                 assert start <= x.data_ptr() < start + seg.numel()  # in place, not a copy
                 assert torch.equal(x, payload)

@@ -417,19 +417,21 @@ def test_refilled_fresh_only_when_every_list_and_dict_holds_a_placeholder() -> N
 
 
 def test_remembered_headers_never_share_a_container_between_gets() -> None:
+    import threading
+
     import torch
-    from relayd_client._client import RelayClient
+    from relayd_client._checks import ReadChecks
     from relayd_client._flatten import rebuild
     from relayd_client.wire.proto import relay_pb2 as pb
 
-    c = RelayClient("x", "/nonexistent")
+    c = ReadChecks(threading.RLock())
     for tree in (
         {"t": TensorSlot(0), "meta": {"a": [1]}},
         {"t": TensorSlot(0), "l": [TensorSlot(0)]},
     ):
         m = pb.DataRef(header_codec=pb.HEADER_CODEC_SAFE, header=encode(tree))
-        first = rebuild(c._decode_header(m), [torch.ones(1)])
-        second = rebuild(c._decode_header(m), [torch.ones(1)])
+        first = rebuild(c.decode_header(m), [torch.ones(1)])
+        second = rebuild(c.decode_header(m), [torch.ones(1)])
         for key in first:
             if isinstance(first[key], dict | list):
                 assert first[key] is not second[key]

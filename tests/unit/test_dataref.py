@@ -98,26 +98,26 @@ def test_any_bit_flip_or_garbage_gives_only_relay_errors(junk: bytes, pos: int, 
 
 
 def test_remembered_layout_verdicts_never_let_a_different_layout_through() -> None:
-    import types
+    import threading
 
-    from relayd_client._client import RelayClient
+    from relayd_client._checks import ReadChecks
 
-    client = types.SimpleNamespace(_valid_layouts={})
-    check = RelayClient._checked_specs
+    checks = ReadChecks(threading.RLock())
+    check = checks.checked_specs
     m = pb.DataRef(tensors=[pb.TensorLayout(index=0, shape=[4, 4], dtype="float32", offset=0,
                                             nbytes=64, device="cpu")])  # fmt: skip
-    assert check(client, m, 64)[0].nbytes == 64  # type: ignore[arg-type]
-    assert check(client, m, 64)[0].shape == (4, 4)  # type: ignore[arg-type]  # remembered
-    assert len(client._valid_layouts) == 1
+    assert check(m, 64)[0].nbytes == 64
+    assert check(m, 64)[0].shape == (4, 4)  # remembered
+    assert len(checks.valid_layouts) == 1
     with pytest.raises(CorruptRefError, match="outside the region"):
-        check(client, m, 63)  # type: ignore[arg-type]  # same layout, smaller region
+        check(m, 63)  # same layout, smaller region
     m.tensors[0].offset = 4  # one field off: a new key, checked afresh
     with pytest.raises(CorruptRefError, match="outside the region"):
-        check(client, m, 64)  # type: ignore[arg-type]
+        check(m, 64)
     m.tensors[0].offset, m.tensors[0].nbytes = 0, 60
     with pytest.raises(CorruptRefError, match="does not match"):
-        check(client, m, 64)  # type: ignore[arg-type]
-    assert len(client._valid_layouts) == 1  # refused layouts are not remembered
+        check(m, 64)
+    assert len(checks.valid_layouts) == 1  # refused layouts are not remembered
 
 
 @pytest.mark.parametrize("field", ["request_id", "to_stage", "object_id"])

@@ -47,7 +47,8 @@ from typing import Any
 import torch
 from sglang_omni.relay.base import Relay, RelayOperation, register_relay
 
-from .._client import ClientState, RelayClient
+from .._client import RelayClient
+from .._connection import ClientState
 from ..wire.dataref import DataRef
 from ..wire.errors import (
     AbortedError,

@@ -39,7 +39,7 @@ from typing import Any
 
 from vllm_omni.distributed.omni_connectors.connectors.base import OmniConnectorBase
 
-from .._client import ClientState, default_socket
+from .._connection import ClientState, default_socket
 from .._sync import SyncRelayClient
 from ..wire.dataref import DataRef
 from ..wire.errors import (

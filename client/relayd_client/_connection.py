@@ -1,0 +1,372 @@
+"""A client's connection to its node's daemon: attach, re-attach, teardown.
+
+:class:`Connection` owns what one session with the daemon consists of - the
+gRPC channel, the attach answer, the mapped arena segments, the session
+socket, the GPU side - and the client's lifecycle (``ClientState``). When the
+daemon goes away it re-attaches in the background with bounded backoff, and
+every public call of the client passes the one gate, :meth:`Connection.ready`:
+usable now, or wait for the re-attach up to the call's own deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import functools
+import logging
+import os
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import grpc
+
+from . import _cuda, _cuda_facts
+from ._grants import Grant, Grants, Lease, LeaseTable
+from ._session import SessionChannel
+from .wire import peercred
+from .wire.errors import DaemonUnavailableError, RelayError, SessionClosedError
+from .wire.framing import session_socket_path
+from .wire.paths import default_socket_path
+from .wire.proto import relay_pb2 as pb
+from .wire.proto import relay_pb2_grpc as pb_grpc
+from .wire.shm import PROBE_BYTES, SHM_POOL, MappedSegment
+from .wire.status import from_rpc_error
+from .wire.version import PROTOCOL_VERSION
+
+log = logging.getLogger(__name__)
+
+# Re-attach after the daemon went away: retries back off from the first delay
+# to the last and keep going while the client is open; each call waits for
+# the re-attach only up to its own deadline.
+RECONNECT_FIRST_DELAY = 0.05
+RECONNECT_MAX_DELAY = 2.0
+RECONNECT_CALLER_DELAY = 0.1  # between attempts while a call waits for one
+# The socket fallback moves whole packed regions in one gRPC message.
+_MAX_MESSAGE = 1 << 30
+_CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", _MAX_MESSAGE),
+    ("grpc.max_receive_message_length", _MAX_MESSAGE),
+]
+
+
+class ClientState(enum.Enum):
+    UNOPENED = "unopened"
+    OPENED = "opened"
+    CLOSED = "closed"
+
+
+def default_socket() -> str:
+    """``$RELAYD_SOCKET``, else where ``relayd serve`` listens on its embedded default."""
+    return os.environ.get("RELAYD_SOCKET") or default_socket_path()
+
+
+class Connection:
+    """One client's session with the daemon, re-attached whenever the daemon comes back.
+
+    ``on_frame`` handles the daemon's session frames; ``on_reset`` runs after
+    a re-attach dropped the old session (grants and leases died with it).
+    """
+
+    def __init__(
+        self,
+        stages: Sequence[str],
+        socket: str,
+        timeout: float,
+        daemon_uid: int | None,
+        table: LeaseTable,
+        on_frame: Callable[[pb.SessionFrame], None],
+        on_reset: Callable[[], None],
+    ) -> None:
+        self.stages = tuple(stages)
+        self.socket = socket
+        self.timeout = timeout
+        # Only a daemon running as one of these uids is sent anything (see wire/peercred.py).
+        self._daemon_uid = daemon_uid
+        self._trusted = peercred.trusted_uids(socket, daemon_uid)  # a bad uid fails here
+        self._pinned: peercred.PinnedSocket | None = None
+        self.state = ClientState.UNOPENED
+        self._channel: grpc.aio.Channel | None = None
+        self.stub: pb_grpc.RelayStub | None = None
+        self.lock: threading.RLock = table.lock
+        self._on_frame = on_frame
+        self._on_reset = on_reset
+        self.session = SessionChannel(on_frame, self._on_lost, self.lock)
+        self.grants = Grants(table, self, self.require_open)
+        self.attach: pb.AttachResponse | None = None
+        self.segments: list[MappedSegment] = []
+        self.views: list[Any] = []
+        self.gpu: _cuda.GpuSide | None = None
+        self.draining = False
+        self.lost = False
+        # True when this process cannot map the arena: bytes go over gRPC.
+        self.socket_fallback = False
+        self._reconnect_task: asyncio.Task[None] | None = None
+        self._reconnect_now = asyncio.Event()  # a call came: try again at once
+        self._reattach_waiters = 0  # calls waiting for the re-attach
+
+    # -- facts ----------------------------------------------------------------------
+
+    @property
+    def node_id(self) -> str:
+        return self.attach.node_id if self.attach else ""
+
+    @property
+    def daemon_epoch(self) -> str:
+        return self.attach.daemon_epoch if self.attach else ""
+
+    @property
+    def session_id(self) -> str:
+        return self.attach.session_id if self.attach else ""
+
+    # -- the gate every call passes -------------------------------------------------
+
+    def require_open(self) -> pb.AttachResponse:
+        """The attach answer of a usable session; raises when there is none right now."""
+        if self.state is not ClientState.OPENED or self.attach is None:
+            raise SessionClosedError(f"RelayClient is {self.state.value}; use `async with`")
+        if self.lost:
+            raise DaemonUnavailableError(
+                "the relayd daemon went away; re-attaching in the background"
+            )
+        return self.attach
+
+    def usable(self) -> pb.AttachResponse | None:
+        """The attach answer when no re-attach is pending: the gate without a coroutine.
+
+        Callers write ``conn.usable() or await conn.ready(timeout)``; an await
+        that never suspends still costs about half a microsecond per put.
+        """
+        return None if self.lost else self.require_open()
+
+    async def ready(self, timeout: float | None) -> pb.AttachResponse:
+        """Wait, up to the call's deadline, for a re-attach in progress; then as usable()."""
+        if self.lost and self.state is ClientState.OPENED:
+            if self._reconnect_task is None or self._reconnect_task.done():
+                self._reconnect_task = asyncio.get_running_loop().create_task(self._reconnect())
+            self._reconnect_now.set()
+            self._reattach_waiters += 1
+            limit = self.timeout if timeout is None else timeout
+            try:
+                await asyncio.wait_for(asyncio.shield(self._reconnect_task), max(limit, 0.0))
+            except TimeoutError:
+                raise DaemonUnavailableError(
+                    f"the relayd daemon went away and did not come back within {limit:.3g}s"
+                ) from None
+            finally:
+                self._reattach_waiters -= 1
+        return self.require_open()
+
+    # -- lifecycle ------------------------------------------------------------------
+
+    async def open(self) -> None:
+        if self.state is ClientState.OPENED:
+            return
+        if self.state is ClientState.CLOSED:
+            raise SessionClosedError("a closed RelayClient cannot be reopened; make a new one")
+        await self._connect()
+        self.state = ClientState.OPENED
+
+    async def close(self) -> None:
+        """Stop re-attaching and end the session (the state is CLOSED already)."""
+        if self._reconnect_task is not None:
+            self._reconnect_task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._reconnect_task
+        await self._teardown()
+
+    async def _connect(self) -> None:
+        """Attach, map the arena, bind the session socket; undo everything on failure."""
+        # Again at every (re)connect: the socket's directory may appear after the client.
+        self._trusted = peercred.trusted_uids(self.socket, self._daemon_uid)
+        self._pinned = peercred.PinnedSocket(self.socket, self._trusted, self.timeout)
+        self._channel = grpc.aio.insecure_channel(
+            f"unix:{self._pinned.address}", options=_CHANNEL_OPTIONS
+        )
+        self.stub = pb_grpc.RelayStub(self._channel)
+        try:
+            self.attach = a = await self.stub.Attach(
+                pb.AttachRequest(
+                    protocol_version=PROTOCOL_VERSION,
+                    stages=list(self.stages),
+                    pid=os.getpid(),
+                    namespaces=_namespaces(),
+                    gpu_uuids=list(_cuda_facts.used_gpus()),
+                ),
+                timeout=self.timeout,
+            )
+            self.grants.configure(a.slot_size, a.default_grant_bytes)
+            nonce = self._map_segments(a)
+            await self.session.connect(
+                session_socket_path(self.socket),
+                a.session_id,
+                a.session_token,
+                self.timeout,
+                shm_nonce=nonce,
+                trusted=self._trusted,
+            )
+        except grpc.RpcError as exc:
+            await self._teardown()
+            raise from_rpc_error(exc) from None
+        except BaseException:
+            await self._teardown()
+            raise
+        if self.socket_fallback:
+            self._unmap()
+        elif self.views:
+            self.gpu = _cuda.GpuSide(a, self.views)
+
+    def _map_segments(self, a: pb.AttachResponse) -> bytes:
+        """Map the arena; returns the probe nonce read from it (empty if it cannot be mapped).
+
+        A process in another IPC/mount namespace (a container without the
+        host's /dev/shm) cannot open the segments, or opens a same-named file
+        that is not the daemon's: the daemon compares the nonce and answers
+        with the session's data path in the BOUND event.
+        """
+        import torch
+
+        try:
+            for seg in sorted(a.segments, key=lambda s: s.index):
+                mapped = MappedSegment(seg.name, seg.size, seg.index, a.slot_size)
+                self.segments.append(mapped)
+                self.views.append(torch.frombuffer(mapped.mm, dtype=torch.uint8))
+            if not self.segments:
+                return b""
+            probe = a.probe_offset
+            return bytes(self.segments[0].mm[probe : probe + PROBE_BYTES])
+        except (OSError, ValueError) as exc:
+            log.warning("cannot map the relayd arena (%s); moving bytes over the socket", exc)
+            self._unmap()
+            return b""
+
+    def _unmap(self) -> None:
+        if self.gpu is not None:
+            self.gpu.close()  # unpins the arena: before the views go
+            self.gpu = None
+        self.views.clear()
+        for seg in self.segments:
+            seg.close()
+        self.segments.clear()
+
+    async def _teardown(self) -> None:
+        await self.grants.cancel_calls()
+        if self.gpu is not None:
+            # GPU grants go back with the session: no copy may still be queued into them.
+            await self.gpu.settle(self.timeout)
+        await self.session.close()
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
+        if self._pinned is not None:
+            self._pinned.close()
+            self._pinned = None
+        self._unmap()
+
+    # -- re-attach after the daemon went away ---------------------------------------
+
+    def _on_lost(self) -> None:
+        if self.state is ClientState.OPENED:
+            log.warning("relayd session lost (daemon stopped or restarted)")
+        self.lost = True
+        self.grants.space.set()  # a put waiting for space fails at once
+        if self.state is ClientState.OPENED and (
+            self._reconnect_task is None or self._reconnect_task.done()
+        ):
+            self._reconnect_task = asyncio.get_running_loop().create_task(self._reconnect())
+
+    async def _reconnect(self) -> None:
+        """Re-attach with bounded backoff until it works or the client is closed.
+
+        Everything of the old session is dropped: its grants and leases died with
+        the daemon, and DataRefs of the old epoch now fail with StaleEpochError.
+        """
+        delay = RECONNECT_FIRST_DELAY
+        while self.state is ClientState.OPENED:
+            self._reconnect_now.clear()  # a call from now on cuts the next wait short
+            # A put may be waiting on the grant call: let it fail by itself once
+            # the channel is closed (a cancel would reach that put as
+            # CancelledError), and only then forget the old grants.
+            pending = self.grants.detach(SHM_POOL)
+            await self._teardown()
+            if pending is not None:
+                with contextlib.suppress(BaseException):
+                    await pending.task
+            self.grants.table.clear()
+            self._on_reset()
+            self.session = SessionChannel(self._on_frame, self._on_lost, self.lock)
+            try:
+                await self._connect()
+            except (RelayError, OSError, ValueError) as exc:
+                # Backoff between attempts while nobody needs the daemon; a call
+                # that does cuts it short and keeps attempts frequent until
+                # it has its answer, so the first call after a restart does
+                # not wait out a backoff grown while the daemon was gone.
+                wait = RECONNECT_CALLER_DELAY if self._reattach_waiters else delay
+                log.debug("re-attach failed (%s); retrying in %.2fs", exc, wait)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._reconnect_now.wait(), wait)
+                delay = min(delay * 2, RECONNECT_MAX_DELAY)
+                continue
+            self.lost = False
+            self.draining = False
+            log.info("re-attached to relayd (epoch %s)", self.daemon_epoch)
+            return
+
+    # -- what the grant wait asks of the session (see _grants.GrantSource) ----------
+
+    async def request_grant(self, min_bytes: int, timeout: float, pool: str) -> Grant:
+        a = self.require_open()
+        assert self.stub is not None
+        try:
+            resp: pb.GrantResponse = await self.stub.Grant(
+                pb.GrantRequest(
+                    session_id=a.session_id,
+                    session_token=a.session_token,
+                    min_bytes=min_bytes,
+                    timeout_seconds=timeout,
+                    pool=pool,
+                ),
+                timeout=timeout + 1.0,
+            )
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+        if resp.pool not in ("", SHM_POOL):
+            if self.gpu is None or not self.gpu.fits(resp.pool, resp.slot, resp.nslots):
+                raise RelayError(f"daemon granted a run outside GPU pool {resp.pool!r}")
+        elif (
+            resp.segment >= len(self.segments)
+            or resp.slot + resp.nslots > self.segments[resp.segment].nslots
+        ):
+            raise RelayError("daemon granted a run outside its arena")
+        return Grant(
+            resp.grant_id, resp.segment, resp.slot, resp.nslots, resp.generation_base, resp.pool
+        )
+
+    def return_grant(self, grant_id: int) -> None:
+        with self.lock:
+            self.session.pending.return_grant.add(grant_id=grant_id)
+            self.session.mark()
+
+    def flush(self) -> None:
+        self.session.flush()
+
+    def free_lease(self, lease: Lease) -> None:
+        """Give a lease's slots back to its grant (a GPU lease once its copy is done)."""
+        if self.gpu is not None and lease.grant.pool != SHM_POOL:
+            # Not before the writer's copy into these slots is complete.
+            self.gpu.free_slots(lease.id, functools.partial(self.grants.slots_back, lease))
+            return
+        self.grants.slots_back(lease)
+
+    def rpc_timeout(self, timeout: float | None) -> float:
+        return self.timeout if timeout is None else timeout
+
+
+def _namespaces() -> dict[str, str]:
+    out = {}
+    for ns in ("pid", "ipc", "mnt"):
+        with contextlib.suppress(OSError):
+            out[ns] = os.readlink(f"/proc/self/ns/{ns}")
+    return out

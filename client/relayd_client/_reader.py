@@ -1,0 +1,363 @@
+"""The reading side of a client: check a DataRef, read its bytes, release its lease.
+
+Every get is checked whole before anything is claimed, released, fetched or
+copied (:meth:`Reader.checked_ref`), so a forged DataRef consumes nothing.
+Then by transport: a same-process object (:mod:`_local`), inline bytes read
+once, a same-node lease (the slot header checked before and after the copy:
+the seqlock), a lease pulled from another node first (:mod:`_remote`), the
+GPU paths (:mod:`_gpu_paths`), or the socket fallback. The blocking client
+runs the inline and same-node steps on its caller's thread with the same
+methods (:meth:`Reader.read_here`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from . import _copies, _cuda_facts, _cuda_staging, _flatten, _local, _packing, _remote
+from ._aborts import AbortedRequests
+from ._checks import ReadChecks
+from ._notices import Notices
+from ._refs import TensorRef, substitute
+from ._writer import OFFLOAD_BYTES
+from .wire.dataref import KIND_DATA, DataRef
+from .wire.errors import (
+    CorruptRefError,
+    InvalidArgumentError,
+    PeerUnavailableError,
+    PermissionDeniedError,
+    StaleEpochError,
+    StaleRefError,
+)
+from .wire.proto import relay_pb2 as pb
+from .wire.shm import MappedSegment
+from .wire.status import from_rpc_error
+from .wire.transport import Transport
+
+if TYPE_CHECKING:
+    from ._connection import Connection
+    from ._gpu_paths import GpuPaths
+
+
+class Reader:
+    """Gets of one client; collaborators are the connection's parts, not the client."""
+
+    def __init__(
+        self,
+        conn: Connection,
+        checks: ReadChecks,
+        notices: Notices,
+        aborts: AbortedRequests,
+        gpu: GpuPaths,
+    ) -> None:
+        self._conn = conn
+        self._stages = conn.stages
+        self.checks = checks
+        self._notices = notices
+        self._aborts = aborts
+        self._gpu = gpu
+        self.held: set[int] = set()  # lease ids of zero-copy gets not released yet
+        # cross-node: object id -> the local DataRef a zero-copy get fetched it into
+        self._fetched: dict[str, pb.DataRef] = {}
+
+    # -- checks before anything is read ------------------------------------------------
+
+    def check_addressed(self, m: pb.DataRef) -> None:
+        if m.to_stage not in self._stages:
+            raise PermissionDeniedError(
+                f"DataRef is addressed to stage {m.to_stage!r}; this client serves {self._stages}"
+            )
+
+    def check_readable(self, m: pb.DataRef) -> None:
+        self.check_addressed(m)
+        if m.kind != KIND_DATA:
+            raise InvalidArgumentError(
+                "a done/error signal carries no payload; hand it to feed() and read stream()"
+            )
+        # Whether or not the daemon has freed it yet (the writer's notices may
+        # still be on the way), an aborted request's data is not read here.
+        self._aborts.check(m.request_id)
+
+    def checked_ref(self, m: pb.DataRef) -> Any:
+        """``m``'s decoded header, once it names only tensors and refs ``m`` carries,
+        and the forwarded refs addressed to this client are sound too.
+
+        The layout is checked against the lease where the lease is read
+        (:meth:`lease_region`, :meth:`_get_socket`, the GPU paths), before
+        any claim; a foreign lease is pulled first, so its layout is checked here.
+        """
+        checks = self.checks
+        tree = checks.decode_header(m)
+        need_tensors, need_refs = checks.slot_bounds(m, tree)
+        if need_tensors > len(m.tensors) or need_refs > len(m.refs):
+            raise CorruptRefError(
+                f"payload header refers to {need_tensors} tensors and {need_refs} forwarded "
+                f"refs, but the DataRef has {len(m.tensors)} and {len(m.refs)}"
+            )
+        if m.transport == pb.TRANSPORT_SHM and _remote.is_foreign(m, self._conn.node_id):
+            checks.checked_specs(m, m.lease.length)
+        for r in m.refs:
+            if r.to_stage in self._stages and r.kind == KIND_DATA:
+                self.checked_ref(r)
+        return tree
+
+    def lease_region(self, m: pb.DataRef) -> tuple[MappedSegment, int, list[_packing.TensorSpec]]:
+        """The lease's segment, where its data starts there, and its validated layout."""
+        conn = self._conn
+        a = conn.require_open()
+        origin = m.origin
+        self.checks.check_not_released(m, a.daemon_epoch)
+        if origin.daemon_epoch != a.daemon_epoch:
+            if origin.node_id == a.node_id:
+                raise StaleEpochError(
+                    f"DataRef comes from daemon epoch {origin.daemon_epoch!r}; the daemon restarted "
+                    f"(now {a.daemon_epoch!r}) and its data is gone"
+                )
+            raise PeerUnavailableError(
+                f"DataRef comes from node {origin.node_id!r}; cross-node "
+                "reads need the Mooncake transport"
+            )
+        lease = m.lease
+        segments = conn.segments
+        if lease.segment >= len(segments):
+            raise CorruptRefError(f"DataRef names segment {lease.segment} of {len(segments)}")
+        seg = segments[lease.segment]
+        if lease.slot + lease.nslots > seg.nslots or lease.length > lease.nslots * seg.slot_size:
+            raise CorruptRefError("DataRef lease lies outside the arena")
+        if lease.offset != seg.slot_offset(lease.slot):
+            raise CorruptRefError("DataRef lease offset does not match its slot")
+        specs = self.checks.checked_specs(m, lease.length)
+        gen, length = seg.read_header(lease.slot)
+        if gen != lease.generation or length != lease.length:
+            self._aborts.check(m.request_id)
+            raise StaleRefError(
+                "DataRef's lease was already read, reclaimed (TTL) or aborted; it cannot be read again"
+            )
+        return seg, lease.offset, specs
+
+    # -- get --------------------------------------------------------------------------
+
+    async def get(self, ref: DataRef, copy: bool) -> Any:
+        m = ref.proto
+        self.check_readable(m)
+        if ref.transport is Transport.LOCAL_OBJECT:
+            return self.take_local(m)
+        tree = self.checked_ref(m)
+        if m.refs:
+            return await self._get_forwarded(m, tree, copy)
+        return await self._read(ref, tree, copy)
+
+    def take_local(self, m: pb.DataRef) -> Any:
+        with contextlib.suppress(KeyError):
+            return _local.take(m.object_id)
+        self._aborts.check(m.request_id)
+        raise StaleRefError(
+            "local_object DataRef is not held in this process (read already, or it comes "
+            "from another process)"
+        )
+
+    def here(self, ref: DataRef) -> bool:
+        """Whether :meth:`read_here` can read ``ref`` on the calling thread (no await)."""
+        transport = ref.transport
+        if ref.proto.refs or self._conn.socket_fallback:
+            return False
+        return transport is Transport.INLINE or (
+            transport is Transport.SHM and not _remote.is_foreign(ref, self._conn.node_id)
+        )
+
+    def read_here(self, m: pb.DataRef, tree: Any, copy: bool) -> Any:
+        """An inline or same-node lease's payload, read on this thread.
+
+        Returns None when a lease's tensors go to a GPU (the caller awaits
+        :meth:`get` instead), and an :class:`InlineOnGpu` for inline tensors
+        still to be moved to their GPU.
+        """
+        if m.transport == pb.TRANSPORT_INLINE:
+            specs, tensors = self._read_inline(m)
+            if _cuda_facts.restores_on_gpu(specs):  # small CUDA leaves travel inline too
+                return InlineOnGpu(tree, specs, tensors)
+            return _flatten.rebuild(tree, tensors)
+        seg, start, specs = self.lease_region(m)
+        if _cuda_facts.restores_on_gpu(specs):
+            return None
+        if copy and m.lease.length >= OFFLOAD_BYTES:
+            # A long copy: the daemon learns who reads the lease first.
+            self._notices.claim(m)
+        view = self._conn.views[m.lease.segment]
+        tensors = self.read_region(m, view, start, specs, copy)
+        self.end_read(m, seg, copy)
+        return _flatten.rebuild(tree, tensors)
+
+    async def _read(self, ref: DataRef, tree: Any, copy: bool) -> Any:
+        """The payload of a DataRef without forwarded refs, checked by :meth:`checked_ref`."""
+        m = ref.proto
+        transport = ref.transport
+        conn = self._conn
+        if transport is Transport.INLINE:
+            got = self.read_here(m, tree, copy)
+            if isinstance(got, InlineOnGpu):
+                return await got.restore()
+            return got
+        # Cross-node: the local daemon pulls the lease into its arena first.
+        if transport is Transport.SHM and _remote.is_foreign(ref, conn.node_id):
+            m = await _remote.fetch(conn.session, conn.require_open(), ref, conn.timeout)
+            if not copy:
+                self._fetched[m.object_id] = m
+        if transport in (Transport.CUDA_IPC_POOL, Transport.CUDA_IPC_DIRECT):
+            return _flatten.rebuild(tree, await self._gpu.get(m, transport, copy))
+        if transport not in (Transport.SHM, Transport.SOCKET):
+            raise PeerUnavailableError(
+                f"{transport.value} DataRefs are not served by this client yet"
+            )
+        if conn.socket_fallback:
+            return _flatten.rebuild(tree, await self._get_socket(m))
+        seg, start, specs = self.lease_region(m)
+        lease = m.lease
+        view = conn.views[lease.segment]
+        # CUDA leaves go straight from the (pinned) arena to this process's GPU.
+        on_gpu = _cuda_facts.restores_on_gpu(specs)
+        host_copy = copy and not on_gpu
+        if host_copy and lease.length >= OFFLOAD_BYTES:
+            # Only a copy is worth a thread: a view is the same few
+            # microseconds at any size, and the hand-off alone costs ~100.
+            self._notices.claim(m)
+            # Allocated on this thread (see _copies.allocate), copied on a
+            # worker that is given addresses only (see _packing.Copy).
+            tensors = _copies.allocate(specs)
+            plan = _copies.copy_plan(view.data_ptr() + start, specs, tensors)
+            await asyncio.to_thread(_copies.run_copies, plan)
+        else:
+            tensors = self.read_region(m, view, start, specs, host_copy)
+        if on_gpu:
+            tensors = await _cuda_staging.restore_on_device(tensors, specs, copy)
+        self.end_read(m, seg, copy)
+        return _flatten.rebuild(tree, tensors)
+
+    def _read_inline(self, m: pb.DataRef) -> tuple[list[_packing.TensorSpec], list[Any]]:
+        """An inline DataRef's tensors, once: the same rule as a lease's, kept by the
+        reader because inline bytes never reach the daemon."""
+        key = self.checks.claim_inline(m, "this inline DataRef")
+        try:
+            data = m.inline_data
+            # One allocation and a memcpy per tensor, straight from the bytes.
+            specs = self.checks.checked_specs(m, len(data))
+            return specs, _copies.unpack_bytes(data, specs)
+        except BaseException:
+            self.checks.forget_inline(key)
+            raise
+
+    def read_region(
+        self,
+        m: pb.DataRef,
+        view: Any,
+        start: int,
+        specs: list[_packing.TensorSpec],
+        host_copy: bool,
+    ) -> list[Any]:
+        """Copies (or views) of a validated lease's tensors, on the calling thread."""
+        if host_copy:
+            # By address: no slice of the segment to build (see _copies.pack_at).
+            return _copies.unpack_from(view.data_ptr() + start, specs)
+        # A view (or a GPU restore) outlives this turn: the daemon must
+        # know who holds the lease before its TTL could reclaim it
+        # (seconds), so the claim may linger like a release and often
+        # shares its frame. A short copy is released in this same turn,
+        # and the release alone says all the claim would.
+        self._notices.claim(m, flush=False)
+        region = view[start : start + m.lease.length]
+        return _copies.unpack(region, specs, copy=False, validated=True)
+
+    def end_read(self, m: pb.DataRef, seg: MappedSegment, copy: bool) -> None:
+        """The seqlock's second check, then release a copy or hold a view's lease."""
+        lease = m.lease
+        if seg.read_header(lease.slot)[0] != lease.generation:
+            raise StaleRefError("the lease was reclaimed while it was being read; data discarded")
+        if copy:
+            self._notices.release(m)
+        else:
+            self.held.add(lease.lease_id)
+
+    def release(self, ref: DataRef) -> None:
+        m = self._fetched.pop(ref.proto.object_id, ref.proto)  # cross-node: the local lease
+        if m.lease.lease_id not in self.held:
+            raise StaleRefError("this DataRef is not held by a zero-copy get (released twice?)")
+        self.held.discard(m.lease.lease_id)
+        self._notices.release(m)
+
+    def holds_views(self, ref: DataRef) -> bool:
+        """Whether a zero-copy get of ``ref`` holds a lease that view() must release."""
+        return ref.transport in (Transport.SHM, Transport.SOCKET) and not self._conn.socket_fallback
+
+    async def _get_forwarded(self, m: pb.DataRef, tree: Any, copy: bool) -> Any:
+        """A payload with forwarded refs: ours are materialized, the rest pass through."""
+        plain = pb.DataRef()
+        plain.CopyFrom(m)
+        del plain.refs[:]
+        obj = await self._read(DataRef(plain), tree, copy)
+        values: list[object] = []
+        for r in m.refs:
+            if r.to_stage in self._stages:
+                values.append(await self.get(DataRef(r), True))
+            else:
+                values.append(TensorRef(r))
+        return substitute(obj, values)
+
+    async def _get_socket(self, m: pb.DataRef) -> list[Any]:
+        """Socket fallback: the daemon copies the lease out to us and frees it."""
+        import torch
+
+        conn = self._conn
+        a = conn.require_open()
+        assert conn.stub is not None
+        if m.origin.daemon_epoch != a.daemon_epoch:
+            raise StaleEpochError(
+                f"DataRef comes from daemon epoch {m.origin.daemon_epoch!r}, not {a.daemon_epoch!r}"
+            )
+        specs = self.checks.checked_specs(m, m.lease.length)
+        err: Exception | None = None
+        try:
+            resp = await conn.stub.GetBytes(
+                pb.GetBytesRequest(
+                    session_id=a.session_id,
+                    session_token=a.session_token,
+                    lease=m.lease,
+                    request_id=m.request_id,
+                ),
+                timeout=conn.timeout,
+            )
+        except grpc.RpcError as exc:
+            err = from_rpc_error(exc)
+        else:
+            err = None
+        if err is not None:
+            if isinstance(err, StaleRefError):  # freed by an abort: say so
+                self._aborts.check(m.request_id)
+            raise err
+        data = bytearray(resp.data)
+        if len(data) != m.lease.length:
+            raise CorruptRefError(
+                f"daemon sent {len(data)} bytes for a {m.lease.length}-byte lease"
+            )
+        src = (
+            torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+        )
+        return _copies.unpack(src, specs, copy=False)  # the views own `data`
+
+
+class InlineOnGpu:
+    """Inline tensors read on this thread that still have to be moved to their GPU."""
+
+    __slots__ = ("specs", "tensors", "tree")
+
+    def __init__(self, tree: Any, specs: list[_packing.TensorSpec], tensors: list[Any]) -> None:
+        self.tree = tree
+        self.specs = specs
+        self.tensors = tensors
+
+    async def restore(self) -> Any:
+        tensors = await _cuda_staging.restore_on_device(self.tensors, self.specs, copy=False)
+        return _flatten.rebuild(self.tree, tensors)

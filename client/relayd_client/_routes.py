@@ -1,0 +1,89 @@
+"""The transport of each edge, as the daemon's router answered it, cached.
+
+The daemon's ``route()`` decides; this client asks once per (to_stage,
+payload kind) and keeps the answer until a session event announces a new
+registry version, so a put in steady state makes no round trip for it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import grpc
+
+from . import _cuda_facts
+from .wire.proto import relay_pb2 as pb
+from .wire.transport import INLINE_LIMIT
+
+if TYPE_CHECKING:
+    from ._connection import Connection
+
+log = logging.getLogger(__name__)
+
+# (to_stage, has CPU tensors, GPUs holding CUDA tensors)
+RouteKey = tuple[str, bool, tuple[str, ...]]
+
+
+class Routes:
+    """Cached route answers of one client, and the stages it pushes to."""
+
+    def __init__(self, conn: Connection, from_stage: str, cuda_ipc_direct: bool) -> None:
+        self._conn = conn
+        self._from_stage = from_stage
+        self._cuda_ipc_direct = cuda_ipc_direct
+        self.answers: dict[RouteKey, pb.RouteResponse] = {}
+        # Stages the daemon routed to another node: their puts ask for a push.
+        self.remote_stages: set[str] = set()
+        self.registry_version = 0
+
+    def cached(self, key: RouteKey) -> int | None:
+        answer = self.answers.get(key)
+        return None if answer is None else int(answer.transport)
+
+    def registry(self, version: int) -> None:
+        """A session event announced ``version``: answers of another version are stale."""
+        if version != self.registry_version:
+            self.registry_version = version
+            self.answers.clear()
+            self.remote_stages.clear()
+
+    async def ask(self, key: RouteKey) -> int:
+        """The registry's transport for this edge: asked once, then cached until it changes."""
+        cached = self.cached(key)
+        if cached is not None:
+            return cached
+        to_stage, has_cpu, cuda_uuids = key
+        conn = self._conn
+        a = conn.require_open()
+        assert conn.stub is not None
+        version = self.registry_version
+        try:
+            resp: pb.RouteResponse = await conn.stub.Route(
+                pb.RouteRequest(
+                    session_id=a.session_id,
+                    session_token=a.session_token,
+                    from_stage=self._from_stage,
+                    to_stage=to_stage,
+                    encoded_bytes=INLINE_LIMIT + 1,  # inline was ruled out by the caller
+                    has_cpu_tensors=has_cpu,
+                    cuda_uuids=list(cuda_uuids),
+                    inline_meta_bytes=_cuda_facts.direct_meta_estimate(len(cuda_uuids)),
+                    allow_cuda_ipc_direct=self._cuda_ipc_direct,
+                ),
+                timeout=conn.timeout,
+            )
+        except grpc.RpcError as exc:
+            # A daemon that cannot route still serves shm (or the socket);
+            # not cached, so the next put asks again.
+            log.debug("route %s -> %s failed: %s", self._from_stage, to_stage, exc)
+            return pb.TRANSPORT_SOCKET if conn.socket_fallback else pb.TRANSPORT_SHM
+        # An answer computed before a registry change we have seen since is stale.
+        if version == self.registry_version and resp.registry_version >= version:
+            self.registry_version = max(self.registry_version, resp.registry_version)
+            self.answers[key] = resp
+            if resp.transport == pb.TRANSPORT_MOONCAKE:
+                self.remote_stages.add(to_stage)
+            else:
+                self.remote_stages.discard(to_stage)
+        return int(resp.transport)

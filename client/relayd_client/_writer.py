@@ -1,0 +1,509 @@
+"""The writing side of a client: a put's plan, its lease, the copy, the seal.
+
+A put is planned on the caller's thread (:meth:`Writer.plan`: names,
+flatten, header, the remembered :class:`Shape`), routed, and then written by
+one of the paths here: inline bytes in the DataRef, a same-process object
+(:mod:`_local`), a lease cut from a held grant and sealed with its slot header
+(:meth:`Writer.publish`), or the socket fallback. The GPU paths
+(:mod:`_gpu_paths`) use the same leases and notices. The blocking client runs
+the same steps on its caller's thread (:meth:`Writer.lease_now`,
+:meth:`Writer.fill_and_seal`) and hands only the waits to its loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import secrets
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from . import _codec, _copies, _cuda_copy, _cuda_facts, _flatten, _header_tree, _local, _packing
+from ._aborts import AbortedRequests
+from ._checks import SHAPE_HEADER_BYTES
+from ._grants import Lease
+from ._notices import Notices
+from ._refs import TensorRef
+from ._reports import Reports
+from ._routes import RouteKey, Routes
+from .wire.dataref import KIND_DATA, VERSION, DataRef
+from .wire.errors import DrainingError, InvalidArgumentError
+from .wire.names import check_request_id, check_stage
+from .wire.proto import relay_pb2 as pb
+from .wire.shm import SHM_POOL
+from .wire.status import from_rpc_error
+from .wire.transport import INLINE_LIMIT
+
+if TYPE_CHECKING:
+    from ._connection import Connection
+
+ALIGNMENT = 64
+# Copies this large run on a worker thread so the event loop keeps serving
+# other streams; below it the thread hop costs more than the copy.
+OFFLOAD_BYTES = 8 << 20
+_SHAPE_MEMORY = 256  # payload structures remembered per client (see Writer.shape)
+_MAX_TRACE_ID = 128
+MAX_SIGNAL_MESSAGE = 4096  # an error signal's text is cut to this
+
+
+def check_names(to_stage: str, request_id: str) -> None:
+    """The rules attach applies to stage names, here, before anything is written."""
+    check_stage(to_stage, "to_stage")
+    check_request_id(request_id)
+
+
+def check_trace_id(trace_id: str | None) -> str:
+    if trace_id is None:
+        return ""
+    if (
+        not isinstance(trace_id, str)
+        or len(trace_id) > _MAX_TRACE_ID
+        or not (trace_id.isascii() and trace_id.isprintable())
+    ):
+        raise InvalidArgumentError(
+            f"trace_id must be a string of at most {_MAX_TRACE_ID} printable ASCII characters"
+        )
+    return trace_id
+
+
+def leased(route: int) -> pb.Transport:
+    """The transport a leased put publishes: socket when its reader cannot map the arena."""
+    return pb.TRANSPORT_SOCKET if route == pb.TRANSPORT_SOCKET else pb.TRANSPORT_SHM
+
+
+def add_layout(msg: pb.DataRef, specs: Sequence[_packing.TensorSpec]) -> None:
+    for spec in specs:
+        msg.tensors.append(
+            pb.TensorLayout(
+                index=spec.index,
+                shape=spec.shape,
+                dtype=spec.dtype,
+                offset=spec.offset,
+                nbytes=spec.nbytes,
+                device=spec.device,
+            )
+        )
+
+
+class Shape:
+    """What a put derives from its payload's structure alone; remembered per structure.
+
+    A stage puts the same structure over and over (one hidden-state tensor
+    per chunk): the layout, the DataRef's constant fields and the routing
+    facts take microseconds to derive and nothing to look up.
+    """
+
+    __slots__ = ("cuda_uuids", "has_cpu", "specs", "template", "total")
+
+    def __init__(self, template: pb.DataRef, key: ShapeKey, tensors: Sequence[Any]) -> None:
+        _, codec, header, _ = key
+        specs, self.total = _packing.plan_layout(tensors, alignment=ALIGNMENT)
+        self.specs = _cuda_facts.name_gpus(specs)
+        self.has_cpu = any(t.device.type == "cpu" for t in tensors)
+        self.cuda_uuids = _cuda_facts.payload_facts(
+            [s.device for s in self.specs if s.nbytes]
+        ).cuda_uuids
+        # Every field but the per-put ones (object and request id, chunk, transport, lease).
+        self.template = template
+        self.template.ClearField("object_id")
+        self.template.ClearField("request_id")
+        self.template.header_codec = codec
+        self.template.header = header
+        add_layout(self.template, self.specs)
+
+
+# (to_stage, header codec, header, per tensor: dtype, shape, device, layout, nested)
+ShapeKey = tuple[str, "pb.HeaderCodec", bytes, tuple[tuple[Any, ...], ...]]
+
+
+class PutPlan:
+    """A put past its shared, synchronous part: what remains is to route and write it."""
+
+    __slots__ = ("msg", "obj", "refs", "shape", "tensors")
+
+    def __init__(
+        self, obj: Any, msg: pb.DataRef, tensors: list[Any], shape: Shape, refs: list[TensorRef]
+    ) -> None:
+        self.obj = obj
+        self.msg = msg
+        self.tensors = tensors
+        self.shape = shape
+        self.refs = refs
+
+    @property
+    def route_key(self) -> RouteKey:
+        return (self.msg.to_stage, self.shape.has_cpu, self.shape.cuda_uuids)
+
+
+class Writer:
+    """Puts of one client; collaborators are the connection's parts, not the client."""
+
+    def __init__(
+        self,
+        conn: Connection,
+        notices: Notices,
+        aborts: AbortedRequests,
+        reports: Reports,
+        routes: Routes,
+    ) -> None:
+        self._conn = conn
+        self._grants = conn.grants
+        self._lock = conn.lock
+        self._notices = notices
+        self._aborts = aborts
+        self._reports = reports
+        self._routes = routes
+        self._stage = conn.stages[0]
+        # Object ids: unique per client without a uuid4 per put.
+        self._object_prefix = secrets.token_hex(6) + "-"
+        self._object_seq = itertools.count(1)
+        self._shapes: dict[ShapeKey, Shape] = {}
+        self._shapes_for: pb.AttachResponse | None = None
+        self.chunks: dict[tuple[str, str], int] = {}  # one past the highest chunk id put
+
+    # -- plan -------------------------------------------------------------------------
+
+    def plan(
+        self,
+        a: pb.AttachResponse,
+        obj: Any,
+        to_stage: str,
+        request_id: str,
+        chunk_id: int | None,
+        pickle: bool,
+    ) -> DataRef | PutPlan:
+        """The part of a put both clients share: the finished DataRef when it goes inline."""
+        check_names(to_stage, request_id)
+        if chunk_id is not None:
+            if chunk_id < 0:
+                raise InvalidArgumentError("chunk_id must be >= 0")
+            key = (to_stage, request_id)
+            self.chunks[key] = max(self.chunks.get(key, 0), chunk_id + 1)
+        refs: list[TensorRef] = []
+        tree, tensors = _flatten.flatten(obj, refs)
+        if pickle:
+            header, codec = _codec.encode_pickle(tree), pb.HEADER_CODEC_PICKLE
+        else:
+            header, codec = _codec.encode(tree), pb.HEADER_CODEC_SAFE
+        shape = self.shape(a, to_stage, codec, header, tensors)
+        specs, total = shape.specs, shape.total
+        msg = pb.DataRef()
+        msg.CopyFrom(shape.template)
+        msg.object_id = self._object_id()
+        msg.request_id = request_id
+        msg.chunk_id = -1 if chunk_id is None else chunk_id
+        if refs:
+            msg.refs.extend(r.proto for r in refs)
+        if len(header) + total + 64 * len(specs) <= INLINE_LIMIT and not (
+            chunk_id is not None and tensors
+        ):
+            msg.transport = pb.TRANSPORT_INLINE
+            msg.inline_data = _copies.pack_bytes(tensors, specs, total)
+            self._reports.transfer(pb.TRANSPORT_INLINE, total, to_stage)
+            return DataRef(msg)
+        self._aborts.check(request_id)
+        return PutPlan(obj, msg, tensors, shape, refs)
+
+    def shape(
+        self,
+        a: pb.AttachResponse,
+        to_stage: str,
+        codec: pb.HeaderCodec,
+        header: bytes,
+        tensors: Sequence[Any],
+    ) -> Shape:
+        """The remembered :class:`Shape` of this payload structure (made on first sight)."""
+        key: ShapeKey = (
+            to_stage,
+            codec,
+            header,
+            tuple((t.dtype, t.shape, t.device, t.layout, t.is_nested) for t in tensors),
+        )
+        if len(header) > SHAPE_HEADER_BYTES:  # not worth hashing and keeping
+            return Shape(self.new_msg(a, "", to_stage, -1), key, tensors)
+        if self._shapes_for is not a:  # a new session: new origin in every template
+            self._shapes.clear()
+            self._shapes_for = a
+        shape = self._shapes.get(key)
+        if shape is None:
+            shape = Shape(self.new_msg(a, "", to_stage, -1), key, tensors)
+            if len(self._shapes) >= _SHAPE_MEMORY:
+                self._shapes.clear()
+            self._shapes[key] = shape
+        return shape
+
+    def _object_id(self) -> str:
+        return f"{self._object_prefix}{next(self._object_seq)}"
+
+    def new_msg(
+        self,
+        a: pb.AttachResponse,
+        request_id: str,
+        to_stage: str,
+        chunk_id: int,
+        kind: int = KIND_DATA,
+    ) -> pb.DataRef:
+        return pb.DataRef(
+            version=VERSION,
+            object_id=self._object_id(),
+            request_id=request_id,
+            chunk_id=chunk_id,
+            to_stage=to_stage,
+            kind=kind,
+            origin=pb.Origin(
+                node_id=a.node_id,
+                daemon_epoch=a.daemon_epoch,
+                stage=self._stage,
+                peer_address=a.peer_address,
+                mooncake_session=a.mooncake_session,
+            ),
+        )
+
+    def plan_ref(
+        self, a: pb.AttachResponse, tensor: Any, consumer_stage: str, request_id: str
+    ) -> tuple[pb.DataRef, list[_packing.TensorSpec], int]:
+        import torch
+
+        check_names(consumer_stage, request_id)
+        if not isinstance(tensor, torch.Tensor):
+            raise InvalidArgumentError(f"ref() takes a tensor, got {type(tensor).__name__}")
+        specs, total = _packing.plan_layout([tensor], alignment=ALIGNMENT)
+        msg = self.new_msg(a, request_id, consumer_stage, -1)
+        msg.header_codec = pb.HEADER_CODEC_SAFE
+        msg.header = _codec.encode(_header_tree.TensorSlot(0))
+        add_layout(msg, specs)
+        return msg, specs, total
+
+    def plan_buffer(
+        self, a: pb.AttachResponse, to_stage: str, request_id: str, like: Any, chunk_id: int | None
+    ) -> tuple[pb.DataRef, Any, list[_packing.TensorSpec], int]:
+        """A buffer()'s DataRef, header tree and layout, from ``like``'s shapes and dtypes."""
+        import torch
+
+        check_names(to_stage, request_id)
+        if self._conn.socket_fallback:
+            raise InvalidArgumentError(
+                "buffer() needs the shared arena; this client uses the socket fallback"
+            )
+        tree, shapes = _flatten.flatten(like)
+        # Stand-ins with the shape and dtype but one element of storage each:
+        # `like`'s tensors may hold no data at all (device="meta").
+        stand_ins = [torch.empty((), dtype=t.dtype).expand(t.shape) for t in shapes]
+        specs, total = _packing.plan_layout(stand_ins, alignment=ALIGNMENT)
+        msg = self.new_msg(a, request_id, to_stage, -1 if chunk_id is None else chunk_id)
+        msg.header_codec = pb.HEADER_CODEC_SAFE
+        msg.header = _codec.encode(tree)
+        add_layout(msg, specs)
+        return msg, tree, specs, total
+
+    def signal(
+        self, a: pb.AttachResponse, to_stage: str, request_id: str, kind: int, chunks: int | None
+    ) -> pb.DataRef:
+        """A done or error signal: control only, inline, nothing to free."""
+        check_names(to_stage, request_id)
+        n = self.chunks.pop((to_stage, request_id), 0) if chunks is None else chunks
+        if n < 0:
+            raise InvalidArgumentError("chunks must be >= 0")
+        self.chunks.pop((to_stage, request_id), None)
+        msg = self.new_msg(a, request_id, to_stage, n, kind)
+        msg.transport = pb.TRANSPORT_INLINE
+        return msg
+
+    # -- the paths a planned put takes -------------------------------------------------
+
+    def put_here(self, plan: PutPlan, route: int) -> DataRef | None:
+        """The put when it needs no lease (same process); else None."""
+        # The registry says "same process"; the stage must also still be served
+        # here (it may have closed since). A payload with forwarded refs goes
+        # the normal way so that get() at the consumer materializes them.
+        if route != pb.TRANSPORT_LOCAL_OBJECT or plan.refs or not _local.serves(plan.msg.to_stage):
+            return None
+        msg = plan.msg
+        msg.transport = pb.TRANSPORT_LOCAL_OBJECT
+        msg.object_id = f"{_local.process_tag()}-{msg.object_id}"
+        _local.put(plan.obj, msg.to_stage, msg.request_id, msg.object_id)
+        self._reports.transfer(
+            pb.TRANSPORT_LOCAL_OBJECT, _packing.payload_nbytes(plan.shape.specs), msg.to_stage
+        )
+        return DataRef(msg)
+
+    def check_publishable(self, m: pb.DataRef) -> None:
+        """Before a put takes a lease: its request is not aborted, the daemon not draining."""
+        self._aborts.check(m.request_id)
+        if self._conn.draining:
+            raise DrainingError("relayd is draining; no new transfers")
+
+    async def publish(
+        self,
+        msg: pb.DataRef,
+        tensors: Sequence[Any],
+        specs: Sequence[_packing.TensorSpec],
+        total: int,
+        timeout: float | None,
+        *,
+        ref: bool = False,
+        transport: pb.Transport = pb.TRANSPORT_SHM,
+        trace_id: str = "",
+    ) -> DataRef:
+        """Write the packed tensors into a lease (or hand them to the daemon) and publish."""
+        self.check_publishable(msg)
+        if self._conn.socket_fallback:
+            return await self.publish_socket(
+                msg, tensors, specs, total, timeout, ref=ref, trace_id=trace_id
+            )
+        cut = self.lease_now(msg, total, trace_id)  # room in a grant held: no coroutine to enter
+        lease, start = (
+            cut if cut is not None else await self.open_lease(msg, total, timeout, trace_id)
+        )
+        if total < OFFLOAD_BYTES:
+            return self.fill_and_seal(msg, lease, start, tensors, specs, total, ref, transport)
+        view = self._conn.views[lease.grant.segment]
+        try:
+            # Addresses for the worker where it can (see _packing.Copy).
+            plan = _copies.pack_plan(view, start, total, tensors, specs)
+            if plan is not None:
+                await asyncio.to_thread(_copies.run_copies, plan)
+            else:
+                # CUDA leaves: the copy runs on the caller's streams, after its producer.
+                streams = _cuda_copy.worker_streams(tensors)
+                await asyncio.to_thread(
+                    _cuda_copy.run_on_worker,
+                    streams,
+                    _copies.pack_at,
+                    view,
+                    start,
+                    total,
+                    tensors,
+                    specs,
+                )
+        except BaseException:
+            self.cancel_lease(lease)
+            raise
+        return self.seal(msg, lease, total, ref=ref, transport=transport)
+
+    def fill_and_seal(
+        self,
+        msg: pb.DataRef,
+        lease: Lease,
+        start: int,
+        tensors: Sequence[Any],
+        specs: Sequence[_packing.TensorSpec],
+        total: int,
+        ref: bool = False,
+        transport: pb.Transport = pb.TRANSPORT_SHM,
+    ) -> DataRef:
+        """Copy into the lease on this thread, then seal it; a failed copy cancels it."""
+        view = self._conn.views[lease.grant.segment]  # held: outlives a concurrent close
+        try:
+            if total:
+                _copies.pack_at(view, start, total, tensors, specs)
+        except BaseException:
+            self.cancel_lease(lease)
+            raise
+        return self.seal(msg, lease, total, ref=ref, transport=transport)
+
+    async def open_lease(
+        self, msg: pb.DataRef, total: int, timeout: float | None, trace_id: str = ""
+    ) -> tuple[Lease, int]:
+        """Reserve an arena lease for ``msg``; returns it and where its data starts in its segment."""
+        deadline = time.monotonic() + self._conn.rpc_timeout(timeout)
+        lease = await self._grants.reserve(total, deadline)
+        self._notices.reserve(lease, msg, trace_id)
+        return lease, self._conn.segments[lease.grant.segment].slot_offset(lease.slot)
+
+    def lease_now(
+        self, msg: pb.DataRef, total: int, trace_id: str = ""
+    ) -> tuple[Lease, int] | None:
+        """:meth:`open_lease` without waiting: None when no grant held has room."""
+        self._conn.require_open()
+        with self._lock:
+            lease = self._grants.cut(total)
+            if lease is None:
+                return None
+            self._notices.reserve(lease, msg, trace_id)
+        return lease, self._conn.segments[lease.grant.segment].slot_offset(lease.slot)
+
+    def cancel_lease(self, lease: Lease) -> None:
+        self._notices.cancel(lease)
+
+    def seal(
+        self,
+        msg: pb.DataRef,
+        lease: Lease,
+        total: int,
+        *,
+        ref: bool,
+        transport: pb.Transport = pb.TRANSPORT_SHM,
+    ) -> DataRef:
+        """Stamp the generation, fill in the DataRef and publish it."""
+        if msg.request_id in self._aborts:
+            self.cancel_lease(lease)
+            self._aborts.check(msg.request_id)
+        grant = lease.grant
+        seg = self._conn.segments[grant.segment]
+        gen = lease.id
+        seg.write_header(lease.slot, gen, total)
+        msg.transport = transport
+        out = msg.lease
+        out.pool = SHM_POOL
+        out.segment = grant.segment
+        out.slot = lease.slot
+        out.nslots = lease.nslots
+        out.offset = seg.slot_offset(lease.slot)
+        out.length = total
+        out.generation = gen
+        out.lease_id = lease.id
+        # Most clients route no stage to another node: no field read or write then.
+        remote = self._routes.remote_stages
+        push = bool(remote) and (transport == pb.TRANSPORT_SHM and msg.to_stage in remote)
+        if push:  # a fresh message's push is False already
+            msg.push = True
+        # With push, the daemon starts moving the bytes to the consumer's node
+        # when the notice arrives: it must not linger.
+        self._notices.publish(lease.id, total, transport, ref=ref, push=push, now=push)
+        return DataRef(msg)
+
+    async def publish_socket(
+        self,
+        msg: pb.DataRef,
+        tensors: Sequence[Any],
+        specs: Sequence[_packing.TensorSpec],
+        total: int,
+        timeout: float | None,
+        *,
+        ref: bool,
+        trace_id: str = "",
+    ) -> DataRef:
+        """Socket fallback: the daemon writes the packed region into a lease for us."""
+        import torch
+
+        conn = self._conn
+        a = conn.require_open()
+        assert conn.stub is not None
+        buf = bytearray(total)
+        if total:
+            _copies.pack_into(torch.frombuffer(buf, dtype=torch.uint8), tensors, specs)
+        wait = conn.rpc_timeout(timeout)
+        try:
+            resp = await conn.stub.PutBytes(
+                pb.PutBytesRequest(
+                    session_id=a.session_id,
+                    session_token=a.session_token,
+                    request_id=msg.request_id,
+                    to_stage=msg.to_stage,
+                    from_stage=self._stage,
+                    data=bytes(buf),
+                    timeout_seconds=wait,
+                    ref=ref,
+                    trace_id=trace_id,
+                ),
+                timeout=wait + 1.0,
+            )
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+        msg.transport = pb.TRANSPORT_SOCKET
+        msg.lease.CopyFrom(resp.lease)
+        return DataRef(msg)

@@ -1,0 +1,129 @@
+"""Every call right after a daemon restart waits for the re-attach, the same way.
+
+A client learns that its daemon went away from the session socket's EOF and
+re-attaches in the background; a call made meanwhile must wait for that
+(up to its own deadline), never fail because it came first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+import torch
+from relayd_client import RelayClient, SyncRelayClient
+
+from tests._daemon import Daemon, kill9, wait_until
+from tests._daemon import drained as _drained
+from tests._workers import digest
+
+pytestmark = pytest.mark.timeout(180)
+
+MiB = 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def _no_background_reattach(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Backoff far longer than any test: after its first failed attempt (the
+    daemon is still down) the client re-attaches only when a call needs it."""
+    import relayd_client._connection
+
+    monkeypatch.setattr(relayd_client._connection, "RECONNECT_FIRST_DELAY", 60.0)
+    monkeypatch.setattr(relayd_client._connection, "RECONNECT_MAX_DELAY", 60.0)
+
+
+def _tensor(seed: int) -> torch.Tensor:
+    return torch.arange(MiB // 4, dtype=torch.int32) + seed
+
+
+def _restart(d: Daemon, tmp_path: object) -> Daemon:
+    kill9(d.proc)  # type: ignore[arg-type]
+    return Daemon(str(tmp_path)).start()  # same socket
+
+
+async def _restart_async(d: Daemon, tmp_path: object) -> Daemon:
+    """:func:`_restart` with the client's loop running, so it sees the daemon go."""
+    kill9(d.proc)  # type: ignore[arg-type]
+    return await asyncio.to_thread(Daemon(str(tmp_path)).start)
+
+
+def test_ref_right_after_a_daemon_restart_waits_for_the_reattach(tmp_path: object) -> None:
+    d = Daemon(str(tmp_path)).start()
+
+    async def scenario() -> None:
+        nonlocal d
+        async with (
+            RelayClient("thinker", d.socket, timeout=20) as w,
+            RelayClient("talker", d.socket, timeout=20) as r,
+        ):
+            first = await w.ref(_tensor(1), consumer_stage="talker", request_id="before")
+            assert digest(await r.get(first.data_ref())) == digest(_tensor(1))
+            old_epoch = w.daemon_epoch
+            d = await _restart_async(d, tmp_path)
+            second = await w.ref(_tensor(2), consumer_stage="talker", request_id="after")
+            assert w.daemon_epoch != old_epoch
+            assert digest(await r.get(second.data_ref())) == digest(_tensor(2))
+
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), 120))
+        wait_until(lambda: _drained(d), 10, "arena back to zero")
+    finally:
+        d.stop()
+
+
+def test_blocking_ref_right_after_a_daemon_restart_waits_for_the_reattach(
+    tmp_path: object,
+) -> None:
+    d = Daemon(str(tmp_path)).start()
+    try:
+        with (
+            SyncRelayClient("thinker", d.socket, timeout=20) as w,
+            SyncRelayClient("talker", d.socket, timeout=20) as r,
+        ):
+            first = w.ref(_tensor(1), consumer_stage="talker", request_id="before")
+            assert digest(r.get(first.data_ref())) == digest(_tensor(1))
+            old_epoch = w.daemon_epoch
+            d = _restart(d, tmp_path)
+            second = w.ref(_tensor(2), consumer_stage="talker", request_id="after")
+            assert w.daemon_epoch != old_epoch
+            assert digest(r.get(second.data_ref())) == digest(_tensor(2))
+        wait_until(lambda: _drained(d), 10, "arena back to zero")
+    finally:
+        d.stop()
+
+
+async def _buffer(c: RelayClient) -> Any:
+    async with c.buffer(to_stage="talker", request_id="b", like={"x": _tensor(0)}) as out:
+        out.payload["x"].copy_(_tensor(3))
+    return out.ref
+
+
+# Each public call that needs the daemon, made first thing after a restart.
+CALLS: dict[str, Callable[[RelayClient], Awaitable[Any]]] = {
+    "put": lambda c: c.put({"x": _tensor(4)}, to_stage="talker", request_id="p"),
+    "buffer": _buffer,
+    "status": lambda c: c.status(),
+    "abort": lambda c: c.abort("p"),
+}
+
+
+@pytest.mark.parametrize("name", list(CALLS))
+def test_each_call_right_after_a_daemon_restart_waits_for_the_reattach(
+    tmp_path: object, name: str
+) -> None:
+    d = Daemon(str(tmp_path)).start()
+
+    async def scenario() -> None:
+        nonlocal d
+        async with RelayClient("thinker", d.socket, timeout=20) as c:
+            old_epoch = c.daemon_epoch
+            d = await _restart_async(d, tmp_path)
+            await CALLS[name](c)
+            assert c.daemon_epoch != old_epoch
+
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), 120))
+    finally:
+        d.stop()
