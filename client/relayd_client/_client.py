@@ -22,8 +22,6 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-import grpc
-
 from . import _copies, _flatten, _keyed, _local
 from ._aborts import AbortedRequests
 from ._checks import ReadChecks
@@ -39,10 +37,9 @@ from ._streams import Streams
 from ._writer import MAX_SIGNAL_MESSAGE, PutPlan, Writer, check_names, check_trace_id, leased
 from .wire import latency
 from .wire.dataref import KIND_DONE, KIND_ERROR, DataRef
-from .wire.errors import InvalidArgumentError, RelayTimeoutError
+from .wire.errors import InvalidArgumentError, RelayError, RelayTimeoutError
 from .wire.names import check_key, check_request_id, check_stage
 from .wire.proto import relay_pb2 as pb
-from .wire.status import from_rpc_error
 from .wire.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -253,16 +250,8 @@ class RelayClient:
             gpu_ref = await self._gpu_paths.put(plan, timeout, route)
             if gpu_ref is not None:
                 return gpu_ref
-        shape = plan.shape
-        return await self._writer.publish(
-            plan.msg,
-            plan.tensors,
-            shape.specs,
-            shape.total,
-            timeout,
-            transport=leased(route),
-            trace_id=trace_id,
-        )
+        plan.transport, plan.trace_id = leased(route), trace_id
+        return await self._writer.publish(plan, timeout)
 
     @contextlib.asynccontextmanager
     async def buffer(
@@ -287,10 +276,10 @@ class RelayClient:
 
         w = self._writer
         a = self._conn.usable() or await self._conn.ready(timeout)
-        msg, tree, specs, total = w.plan_buffer(a, to_stage, request_id, like, chunk_id)
-        lease, start = await w.open_lease(msg, total, timeout)
-        region = self._conn.views[lease.grant.segment][start : start + total]
-        out = OutBuffer(_flatten.rebuild(tree, _copies.unpack(region, specs, copy=False)))
+        plan, tree = w.plan_buffer(a, to_stage, request_id, like, chunk_id)
+        lease, start = await w.open_lease(plan, timeout)
+        region = self._conn.views[lease.grant.segment][start : start + plan.total]
+        out = OutBuffer(_flatten.rebuild(tree, _copies.unpack(region, plan.specs, copy=False)))
         try:
             yield out
         except BaseException:
@@ -298,7 +287,7 @@ class RelayClient:
             w.cancel_lease(lease)
             raise
         out.payload = None
-        out.ref = w.seal(msg, lease, total, ref=False)
+        out.ref = w.seal(plan.msg, lease, plan.total, ref=False)
 
     async def ref(
         self,
@@ -316,11 +305,9 @@ class RelayClient:
         ``abort(request_id)`` frees it if it was not consumed.
         """
         a = self._conn.usable() or await self._conn.ready(timeout)
-        msg, specs, total = self._writer.plan_ref(a, tensor, consumer_stage, request_id)
-        # Always leased, even when tiny: the point is that forwarding stages
-        # carry a fixed-size reference, never the bytes.
-        await self._writer.publish(msg, [tensor], specs, total, timeout, ref=True)
-        return TensorRef(msg)
+        plan = self._writer.plan_ref(a, tensor, consumer_stage, request_id)
+        await self._writer.publish(plan, timeout)
+        return TensorRef(plan.msg)
 
     # -- stream signals ------------------------------------------------------------
 
@@ -487,23 +474,17 @@ class RelayClient:
         """Free every lease of ``request_id`` on this node; returns how many were freed."""
         check_request_id(request_id)
         conn = self._conn
-        a = conn.usable() or await conn.ready(None)
-        assert conn.stub is not None
+        conn.usable() or await conn.ready(None)
         self._remember_aborted(request_id)
         conn.flush()  # lingering publishes first: Abort frees what they announce
         # local_object transfers never reach the daemon, so it cannot tell
         # this process's readers of the request; _local tells them.
         _local.abort(request_id, by=self)
         try:
-            resp = await conn.stub.Abort(
-                pb.AbortRequest(
-                    session_id=a.session_id, session_token=a.session_token, request_id=request_id
-                ),
-                timeout=self.timeout,
-            )
-        except grpc.RpcError as exc:
+            resp = await conn.call("Abort", pb.AbortRequest(request_id=request_id), self.timeout)
+        except RelayError:
             self._aborts.forget(request_id)
-            raise from_rpc_error(exc) from None
+            raise
         return int(resp.leases_freed)
 
     async def status(self) -> pb.StatusResponse:
@@ -513,15 +494,8 @@ class RelayClient:
         root, the daemon's uid and ``--admin-gid`` members.
         """
         conn = self._conn
-        a = conn.usable() or await conn.ready(None)
-        assert conn.stub is not None
-        try:
-            resp: pb.StatusResponse = await conn.stub.Status(
-                pb.StatusRequest(session_id=a.session_id, session_token=a.session_token),
-                timeout=self.timeout,
-            )
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from None
+        conn.usable() or await conn.ready(None)
+        resp: pb.StatusResponse = await conn.call("Status", pb.StatusRequest(), self.timeout)
         return resp
 
     def _remember_aborted(self, request_id: str) -> None:

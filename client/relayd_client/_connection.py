@@ -314,24 +314,25 @@ class Connection:
             log.info("re-attached to relayd (epoch %s)", self.daemon_epoch)
             return
 
+    async def call(self, method: str, request: Any, timeout: float) -> Any:
+        """One gRPC call of this session: its id and token filled in, errors mapped."""
+        a = self.require_open()
+        assert self.stub is not None
+        request.session_id = a.session_id
+        request.session_token = a.session_token
+        try:
+            return await getattr(self.stub, method)(request, timeout=timeout)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+
     # -- what the grant wait asks of the session (see _grants.GrantSource) ----------
 
     async def request_grant(self, min_bytes: int, timeout: float, pool: str) -> Grant:
-        a = self.require_open()
-        assert self.stub is not None
-        try:
-            resp: pb.GrantResponse = await self.stub.Grant(
-                pb.GrantRequest(
-                    session_id=a.session_id,
-                    session_token=a.session_token,
-                    min_bytes=min_bytes,
-                    timeout_seconds=timeout,
-                    pool=pool,
-                ),
-                timeout=timeout + 1.0,
-            )
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from None
+        resp: pb.GrantResponse = await self.call(
+            "Grant",
+            pb.GrantRequest(min_bytes=min_bytes, timeout_seconds=timeout, pool=pool),
+            timeout + 1.0,
+        )
         if resp.pool not in ("", SHM_POOL):
             if self.gpu is None or not self.gpu.fits(resp.pool, resp.slot, resp.nslots):
                 raise RelayError(f"daemon granted a run outside GPU pool {resp.pool!r}")

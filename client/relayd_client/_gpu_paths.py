@@ -55,7 +55,7 @@ class GpuPaths:
 
     def may_take(self, plan: PutPlan) -> bool:
         """Whether a GPU path may take this put: CUDA leaves, no forwarded refs."""
-        return self._conn.gpu is not None and not plan.refs and bool(plan.shape.cuda_uuids)
+        return self._conn.gpu is not None and not plan.refs and bool(plan.cuda_uuids)
 
     async def put(
         self, plan: PutPlan, timeout: float | None, route: int, streams: Sequence[Any] = ()
@@ -65,7 +65,7 @@ class GpuPaths:
         ``streams``: the producer's current streams when this runs on another
         thread than the producer's (the blocking client's loop thread).
         """
-        msg, tensors, specs, total = plan.msg, plan.tensors, plan.shape.specs, plan.shape.total
+        msg, tensors, specs, total = plan.msg, plan.tensors, plan.specs, plan.total
         conn = self._conn
         gpu = conn.gpu
         if gpu is None or conn.socket_fallback:

@@ -16,8 +16,6 @@ import asyncio
 import contextlib
 from typing import TYPE_CHECKING, Any
 
-import grpc
-
 from . import _copies, _cuda_facts, _cuda_staging, _flatten, _local, _packing, _remote
 from ._aborts import AbortedRequests
 from ._checks import ReadChecks
@@ -35,7 +33,6 @@ from .wire.errors import (
 )
 from .wire.proto import relay_pb2 as pb
 from .wire.shm import MappedSegment
-from .wire.status import from_rpc_error
 from .wire.transport import Transport
 
 if TYPE_CHECKING:
@@ -312,31 +309,20 @@ class Reader:
 
         conn = self._conn
         a = conn.require_open()
-        assert conn.stub is not None
         if m.origin.daemon_epoch != a.daemon_epoch:
             raise StaleEpochError(
                 f"DataRef comes from daemon epoch {m.origin.daemon_epoch!r}, not {a.daemon_epoch!r}"
             )
         specs = self.checks.checked_specs(m, m.lease.length)
-        err: Exception | None = None
         try:
-            resp = await conn.stub.GetBytes(
-                pb.GetBytesRequest(
-                    session_id=a.session_id,
-                    session_token=a.session_token,
-                    lease=m.lease,
-                    request_id=m.request_id,
-                ),
-                timeout=conn.timeout,
+            resp = await conn.call(
+                "GetBytes",
+                pb.GetBytesRequest(lease=m.lease, request_id=m.request_id),
+                conn.timeout,
             )
-        except grpc.RpcError as exc:
-            err = from_rpc_error(exc)
-        else:
-            err = None
-        if err is not None:
-            if isinstance(err, StaleRefError):  # freed by an abort: say so
-                self._aborts.check(m.request_id)
-            raise err
+        except StaleRefError:
+            self._aborts.check(m.request_id)  # freed by an abort: say so
+            raise
         data = bytearray(resp.data)
         if len(data) != m.lease.length:
             raise CorruptRefError(

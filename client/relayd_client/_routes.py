@@ -10,9 +10,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-import grpc
-
 from . import _cuda_facts
+from .wire.errors import RelayError
 from .wire.proto import relay_pb2 as pb
 from .wire.transport import INLINE_LIMIT
 
@@ -55,14 +54,12 @@ class Routes:
             return cached
         to_stage, has_cpu, cuda_uuids = key
         conn = self._conn
-        a = conn.require_open()
-        assert conn.stub is not None
+        conn.require_open()  # a closed or lost session is the caller's error, not a route's
         version = self.registry_version
         try:
-            resp: pb.RouteResponse = await conn.stub.Route(
+            resp: pb.RouteResponse = await conn.call(
+                "Route",
                 pb.RouteRequest(
-                    session_id=a.session_id,
-                    session_token=a.session_token,
                     from_stage=self._from_stage,
                     to_stage=to_stage,
                     encoded_bytes=INLINE_LIMIT + 1,  # inline was ruled out by the caller
@@ -71,9 +68,9 @@ class Routes:
                     inline_meta_bytes=_cuda_facts.direct_meta_estimate(len(cuda_uuids)),
                     allow_cuda_ipc_direct=self._cuda_ipc_direct,
                 ),
-                timeout=conn.timeout,
+                conn.timeout,
             )
-        except grpc.RpcError as exc:
+        except RelayError as exc:
             # A daemon that cannot route still serves shm (or the socket);
             # not cached, so the next put asks again.
             log.debug("route %s -> %s failed: %s", self._from_stage, to_stage, exc)

@@ -25,12 +25,12 @@ import time
 from collections.abc import AsyncGenerator, Callable, Coroutine, Iterator, Sequence
 from typing import Any, TypeVar, cast
 
-from . import _cuda_copy, _keyed, _packing
+from . import _cuda_copy, _keyed
 from ._client import RelayClient
 from ._connection import ClientState
 from ._reader import InlineOnGpu
 from ._refs import TensorRef
-from ._writer import check_trace_id, leased
+from ._writer import PutPlan, check_trace_id, leased
 from .wire.dataref import DataRef
 from .wire.errors import (
     InvalidArgumentError,
@@ -305,44 +305,23 @@ class SyncRelayClient:
                 gpu_ref = self._run(c._gpu_paths.put(plan, timeout, route, streams), timeout)
                 if gpu_ref is not None:
                     return gpu_ref
-            shape = plan.shape
-            return self._publish(
-                plan.msg,
-                plan.tensors,
-                shape.specs,
-                shape.total,
-                timeout,
-                transport=leased(route),
-                trace_id=trace_id,
-            )
+            plan.transport, plan.trace_id = leased(route), trace_id
+            return self._publish(plan, timeout)
         except LOST_MAPPING:
             self._raise_if_closed()
             raise
 
-    def _publish(
-        self,
-        msg: pb.DataRef,
-        tensors: Sequence[Any],
-        specs: Sequence[_packing.TensorSpec],
-        total: int,
-        timeout: float | None,
-        *,
-        ref: bool = False,
-        transport: pb.Transport = pb.TRANSPORT_SHM,
-        trace_id: str = "",
-    ) -> DataRef:
+    def _publish(self, plan: PutPlan, timeout: float | None) -> DataRef:
         """The writer's publish with the copy on this thread; only a grant wait goes to the loop."""
         w = self._client._writer
-        w.check_publishable(msg)
+        w.check_publishable(plan.msg)
         if self._client.socket_fallback:
-            return self._run(
-                w.publish_socket(msg, tensors, specs, total, timeout, ref=ref, trace_id=trace_id)
-            )
-        cut = w.lease_now(msg, total, trace_id)
+            return self._run(w.publish_socket(plan, timeout))
+        cut = w.lease_now(plan)
         if cut is None:  # no room in the grants held: ask the daemon, on the loop
-            cut = self._run(w.open_lease(msg, total, timeout, trace_id), timeout)
+            cut = self._run(w.open_lease(plan, timeout), timeout)
         lease, start = cut
-        return w.fill_and_seal(msg, lease, start, tensors, specs, total, ref, transport)
+        return w.fill_and_seal(plan, lease, start)
 
     def ref(
         self,
@@ -363,12 +342,12 @@ class SyncRelayClient:
                 timeout,
             )
         try:
-            msg, specs, total = c._writer.plan_ref(a, tensor, consumer_stage, request_id)
-            self._publish(msg, [tensor], specs, total, timeout, ref=True)
+            plan = c._writer.plan_ref(a, tensor, consumer_stage, request_id)
+            self._publish(plan, timeout)
         except LOST_MAPPING:
             self._raise_if_closed()
             raise
-        return TensorRef(msg)
+        return TensorRef(plan.msg)
 
     def put_done(self, to_stage: str, request_id: str, *, chunks: int | None = None) -> DataRef:
         """The end-of-stream signal; see :meth:`RelayClient.put_done`."""

@@ -17,9 +17,8 @@ import itertools
 import secrets
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-
-import grpc
 
 from . import _codec, _copies, _cuda_copy, _cuda_facts, _flatten, _header_tree, _local, _packing
 from ._aborts import AbortedRequests
@@ -34,7 +33,6 @@ from .wire.errors import DrainingError, InvalidArgumentError
 from .wire.names import check_request_id, check_stage
 from .wire.proto import relay_pb2 as pb
 from .wire.shm import SHM_POOL
-from .wire.status import from_rpc_error
 from .wire.transport import INLINE_LIMIT
 
 if TYPE_CHECKING:
@@ -119,23 +117,28 @@ class Shape:
 ShapeKey = tuple[str, "pb.HeaderCodec", bytes, tuple[tuple[Any, ...], ...]]
 
 
+@dataclass(slots=True, eq=False)
 class PutPlan:
     """A put past its shared, synchronous part: what remains is to route and write it."""
 
-    __slots__ = ("msg", "obj", "refs", "shape", "tensors")
-
-    def __init__(
-        self, obj: Any, msg: pb.DataRef, tensors: list[Any], shape: Shape, refs: list[TensorRef]
-    ) -> None:
-        self.obj = obj
-        self.msg = msg
-        self.tensors = tensors
-        self.shape = shape
-        self.refs = refs
+    obj: Any
+    msg: pb.DataRef
+    tensors: list[Any]
+    specs: list[_packing.TensorSpec]
+    total: int
+    refs: Sequence[TensorRef] = ()
+    has_cpu: bool = True
+    cuda_uuids: tuple[str, ...] = ()
+    # How it is published: a TensorRef's lease, the leased transport the route
+    # gave (shm, or socket for a reader that cannot map the arena), and the
+    # caller's trace id for the daemon's log.
+    is_ref: bool = False
+    transport: pb.Transport = pb.TRANSPORT_SHM
+    trace_id: str = ""
 
     @property
     def route_key(self) -> RouteKey:
-        return (self.msg.to_stage, self.shape.has_cpu, self.shape.cuda_uuids)
+        return (self.msg.to_stage, self.has_cpu, self.cuda_uuids)
 
 
 class Writer:
@@ -205,7 +208,7 @@ class Writer:
             self._reports.transfer(pb.TRANSPORT_INLINE, total, to_stage)
             return DataRef(msg)
         self._aborts.check(request_id)
-        return PutPlan(obj, msg, tensors, shape, refs)
+        return PutPlan(obj, msg, tensors, specs, total, refs, shape.has_cpu, shape.cuda_uuids)
 
     def shape(
         self,
@@ -264,7 +267,7 @@ class Writer:
 
     def plan_ref(
         self, a: pb.AttachResponse, tensor: Any, consumer_stage: str, request_id: str
-    ) -> tuple[pb.DataRef, list[_packing.TensorSpec], int]:
+    ) -> PutPlan:
         import torch
 
         check_names(consumer_stage, request_id)
@@ -275,12 +278,15 @@ class Writer:
         msg.header_codec = pb.HEADER_CODEC_SAFE
         msg.header = _codec.encode(_header_tree.TensorSlot(0))
         add_layout(msg, specs)
-        return msg, specs, total
+        # Always leased, even when tiny: the point is that forwarding stages
+        # carry a fixed-size reference, never the bytes.
+        return PutPlan(tensor, msg, [tensor], specs, total, is_ref=True)
 
     def plan_buffer(
         self, a: pb.AttachResponse, to_stage: str, request_id: str, like: Any, chunk_id: int | None
-    ) -> tuple[pb.DataRef, Any, list[_packing.TensorSpec], int]:
-        """A buffer()'s DataRef, header tree and layout, from ``like``'s shapes and dtypes."""
+    ) -> tuple[PutPlan, Any]:
+        """A buffer()'s plan (no tensors: the caller writes them) and header tree,
+        from ``like``'s shapes and dtypes."""
         import torch
 
         check_names(to_stage, request_id)
@@ -297,7 +303,7 @@ class Writer:
         msg.header_codec = pb.HEADER_CODEC_SAFE
         msg.header = _codec.encode(tree)
         add_layout(msg, specs)
-        return msg, tree, specs, total
+        return PutPlan(None, msg, [], specs, total), tree
 
     def signal(
         self, a: pb.AttachResponse, to_stage: str, request_id: str, kind: int, chunks: int | None
@@ -326,7 +332,7 @@ class Writer:
         msg.object_id = f"{_local.process_tag()}-{msg.object_id}"
         _local.put(plan.obj, msg.to_stage, msg.request_id, msg.object_id)
         self._reports.transfer(
-            pb.TRANSPORT_LOCAL_OBJECT, _packing.payload_nbytes(plan.shape.specs), msg.to_stage
+            pb.TRANSPORT_LOCAL_OBJECT, _packing.payload_nbytes(plan.specs), msg.to_stage
         )
         return DataRef(msg)
 
@@ -336,36 +342,23 @@ class Writer:
         if self._conn.draining:
             raise DrainingError("relayd is draining; no new transfers")
 
-    async def publish(
-        self,
-        msg: pb.DataRef,
-        tensors: Sequence[Any],
-        specs: Sequence[_packing.TensorSpec],
-        total: int,
-        timeout: float | None,
-        *,
-        ref: bool = False,
-        transport: pb.Transport = pb.TRANSPORT_SHM,
-        trace_id: str = "",
-    ) -> DataRef:
+    async def publish(self, plan: PutPlan, timeout: float | None) -> DataRef:
         """Write the packed tensors into a lease (or hand them to the daemon) and publish."""
+        msg, total = plan.msg, plan.total
         self.check_publishable(msg)
         if self._conn.socket_fallback:
-            return await self.publish_socket(
-                msg, tensors, specs, total, timeout, ref=ref, trace_id=trace_id
-            )
-        cut = self.lease_now(msg, total, trace_id)  # room in a grant held: no coroutine to enter
-        lease, start = (
-            cut if cut is not None else await self.open_lease(msg, total, timeout, trace_id)
-        )
+            return await self.publish_socket(plan, timeout)
+        cut = self.lease_now(plan)  # room in a grant held: no coroutine to enter
+        lease, start = cut if cut is not None else await self.open_lease(plan, timeout)
         if total < OFFLOAD_BYTES:
-            return self.fill_and_seal(msg, lease, start, tensors, specs, total, ref, transport)
+            return self.fill_and_seal(plan, lease, start)
         view = self._conn.views[lease.grant.segment]
+        tensors, specs = plan.tensors, plan.specs
         try:
-            # Addresses for the worker where it can (see _packing.Copy).
-            plan = _copies.pack_plan(view, start, total, tensors, specs)
-            if plan is not None:
-                await asyncio.to_thread(_copies.run_copies, plan)
+            # Addresses for the worker where it can (see _copies.Copy).
+            copies = _copies.pack_plan(view, start, total, tensors, specs)
+            if copies is not None:
+                await asyncio.to_thread(_copies.run_copies, copies)
             else:
                 # CUDA leaves: the copy runs on the caller's streams, after its producer.
                 streams = _cuda_copy.worker_streams(tensors)
@@ -382,48 +375,34 @@ class Writer:
         except BaseException:
             self.cancel_lease(lease)
             raise
-        return self.seal(msg, lease, total, ref=ref, transport=transport)
+        return self.seal(msg, lease, total, ref=plan.is_ref, transport=plan.transport)
 
-    def fill_and_seal(
-        self,
-        msg: pb.DataRef,
-        lease: Lease,
-        start: int,
-        tensors: Sequence[Any],
-        specs: Sequence[_packing.TensorSpec],
-        total: int,
-        ref: bool = False,
-        transport: pb.Transport = pb.TRANSPORT_SHM,
-    ) -> DataRef:
+    def fill_and_seal(self, plan: PutPlan, lease: Lease, start: int) -> DataRef:
         """Copy into the lease on this thread, then seal it; a failed copy cancels it."""
         view = self._conn.views[lease.grant.segment]  # held: outlives a concurrent close
         try:
-            if total:
-                _copies.pack_at(view, start, total, tensors, specs)
+            if plan.total:
+                _copies.pack_at(view, start, plan.total, plan.tensors, plan.specs)
         except BaseException:
             self.cancel_lease(lease)
             raise
-        return self.seal(msg, lease, total, ref=ref, transport=transport)
+        return self.seal(plan.msg, lease, plan.total, ref=plan.is_ref, transport=plan.transport)
 
-    async def open_lease(
-        self, msg: pb.DataRef, total: int, timeout: float | None, trace_id: str = ""
-    ) -> tuple[Lease, int]:
-        """Reserve an arena lease for ``msg``; returns it and where its data starts in its segment."""
+    async def open_lease(self, plan: PutPlan, timeout: float | None) -> tuple[Lease, int]:
+        """Reserve an arena lease for ``plan``; returns it and where its data starts in its segment."""
         deadline = time.monotonic() + self._conn.rpc_timeout(timeout)
-        lease = await self._grants.reserve(total, deadline)
-        self._notices.reserve(lease, msg, trace_id)
+        lease = await self._grants.reserve(plan.total, deadline)
+        self._notices.reserve(lease, plan.msg, plan.trace_id)
         return lease, self._conn.segments[lease.grant.segment].slot_offset(lease.slot)
 
-    def lease_now(
-        self, msg: pb.DataRef, total: int, trace_id: str = ""
-    ) -> tuple[Lease, int] | None:
+    def lease_now(self, plan: PutPlan) -> tuple[Lease, int] | None:
         """:meth:`open_lease` without waiting: None when no grant held has room."""
         self._conn.require_open()
         with self._lock:
-            lease = self._grants.cut(total)
+            lease = self._grants.cut(plan.total)
             if lease is None:
                 return None
-            self._notices.reserve(lease, msg, trace_id)
+            self._notices.reserve(lease, plan.msg, plan.trace_id)
         return lease, self._conn.segments[lease.grant.segment].slot_offset(lease.slot)
 
     def cancel_lease(self, lease: Lease) -> None:
@@ -466,44 +445,28 @@ class Writer:
         self._notices.publish(lease.id, total, transport, ref=ref, push=push, now=push)
         return DataRef(msg)
 
-    async def publish_socket(
-        self,
-        msg: pb.DataRef,
-        tensors: Sequence[Any],
-        specs: Sequence[_packing.TensorSpec],
-        total: int,
-        timeout: float | None,
-        *,
-        ref: bool,
-        trace_id: str = "",
-    ) -> DataRef:
+    async def publish_socket(self, plan: PutPlan, timeout: float | None) -> DataRef:
         """Socket fallback: the daemon writes the packed region into a lease for us."""
         import torch
 
-        conn = self._conn
-        a = conn.require_open()
-        assert conn.stub is not None
-        buf = bytearray(total)
-        if total:
-            _copies.pack_into(torch.frombuffer(buf, dtype=torch.uint8), tensors, specs)
-        wait = conn.rpc_timeout(timeout)
-        try:
-            resp = await conn.stub.PutBytes(
-                pb.PutBytesRequest(
-                    session_id=a.session_id,
-                    session_token=a.session_token,
-                    request_id=msg.request_id,
-                    to_stage=msg.to_stage,
-                    from_stage=self._stage,
-                    data=bytes(buf),
-                    timeout_seconds=wait,
-                    ref=ref,
-                    trace_id=trace_id,
-                ),
-                timeout=wait + 1.0,
-            )
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from None
+        msg = plan.msg
+        buf = bytearray(plan.total)
+        if plan.total:
+            _copies.pack_into(torch.frombuffer(buf, dtype=torch.uint8), plan.tensors, plan.specs)
+        wait = self._conn.rpc_timeout(timeout)
+        resp = await self._conn.call(
+            "PutBytes",
+            pb.PutBytesRequest(
+                request_id=msg.request_id,
+                to_stage=msg.to_stage,
+                from_stage=self._stage,
+                data=bytes(buf),
+                timeout_seconds=wait,
+                ref=plan.is_ref,
+                trace_id=plan.trace_id,
+            ),
+            wait + 1.0,
+        )
         msg.transport = pb.TRANSPORT_SOCKET
         msg.lease.CopyFrom(resp.lease)
         return DataRef(msg)
