@@ -147,6 +147,22 @@ class _Result:
         self.steps: dict[str, float | None] = {}
         self.slots = 0
         self.transport = ""
+        self._puts: list[int] = []
+        self._gets: list[int] = []
+        self._slots: set[int] = set()
+
+    def sample(self, put_ns: int, get_ns: int, ref: Any) -> None:
+        """One measured transfer: its put and get times, and the lease slot it used."""
+        self._puts.append(put_ns)
+        self._gets.append(get_ns)
+        self._slots.add(ref.proto.lease.slot)
+
+    def totals(self, last: Any) -> None:
+        """Medians of the samples; ``last``: the last DataRef put (its transport)."""
+        self.put_us = statistics.median(self._puts) / 1000
+        self.get_us = statistics.median(self._gets) / 1000
+        self.slots = len(self._slots) if last.proto.HasField("lease") else 0
+        self.transport = str(last.transport.value)
 
 
 def _measure_sync(sock: str, size: int, warmup: int, measured: int) -> _Result:
@@ -156,9 +172,6 @@ def _measure_sync(sock: str, size: int, warmup: int, measured: int) -> _Result:
     payload = _payload(size)
     with SyncRelayClient(WRITER, sock) as w, SyncRelayClient(READER, sock) as r:
         clock = time.perf_counter_ns
-        puts: list[int] = []
-        gets: list[int] = []
-        slots: set[int] = set()
         for i in range(warmup + measured):
             t0 = clock()
             ref = w.put(payload, to_stage=READER, request_id=f"b{i}")
@@ -168,13 +181,8 @@ def _measure_sync(sock: str, size: int, warmup: int, measured: int) -> _Result:
             r.get(DataRef.from_bytes(wire))
             t3 = clock()
             if i >= warmup:
-                puts.append(t1 - t0)
-                gets.append(t3 - t2)
-                slots.add(ref.proto.lease.slot)
-        out.put_us = statistics.median(puts) / 1000
-        out.get_us = statistics.median(gets) / 1000
-        out.slots = len(slots) if ref.proto.HasField("lease") else 0
-        out.transport = str(ref.transport.value)
+                out.sample(t1 - t0, t3 - t2, ref)
+        out.totals(ref)
         timers = _Timers()
         with _instrumented(timers, w._client, r._client):
             for i in range(measured):
@@ -192,9 +200,6 @@ async def _measure_async(sock: str, size: int, warmup: int, measured: int) -> _R
     payload = _payload(size)
     async with RelayClient(WRITER, sock) as w, RelayClient(READER, sock) as r:
         clock = time.perf_counter_ns
-        puts: list[int] = []
-        gets: list[int] = []
-        slots: set[int] = set()
         for i in range(warmup + measured):
             t0 = clock()
             ref = await w.put(payload, to_stage=READER, request_id=f"b{i}")
@@ -204,14 +209,9 @@ async def _measure_async(sock: str, size: int, warmup: int, measured: int) -> _R
             await r.get(DataRef.from_bytes(wire))
             t3 = clock()
             if i >= warmup:
-                puts.append(t1 - t0)
-                gets.append(t3 - t2)
-                slots.add(ref.proto.lease.slot)
+                out.sample(t1 - t0, t3 - t2, ref)
             await asyncio.sleep(0)  # the loop reads the daemon's frames, as between transfers
-        out.put_us = statistics.median(puts) / 1000
-        out.get_us = statistics.median(gets) / 1000
-        out.slots = len(slots) if ref.proto.HasField("lease") else 0
-        out.transport = str(ref.transport.value)
+        out.totals(ref)
         timers = _Timers()
         with _instrumented(timers, w, r):
             for i in range(measured):
