@@ -104,8 +104,6 @@ class Bench:
         self._namespaces = contextlib.ExitStack()
         self.link_bytes: tuple[int, int] | None = None  # what each veth end sent, at close
 
-    # -- lifecycle ------------------------------------------------------------------
-
     def run(self) -> None:
         """Raises ``_netns.NetnsUnavailable`` if ``netns`` is asked for and cannot be set up."""
         if self.opts.netns:
@@ -257,8 +255,6 @@ class Bench:
             self._warn(self.reader_daemon_error)
             self.daemon = _daemon.start(self.tmpdir, o.shm_pool_size, o.daemon_timeout_s)
 
-    # -- stop-and-wait --------------------------------------------------------------
-
     def _run_methods(self, entries: list[Entry]) -> None:
         """Each (method, size) in fresh processes, or with reuse one job per kind of process."""
         results: dict[tuple[str, int], Result] = {}
@@ -360,8 +356,6 @@ class Bench:
         else:
             lat = r.latency
             self.progress.line(f"{head}median {fmt_ns(lat.median_ns)}  p99 {fmt_ns(lat.p99_ns)}")
-
-    # -- stream workload ------------------------------------------------------------
 
     def _run_streams(self, entries: list[Entry]) -> None:
         o = self.opts

@@ -450,9 +450,6 @@ def test_a_healthy_start_and_stop_log_no_engine_noise(pair: tuple[Node, Node]) -
         assert "mooncake engine up" in log
 
 
-# -- cross-node reads follow the single-node rules --------------------------------------
-
-
 def _published(node: Node) -> int:
     return int(node.daemon.status().get("leases_by_state", {}).get("published", "0"))
 
