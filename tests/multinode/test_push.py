@@ -17,10 +17,17 @@ from relayd_client import AbortedError, RelayClient
 from relayd_client.wire.proto import relay_pb2 as pb
 from relayd_client.wire.proto import relay_pb2_grpc as pb_grpc
 
-from tests._daemon import free_port, wait_until
+from tests._daemon import wait_until
 from tests._mooncake import requires_mooncake
 from tests._workers import digest, make_payload
-from tests.multinode.test_two_daemons import MiB, Node, _metric, _token
+from tests.multinode.test_two_daemons import (
+    TOKEN,
+    MiB,
+    Node,
+    _metric,
+    start_pair,
+    stop_pair,
+)
 
 pytestmark = [
     pytest.mark.multinode,
@@ -28,20 +35,11 @@ pytestmark = [
     requires_mooncake,
 ]
 
-TOKEN = "0123456789abcdef-shared-peer-token"
-
 
 def _pair(
     tmp: pathlib.Path, b_env: dict[str, str], a_env: dict[str, str] | None = None
 ) -> tuple[Node, Node]:
-    token = _token(tmp, "token", TOKEN)
-    pa, pb_ = free_port(), free_port()
-    a = Node(tmp, "node-a", pa, pb_, token, pool="192MiB", metrics=True, env=a_env)
-    b = Node(tmp, "node-b", pb_, pa, token, pool="192MiB", metrics=True, env=b_env)
-    a.daemon.start()
-    b.daemon.start()
-    wait_until(lambda: a.sees(b) and b.sees(a), 15, "the two daemons to handshake")
-    return a, b
+    return start_pair(tmp, {"metrics": True, "env": a_env}, {"metrics": True, "env": b_env})
 
 
 @pytest.fixture
@@ -50,10 +48,7 @@ def nodes(tmp_path: pathlib.Path, request: pytest.FixtureRequest) -> Any:
     try:
         yield a, b
     finally:
-        for n in (b, a):
-            proc = n.daemon.proc
-            if proc is not None and proc.poll() is None:
-                n.daemon.stop()
+        stop_pair(a, b)
 
 
 def _count(node: Node, other: Node, field: str) -> int:
@@ -267,6 +262,4 @@ def test_a_writer_daemon_with_pushes_off_declines_at_once(tmp_path: pathlib.Path
         assert _pulls(b) == 2
         assert "did not arrive" not in b.daemon.log()
     finally:
-        for n in (b, a):
-            if n.daemon.proc is not None and n.daemon.proc.poll() is None:
-                n.daemon.stop()
+        stop_pair(a, b)

@@ -29,6 +29,7 @@ from tests.multinode.test_two_daemons import (
     Node,
     _lines,
     _token,
+    stop_pair,
 )
 
 pytestmark = [
@@ -44,11 +45,7 @@ def nodes(tmp_path: pathlib.Path) -> Iterator[tuple[Node, Node]]:
     try:
         yield a, b
     finally:
-        for n in (b, a):
-            proc = n.daemon.proc
-            if proc is not None and proc.poll() is None:
-                proc.send_signal(signal.SIGCONT)
-                n.daemon.stop()
+        stop_pair(a, b)
 
 
 def _reader(b: Node) -> subprocess.Popen[bytes]:

@@ -9,6 +9,7 @@ every non-inline payload from A's arena into B's through Mooncake.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import pathlib
 import re
 import signal
@@ -105,22 +106,46 @@ class Node:
         return p.get("used_bytes", 0) + p.get("granted_bytes", 0)
 
 
-@pytest.fixture
-def pair(tmp_path: pathlib.Path) -> Iterator[tuple[Node, Node]]:
-    token = _token(tmp_path, "token", "0123456789abcdef-shared-peer-token")
+TOKEN = "0123456789abcdef-shared-peer-token"
+
+
+def start_pair(
+    tmp: pathlib.Path, a_kw: dict[str, Any] | None = None, b_kw: dict[str, Any] | None = None
+) -> tuple[Node, Node]:
+    """Node A and node B (192 MiB arenas, ``a_kw``/``b_kw`` for ``Daemon``), each the
+    other's peer, once both report the handshake."""
+    token = _token(tmp, "token", TOKEN)
     pa, pb_ = free_port(), free_port()
-    a = Node(tmp_path, "node-a", pa, pb_, token, pool="192MiB")
-    b = Node(tmp_path, "node-b", pb_, pa, token, pool="192MiB", metrics=True)
+    a = Node(tmp, "node-a", pa, pb_, token, pool="192MiB", **(a_kw or {}))
+    b = Node(tmp, "node-b", pb_, pa, token, pool="192MiB", **(b_kw or {}))
     a.daemon.start()
     b.daemon.start()
+    wait_until(lambda: a.sees(b) and b.sees(a), 15, "the two daemons to handshake")
+    return a, b
+
+
+def stop_pair(a: Node, b: Node) -> None:
+    for n in (b, a):
+        if n.daemon.running():
+            n.daemon.terminate(signal.SIGCONT)  # one a test froze must run to drain
+            n.daemon.stop()
+
+
+@contextlib.contextmanager
+def running_pair(
+    tmp: pathlib.Path, a_kw: dict[str, Any] | None = None, b_kw: dict[str, Any] | None = None
+) -> Iterator[tuple[Node, Node]]:
+    a, b = start_pair(tmp, a_kw, b_kw)
     try:
-        wait_until(lambda: a.sees(b) and b.sees(a), 15, "the two daemons to handshake")
         yield a, b
     finally:
-        for n in (b, a):
-            proc = n.daemon.proc
-            if proc is not None and proc.poll() is None:
-                n.daemon.stop()
+        stop_pair(a, b)
+
+
+@pytest.fixture
+def pair(tmp_path: pathlib.Path) -> Iterator[tuple[Node, Node]]:
+    with running_pair(tmp_path, b_kw={"metrics": True}) as nodes:
+        yield nodes
 
 
 def _lines(cp: subprocess.CompletedProcess[bytes]) -> list[str]:
@@ -461,21 +486,9 @@ def _log(node: Node) -> str:
 @pytest.fixture
 def pull_pair(tmp_path: pathlib.Path) -> Iterator[tuple[Node, Node]]:
     """Two daemons that never push: every cross-node read is a pull."""
-    token = _token(tmp_path, "token", "0123456789abcdef-shared-peer-token")
-    pa, pb_ = free_port(), free_port()
     env = {"RELAYD_PUSH_GRANT_SIZE": "0"}
-    a = Node(tmp_path, "node-a", pa, pb_, token, pool="192MiB", env=env)
-    b = Node(tmp_path, "node-b", pb_, pa, token, pool="192MiB", env=env)
-    a.daemon.start()
-    b.daemon.start()
-    try:
-        wait_until(lambda: a.sees(b) and b.sees(a), 15, "the two daemons to handshake")
-        yield a, b
-    finally:
-        for n in (b, a):
-            proc = n.daemon.proc
-            if proc is not None and proc.poll() is None:
-                n.daemon.stop()
+    with running_pair(tmp_path, {"env": env}, {"env": env}) as nodes:
+        yield nodes
 
 
 def _readdress_then_read(a: Node, b: Node) -> None:
