@@ -61,7 +61,10 @@ class EarlyNotices:
         return True
 
     def pop(self, lease_id: int) -> list[Early]:
-        early = self._by_lease.pop(lease_id, [])
+        """What was parked for ``lease_id`` (now published), in arrival order."""
+        early = self._by_lease.pop(lease_id, None)
+        if early is None:
+            return []
         self._count -= len(early)
         return early
 

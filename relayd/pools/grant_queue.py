@@ -85,7 +85,7 @@ class GrantQueue:
     @property
     def space_short(self) -> bool:
         """Whether some grant request waits for space."""
-        return any(not w.future.done() for w in self._waiters)
+        return bool(self._waiters) and any(not w.future.done() for w in self._waiters)
 
     async def grant(self, session: Session, min_bytes: int, timeout: float, pool: str) -> Grant:
         """A grant of at least ``min_bytes`` (the default grant size if the pool has room)."""

@@ -203,12 +203,11 @@ class LeaseTable:
         )
         self.add(lease)
         grant.last_lease = max(grant.last_lease, lease.id)
-        req = self.requests.touch(lease.request_id, lease.created)
+        req = self.requests.add(lease, lease.created)
         if req.aborted and req.aborters and not req.aborters & {lease.from_stage, lease.to_stage}:
             # A stage with no part in this lease cannot abort it ahead of time.
             req.aborted = False
             req.aborters.clear()
-        self.requests.add(lease, lease.created)
 
     def _cancel_first(
         self, session: Session, grant: Grant, r: ReserveNotice, cancelled: Collection[int]

@@ -154,6 +154,7 @@ class LeaseManager:
         self.on_release = self.table.on_release
         self.on_cancel = self.table.on_cancel
         self.hold = self.table.hold
+        self.flush = self.table.flush
         self.reserve_for_pull = self.crossnode.reserve_for_pull
         self.publish_pull = self.crossnode.publish_pull
         self.drop_pull = self.crossnode.drop_pull
@@ -166,8 +167,8 @@ class LeaseManager:
 
     def _deliver_freed(self, session_id: str, event: Freed) -> None:
         session = self.sessions.get(session_id)
-        if session is not None:
-            session.tell(event)
+        if session is not None and session.sink is not None:
+            session.sink(event)
 
     # -- sessions -----------------------------------------------------------------------
 
@@ -229,10 +230,6 @@ class LeaseManager:
         lease = self.table.on_publish(session, p)
         if lease is not None and p.push and self.on_push is not None:
             self.on_push(lease)
-
-    def flush(self) -> None:
-        """Send the Freed notices due (see :mod:`relayd.pools.freed`)."""
-        self.table.flush()
 
     # -- the socket fallback: the daemon writes and reads for its client -----------------
 
