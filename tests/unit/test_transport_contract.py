@@ -35,14 +35,7 @@ from relayd.transports.base import (
     TransportState,
 )
 from relayd.transports.loopback import Loopback, LoopbackTransport
-from relayd.transports.mooncake_engine import PACKAGE
-
-try:
-    import mooncake.engine  # noqa: F401
-
-    _NO_MOONCAKE = ""
-except ImportError as exc:
-    _NO_MOONCAKE = f"mooncake.engine cannot be imported ({exc}); install {PACKAGE}"
+from tests._mooncake import requires_mooncake
 
 PEER_TIMEOUT = 2.0
 # No endpoint serves it: a closed port for Mooncake, an unknown id for the loopback.
@@ -69,7 +62,7 @@ BACKENDS = [
         id="mooncake",
         marks=[
             pytest.mark.multinode,
-            pytest.mark.skipif(bool(_NO_MOONCAKE), reason=_NO_MOONCAKE),
+            requires_mooncake,
         ],
     ),
 ]
