@@ -113,7 +113,10 @@ class PeerManager:
             await self.transport.register(MemoryRegion(seg.name, base, seg.size))
             self.parts.local_bases.append(base)
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        pb_grpc.add_PeerServicer_to_server(PeerService(self), server)
+        pb_grpc.add_PeerServicer_to_server(
+            PeerService(links=self.links, leases=self.leases, hooks=self.hooks, push=self.push),
+            server,
+        )
         port = server.add_insecure_port(self.settings.peer_address)
         await server.start()
         self._server = server

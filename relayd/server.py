@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import fcntl
 import logging
 import os
@@ -22,18 +21,13 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from prometheus_client import Counter
 from relayd_client.wire.dataref import MAX_REF_BYTES
-from relayd_client.wire.errors import PeerUnavailableError, SessionClosedError
-from relayd_client.wire.latency import BOUNDS as LATENCY_BOUNDS
-from relayd_client.wire.proto import relay_pb2 as pb
 from relayd_client.wire.proto import relay_pb2_grpc as pb_grpc
-from relayd_client.wire.shm import SHM_POOL
-from relayd_client.wire.transport import Transport
 
 from . import __version__, rundir
 from ._systemd import SystemdNotifier
 from .config import Settings
+from .counts import ReclaimCounts, TransferCounts
 from .edges import EdgeStats
 from .keys import KeyIndex, LeaseKey
 from .metrics import Metrics
@@ -43,13 +37,16 @@ from .peers import PeerManager
 from .pools import cuda as cuda_pools
 from .pools.arena import Arena, remove_stale_segments
 from .pools.leases import LeaseManager
-from .pools.records import Hooks, LeaseState, ReclaimReason
-from .pools.sessions import BIND_DEADLINE, Session, SessionState
+from .pools.records import Hooks
+from .pools.sessions import BIND_DEADLINE
 from .routing.topology import Topology
+from .rpc.admission import Admission, Roles
+from .rpc.fetch import Fetcher
 from .rpc.keyed import KeyedCalls
 from .rpc.limits import UidLimits
-from .rpc.service import MAX_UNBOUND_SESSIONS, RelayService
-from .rpc.session import Admission, SessionProtocol
+from .rpc.service import MAX_UNBOUND_SESSIONS, NodeFacts, RelayService
+from .rpc.session import SessionProtocol
+from .status import DaemonState, NodeStatus
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +54,6 @@ HOUSEKEEPING_INTERVAL = 0.5
 # Freed notices to a writer are batched this long (LeaseManager.flush says
 # why), as clients batch theirs (the client's NOTICE_LINGER_S).
 FREED_LINGER_S = 0.025
-MAX_FETCH_TIMEOUT = 3600.0
 # Besides the packed bytes of the largest put, a socket-fallback message carries
 # its DataRef (at most MAX_REF_BYTES) and framing.
 _MESSAGE_OVERHEAD = MAX_REF_BYTES + (64 << 10)
@@ -105,15 +101,6 @@ def grpc_server_options(settings: Settings, arena: Arena) -> list[tuple[str, int
     ]
 
 
-class DaemonState(enum.Enum):
-    """Where the daemon is in its lifecycle; one to one with ``relayd.v1.DaemonState``."""
-
-    STARTING = pb.DAEMON_STATE_STARTING
-    SERVING = pb.DAEMON_STATE_SERVING
-    DRAINING = pb.DAEMON_STATE_DRAINING
-    STOPPED = pb.DAEMON_STATE_STOPPED
-
-
 class SocketInUseError(RuntimeError):
     """Another live daemon serves on the requested socket."""
 
@@ -126,13 +113,19 @@ class Daemon:
         self.started = time.monotonic()
         self.notifier = notifier or SystemdNotifier(None, None)
         self.metrics = Metrics()
-        self._transfer_children: dict[str, tuple[Counter, Counter]] = {}
         self.edges = EdgeStats(settings.max_edge_labels)
+        self.transfers = TransferCounts(self.metrics, self.edges)
+        self.reclaims = ReclaimCounts(self.metrics)
+        self.roles = Roles()
+        # Built by startup(), in this order.
         self.arena: Arena
         self.manager: LeaseManager
         self.topology: Topology
         self.keys: KeyIndex
-        self.keyed = KeyedCalls(self)
+        self.keyed: KeyedCalls
+        self.fetcher: Fetcher
+        self.node_status: NodeStatus
+        self.service: RelayService
         self.health = health.aio.HealthServicer()
         self._servers: list[grpc.aio.Server] = []
         self._session_server: asyncio.AbstractServer | None = None
@@ -140,7 +133,6 @@ class Daemon:
         self._force = asyncio.Event()
         self._grace = settings.drain_grace
         self._lock_fd = -1
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._protocols: set[SessionProtocol] = set()
         self.admission = Admission(
             settings.allow_uid,
@@ -148,18 +140,11 @@ class Daemon:
             daemon_uid=os.geteuid(),
             admin_gids=settings.admin_gid,
         )
-        # Bound sessions whose process may operate the daemon (Drain, the full Status).
-        self.admins: set[str] = set()
-        # Bound operator sessions (the CLI's); status leaves them out.
-        self.operators: set[str] = set()
         self.cuda_pools: list[cuda_pools.CudaPool] = []
         # Cross-node peers and Mooncake; None unless --peer-address is set.
         self.peers: PeerManager | None = None
 
-    # -- lifecycle ----------------------------------------------------------------
-
     async def run(self) -> int:
-        self._loop = asyncio.get_running_loop()
         self._install_signals()
         try:
             await self.startup()
@@ -169,9 +154,35 @@ class Daemon:
         return 0
 
     async def startup(self) -> None:
-        s = self.settings
+        """Own the socket, build every part, serve, then join the peers (if any)."""
         self._take_socket_lock()
         remove_stale_segments()
+        self._build()
+        await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.health.set("relayd.v1.Relay", health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self._serve_relay()
+        await self._serve_sessions()
+        await self._serve_health_and_metrics()
+        await self._start_peers()
+
+        s = self.settings
+        self.state = DaemonState.SERVING
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set("relayd.v1.Relay", health_pb2.HealthCheckResponse.SERVING)
+        log.info(
+            "relayd %s serving on %s: arena %d bytes in %d segments, slot %d, epoch %s",
+            __version__,
+            s.socket,
+            self.arena.capacity_bytes,
+            len(self.arena.segments),
+            s.slot_size,
+            self.epoch,
+        )
+        self.notifier.ready(f"serving on {s.socket}")
+
+    def _build(self) -> None:
+        """The memory, the lease table and every part that reads them, wired narrowly."""
+        s = self.settings
         admission = self.admission
         self.arena = Arena(
             node_id=s.node_id,
@@ -198,13 +209,11 @@ class Daemon:
             freed_linger=FREED_LINGER_S,
             gpu_work_may_run=cuda_pools.gpu_work_may_run if self.cuda_pools else None,
             hooks=Hooks(
-                reclaimed=lambda reason, n: m.reclaimed.labels(reason.value).inc(n),
-                transfer=self._count_transfer,
+                reclaimed=self.reclaims,
+                transfer=self.transfers.count,
                 reserve_wait=m.reserve_wait.observe,
             ),
         )
-        for reason in ReclaimReason:
-            m.reclaimed.labels(reason.value)
         self.topology = Topology(
             s.node_id,
             self.arena,
@@ -213,13 +222,51 @@ class Daemon:
             on_stages=self.edges.attached,
         )
         self.keys = KeyIndex(max_stage_keys=s.max_stage_keys, ttl=s.lease_ttl)
-        m.attach_state(self._snapshot_threadsafe)
+        self.keyed = KeyedCalls(s.node_id, self.epoch, leases=self.manager, keys=self.keys)
+        self.fetcher = Fetcher(s.node_id, self.epoch, default_timeout=s.reserve_timeout)
+        self.node_status = NodeStatus(
+            node_id=s.node_id,
+            epoch=self.epoch,
+            started=self.started,
+            state=lambda: self.state,
+            leases=self.manager,
+            arena=self.arena,
+            gpu_pools=self.cuda_pools,
+            topology=self.topology,
+            edges=self.edges,
+            transfers=self.transfers,
+            reclaims=self.reclaims,
+            roles=self.roles,
+        )
+        loop = asyncio.get_running_loop()
+        m.attach_state(lambda: self.node_status.snapshot_threadsafe(loop))
         m.attach_edges(self.edges)
-        await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-        await self.health.set("relayd.v1.Relay", health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.service = RelayService(
+            self.manager,
+            facts=NodeFacts(
+                node_id=s.node_id,
+                epoch=self.epoch,
+                session_socket=s.session_socket,
+                pin_host_memory=s.pin_host_memory,
+                lease_ttl=s.lease_ttl,
+                peer_address=s.peer_address,
+            ),
+            reserve_timeout=s.reserve_timeout,
+            arena=self.arena,
+            gpu_pools=self.cuda_pools,
+            topology=self.topology,
+            keys=self.keys,
+            fetcher=self.fetcher,
+            status=self.node_status.status,
+            roles=self.roles,
+            lifecycle=self,
+            on_ref=self.transfers.ref,
+        )
 
+    async def _serve_relay(self) -> None:
+        s = self.settings
         server = grpc.aio.server(options=grpc_server_options(s, self.arena))
-        pb_grpc.add_RelayServicer_to_server(RelayService(self), server)
+        pb_grpc.add_RelayServicer_to_server(self.service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         with self._umask():
             server.add_insecure_port(f"unix:{s.socket}")
@@ -227,6 +274,8 @@ class Daemon:
         os.chmod(s.socket, s.socket_mode)
         self._servers.append(server)
 
+    async def _serve_sessions(self) -> None:
+        s, m = self.settings, self.metrics
         limits = UidLimits(s.uid_session_limit)
         loop = asyncio.get_running_loop()
         with self._umask():
@@ -234,24 +283,25 @@ class Daemon:
                 lambda: self._track(
                     SessionProtocol(
                         self.manager,
-                        admission,
+                        self.admission,
                         on_refused=lambda r: m.refused.labels(r).inc(),
-                        on_report=self._on_report,
-                        on_latency=self._on_latency,
+                        on_report=self.transfers.report,
+                        on_latency=self.transfers.latency,
                         on_bound=self.topology.bound,
                         on_closed=self.topology.closed,
-                        on_ref=self.count_ref,
-                        on_fetch=self._fetch_on_session,
+                        on_ref=self.transfers.ref,
+                        on_fetch=self.fetcher.on_session,
                         limits=limits,
                         keyed=self.keyed,
-                        admins=self.admins,
-                        operators=self.operators,
+                        roles=self.roles,
                     )
                 ),
                 path=s.session_socket,
             )
         os.chmod(s.session_socket, s.socket_mode)
 
+    async def _serve_health_and_metrics(self) -> None:
+        s, m = self.settings, self.metrics
         if s.health_address:
             hs = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
             health_pb2_grpc.add_HealthServicer_to_server(self.health, hs)
@@ -262,7 +312,9 @@ class Daemon:
             port = m.serve(s.metrics_address)
             log.info("metrics on %s (port %d)", s.metrics_address, port)
 
-        # Cross-node peers and Mooncake: only with --peer-address.
+    async def _start_peers(self) -> None:
+        """Cross-node peers and Mooncake: only with --peer-address."""
+        s, m = self.settings, self.metrics
         if s.peers and not s.peer_address:
             raise PeerConfigError(
                 "--peers needs --peer-address: peers pull from this node through it"
@@ -280,21 +332,10 @@ class Daemon:
                     aborted=self.keys.abort,
                 ),
             )
+            # Every part that reaches a peer sees it from now on.
+            self.keyed.peers = self.fetcher.peers = self.peers
+            self.service.peers = self.node_status.peers = self.peers
             await self.peers.start()
-
-        self.state = DaemonState.SERVING
-        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
-        await self.health.set("relayd.v1.Relay", health_pb2.HealthCheckResponse.SERVING)
-        log.info(
-            "relayd %s serving on %s: arena %d bytes in %d segments, slot %d, epoch %s",
-            __version__,
-            s.socket,
-            self.arena.capacity_bytes,
-            len(self.arena.segments),
-            s.slot_size,
-            self.epoch,
-        )
-        self.notifier.ready(f"serving on {s.socket}")
 
     async def main_loop(self) -> None:
         interval = HOUSEKEEPING_INTERVAL
@@ -355,7 +396,7 @@ class Daemon:
         self.metrics.close()
         for pool in self.cuda_pools:
             pool.close()  # header segments go before the arena's lock
-        self.cuda_pools = []
+        self.cuda_pools.clear()
         if hasattr(self, "arena"):
             self.arena.close()
         for path in (self.settings.socket, self.settings.session_socket):
@@ -378,8 +419,6 @@ class Daemon:
             self._force.set()
         self._stop.set()
 
-    # -- signals --------------------------------------------------------------------
-
     def _install_signals(self) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -392,8 +431,6 @@ class Daemon:
         else:
             log.info("%s: draining", signal.Signals(sig).name)
             self._stop.set()
-
-    # -- socket ownership -----------------------------------------------------------
 
     @contextlib.contextmanager
     def _umask(self) -> Any:
@@ -433,8 +470,6 @@ class Daemon:
             os.close(self._lock_fd)
             self._lock_fd = -1
 
-    # -- sessions & metrics helpers ---------------------------------------------------
-
     def _track(self, proto: SessionProtocol) -> SessionProtocol:
         self._protocols.add(proto)
         original = proto.connection_lost
@@ -446,171 +481,10 @@ class Daemon:
         proto.connection_lost = lost  # type: ignore[method-assign]
         return proto
 
-    # -- cross-node reads: one implementation for gRPC Fetch and the session's FetchCall --
-
-    def fetch_timeout(self, asked: float) -> float:
-        """The budget of a fetch that asked for ``asked`` seconds (<= 0 or NaN: default)."""
-        return min(asked, MAX_FETCH_TIMEOUT) if asked > 0 else self.settings.reserve_timeout
-
-    async def fetch(self, session: Session, data_ref: bytes, timeout: float) -> pb.FetchResponse:
-        """Pull a foreign DataRef into this arena for ``session`` (see relayd.peers)."""
-        if session.state is not SessionState.BOUND:
-            raise SessionClosedError("bind the session socket before fetching")
-        if self.peers is None:
-            raise PeerUnavailableError(
-                "this daemon has no peers (--peer-address is not set); cross-node DataRefs "
-                "cannot be read here"
-            )
-        lease = await self.peers.fetch(session, data_ref, timeout)
-        return pb.FetchResponse(lease=lease, node_id=self.settings.node_id, daemon_epoch=self.epoch)
-
-    async def _fetch_on_session(
-        self, session: Session, data_ref: bytes, asked: float
-    ) -> pb.FetchResponse:
-        return await self.fetch(session, data_ref, self.fetch_timeout(asked))
-
     def _lease_alive(self, lease: LeaseKey) -> bool:
         """Whether a keyed entry's lease may still be read (leases of other nodes: their TTL)."""
         node, lease_id = lease
         return node != self.settings.node_id or lease_id in self.manager.leases
 
-    def _count_transfer(
-        self, transport: str, count: int, nbytes: int, from_stage: str, to_stage: str
-    ) -> None:
-        """One place counts every transfer, node-wide and per edge, exactly once."""
-        self.edges.count(from_stage, to_stage, transport, count, nbytes)
-        # Once per transfer: labels() costs more than the rest of a publish.
-        children = self._transfer_children.get(transport)
-        if children is None:
-            children = self._transfer_children[transport] = (
-                self.metrics.transfers.labels(transport),
-                self.metrics.transfer_bytes.labels(transport),
-            )
-        children[0].inc(count)
-        children[1].inc(nbytes)
-        if transport == Transport.INLINE.value:
-            self.metrics.inline_tensor_bytes.inc(nbytes)
 
-    def _on_report(self, session: Session, rep: pb.TransferReport) -> None:
-        """A client's batch of transfers the daemon never saw (inline, local_object, ...)."""
-        if self.edges.check_report(session.stages, rep):
-            self._count_transfer(
-                Transport.from_proto(rep.transport).value,
-                rep.count,
-                rep.bytes,
-                rep.from_stage,
-                rep.to_stage,
-            )
-
-    def _on_latency(self, session: Session, rep: pb.EdgeLatencyReport) -> None:
-        self.edges.add_latency(session.stages, rep)
-
-    def count_ref(self, nbytes: int) -> None:
-        """A forwarded tensor reference was published (RelayClient.ref)."""
-        self.metrics.refs.inc()
-        self.metrics.ref_bytes.inc(nbytes)
-
-    def _snapshot_threadsafe(self) -> dict[str, Any]:
-        """Scrapes run on the HTTP thread; the state belongs to the loop."""
-        loop = self._loop
-        if loop is None or not hasattr(self, "manager"):
-            return {"pools": [], "leases": {}, "sessions": 0, "serving": 0}
-        with contextlib.suppress(RuntimeError):
-            if asyncio.get_running_loop() is loop:
-                return self.snapshot()
-
-        async def snap() -> dict[str, Any]:
-            return self.snapshot()
-
-        return asyncio.run_coroutine_threadsafe(snap(), loop).result(timeout=5)
-
-    def snapshot(self) -> dict[str, Any]:
-        m, a = self.manager, self.arena
-        by_state = m.leases_by_state()
-        return {
-            "pools": [
-                {
-                    "name": SHM_POOL,
-                    "capacity_bytes": a.capacity_bytes,
-                    "used_bytes": m.lease_slots() * a.slot_size,
-                    "granted_bytes": m.granted_slots() * a.slot_size,
-                    "largest_free_run_bytes": a.largest_free_run() * a.slot_size,
-                    "slot_size": a.slot_size,
-                    "slots": a.capacity_slots,
-                    "free_slots": a.free_slots,
-                }
-            ]
-            + [
-                cuda_pools.pool_status(p, m.lease_slots(p.name), m.granted_slots(p.name))
-                for p in self.cuda_pools
-            ],
-            "leases": {(SHM_POOL, st.name.lower()): n for st, n in by_state.items()}
-            | {
-                (p.name, st.name.lower()): n
-                for p in self.cuda_pools
-                for st, n in m.leases_by_state(p.name).items()
-            },
-            "sessions": len(m.sessions) - len(self.operators),
-            "serving": 1 if self.state is DaemonState.SERVING else 0,
-            **(self.peers.snapshot() if self.peers is not None else {}),
-        }
-
-    def status(self) -> pb.StatusResponse:
-        m = self.manager
-        now = time.monotonic()
-        snap = self.snapshot()
-        resp = pb.StatusResponse(
-            node_id=self.settings.node_id,
-            daemon_epoch=self.epoch,
-            state=self.state.value,
-            uptime_seconds=now - self.started,
-            version=__version__,
-        )
-        for p in snap["pools"]:
-            resp.pools.append(pb.PoolStatus(**p))
-        for (_pool, state), n in snap["leases"].items():
-            resp.leases_by_state[state] += n  # summed over the arena and GPU pools
-        leases = sorted(m.leases.values(), key=lambda lease: lease.created)
-        for lease in leases[:1000]:
-            resp.leases.append(
-                pb.LeaseStatus(
-                    lease_id=lease.id,
-                    state=f"LEASE_STATE_{lease.state.name}",
-                    pool=lease.run.pool,
-                    bytes=lease.nbytes or lease.run.nslots * self.arena.slot_size,
-                    request_id=lease.request_id,
-                    from_stage=lease.from_stage,
-                    to_stage=lease.to_stage,
-                    age_seconds=now - lease.created,
-                    session_id=lease.writer,
-                )
-            )
-        for s in m.sessions.values():
-            if s.id in self.operators:
-                continue
-            resp.sessions.append(
-                pb.SessionStatus(
-                    session_id=s.id,
-                    pid=s.pid,
-                    stages=list(s.stages),
-                    granted_bytes=s.granted_slots * self.arena.slot_size,
-                    leases=sum(len(g.leases) for g in s.grants.values()),
-                    age_seconds=now - s.created,
-                    uid=max(s.uid, 0),
-                )
-            )
-        for sample in next(iter(self.metrics.transfers.collect())).samples:
-            if sample.name.endswith("_total") and sample.value:
-                resp.transfers_by_transport[sample.labels["transport"]] = int(sample.value)
-        if self.peers is not None:
-            resp.peers.extend(self.peers.status())
-        for sample in next(iter(self.metrics.reclaimed.collect())).samples:
-            if sample.name.endswith("_total") and sample.value:
-                resp.reclaimed_by_reason[sample.labels["reason"]] = int(sample.value)
-        self.topology.fill_status(resp)
-        resp.edge_traffic.extend(self.edges.status())
-        resp.latency_bucket_bounds.extend(LATENCY_BOUNDS)
-        return resp
-
-
-__all__ = ["Daemon", "DaemonState", "LeaseState", "SocketInUseError"]
+__all__ = ["Daemon", "SocketInUseError"]

@@ -2,7 +2,7 @@
 
 Sessions make these calls on the session socket (``KeyedPut``, ``KeyedTake``,
 ``DiscardCall``, answered in ``KeyedResult``); peers hand keyed DataRefs over
-with ``Peer.KeyedPut``. The index itself is :class:`relayd.keys.KeyIndex`.
+with ``Peer.KeyedPut``. The index itself is :class:`relayself.keys.KeyIndex`.
 
 Where a key goes: the daemon of the consumer stage's node holds the index.
 A keyed put is indexed here when the stage is served here, or by no node yet
@@ -20,7 +20,7 @@ reader would; a lease of another node is freed there through
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from relayd_client.wire.dataref import KIND_DATA, DataRef
 from relayd_client.wire.errors import (
@@ -36,24 +36,41 @@ from relayd_client.wire.errors import (
 from relayd_client.wire.names import check_key, check_stage
 from relayd_client.wire.proto import relay_pb2 as pb
 
-from ..keys import MAX_TAKE_TIMEOUT, lease_of
-
-if TYPE_CHECKING:
-    from ..pools.sessions import Session
-    from ..server import Daemon
+from ..keys import MAX_TAKE_TIMEOUT, KeyIndex, lease_of
+from ..pools.leases import LeaseManager
+from ..pools.sessions import Session
 
 log = logging.getLogger(__name__)
 
 
-class KeyedCalls:
-    def __init__(self, daemon: Daemon) -> None:
-        self.daemon = daemon
+class Landings(Protocol):
+    def landed(self, lease_id: int, generation: int) -> bool:
+        """Whether a push of this lease landed here (``push.PushManager``)."""
 
-    # -- from the writer's session --------------------------------------------------------
+
+class KeyedPeers(Protocol):
+    """The peer layer as keyed calls see it (``peers.PeerManager``)."""
+
+    @property
+    def push(self) -> Landings: ...
+    def serving(self, stage: str) -> Any:
+        """A live peer serving ``stage``, handed back to :meth:`keyed_put`; or None."""
+
+    async def keyed_put(self, peer: Any, key: str, data_ref: bytes) -> None: ...
+    async def release_now(self, m: pb.DataRef) -> bool: ...
+
+
+class KeyedCalls:
+    def __init__(self, node_id: str, epoch: str, *, leases: LeaseManager, keys: KeyIndex) -> None:
+        self.node_id = node_id
+        self.epoch = epoch
+        self.leases = leases
+        self.keys = keys
+        self.peers: KeyedPeers | None = None
+        """Set once the peer layer runs (``--peer-address``)."""
 
     async def put(self, session: Session, call: pb.KeyedPut) -> None:
         """Index the session's own put under ``call.key`` where its consumer is served."""
-        d = self.daemon
         key = check_key(call.key)
         ref = DataRef.from_bytes(call.data_ref)
         m = ref.proto
@@ -66,22 +83,22 @@ class KeyedCalls:
             raise PermissionDeniedError(
                 f"the put comes from stage {m.origin.stage[:64]!r}, not one of this session's"
             )
-        if m.origin.node_id != d.settings.node_id or m.origin.daemon_epoch != d.epoch:
+        if m.origin.node_id != self.node_id or m.origin.daemon_epoch != self.epoch:
             raise InvalidArgumentError("a keyed put names a DataRef this daemon issued")
         lease = lease_of(ref)
         if lease is not None:
-            held = d.manager.leases.get(lease[1])
+            held = self.leases.leases.get(lease[1])
             pushed = (
                 held is None
-                and d.peers is not None
-                and d.peers.push.landed(lease[1], m.lease.generation)
+                and self.peers is not None
+                and self.peers.push.landed(lease[1], m.lease.generation)
             )
             if not pushed and (
                 held is None
                 or held.generation != m.lease.generation
                 or held.from_stage != m.origin.stage
             ):
-                req = d.manager.requests.get(m.request_id)
+                req = self.leases.requests.get(m.request_id)
                 if req is not None and req.aborted:
                     raise AbortedError(f"request {m.request_id!r} was aborted")
                 raise StaleRefError("the put's lease is gone (read, discarded or expired)")
@@ -89,48 +106,42 @@ class KeyedCalls:
             await self._deliver(ref, key)
         except RelayError:
             # Nobody can find it by key now: the writer's put fails, so its lease goes.
-            if lease is not None and d.manager.release_from_peer(lease[1], m.lease.generation):
-                d.manager.flush()
+            if lease is not None and self.leases.release_from_peer(lease[1], m.lease.generation):
+                self.leases.flush()
             raise
 
     async def _deliver(self, ref: DataRef, key: str) -> None:
-        d = self.daemon
         to_stage = ref.proto.to_stage
-        peers = d.peers
+        peers = self.peers
         if peers is None or self._served_here(to_stage):
-            d.keys.add(ref, key)
+            self.keys.add(ref, key)
             return
         peer = peers.serving(to_stage)
         if peer is None:
-            d.keys.add(ref, key)  # its reader may attach here later
+            self.keys.add(ref, key)  # its reader may attach here later
             return
         try:
             await peers.keyed_put(peer, key, ref.to_bytes())
         except NotFoundError:
             # It stopped serving the stage since its last heartbeat.
-            d.keys.add(ref, key)
+            self.keys.add(ref, key)
 
     def _served_here(self, stage: str) -> bool:
-        return any(stage in s.stages for s in self.daemon.manager.sessions.values())
-
-    # -- from a peer ------------------------------------------------------------------------
+        return any(stage in s.stages for s in self.leases.sessions.values())
 
     def put_from_peer(self, node_id: str, key: str, data: bytes) -> None:
         """A peer's keyed put for a stage served here (the peer was authenticated)."""
-        d = self.daemon
         key = check_key(key)
         ref = DataRef.from_bytes(data)
         m = ref.proto
         if m.kind != KIND_DATA or not m.request_id:
             raise InvalidArgumentError("a keyed put is a data put with a request id")
         check_stage(m.to_stage, "to_stage")
-        if m.origin.node_id != node_id or node_id == d.settings.node_id:
+        if m.origin.node_id != node_id or node_id == self.node_id:
             raise PermissionDeniedError("a peer may only index DataRefs of its own node")
         if not self._served_here(m.to_stage):
-            raise NotFoundError(f"stage {m.to_stage!r} is not served on {d.settings.node_id!r}")
-        d.keys.add(ref, key)
-
-    # -- from the reader's session ----------------------------------------------------------
+            raise NotFoundError(f"stage {m.to_stage!r} is not served on {self.node_id!r}")
+        self.keys.add(ref, key)
 
     async def take(self, session: Session, call: pb.KeyedTake) -> bytes:
         """The DataRef under the key, consumed; b"" when a poll finds none."""
@@ -142,35 +153,32 @@ class KeyedCalls:
                 f"serves {', '.join(session.stages)}"
             )
         timeout = min(call.timeout_seconds, MAX_TAKE_TIMEOUT)
-        wire = await self.daemon.keys.take((call.to_stage, call.from_stage, key), timeout)
+        wire = await self.keys.take((call.to_stage, call.from_stage, key), timeout)
         return wire or b""
-
-    # -- discard ----------------------------------------------------------------------------
 
     async def discard(self, session: Session, call: pb.DiscardCall) -> None:
         """Free the lease a DataRef names, unread; StaleRefError if it is gone already."""
-        d = self.daemon
         ref = DataRef.from_bytes(call.data_ref)
         m = ref.proto
         lease = lease_of(ref)
         if lease is None:
             return  # nothing of it lives in a daemon
-        if m.origin.node_id == d.settings.node_id:
-            if m.origin.daemon_epoch != d.epoch:
+        if m.origin.node_id == self.node_id:
+            if m.origin.daemon_epoch != self.epoch:
                 raise StaleEpochError("the DataRef comes from an earlier run of this daemon")
-            released = d.manager.release_from_peer(lease[1], m.lease.generation)
-            d.manager.flush()
+            released = self.leases.release_from_peer(lease[1], m.lease.generation)
+            self.leases.flush()
         else:
-            if d.peers is None:
+            if self.peers is None:
                 raise PeerUnavailableError(
                     "this daemon has no peers; a DataRef of another node cannot be discarded here"
                 )
-            released = await d.peers.release_now(m)
+            released = await self.peers.release_now(m)
         if not released:
-            req = d.manager.requests.get(m.request_id)
+            req = self.leases.requests.get(m.request_id)
             if req is not None and req.aborted:
                 raise AbortedError(f"request {m.request_id!r} was aborted")
             raise StaleRefError(
                 "the DataRef's lease was already read, discarded, expired or aborted"
             )
-        d.keys.discarded(lease)
+        self.keys.discarded(lease)

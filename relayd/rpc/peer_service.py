@@ -11,17 +11,17 @@ from __future__ import annotations
 
 import functools
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
+from typing import Any, TypeAlias, TypeVar
 
 from relayd_client.wire.errors import InvalidArgumentError, PermissionDeniedError
 from relayd_client.wire.names import REQUEST_ID_MAX
 from relayd_client.wire.proto import relay_pb2 as pb
 from relayd_client.wire.proto import relay_pb2_grpc as pb_grpc
 
+from ..peer_context import PeerHooks, PeerLeases
+from ..peer_links import PeerLinks
+from ..push import PushManager
 from .errors import mapped
-
-if TYPE_CHECKING:
-    from ..peers import PeerManager
 
 # grpc ships no type stubs; the servicer context is untyped.
 Ctx: TypeAlias = Any
@@ -36,7 +36,7 @@ def _peer_call(
     def wrap(fn: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[R]]:
         @functools.wraps(fn)
         async def call(self: PeerService, request: Any, context: Ctx) -> R:
-            self.peers.links.authenticate(context, what)
+            self.links.authenticate(context, what)
             return await fn(self, request, context)
 
         return mapped(call)
@@ -45,23 +45,28 @@ def _peer_call(
 
 
 class PeerService(pb_grpc.PeerServicer):
-    def __init__(self, peers: PeerManager) -> None:
-        self.peers = peers
+    def __init__(
+        self, *, links: PeerLinks, leases: PeerLeases, hooks: PeerHooks, push: PushManager
+    ) -> None:
+        self.links = links
+        self.leases = leases
+        self.hooks = hooks
+        self.push = push
 
     @_peer_call("handshake")
     async def Handshake(self, request: pb.PeerHello, context: Ctx) -> pb.PeerHello:
-        return self.peers.links.on_hello(request, str(context.peer()))
+        return self.links.on_hello(request, str(context.peer()))
 
     @_peer_call("heartbeat")
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: Ctx) -> pb.HeartbeatResponse:
-        return self.peers.links.on_heartbeat(request)
+        return self.links.on_heartbeat(request)
 
     @_peer_call("release")
     async def ReleaseRemote(
         self, request: pb.ReleaseRemoteRequest, context: Ctx
     ) -> pb.ReleaseRemoteResponse:
         stages = None if request.discard else ()
-        released = self.peers.leases.crossnode.release_from_peer(
+        released = self.leases.crossnode.release_from_peer(
             request.lease_id, request.generation, stages
         )
         return pb.ReleaseRemoteResponse(released=released)
@@ -72,24 +77,24 @@ class PeerService(pb_grpc.PeerServicer):
     ) -> pb.AbortRemoteResponse:
         if not request.request_id or len(request.request_id) > REQUEST_ID_MAX:
             raise InvalidArgumentError(f"request_id must be 1-{REQUEST_ID_MAX} characters")
-        freed = self.peers.leases.abort_from_peer(request.request_id)
-        self.peers.hooks.aborted(request.request_id)
-        self.peers.push.landing.abort(request.request_id)
+        freed = self.leases.abort_from_peer(request.request_id)
+        self.hooks.aborted(request.request_id)
+        self.push.landing.abort(request.request_id)
         return pb.AbortRemoteResponse(leases_freed=freed)
 
     @_peer_call("keyed put")
     async def KeyedPut(
         self, request: pb.PeerKeyedPutRequest, context: Ctx
     ) -> pb.PeerKeyedPutResponse:
-        peer = self.peers.links.by_node.get(request.node_id)
+        peer = self.links.by_node.get(request.node_id)
         if peer is None or not peer.up:
             raise PermissionDeniedError(f"node {request.node_id[:64]!r} is not a connected peer")
-        self.peers.hooks.keyed_from_peer(request.node_id, request.key, request.data_ref)
+        self.hooks.keyed_from_peer(request.node_id, request.key, request.data_ref)
         return pb.PeerKeyedPutResponse()
 
     @_peer_call("push grant")
     async def PushGrant(self, request: pb.PushGrantRequest, context: Ctx) -> pb.PushGrantResponse:
-        return self.peers.push.landing.grant_to(request)
+        return self.push.landing.grant_to(request)
 
     @_peer_call("notify")
     async def Notify(
@@ -97,5 +102,5 @@ class PeerService(pb_grpc.PeerServicer):
     ) -> pb.PeerNoticesAck:
         released = 0
         async for batch in requests:
-            released += self.peers.push.on_notices(batch)
+            released += self.push.on_notices(batch)
         return pb.PeerNoticesAck(released=released)

@@ -1,6 +1,7 @@
 """``Route`` and the socket fallback (``PutBytes``/``GetBytes``) of the Relay service.
 
-Kept beside :mod:`relayd.rpc.service` as a mixin so routing stays one concern.
+A mixin of :class:`relayd.rpc.service.RelayService`, which gives it the parts
+declared below, so that routing and the fallback read as one concern.
 
 The socket fallback serves sessions that cannot map the arena (a container
 without the host's IPC namespace) with one unary call per put or get carrying
@@ -14,27 +15,34 @@ a socket writer's put exactly like any other.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, TypeAlias
+from collections.abc import Callable
+from typing import Any, TypeAlias
 
 from relayd_client.wire.errors import InvalidArgumentError, SessionClosedError
 from relayd_client.wire.names import REQUEST_ID_MAX, STAGE_NAME_MAX
 from relayd_client.wire.proto import relay_pb2 as pb
 
 from ..edges import log_trace
+from ..pools.arena import Arena
+from ..pools.leases import LeaseManager
 from ..pools.sessions import Session, SessionState
+from ..routing.topology import Topology
 from .errors import mapped
-
-if TYPE_CHECKING:
-    from ..server import Daemon
 
 Ctx: TypeAlias = Any
 
 
 class RoutingService:
-    daemon: Daemon
+    leases: LeaseManager
+    arena: Arena
+    topology: Topology
+    reserve_timeout: float
+    """The longest a grant (here: a socket-fallback put) may wait for space."""
+    on_ref: Callable[[int], None]
+    """A forwarded tensor reference of this many bytes was published."""
 
     def _bound(self, session_id: str, token: bytes) -> Session:
-        session = self.daemon.manager.authenticate(session_id, token)
+        session = self.leases.authenticate(session_id, token)
         if session.state is not SessionState.BOUND:
             raise SessionClosedError("bind the session socket first")
         return session
@@ -44,11 +52,10 @@ class RoutingService:
         session = self._bound(request.session_id, request.session_token)
         if not request.to_stage or len(request.to_stage) > STAGE_NAME_MAX:
             raise InvalidArgumentError(f"to_stage must be 1-{STAGE_NAME_MAX} characters")
-        return self.daemon.topology.route(session, request)
+        return self.topology.route(session, request)
 
     @mapped
     async def PutBytes(self, request: pb.PutBytesRequest, context: Ctx) -> pb.PutBytesResponse:
-        d = self.daemon
         session = self._bound(request.session_id, request.session_token)
         if not request.request_id or len(request.request_id) > REQUEST_ID_MAX:
             raise InvalidArgumentError(f"request_id must be 1-{REQUEST_ID_MAX} characters")
@@ -57,14 +64,12 @@ class RoutingService:
         from_stage = (
             request.from_stage if request.from_stage in session.stages else session.stages[0]
         )
-        timeout = (
-            request.timeout_seconds if request.timeout_seconds > 0 else d.settings.reserve_timeout
-        )
+        timeout = request.timeout_seconds if request.timeout_seconds > 0 else self.reserve_timeout
         remaining = context.time_remaining()
         if remaining is not None:
             timeout = min(timeout, max(remaining - 0.05, 0.0))
         data = request.data
-        lease = await d.manager.put_bytes(
+        lease = await self.leases.put_bytes(
             session,
             data,
             request_id=request.request_id,
@@ -75,7 +80,7 @@ class RoutingService:
         if request.trace_id:
             log_trace(lease.id, request.trace_id, request.request_id)
         if request.ref:
-            d.count_ref(len(data))
+            self.on_ref(len(data))
         run = lease.run
         return pb.PutBytesResponse(
             lease=pb.LeaseRef(
@@ -83,7 +88,7 @@ class RoutingService:
                 segment=run.segment,
                 slot=run.slot,
                 nslots=run.nslots,
-                offset=d.arena.segments[run.segment].slot_offset(run.slot),
+                offset=self.arena.segments[run.segment].slot_offset(run.slot),
                 length=len(data),
                 generation=lease.generation,
                 lease_id=lease.id,
@@ -94,8 +99,6 @@ class RoutingService:
     async def GetBytes(self, request: pb.GetBytesRequest, context: Ctx) -> pb.GetBytesResponse:
         session = self._bound(request.session_id, request.session_token)
         ref = request.lease
-        data = self.daemon.manager.get_bytes(
-            session, ref.lease_id, ref.generation, request.request_id
-        )
+        data = self.leases.get_bytes(session, ref.lease_id, ref.generation, request.request_id)
         # Counted once, when it was published, under its DataRef's transport.
         return pb.GetBytesResponse(data=data)

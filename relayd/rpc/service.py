@@ -1,9 +1,16 @@
-"""The ``relayd.v1.Relay`` gRPC service: attach, grants, abort, status, drain."""
+"""The ``relayd.v1.Relay`` gRPC service: attach, grants, abort, fetch, status, drain.
+
+Route and the socket fallback are :mod:`relayd.rpc.routing`'s. The service
+holds the parts it calls, each given by the daemon when it wires itself
+(:mod:`relayd.server`); the peer layer is added once it runs.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from typing import TYPE_CHECKING, Any, TypeAlias
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, TypeAlias
 
 from relayd_client.wire.errors import (
     InvalidArgumentError,
@@ -17,13 +24,15 @@ from relayd_client.wire.proto import relay_pb2_grpc as pb_grpc
 from relayd_client.wire.shm import HEADER_STRIDE, SHM_POOL
 from relayd_client.wire.version import PROTOCOL_VERSION
 
+from ..keys import KeyIndex
+from ..pools.arena import Arena
 from ..pools.leases import LeaseManager
 from ..pools.sessions import SessionState
+from ..routing.topology import Topology
+from .admission import Roles
 from .errors import mapped
+from .fetch import Fetcher
 from .routing import RoutingService
-
-if TYPE_CHECKING:
-    from ..server import Daemon
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +60,74 @@ def _make_room_for_attach(m: LeaseManager) -> None:
         m.close_session(stale.id)
 
 
+@dataclasses.dataclass(frozen=True)
+class NodeFacts:
+    """What every Attach tells a client about this daemon, fixed at start."""
+
+    node_id: str
+    epoch: str
+    session_socket: str
+    pin_host_memory: str
+    lease_ttl: float
+    peer_address: str
+
+
+class GpuPool(Protocol):
+    def describe(self) -> pb.CudaPool: ...
+
+
+class RemoteSession(Protocol):
+    @property
+    def session_id(self) -> str: ...
+
+
+class ServicePeers(Protocol):
+    """The peer layer as this service sees it (``peers.PeerManager``)."""
+
+    @property
+    def transport(self) -> RemoteSession: ...
+    async def abort_remote(self, request_id: str) -> int: ...
+
+
+class Lifecycle(Protocol):
+    """The daemon's stop, as Drain asks for it (``server.Daemon``)."""
+
+    @property
+    def drain_grace(self) -> float: ...
+    def request_stop(self, *, grace: float | None = None) -> None: ...
+
+
 class RelayService(RoutingService, pb_grpc.RelayServicer):
-    def __init__(self, daemon: Daemon) -> None:
-        self.daemon = daemon
+    def __init__(
+        self,
+        leases: LeaseManager,
+        *,
+        facts: NodeFacts,
+        reserve_timeout: float,
+        arena: Arena,
+        gpu_pools: Sequence[GpuPool],
+        topology: Topology,
+        keys: KeyIndex,
+        fetcher: Fetcher,
+        status: Callable[[], pb.StatusResponse],
+        roles: Roles,
+        lifecycle: Lifecycle,
+        on_ref: Callable[[int], None],
+    ) -> None:
+        self.leases = leases
+        self.facts = facts
+        self.reserve_timeout = reserve_timeout
+        self.arena = arena
+        self.gpu_pools = gpu_pools
+        self.topology = topology
+        self.keys = keys
+        self.fetcher = fetcher
+        self.status = status
+        self.roles = roles
+        self.lifecycle = lifecycle
+        self.on_ref = on_ref
+        self.peers: ServicePeers | None = None
+        """Set once the peer layer runs (``--peer-address``)."""
 
     @mapped
     async def Attach(self, request: pb.AttachRequest, context: Ctx) -> pb.AttachResponse:
@@ -67,39 +141,39 @@ class RelayService(RoutingService, pb_grpc.RelayServicer):
         stages = [check_stage(s, "stage") for s in request.stages]
         if len(request.gpu_uuids) > 64 or len(request.namespaces) > 8:
             raise InvalidArgumentError("too many GPUs or namespaces in attach")
-        d = self.daemon
-        _make_room_for_attach(d.manager)
-        session = d.manager.open_session(
+        facts = self.facts
+        _make_room_for_attach(self.leases)
+        session = self.leases.open_session(
             pid=request.pid,
             stages=stages,
             namespaces={k[:16]: v[:64] for k, v in request.namespaces.items()},
             gpu_uuids=[u[:64] for u in request.gpu_uuids],
         )
-        arena = d.arena
+        arena = self.arena
         return pb.AttachResponse(
             protocol_version=PROTOCOL_VERSION,
             session_id=session.id,
             session_token=session.token,
-            session_socket=d.settings.session_socket,
-            node_id=d.settings.node_id,
-            daemon_epoch=d.epoch,
+            session_socket=facts.session_socket,
+            node_id=facts.node_id,
+            daemon_epoch=facts.epoch,
             slot_size=arena.slot_size,
             header_offset=0,
             header_stride=HEADER_STRIDE,
             data_offset=arena.segments[0].data_offset,
             segments=[pb.Segment(name=s.name, size=s.size, index=s.index) for s in arena.segments],
-            default_grant_bytes=d.manager.grant_slots * arena.slot_size,
-            cuda_pools=[p.describe() for p in d.cuda_pools],
-            pin_host_memory=d.settings.pin_host_memory,
-            lease_ttl_seconds=d.settings.lease_ttl,
-            peer_address=d.settings.peer_address,
-            probe_offset=d.topology.probe_offset,
-            mooncake_session=d.peers.transport.session_id if d.peers is not None else "",
+            default_grant_bytes=self.leases.grant_slots * arena.slot_size,
+            cuda_pools=[p.describe() for p in self.gpu_pools],
+            pin_host_memory=facts.pin_host_memory,
+            lease_ttl_seconds=facts.lease_ttl,
+            peer_address=facts.peer_address,
+            probe_offset=self.topology.probe_offset,
+            mooncake_session=self.peers.transport.session_id if self.peers is not None else "",
         )
 
     @mapped
     async def Grant(self, request: pb.GrantRequest, context: Ctx) -> pb.GrantResponse:
-        m = self.daemon.manager
+        m = self.leases
         session = m.authenticate(request.session_id, request.session_token)
         if session.state is not SessionState.BOUND:
             raise SessionClosedError("bind the session socket before asking for grants")
@@ -107,7 +181,7 @@ class RelayService(RoutingService, pb_grpc.RelayServicer):
             raise InvalidArgumentError(f"min_bytes {request.min_bytes} is absurd")
         # --reserve-timeout is the longest any grant waits: a client asking for
         # more (or for inf) would hold its place in the fair queue for as long.
-        limit = self.daemon.settings.reserve_timeout
+        limit = self.reserve_timeout
         timeout = min(request.timeout_seconds, limit) if request.timeout_seconds > 0 else limit
         remaining = context.time_remaining()
         if remaining is not None:
@@ -124,33 +198,31 @@ class RelayService(RoutingService, pb_grpc.RelayServicer):
 
     @mapped
     async def Abort(self, request: pb.AbortRequest, context: Ctx) -> pb.AbortResponse:
-        m = self.daemon.manager
         session = self._bound(request.session_id, request.session_token)
         check_request_id(request.request_id)
-        n, nbytes = m.abort(session, request.request_id)
-        self.daemon.keys.abort(request.request_id, session.stages)
-        if self.daemon.peers is not None:
+        n, nbytes = self.leases.abort(session, request.request_id)
+        self.keys.abort(request.request_id, session.stages)
+        if self.peers is not None:
             # abort frees the request on every node; peers never propagate it further.
-            n += await self.daemon.peers.abort_remote(request.request_id)
+            n += await self.peers.abort_remote(request.request_id)
         return pb.AbortResponse(leases_freed=n, bytes_freed=nbytes)
 
     @mapped
     async def Fetch(self, request: pb.FetchRequest, context: Ctx) -> pb.FetchResponse:
         """Cross-node read: pull a foreign DataRef into this arena (see relayd.peers).
         Clients use the session socket's FetchCall; this is the same work over gRPC."""
-        d = self.daemon
-        session = d.manager.authenticate(request.session_id, request.session_token)
-        timeout = d.fetch_timeout(request.timeout_seconds)
+        session = self.leases.authenticate(request.session_id, request.session_token)
+        timeout = self.fetcher.timeout(request.timeout_seconds)
         remaining = context.time_remaining()
         if remaining is not None:
             timeout = min(timeout, max(remaining - 0.05, 0.0))
-        return await d.fetch(session, request.data_ref, timeout)
+        return await self.fetcher.fetch(session, request.data_ref, timeout)
 
     @mapped
     async def Status(self, request: pb.StatusRequest, context: Ctx) -> pb.StatusResponse:
         session = self._bound(request.session_id, request.session_token)
-        resp = self.daemon.status()
-        if session.id not in self.daemon.admins:
+        resp = self.status()
+        if session.id not in self.roles.admins:
             # Who runs what (pids, uids, sessions, request ids) is the operator's to see.
             for field in ("leases", "sessions", "stages"):
                 resp.ClearField(field)
@@ -159,12 +231,12 @@ class RelayService(RoutingService, pb_grpc.RelayServicer):
     @mapped
     async def Drain(self, request: pb.DrainRequest, context: Ctx) -> pb.DrainResponse:
         session = self._bound(request.session_id, request.session_token)
-        if session.id not in self.daemon.admins:
+        if session.id not in self.roles.admins:
             raise PermissionDeniedError(
                 "only root, the daemon's own uid and members of --admin-gid may drain relayd"
             )
         grace = request.grace_seconds if request.grace_seconds > 0 else None
         if grace is not None and not grace <= MAX_DRAIN_GRACE:
             raise InvalidArgumentError(f"grace_seconds must be at most {MAX_DRAIN_GRACE:g}")
-        self.daemon.request_stop(grace=grace)
-        return pb.DrainResponse(accepted=True, grace_seconds=self.daemon.drain_grace)
+        self.lifecycle.request_stop(grace=grace)
+        return pb.DrainResponse(accepted=True, grace_seconds=self.lifecycle.drain_grace)

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
-import struct
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, cast
 
 from relayd_client.wire.errors import (
@@ -36,6 +34,7 @@ from relayd_client.wire.transport import Transport
 from ..edges import log_trace
 from ..pools.leases import LeaseManager
 from ..pools.sessions import BIND_DEADLINE, Session
+from .admission import Admission, Roles, peer_groups
 from .frames import frame_sink
 from .limits import UidLimits
 
@@ -54,69 +53,11 @@ MAX_FETCH_CALLS = 4096
 # Keyed puts, takes (a waiting get is one) and discards one session may have
 # in flight; more are refused, as for fetches.
 MAX_KEYED_CALLS = 4096
-SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
-_MAX_GROUPS = 65536
 _REFUSAL_CODES = {
     "uid": pb.ERROR_CODE_PERMISSION_DENIED,
     "limit": pb.ERROR_CODE_RESOURCE_EXHAUSTED,
     "bind_timeout": pb.ERROR_CODE_TIMEOUT,
 }
-
-
-def peer_groups(sock: socket.socket, pid: int) -> frozenset[int]:
-    """The peer's supplementary groups, as the kernel recorded them when it connected.
-
-    SO_PEERGROUPS (Linux 4.13) is what the connecting process held at connect;
-    /proc/<pid>/status is the fallback on older kernels.
-    """
-    try:
-        raw = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, _MAX_GROUPS * 4)
-        return frozenset(struct.unpack(f"{len(raw) // 4}I", raw))
-    except OSError:
-        pass
-    try:
-        with open(f"/proc/{pid}/status") as fh:
-            for line in fh:
-                if line.startswith("Groups:"):
-                    return frozenset(int(g) for g in line.split()[1:])
-    except (OSError, ValueError):
-        pass
-    return frozenset()
-
-
-class Admission:
-    """Who may bind a session, and who may operate the daemon.
-
-    Admitted, like the file system admits to a file of the daemon's user and
-    group: root, the daemon's own uid, ``--allow-uid``, and any process whose
-    primary *or supplementary* groups meet ``--allow-gid`` (default: the
-    daemon's group), so ``usermod -aG relayd <user>`` admits that user.
-    Operators (Drain, the full Status): root, the daemon's uid and members of
-    ``--admin-gid``.
-    """
-
-    def __init__(
-        self,
-        uids: Collection[int],
-        gids: Collection[int],
-        *,
-        daemon_uid: int,
-        admin_gids: Collection[int] = (),
-    ) -> None:
-        self.daemon_uid = daemon_uid
-        self.uids = frozenset(uids) | {daemon_uid}
-        self.gids = frozenset(gids)
-        self.admin_gids = frozenset(admin_gids)
-
-    def admits(self, uid: int, gid: int, groups: Collection[int] = ()) -> bool:
-        return uid == 0 or uid in self.uids or gid in self.gids or not self.gids.isdisjoint(groups)
-
-    def is_admin(self, uid: int, gid: int, groups: Collection[int] = ()) -> bool:
-        return (
-            uid in (0, self.daemon_uid)
-            or gid in self.admin_gids
-            or not self.admin_gids.isdisjoint(groups)
-        )
 
 
 class SessionProtocol(asyncio.Protocol):
@@ -134,8 +75,7 @@ class SessionProtocol(asyncio.Protocol):
         bind_deadline: float = BIND_DEADLINE,
         keyed: KeyedCalls | None = None,
         on_latency: Callable[[Session, pb.EdgeLatencyReport], None] = lambda s, rep: None,
-        admins: set[str] | None = None,
-        operators: set[str] | None = None,
+        roles: Roles | None = None,
     ) -> None:
         self.manager = manager
         self.admission = admission
@@ -161,10 +101,8 @@ class SessionProtocol(asyncio.Protocol):
         self._counted_uid: int | None = None  # the uid whose share this connection holds
         self.bind_deadline = bind_deadline
         self._bind_timer: asyncio.TimerHandle | None = None
-        # Ids of bound sessions whose process may operate the daemon (shared by all).
-        self.admins = admins if admins is not None else set()
-        # Ids of bound operator sessions (the CLI's): no data path, not listed in status.
-        self.operators = operators if operators is not None else set()
+        # Shared by every connection: who may operate, who is the CLI.
+        self.roles = roles if roles is not None else Roles()
         self.groups: frozenset[int] = frozenset()
 
     # -- asyncio.Protocol -----------------------------------------------------------
@@ -260,8 +198,7 @@ class SessionProtocol(asyncio.Protocol):
         self._fetches.clear()
         self._keyed.clear()
         if self.session is not None:
-            self.admins.discard(self.session.id)
-            self.operators.discard(self.session.id)
+            self.roles.forget(self.session.id)
             log.info("session closed", extra={"session_id": self.session.id, "pid": self.creds[0]})
             try:
                 self.manager.close_session(self.session.id)
@@ -325,9 +262,9 @@ class SessionProtocol(asyncio.Protocol):
                 extra={"session_id": session.id, "pid": pid, "stage": ",".join(session.stages)},
             )
             if self.admission.is_admin(uid, gid, self.groups):
-                self.admins.add(session.id)
+                self.roles.admins.add(session.id)
             if f.bind.operator:
-                self.operators.add(session.id)
+                self.roles.operators.add(session.id)
                 path, version = "none", 0  # the CLI moves no data: not placed anywhere
             elif self.on_bound is not None:
                 path, version = self.on_bound(session, f.bind.shm_nonce, pid)

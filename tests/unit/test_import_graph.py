@@ -3,7 +3,9 @@
 Read from the source, not by importing it: an import inside a function counts
 as much as one at the top of a module (it runs the first time the function
 does, and a cycle through it still ties the two modules together). Imports
-under ``if TYPE_CHECKING:`` do not run and are not counted.
+under ``if TYPE_CHECKING:`` do not run, but they tie modules together for the
+type checker and for a reader just the same: the type-level graph counts them
+too, and must be free of cycles as well.
 """
 
 from __future__ import annotations
@@ -42,7 +44,14 @@ def _runtime_imports_of(node: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
         yield from _runtime_imports(node)
 
 
-def _graph() -> dict[str, set[str]]:
+def _all_imports(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement, TYPE_CHECKING blocks included."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            yield node
+
+
+def _graph(*, type_level: bool = False) -> dict[str, set[str]]:
     modules = _modules()
 
     def owner(name: str) -> str | None:
@@ -53,7 +62,8 @@ def _graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {name: set() for name in modules}
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        for node in _runtime_imports(ast.parse(path.read_text(), str(path))):
+        tree = ast.parse(path.read_text(), str(path))
+        for node in _all_imports(tree) if type_level else _runtime_imports(tree):
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             else:
@@ -112,7 +122,11 @@ def test_the_graph_sees_function_level_imports() -> None:
     graph = _graph()
     assert "relayd.demo" in graph["relayd.cli"]  # imported inside cmd_demo
     assert "relayd.rpc.peer_service" in graph["relayd.peers"]  # inside PeerManager.start
-    assert "relayd.server" not in graph["relayd.rpc.service"]  # only under TYPE_CHECKING
+    assert "relayd.rpc.keyed" not in graph["relayd.rpc.session"]  # only under TYPE_CHECKING
+
+
+def test_the_type_level_graph_sees_type_checking_imports() -> None:
+    assert "relayd.rpc.keyed" in _graph(type_level=True)["relayd.rpc.session"]
 
 
 def test_a_cycle_is_found() -> None:
@@ -124,6 +138,13 @@ def test_the_daemon_has_no_import_cycles() -> None:
     cycles = _cycles(_graph())
     assert cycles == [], "import cycles among relayd's modules: " + "; ".join(
         " <-> ".join(c) for c in cycles
+    )
+
+
+def test_the_daemon_has_no_type_level_import_cycles() -> None:
+    cycles = _cycles(_graph(type_level=True))
+    assert cycles == [], "import cycles among relayd's modules, TYPE_CHECKING counted: " + (
+        "; ".join(" <-> ".join(c) for c in cycles)
     )
 
 
