@@ -332,7 +332,7 @@ class Daemon:
                     aborted=self.keys.abort,
                 ),
             )
-            # Every part that reaches a peer sees it from now on.
+            # The parts that reach a peer learn of it before it serves anyone.
             self.keyed.peers = self.fetcher.peers = self.peers
             self.service.peers = self.node_status.peers = self.peers
             await self.peers.start()
