@@ -155,11 +155,6 @@ class LeaseManager:
         self.on_cancel = self.table.on_cancel
         self.hold = self.table.hold
         self.flush = self.table.flush
-        self.reserve_for_pull = self.crossnode.reserve_for_pull
-        self.publish_pull = self.crossnode.publish_pull
-        self.drop_pull = self.crossnode.drop_pull
-        self.free_pushed = self.crossnode.free_pushed
-        self.adopt_push = self.crossnode.adopt_push
         self.release_from_peer = self.crossnode.release_from_peer
         self.abort = self.reclaim.abort
         self.start_drain = self.reclaim.start_drain

@@ -44,13 +44,13 @@ def test_pull_lease_is_daemon_owned_and_freed_by_the_readers_release(arena: Aren
     r = _reader(m, [])
 
     async def go() -> None:
-        lease = await m.reserve_for_pull(
+        lease = await m.crossnode.reserve_for_pull(
             r, 3 * SLOT - 5, 1.0, request_id="q", from_stage="thinker", to_stage="talker"
         )
         assert lease.state is LeaseState.RESERVED and lease.run.nslots == 3
         assert r.granted_slots == 0 and not r.grants  # the daemon owns the run
         assert arena.used_bytes == 3 * SLOT
-        m.publish_pull(lease, 3 * SLOT - 5)
+        m.crossnode.publish_pull(lease, 3 * SLOT - 5)
         assert arena.header(lease.run.segment, lease.run.slot) == (lease.generation, 3 * SLOT - 5)
         m.on_claim(r, pb.Claim(lease_id=lease.id, generation=lease.generation))
         m.on_release(r, pb.Release(lease_id=lease.id, generation=lease.generation))
@@ -65,19 +65,19 @@ def test_failed_pull_is_dropped_and_aborted_pull_never_published(arena: Arena) -
     r = _reader(m, [])
 
     async def go() -> None:
-        lease = await m.reserve_for_pull(
+        lease = await m.crossnode.reserve_for_pull(
             r, SLOT, 1.0, request_id="q", from_stage="thinker", to_stage="talker"
         )
         m.abort(r, "q")  # RESERVED: abort leaves it to the pull, which must not publish
         assert lease.id in m.leases
         with pytest.raises(AbortedError):
-            m.publish_pull(lease, SLOT)
+            m.crossnode.publish_pull(lease, SLOT)
         assert not m.leases and arena.used_bytes == 0
-        other = await m.reserve_for_pull(
+        other = await m.crossnode.reserve_for_pull(
             r, SLOT, 1.0, request_id="q2", from_stage="thinker", to_stage="talker"
         )
-        m.drop_pull(other)
-        m.drop_pull(other)  # idempotent
+        m.crossnode.drop_pull(other)
+        m.crossnode.drop_pull(other)  # idempotent
         assert arena.used_bytes == 0
 
     asyncio.run(go())
