@@ -77,8 +77,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from . import _logging, preflight
     from ._systemd import SystemdNotifier
     from .loops import loop_factory
-    from .rundir import UnsafeRuntimeDirError
-    from .server import Daemon, SocketInUseError
+    from .rundir import SocketInUseError, UnsafeRuntimeDirError
+    from .server import Daemon
 
     flags = {
         k: v

@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
 import stat
+from collections.abc import Iterator
 
 _WRITABLE_BY_OTHERS = stat.S_IWGRP | stat.S_IWOTH
 
@@ -117,3 +119,67 @@ def open_lock(path: str, uid: int | None = None) -> int:
             f"lock file {path} ({_describe(st)}) is not relayd's own; remove it"
         )
     return fd
+
+
+class SocketInUseError(RuntimeError):
+    """Another live daemon serves on the requested socket."""
+
+
+class SocketLock:
+    """One daemon per socket: an flock beside it, released by the kernel if the daemon dies.
+
+    Holding it makes the daemon the owner of the sockets named here: leftover
+    ones (of a dead daemon, and only if they were relayd's) are replaced on
+    :meth:`acquire`, and :meth:`release` removes them with the lock file.
+    """
+
+    def __init__(self, socket: str, session_socket: str, socket_mode: int) -> None:
+        self.socket = socket
+        self.session_socket = session_socket
+        self.socket_mode = socket_mode
+        self._fd = -1
+
+    @property
+    def held(self) -> bool:
+        return self._fd >= 0
+
+    def acquire(self) -> None:
+        """Take the lock (``SocketInUseError`` if a live daemon holds it)."""
+        prepare(os.path.dirname(self.socket), self.socket_mode)
+        fd = open_lock(self.socket + ".lock")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            os.close(fd)
+            raise SocketInUseError(
+                f"another relayd (pid {owner or '?'}) is serving on {self.socket}; stop it or "
+                "pick another --socket"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+        for stale in (self.socket, self.session_socket):
+            check_leftover(stale)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(stale)
+
+    @contextlib.contextmanager
+    def creating(self) -> Iterator[None]:
+        """Sockets bound inside get ``--socket-mode`` from their first instant (a umask),
+        not only after the chmod that follows."""
+        old = os.umask(0o777 & ~self.socket_mode)
+        try:
+            yield
+        finally:
+            os.umask(old)
+
+    def release(self) -> None:
+        """Remove the sockets and the lock file, then let go of the lock."""
+        if self._fd < 0:
+            return
+        for path in (self.socket, self.session_socket, self.socket + ".lock"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        os.close(self._fd)
+        self._fd = -1

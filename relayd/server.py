@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import logging
 import os
 import secrets
 import signal
 import time
-from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -101,10 +99,6 @@ def grpc_server_options(settings: Settings, arena: Arena) -> list[tuple[str, int
     ]
 
 
-class SocketInUseError(RuntimeError):
-    """Another live daemon serves on the requested socket."""
-
-
 class Daemon:
     def __init__(self, settings: Settings, *, notifier: SystemdNotifier | None = None) -> None:
         self.settings = settings
@@ -132,7 +126,9 @@ class Daemon:
         self._stop = asyncio.Event()
         self._force = asyncio.Event()
         self._grace = settings.drain_grace
-        self._lock_fd = -1
+        self._lock = rundir.SocketLock(
+            settings.socket, settings.session_socket, settings.socket_mode
+        )
         self._protocols: set[SessionProtocol] = set()
         self.admission = Admission(
             settings.allow_uid,
@@ -155,7 +151,7 @@ class Daemon:
 
     async def startup(self) -> None:
         """Own the socket, build every part, serve, then join the peers (if any)."""
-        self._take_socket_lock()
+        self._lock.acquire()
         remove_stale_segments()
         self._build()
         await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -268,7 +264,7 @@ class Daemon:
         server = grpc.aio.server(options=grpc_server_options(s, self.arena))
         pb_grpc.add_RelayServicer_to_server(self.service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        with self._umask():
+        with self._lock.creating():
             server.add_insecure_port(f"unix:{s.socket}")
             await server.start()
         os.chmod(s.socket, s.socket_mode)
@@ -278,7 +274,7 @@ class Daemon:
         s, m = self.settings, self.metrics
         limits = UidLimits(s.uid_session_limit)
         loop = asyncio.get_running_loop()
-        with self._umask():
+        with self._lock.creating():
             self._session_server = await loop.create_unix_server(
                 lambda: self._track(
                     SessionProtocol(
@@ -355,7 +351,7 @@ class Daemon:
     async def shutdown(self) -> None:
         if self.state is DaemonState.STOPPED:
             return
-        if self._lock_fd < 0:
+        if not self._lock.held:
             # Start-up stopped before it owned the socket (another daemon holds
             # it): this process started nothing, so it reports no stop either.
             self.state = DaemonState.STOPPED
@@ -399,11 +395,7 @@ class Daemon:
         self.cuda_pools.clear()
         if hasattr(self, "arena"):
             self.arena.close()
-        for path in (self.settings.socket, self.settings.session_socket):
-            with contextlib.suppress(FileNotFoundError):
-                if self._lock_fd >= 0:
-                    os.unlink(path)
-        self._release_socket_lock()
+        self._lock.release()
         self.state = DaemonState.STOPPED
         log.info("relayd stopped")
 
@@ -432,44 +424,6 @@ class Daemon:
             log.info("%s: draining", signal.Signals(sig).name)
             self._stop.set()
 
-    @contextlib.contextmanager
-    def _umask(self) -> Any:
-        old = os.umask(0o777 & ~self.settings.socket_mode)
-        try:
-            yield
-        finally:
-            os.umask(old)
-
-    def _take_socket_lock(self) -> None:
-        """One daemon per socket: an flock beside it, released by the kernel if we die."""
-        path = self.settings.socket
-        rundir.prepare(os.path.dirname(path), self.settings.socket_mode)
-        fd = rundir.open_lock(path + ".lock")
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            owner = os.pread(fd, 32, 0).decode(errors="replace").strip()
-            os.close(fd)
-            raise SocketInUseError(
-                f"another relayd (pid {owner or '?'}) is serving on {path}; stop it or pick "
-                "another --socket"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self._lock_fd = fd
-        # Whatever socket files exist belong to a dead daemon: replace them.
-        for stale in (path, self.settings.session_socket):
-            rundir.check_leftover(stale)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(stale)
-
-    def _release_socket_lock(self) -> None:
-        if self._lock_fd >= 0:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.settings.socket + ".lock")
-            os.close(self._lock_fd)
-            self._lock_fd = -1
-
     def _track(self, proto: SessionProtocol) -> SessionProtocol:
         self._protocols.add(proto)
         original = proto.connection_lost
@@ -487,4 +441,4 @@ class Daemon:
         return node != self.settings.node_id or lease_id in self.manager.leases
 
 
-__all__ = ["Daemon", "SocketInUseError"]
+__all__ = ["Daemon"]
