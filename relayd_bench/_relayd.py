@@ -168,7 +168,8 @@ class RelaydMooncake(RelaydShm):
         to_stage = self._stages()[1]
         while loop.time() < deadline:
             self.client._routes.answers.clear()
-            if await self.client._routes.ask((to_stage, True, ())) == pb.TRANSPORT_MOONCAKE:
+            key = (to_stage, True, (), False)  # a CPU payload too large for inline
+            if await self.client._routes.ask(key, 1 << 20, False, False) == pb.TRANSPORT_MOONCAKE:
                 return
             await asyncio.sleep(0.05)  # polling the daemon's registry, bounded above
 

@@ -232,11 +232,9 @@ class RelayClient:
     ) -> DataRef:
         a = self._conn.usable() or await self._conn.ready(timeout)
         plan = self._writer.plan(a, obj, to_stage, request_id, chunk_id, pickle)
-        if isinstance(plan, DataRef):
-            return plan
         route = self._routes.cached(plan.route_key)
         if route is None:
-            route = await self._routes.ask(plan.route_key)
+            route = await self._routes.ask(*plan.route_facts)
         return await self._put_planned(plan, route, timeout, trace_id)
 
     async def _put_planned(

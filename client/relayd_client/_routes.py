@@ -1,8 +1,11 @@
 """The transport of each edge, as the daemon's router answered it, cached.
 
-The daemon's ``route()`` decides; this client asks once per (to_stage,
-payload kind) and keeps the answer until a session event announces a new
-registry version, so a put in steady state makes no round trip for it.
+The daemon's ``route()`` decides every transport, inline and local_object
+included, from the facts this client reports about a put (its real encoded
+size among them). The answer depends on those facts only through the key
+below - the edge, the payload's kind and :func:`fits_inline` of its size -
+so this client asks once per key and keeps the answer until a session event
+announces a new registry version: a put in steady state makes no round trip.
 """
 
 from __future__ import annotations
@@ -13,15 +16,14 @@ from typing import TYPE_CHECKING
 from . import _cuda_facts
 from .wire.errors import RelayError
 from .wire.proto import relay_pb2 as pb
-from .wire.transport import INLINE_LIMIT
 
 if TYPE_CHECKING:
     from ._connection import Connection
 
 log = logging.getLogger(__name__)
 
-# (to_stage, has CPU tensors, GPUs holding CUDA tensors)
-RouteKey = tuple[str, bool, tuple[str, ...]]
+# (to_stage, has CPU tensors, GPUs holding CUDA tensors, fits inline)
+RouteKey = tuple[str, bool, tuple[str, ...], bool]
 
 
 class Routes:
@@ -47,12 +49,14 @@ class Routes:
             self.answers.clear()
             self.remote_stages.clear()
 
-    async def ask(self, key: RouteKey) -> int:
+    async def ask(
+        self, key: RouteKey, encoded_bytes: int, is_chunk: bool, chunk_carries_tensors: bool
+    ) -> int:
         """The registry's transport for this edge: asked once, then cached until it changes."""
         cached = self.cached(key)
         if cached is not None:
             return cached
-        to_stage, has_cpu, cuda_uuids = key
+        to_stage, has_cpu, cuda_uuids, fits = key
         conn = self._conn
         conn.require_open()  # a closed or lost session is the caller's error, not a route's
         version = self.registry_version
@@ -62,7 +66,9 @@ class Routes:
                 pb.RouteRequest(
                     from_stage=self._from_stage,
                     to_stage=to_stage,
-                    encoded_bytes=INLINE_LIMIT + 1,  # inline was ruled out by the caller
+                    encoded_bytes=encoded_bytes,
+                    is_chunk=is_chunk,
+                    chunk_meta_has_tensor=chunk_carries_tensors,
                     has_cpu_tensors=has_cpu,
                     cuda_uuids=list(cuda_uuids),
                     inline_meta_bytes=_cuda_facts.direct_meta_estimate(len(cuda_uuids)),
@@ -71,9 +77,11 @@ class Routes:
                 conn.timeout,
             )
         except RelayError as exc:
-            # A daemon that cannot route still serves shm (or the socket);
-            # not cached, so the next put asks again.
+            # Inline needs no daemon, and one that cannot route still serves
+            # shm (or the socket); not cached, so the next put asks again.
             log.debug("route %s -> %s failed: %s", self._from_stage, to_stage, exc)
+            if fits:
+                return pb.TRANSPORT_INLINE
             return pb.TRANSPORT_SOCKET if conn.socket_fallback else pb.TRANSPORT_SHM
         # An answer computed before a registry change we have seen since is stale.
         if version == self.registry_version and resp.registry_version >= version:

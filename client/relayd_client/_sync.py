@@ -291,11 +291,9 @@ class SyncRelayClient:
             )
         try:
             plan = c._writer.plan(a, obj, to_stage, request_id, chunk_id, pickle)
-            if isinstance(plan, DataRef):
-                return plan
             route = c._routes.cached(plan.route_key)
             if route is None:
-                route = self._run(c._routes.ask(plan.route_key))
+                route = self._run(c._routes.ask(*plan.route_facts))
             here = c._writer.put_here(plan, route)
             if here is not None:
                 return here

@@ -33,7 +33,7 @@ from .wire.errors import DrainingError, InvalidArgumentError
 from .wire.names import check_request_id, check_stage
 from .wire.proto import relay_pb2 as pb
 from .wire.shm import SHM_POOL
-from .wire.transport import INLINE_LIMIT
+from .wire.transport import fits_inline
 
 if TYPE_CHECKING:
     from ._connection import Connection
@@ -42,6 +42,8 @@ ALIGNMENT = 64
 # Copies this large run on a worker thread so the event loop keeps serving
 # other streams; below it the thread hop costs more than the copy.
 OFFLOAD_BYTES = 8 << 20
+# What one tensor's layout entry adds to an inline DataRef, at most.
+_LAYOUT_ENTRY_BYTES = 64
 _SHAPE_MEMORY = 256  # payload structures remembered per client (see Writer.shape)
 _MAX_TRACE_ID = 128
 MAX_SIGNAL_MESSAGE = 4096  # an error signal's text is cut to this
@@ -129,6 +131,10 @@ class PutPlan:
     refs: Sequence[TensorRef] = ()
     has_cpu: bool = True
     cuda_uuids: tuple[str, ...] = ()
+    # What the router is told about the size: the whole encoded put, and
+    # whether it is a stream chunk whose payload holds a tensor.
+    encoded_bytes: int = 0
+    chunk_carries_tensors: bool = False
     # How it is published: a TensorRef's lease, the leased transport the route
     # gave (shm, or socket for a reader that cannot map the arena), and the
     # caller's trace id for the daemon's log.
@@ -137,8 +143,22 @@ class PutPlan:
     trace_id: str = ""
 
     @property
+    def fits_inline(self) -> bool:
+        return fits_inline(self.encoded_bytes, self.chunk_carries_tensors)
+
+    @property
     def route_key(self) -> RouteKey:
-        return (self.msg.to_stage, self.has_cpu, self.cuda_uuids)
+        return (self.msg.to_stage, self.has_cpu, self.cuda_uuids, self.fits_inline)
+
+    @property
+    def route_facts(self) -> tuple[RouteKey, int, bool, bool]:
+        """What :meth:`Routes.ask` tells the router about this put."""
+        return (
+            self.route_key,
+            self.encoded_bytes,
+            self.msg.chunk_id >= 0,
+            self.chunk_carries_tensors,
+        )
 
 
 class Writer:
@@ -177,8 +197,8 @@ class Writer:
         request_id: str,
         chunk_id: int | None,
         pickle: bool,
-    ) -> DataRef | PutPlan:
-        """The part of a put both clients share: the finished DataRef when it goes inline."""
+    ) -> PutPlan:
+        """The part of a put both clients share, up to the facts the router needs."""
         check_names(to_stage, request_id)
         if chunk_id is not None:
             if chunk_id < 0:
@@ -200,15 +220,11 @@ class Writer:
         msg.chunk_id = -1 if chunk_id is None else chunk_id
         if refs:
             msg.refs.extend(r.proto for r in refs)
-        if len(header) + total + 64 * len(specs) <= INLINE_LIMIT and not (
-            chunk_id is not None and tensors
-        ):
-            msg.transport = pb.TRANSPORT_INLINE
-            msg.inline_data = _copies.pack_bytes(tensors, specs, total)
-            self._reports.transfer(pb.TRANSPORT_INLINE, total, to_stage)
-            return DataRef(msg)
-        self._aborts.check(request_id)
-        return PutPlan(obj, msg, tensors, specs, total, refs, shape.has_cpu, shape.cuda_uuids)
+        return PutPlan(
+            obj, msg, tensors, specs, total, refs, shape.has_cpu, shape.cuda_uuids,
+            encoded_bytes=len(header) + total + _LAYOUT_ENTRY_BYTES * len(specs),
+            chunk_carries_tensors=chunk_id is not None and bool(tensors),
+        )  # fmt: skip
 
     def shape(
         self,
@@ -321,13 +337,24 @@ class Writer:
     # -- the paths a planned put takes -------------------------------------------------
 
     def put_here(self, plan: PutPlan, route: int) -> DataRef | None:
-        """The put when it needs no lease (same process); else None."""
-        # The registry says "same process"; the stage must also still be served
-        # here (it may have closed since). A payload with forwarded refs goes
-        # the normal way so that get() at the consumer materializes them.
-        if route != pb.TRANSPORT_LOCAL_OBJECT or plan.refs or not _local.serves(plan.msg.to_stage):
-            return None
+        """The put when it needs no lease (by reference in this process, or inline); else None."""
         msg = plan.msg
+        if route == pb.TRANSPORT_LOCAL_OBJECT and (plan.refs or not _local.serves(msg.to_stage)):
+            # Not by reference after all: a payload with forwarded refs goes the
+            # normal way so that get() at the consumer materializes them, and
+            # the stage may have closed since. The router's answer for another
+            # process of this node follows: inline when it fits, else a lease.
+            route = pb.TRANSPORT_INLINE if plan.fits_inline else pb.TRANSPORT_SHM
+        if route == pb.TRANSPORT_INLINE:
+            msg.transport = pb.TRANSPORT_INLINE
+            msg.inline_data = _copies.pack_bytes(plan.tensors, plan.specs, plan.total)
+            self._reports.transfer(pb.TRANSPORT_INLINE, plan.total, msg.to_stage)
+            return DataRef(msg)
+        # Inline bytes never reach the daemon: an abort is the reader's to see.
+        # Everything else of an aborted request stops here.
+        self._aborts.check(msg.request_id)
+        if route != pb.TRANSPORT_LOCAL_OBJECT:
+            return None
         msg.transport = pb.TRANSPORT_LOCAL_OBJECT
         msg.object_id = f"{_local.process_tag()}-{msg.object_id}"
         _local.put(plan.obj, msg.to_stage, msg.request_id, msg.object_id)

@@ -9,10 +9,10 @@ the stage registry's version changes.
 Rows, checked top to bottom; the first match wins::
 
     #  transport         when
-    1  inline            whole encoded put <= 16 KiB (a stream chunk: and no tensor
+    1  local_object      writer and reader are one OS process (same node, same
+                         process_key), whatever the payload's size
+    2  inline            whole encoded put <= 16 KiB (a stream chunk: and no tensor
                          in the chunk's metadata)
-    2  local_object      writer and reader are one OS process (same node, same
-                         process_key)
     3  mooncake          the reader is on another node
     4  socket            same node, but the writer or the reader cannot map the
                          daemon's SHM (also: reader unknown and the writer cannot)
@@ -27,20 +27,28 @@ Rows, checked top to bottom; the first match wins::
 
 Why this order, and where it departs from the table in DESIGN.md:
 
-* **inline first, even across nodes and for one process.** The bytes ride inside
-  the DataRef, which crosses the application's own channel anyway; nothing is
-  leased, nothing is freed, and the answer does not depend on the reader at all,
-  so a DataRef that is forwarded or fanned out stays readable everywhere. At
-  <= 16 KiB the copy costs less than any lookup another row would need.
-* **local_object before anything that looks at nodes or memory.** Handing over a
-  Python reference beats every copy, and one process is trivially one node. We
-  also require the same ``node_id``: a process_key is only unique per host (the
-  initial PID namespace has the same inode number on every Linux host).
+* **local_object first, whatever the size.** Handing over a Python reference
+  beats every copy, the inline one included: a 4 KiB payload encoded into the
+  DataRef and decoded again costs about twice what a 1 MiB one passed by
+  reference does. One process is trivially one node. We also require the same
+  ``node_id``: a process_key is only unique per host (the initial PID namespace
+  has the same inode number on every Linux host). A client that cannot hand the
+  object over after all (the stage closed meanwhile, or the payload forwards
+  refs the reader must materialize) publishes what this function answers for
+  another process of its node: inline when it fits, else a lease.
+* **inline second, even across nodes.** The bytes ride inside the DataRef,
+  which crosses the application's own channel anyway; nothing is leased,
+  nothing is freed, and beyond "another process" the answer does not depend on
+  the reader, so a DataRef that is forwarded or fanned out stays readable
+  everywhere. At <= 16 KiB the copy costs less than any lookup another row
+  would need. ``encoded_bytes`` is the real size: the client reports it and
+  keys its cached answers by :func:`fits_inline`, the only size fact this
+  function distinguishes.
 * **mooncake third, not last.** DESIGN.md lists it last because its condition
   ("the reader is on another node") is disjoint from the same-node rows, but two
   later rows do not say "same node": shm's "receiver not yet known / otherwise"
   would swallow a cross-node edge, and cuda_ipc_direct only compares GPU UUIDs.
-  Checking it right after local_object makes every later row same-node by
+  Checking it right after local_object and inline makes every later row same-node by
   construction. A writer or reader that cannot map its daemon's SHM still gets
   mooncake - its leg to its own daemon falls back to the socket, which the reason
   says - because the reader's daemon has to pull the bytes either way.
@@ -74,7 +82,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from relayd_client.wire.transport import DIRECT_META_LIMIT, INLINE_LIMIT, Transport
+from relayd_client.wire.transport import DIRECT_META_LIMIT, Transport, fits_inline
 
 PeerAccess = Callable[[str, str], bool]
 
@@ -159,20 +167,19 @@ def route(
     ``dst`` directly; it is only asked about two different GPUs. ``reader_wants_gpu``
     overrides whether the reader takes tensors on a GPU; None means "if it uses one".
     """
-    # 1 inline
-    chunk_blocks_inline = facts.is_chunk and facts.chunk_meta_has_tensor
-    if facts.encoded_bytes <= INLINE_LIMIT and not chunk_blocks_inline:
+    same_node = reader is not None and reader.node_id == writer.node_id
+    # 1 local_object
+    if same_node and reader is not None and reader.process_key == writer.process_key:
+        return Route(Transport.LOCAL_OBJECT, "same process")
+
+    # 2 inline
+    if fits_inline(facts.encoded_bytes, facts.is_chunk and facts.chunk_meta_has_tensor):
         return Route(Transport.INLINE, f"{facts.encoded_bytes} B fits inline (<= 16 KiB)")
 
-    if reader is not None:
-        same_node = reader.node_id == writer.node_id
-        # 2 local_object
-        if same_node and reader.process_key == writer.process_key:
-            return Route(Transport.LOCAL_OBJECT, "same process")
-        # 3 mooncake
-        if not same_node:
-            why = f"reader on node {reader.node_id}{_socket_legs(writer, reader)}"
-            return Route(Transport.MOONCAKE, why)
+    # 3 mooncake
+    if reader is not None and not same_node:
+        why = f"reader on node {reader.node_id}{_socket_legs(writer, reader)}"
+        return Route(Transport.MOONCAKE, why)
 
     # 4 socket
     if not writer.can_map_shm:

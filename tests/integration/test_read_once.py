@@ -43,7 +43,14 @@ def test_second_read_in_another_process_call_is_stale(tmp_path: Path, transport:
         wait_until(lambda: drained(d), 10, "the arena back to zero")
 
 
-def test_inline_ref_is_read_once_by_get_view_and_the_blocking_client(tmp_path: Path) -> None:
+def test_inline_ref_is_read_once_by_get_view_and_the_blocking_client(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import relayd_client._local
+
+    # Writer and reader share this process: hide the local stage table, so
+    # that small puts travel inline as between two processes.
+    monkeypatch.setattr(relayd_client._local, "serves", lambda stage: False)
     with running_daemon(str(tmp_path)) as d:
 
         async def main() -> None:

@@ -231,10 +231,17 @@ def test_three_stage_chain_forwards_a_tensor_without_copying_it(tmp_path: object
         assert c[1].split()[:2] in (["ERR", "StaleRefError"], ["ERR", "AbortedError"])
 
 
-def test_metrics_count_every_transport_clients_report(tmp_path: object) -> None:
+def test_metrics_count_every_transport_clients_report(
+    tmp_path: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import relayd_client._local
+
     async def scenario(sock: str) -> None:
         async with RelayClient("a", sock) as a, RelayClient("b", sock) as b:
-            small = await a.put({"t": torch.arange(10)}, to_stage="b", request_id="m")
+            # As if "b" were served by another process: a small put goes inline.
+            with monkeypatch.context() as m:
+                m.setattr(relayd_client._local, "serves", lambda stage: False)
+                small = await a.put({"t": torch.arange(10)}, to_stage="b", request_id="m")
             assert small.transport is Transport.INLINE
             await b.get(small)
             local = await a.put({"t": torch.zeros(MiB, dtype=torch.uint8)}, to_stage="b",
@@ -261,3 +268,27 @@ def test_metrics_count_every_transport_clients_report(tmp_path: object) -> None:
         assert _metric(text, "relayd_transfer_bytes_total", transport="local_object") == MiB
         st = d.status()["transfers_by_transport"]
         assert {k: int(v) for k, v in st.items()} == {"inline": 1, "local_object": 1, "shm": 1}
+
+
+def test_a_small_same_process_put_is_handed_over_by_reference(tmp_path: object) -> None:
+    """local_object comes before inline: 4 KiB between two stages of one process
+    is the writer's own object, not bytes encoded into the DataRef and decoded."""
+    from relayd_client import SyncRelayClient
+
+    payload = {"t": torch.arange(1024, dtype=torch.int32), "step": 7}  # 4 KiB of tensor
+
+    async def scenario(sock: str) -> None:
+        async with RelayClient("a", sock) as a, RelayClient("b", sock) as b:
+            ref = await a.put(payload, to_stage="b", request_id="small")
+            assert ref.transport is Transport.LOCAL_OBJECT
+            got = await b.get(ref)
+            assert got is payload and got["t"].data_ptr() == payload["t"].data_ptr()
+
+    with running_daemon(str(tmp_path)) as d:
+        asyncio.run(asyncio.wait_for(scenario(d.socket), 60))
+        with SyncRelayClient("c", d.socket) as c, SyncRelayClient("e", d.socket) as e:
+            ref = c.put(payload, to_stage="e", request_id="small-sync")
+            assert ref.transport is Transport.LOCAL_OBJECT
+            got = e.get(ref)
+            assert got is payload and got["t"].data_ptr() == payload["t"].data_ptr()
+        wait_until(lambda: _drained(d), 10, "nothing leased")

@@ -9,11 +9,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from relayd_client.wire.proto import relay_pb2
-from relayd_client.wire.transport import Transport
+from relayd_client.wire.transport import DIRECT_META_LIMIT, INLINE_LIMIT, Transport
 
 from relayd.routing.router import (
-    DIRECT_META_LIMIT,
-    INLINE_LIMIT,
     PayloadFacts,
     Placement,
     Route,
@@ -76,12 +74,13 @@ REMOTE_SAME_UUID = proc(200, node="n2", gpus=(GPU_A,))  # impossible, but proves
 # id, writer, reader, facts, keyword arguments, transport, words expected in the reason
 CASES: list[tuple[str, Placement, Placement | None, PayloadFacts, dict[str, Any], Transport, str]]
 CASES = [
-    # 1 inline - beats every other row
+    # 2 inline - beats every row but local_object
     ("inline-small-cpu", W_A, R_CPU, cpu_only(100), {}, INLINE, "fits inline"),
     ("inline-at-limit", W_A, R_CPU, cpu_only(INLINE_LIMIT), {}, INLINE, "inline"),
     ("inline-one-over-limit", W_A, R_CPU, cpu_only(INLINE_LIMIT + 1), {}, SHM, "no CUDA"),
     ("inline-beats-cross-node", W_A, REMOTE, cuda(GPU_A, size=4096), {}, INLINE, "inline"),
-    ("inline-beats-same-process", W_A, W_A, cuda(GPU_A, size=4096), {}, INLINE, "inline"),
+    ("same-process-beats-inline", W_A, W_A, cuda(GPU_A, size=4096), {}, LOCAL, "same process"),
+    ("same-process-beats-inline-cpu", W_A, W_A, cpu_only(4096), {}, LOCAL, "same process"),
     ("inline-beats-direct", W_A, R_A, cuda(GPU_A, size=4096), {}, INLINE, "inline"),
     ("inline-beats-socket", proc(1, shm=False), R_CPU, cpu_only(10), {}, INLINE, "inline"),
     ("inline-beats-unknown-reader", W_A, None, cpu_only(10), {}, INLINE, "inline"),
@@ -96,7 +95,7 @@ CASES = [
      {}, DIRECT, "same GPU"),
     ("non-chunk-ignores-chunk-flag",
      W_A, R_CPU, PayloadFacts(100, chunk_meta_has_tensor=True), {}, INLINE, "inline"),
-    # 2 local_object - same OS process, whatever the payload
+    # 1 local_object - same OS process, whatever the payload (inline included)
     ("same-process-gpu", W_A, W_A, cuda(GPU_A), {}, LOCAL, "same process"),
     ("same-process-cpu", W_A, W_A, cpu_only(), {}, LOCAL, "same process"),
     ("same-process-beats-socket",
@@ -276,7 +275,12 @@ def test_route_is_pure_and_keeps_its_invariants(
     t = first.transport
     assert first.reason
     fits = facts.encoded_bytes <= INLINE_LIMIT
-    assert (t is INLINE) == (fits and not (facts.is_chunk and facts.chunk_meta_has_tensor))
+    same_process = reader is not None and (reader.node_id, reader.process_key) == (
+        writer.node_id, writer.process_key)  # fmt: skip
+    assert (t is LOCAL) == same_process
+    assert (t is INLINE) == (
+        fits and not (facts.is_chunk and facts.chunk_meta_has_tensor) and not same_process
+    )
     if t is LOCAL:
         assert reader is not None
         assert (reader.node_id, reader.process_key) == (writer.node_id, writer.process_key)

@@ -29,6 +29,17 @@ INLINE_LIMIT = 16 * 1024
 DIRECT_META_LIMIT = 64 * 1024
 
 
+def fits_inline(encoded_bytes: int, chunk_carries_tensors: bool = False) -> bool:
+    """Whether a put's size lets it ride inside its DataRef: the whole encoded put
+    within :data:`INLINE_LIMIT`, and not a stream chunk whose payload holds a
+    tensor (a chunk's tensors travel with it, never inline).
+
+    The router's inline row asks it; the client asks it too, to key its cached
+    route answers by the one size fact the router distinguishes.
+    """
+    return encoded_bytes <= INLINE_LIMIT and not chunk_carries_tensors
+
+
 class Transport(enum.Enum):
     """How one put's bytes travel from writer to reader (see DESIGN.md, "Transports")."""
 
