@@ -197,8 +197,15 @@ def test_shm_reader_of_a_socket_edge_is_counted_once(tmp_path: object) -> None:
         assert counted == {"shm": 0, "socket": 3}
 
 
-def test_a_flood_of_stage_names_keeps_the_series_bounded(tmp_path: object) -> None:
+def test_a_flood_of_stage_names_keeps_the_series_bounded(
+    tmp_path: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """1,000 attached stage names (63 sessions of 16) and 1,000 more never attached."""
+    import relayd_client._local
+
+    # All sessions share this process: hide the local stage table, so that
+    # their small puts travel inline as between processes.
+    monkeypatch.setattr(relayd_client._local, "serves", lambda stage: False)
     names = [f"s{i:04d}" for i in range(1008)]
 
     async def flood(sock: str) -> None:
@@ -347,8 +354,12 @@ def test_a_keyed_get_counts_its_wait_for_the_key(
     """
     import time
 
+    import relayd_client._local
+
     clock = [10**12]
     monkeypatch.setattr(time, "perf_counter_ns", lambda: clock[0])
+    # Writer and reader share this process: the small puts travel inline.
+    monkeypatch.setattr(relayd_client._local, "serves", lambda stage: False)
 
     async def scenario(sock: str) -> None:
         async with RelayClient("kw", sock) as w, RelayClient("kr", sock) as r:

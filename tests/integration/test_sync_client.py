@@ -247,7 +247,9 @@ def test_hot_path_never_hops_to_the_loop(tmp_path: object) -> None:
         SyncRelayClient("talker", d.socket) as r,
     ):
         x = torch.arange(300_000, dtype=torch.float32)
-        r.get(w.put({"x": x}, to_stage="talker", request_id="warm"))  # route, grant
+        # The route of each size class (inline or not) and a grant.
+        r.get(w.put({"x": x}, to_stage="talker", request_id="warm"))
+        r.get(w.put({"small": torch.ones(10)}, to_stage="talker", request_id="warm"))
         hops = 0
         for c in (w, r):
             lt = c._loop
