@@ -129,6 +129,8 @@ class LeaseTable:
         # its slots until the push has stopped reading them (see hold()).
         self._holds: set[int] = set()
         self.held: dict[int, Lease] = {}
+        # Called with each lease published with Publish.push set (relayd.push).
+        self.on_push: Callable[[Lease], None] | None = None
 
     def add(self, lease: Lease) -> None:
         """Record a new lease in its grant and in the table."""
@@ -231,12 +233,12 @@ class LeaseTable:
             self.forget(lease)
         return True
 
-    def on_publish(self, session: Session, p: PublishNotice) -> Lease | None:
-        """The writer sealed a lease: the lease if it is still live once published."""
+    def on_publish(self, session: Session, p: PublishNotice) -> None:
+        """The writer sealed a lease; with ``push`` set, the push starts if it is still live."""
         lease = self.leases.get(p.lease_id)
         if lease is None or lease.writer != session.id or lease.state is not LeaseState.RESERVED:
             session.refuse(ErrorCode.INVALID_ARGUMENT, f"bad publish of lease {p.lease_id}")
-            return None
+            return
         try:
             transport = Transport.from_proto(p.transport)
         except ValueError:
@@ -244,9 +246,10 @@ class LeaseTable:
                 ErrorCode.INVALID_ARGUMENT,
                 f"bad publish of lease {p.lease_id}: unknown transport {p.transport}",
             )
-            return None
+            return
         self.published(lease, p.nbytes, transport.value)
-        return lease if self.leases.get(lease.id) is lease else None
+        if p.push and self.on_push is not None and self.leases.get(lease.id) is lease:
+            self.on_push(lease)
 
     def published(self, lease: Lease, nbytes: int, transport: str) -> None:
         """``lease`` is sealed: readable, on the TTL clock, and owed what came early."""

@@ -47,7 +47,7 @@ from .crossnode import CrossNodeLeases
 from .events import Freed
 from .freed import FreedBatcher
 from .grant_queue import GrantQueue
-from .lease_table import LeaseTable, PublishNotice
+from .lease_table import LeaseTable
 from .orphans import Orphans
 from .reclaim import Reclaimer
 from .records import GEN_SHIFT, Grant, Hooks, Lease, LeaseState, Pool, ReclaimReason, slots_for
@@ -143,13 +143,12 @@ class LeaseManager:
         self.grants: dict[int, Grant] = self.queue.grants
         self.leases: dict[int, Lease] = self.table.leases
         self.requests: dict[str, RequestInfo] = self.request_records.by_id
-        # Called with each lease published with Publish.push set (relayd.push).
-        self.on_push: Callable[[Lease], None] | None = None
         # The calls that are one part's alone, under the names callers use.
         self.open_session = self.session_table.open
         self.authenticate = self.session_table.authenticate
         self.bind = self.session_table.bind
         self.on_reserve = self.table.on_reserve
+        self.on_publish = self.table.on_publish
         self.on_claim = self.table.on_claim
         self.on_release = self.table.on_release
         self.on_cancel = self.table.on_cancel
@@ -221,10 +220,14 @@ class LeaseManager:
 
     # -- notices (hot path) -------------------------------------------------------------
 
-    def on_publish(self, session: Session, p: PublishNotice) -> None:
-        lease = self.table.on_publish(session, p)
-        if lease is not None and p.push and self.on_push is not None:
-            self.on_push(lease)
+    @property
+    def on_push(self) -> Callable[[Lease], None] | None:
+        """Called with each lease published with Publish.push set (relayd.push)."""
+        return self.table.on_push
+
+    @on_push.setter
+    def on_push(self, hook: Callable[[Lease], None] | None) -> None:
+        self.table.on_push = hook
 
     # -- the socket fallback: the daemon writes and reads for its client -----------------
 

@@ -21,8 +21,6 @@ from ..pools.events import (
 
 def session_frame(event: SessionEvent) -> pb.SessionFrame:
     """The ``SessionFrame`` that tells a client ``event``."""
-    if type(event) is Freed:  # one per writer and linger: the rest are rare
-        return pb.SessionFrame(freed=pb.Freed(lease_ids=event.lease_ids))
     match event:
         case Freed(lease_ids):
             return pb.SessionFrame(freed=pb.Freed(lease_ids=lease_ids))
