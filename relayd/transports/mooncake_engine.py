@@ -10,14 +10,17 @@ shaped this way (one batch per op, a watch on the worker thread).
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
+import contextlib
+import ctypes
 import enum
 import importlib
 import logging
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from relayd_client.wire.errors import (
@@ -40,9 +43,16 @@ logger = logging.getLogger(__name__)
 PACKAGE = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
 """What to install on CPU-only hosts (and GPU hosts that only move host memory)."""
 
-# A submit job sleeps this long between checks of its batches (a thread's sleep is
-# not rounded up to the event loop's millisecond).
-WATCH_INTERVAL = 50e-6
+# The watcher's sleep between checks of the batches in flight: a quarter of how long
+# the oldest has run, within these bounds, so a transfer is seen to end at most 25%
+# (or the floor) after it did, and a long one costs few wake-ups. Each check costs
+# the GIL and a wake-up on a core the transfer itself needs.
+WATCH_FLOOR = 50e-6
+WATCH_CAP = 1e-3
+# Linux lets a sleeping thread's timer fire up to its "slack" late, 50 us by default:
+# more than the floor itself. The watcher asks for this much instead.
+WATCH_TIMER_SLACK_NS = 1000
+_PR_SET_TIMERSLACK = 29
 
 # Mooncake reads its settings from the process environment, so they are set just
 # before the engine is constructed; the lock keeps two engines in one process from
@@ -151,38 +161,29 @@ def submit_blocking(
     engine: Any,
     peer: str,
     phases: tuple[tuple[PullOp, ...], ...],
-    watch: float,
     write: bool = False,
 ) -> tuple[list[int], list[TransferState], RelayError | None]:
-    """Worker thread: one batch per op (see the module docstring), then watch them
-    for up to ``watch`` seconds; a phase seen to land lets the next one go, in this
-    same job. Returns ids and states of the ops it submitted, a prefix."""
+    """Submit the first of ``phases``, one batch per op (see the module docstring of
+    :mod:`relayd.transports.mooncake`); on the event loop once the peer was reached
+    (a submit then only queues), on a worker thread before. Returns the ids and
+    states of the ops it submitted."""
     ids: list[int] = []
     states: list[TransferState] = []
     failure: RelayError | None = None
-    end = time.perf_counter() + watch
     submit = engine.batch_transfer_async_write if write else engine.batch_transfer_async_read
-    for k, ops in enumerate(phases):
-        if k and (not all(s is TransferState.DONE for s in states) or failure is not None):
-            break  # the phase before has not landed (or failed): not ours to go on
-        start = len(states)
-        for op in ops:
-            if failure is not None:  # the pull has failed; don't put more bytes in flight
-                ids.append(0)
-                states.append(TransferState.FAILED)
-                continue
-            batch_id = int(submit(peer, [op.local_addr], [op.remote_addr], [op.length]))
-            if submit_failed(batch_id):
-                failure = mooncake_error(Call.SUBMIT, 0, f"to {peer}")
-                ids.append(0)
-                states.append(TransferState.FAILED)
-            else:
-                ids.append(batch_id)
-                states.append(TransferState.PENDING)
-        while watch:
-            if check(engine, ids, states, start) or time.perf_counter() >= end:
-                break
-            time.sleep(WATCH_INTERVAL)
+    for op in phases[0] if phases else ():
+        if failure is not None:  # the pull has failed; don't put more bytes in flight
+            ids.append(0)
+            states.append(TransferState.FAILED)
+            continue
+        batch_id = int(submit(peer, [op.local_addr], [op.remote_addr], [op.length]))
+        if submit_failed(batch_id):
+            failure = mooncake_error(Call.SUBMIT, 0, f"to {peer}")
+            ids.append(0)
+            states.append(TransferState.FAILED)
+        else:
+            ids.append(batch_id)
+            states.append(TransferState.PENDING)
     return ids, states, failure
 
 
@@ -195,14 +196,109 @@ def check(engine: Any, ids: list[int], states: list[TransferState], start: int =
     return all(s.terminal for s in states[start:])
 
 
+class Watcher:
+    """One thread that watches every batch in flight and reports each finished
+    transfer to the event loop.
+
+    It sleeps on an event while nothing is in flight (no CPU when idle) and is
+    woken by the next submission; while something is, it checks every batch,
+    then sleeps a little (see ``WATCH_FLOOR``). Each transfer's ids and states
+    are its own from :meth:`watch` on: nothing else calls
+    ``transfer_check_status`` on them, which frees a batch once terminal.
+    """
+
+    def __init__(self, engine: Any, loop: asyncio.AbstractEventLoop) -> None:
+        self._engine = engine
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stopped = False
+        # (ids, states, the first op to watch, when it was handed over, what to call
+        # on the loop once that op and every one after it are terminal)
+        self._jobs: list[tuple[list[int], list[TransferState], int, float, Callable[[], None]]] = []
+        self._thread = threading.Thread(target=self._run, name="relayd-mooncake-watch", daemon=True)
+        self._thread.start()
+
+    def watch(
+        self, ids: list[int], states: list[TransferState], start: int, done: Callable[[], None]
+    ) -> None:
+        """Until the ops of ``states`` from ``start`` on are terminal, then ``done()``
+        on the loop. Until then nobody else may touch ``states[start:]``."""
+        with self._lock:
+            self._jobs.append((ids, states, start, time.perf_counter(), done))
+        self._wake.set()
+
+    def stop(self) -> None:
+        """No more checks once this returns (any thread but the watcher's own); the
+        engine is no longer referenced here, so whoever drops it last destroys it."""
+        with self._lock:
+            self._stopped = True
+        self._wake.set()
+        self._thread.join()
+        self._engine = None
+
+    def _run(self) -> None:
+        _lower_timer_slack()
+        while True:
+            with self._lock:
+                if self._stopped:
+                    return
+                # Cleared before the snapshot: a job added after it sets it again.
+                self._wake.clear()
+                jobs = list(self._jobs)
+            if not jobs:
+                self._wake.wait()
+                continue
+            finished: list[Callable[[], None]] = []
+            now = time.perf_counter()
+            oldest = now
+            for job in jobs:
+                ids, states, start, since, done = job
+                try:
+                    terminal = check(self._engine, ids, states, start)
+                except RelayError:  # an unknown status code: that transfer failed
+                    for i in range(start, len(states)):
+                        if not states[i].terminal:
+                            states[i] = TransferState.FAILED
+                    terminal = True
+                if terminal:
+                    finished.append(done)
+                    with self._lock:
+                        self._jobs.remove(job)
+                else:
+                    oldest = min(oldest, since)
+            if finished:
+                with contextlib.suppress(RuntimeError):  # the loop is gone
+                    self._loop.call_soon_threadsafe(_call_all, finished)
+            if len(finished) < len(jobs):
+                # A new submission cuts the pause short.
+                self._wake.wait(min(max((now - oldest) / 4, WATCH_FLOOR), WATCH_CAP))
+
+
+def _call_all(fns: list[Callable[[], None]]) -> None:
+    for fn in fns:
+        fn()
+
+
+def _lower_timer_slack() -> None:
+    """This thread's timers fire within ``WATCH_TIMER_SLACK_NS`` (Linux; else a no-op)."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_TIMERSLACK, WATCH_TIMER_SLACK_NS, 0, 0, 0)
+
+
 def teardown_engine(
     engine: Any,
     pool: concurrent.futures.ThreadPoolExecutor | None,
     regions: list[MemoryRegion],
+    watcher: Watcher | None = None,
 ) -> None:
-    """Teardown thread: wait for the workers, then unregister and drop the engine."""
+    """Teardown thread: wait for the workers and the watcher, then unregister and
+    drop the engine."""
     if pool is not None:
         pool.shutdown(wait=True)
+    if watcher is not None:
+        watcher.stop()
     with native_stderr_to_log():
         for region in regions:
             rc = engine.unregister_memory(region.base)
