@@ -43,7 +43,7 @@ from .rpc.fetch import Fetcher
 from .rpc.keyed import KeyedCalls
 from .rpc.limits import UidLimits
 from .rpc.service import MAX_UNBOUND_SESSIONS, NodeFacts, RelayService
-from .rpc.session import SessionProtocol
+from .rpc.session import SessionHooks, SessionProtocol
 from .status import DaemonState, NodeStatus
 
 log = logging.getLogger(__name__)
@@ -273,6 +273,15 @@ class Daemon:
     async def _serve_sessions(self) -> None:
         s, m = self.settings, self.metrics
         limits = UidLimits(s.uid_session_limit)
+        hooks = SessionHooks(
+            refused=lambda reason: m.refused.labels(reason).inc(),
+            report=self.transfers.report,
+            latency=self.transfers.latency,
+            bound=self.topology.bound,
+            closed=self.topology.closed,
+            ref=self.transfers.ref,
+            fetch=self.fetcher.on_session,
+        )
         loop = asyncio.get_running_loop()
         with self._lock.creating():
             self._session_server = await loop.create_unix_server(
@@ -280,13 +289,7 @@ class Daemon:
                     SessionProtocol(
                         self.manager,
                         self.admission,
-                        on_refused=lambda r: m.refused.labels(r).inc(),
-                        on_report=self.transfers.report,
-                        on_latency=self.transfers.latency,
-                        on_bound=self.topology.bound,
-                        on_closed=self.topology.closed,
-                        on_ref=self.transfers.ref,
-                        on_fetch=self.fetcher.on_session,
+                        hooks,
                         limits=limits,
                         keyed=self.keyed,
                         roles=self.roles,

@@ -10,6 +10,7 @@ however it died.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, cast
@@ -60,36 +61,42 @@ _REFUSAL_CODES = {
 }
 
 
+@dataclasses.dataclass(frozen=True)
+class SessionHooks:
+    """What a session connection tells the rest of the daemon, and what it asks of it."""
+
+    refused: Callable[[str], None] = lambda reason: None
+    """A connection was refused, for ``reason`` (a metric label)."""
+    report: Callable[[Session, pb.TransferReport], None] = lambda session, rep: None
+    """A client's batch of transfers the daemon never saw; the callee validates it."""
+    latency: Callable[[Session, pb.EdgeLatencyReport], None] = lambda session, rep: None
+    """A client's latency counts for one edge; the callee validates them."""
+    bound: Callable[[Session, bytes, int], tuple[str, int]] | None = None
+    """Place a session once bound (arena nonce, pid): its data path and the registry
+    version, which go back in the BOUND event."""
+    closed: Callable[[str], None] = lambda session_id: None
+    """Forget a session's placement when its connection ends."""
+    ref: Callable[[int], None] = lambda nbytes: None
+    """A forwarded tensor reference of this many bytes was published."""
+    fetch: Callable[[Session, bytes, float], Awaitable[pb.FetchResponse]] | None = None
+    """A cross-node read (DataRef bytes, the timeout asked for); None: not served."""
+
+
 class SessionProtocol(asyncio.Protocol):
     def __init__(
         self,
         manager: LeaseManager,
         admission: Admission,
-        on_refused: Callable[[str], None],
-        on_report: Callable[[Session, pb.TransferReport], None],
-        on_bound: Callable[[Session, bytes, int], tuple[str, int]] | None = None,
-        on_closed: Callable[[str], None] = lambda session_id: None,
-        on_ref: Callable[[int], None] = lambda nbytes: None,
-        on_fetch: Callable[[Session, bytes, float], Awaitable[pb.FetchResponse]] | None = None,
+        hooks: SessionHooks,
+        *,
         limits: UidLimits | None = None,
         bind_deadline: float = BIND_DEADLINE,
         keyed: KeyedCalls | None = None,
-        on_latency: Callable[[Session, pb.EdgeLatencyReport], None] = lambda s, rep: None,
         roles: Roles | None = None,
     ) -> None:
         self.manager = manager
         self.admission = admission
-        self.on_refused = on_refused
-        # Batched client reports (transfers the daemon never sees, latencies);
-        # the callee validates them.
-        self.on_report = on_report
-        self.on_latency = on_latency
-        # Topology hooks: place the session once bound (its data path and the
-        # registry version go back in the BOUND event), forget it on close.
-        self.on_bound = on_bound
-        self.on_closed = on_closed
-        self.on_ref = on_ref
-        self.on_fetch = on_fetch
+        self.hooks = hooks
         self._fetches: dict[int, asyncio.Task[None]] = {}
         self.keyed = keyed
         self._keyed: dict[int, asyncio.Task[None]] = {}
@@ -205,7 +212,7 @@ class SessionProtocol(asyncio.Protocol):
             except Exception:  # reclaiming one session must not take the daemon down
                 log.exception("reclaiming session failed", extra={"session_id": self.session.id})
             self._flush()
-            self.on_closed(self.session.id)
+            self.hooks.closed(self.session.id)
             self.session = None
 
     # -- frames ---------------------------------------------------------------------
@@ -216,7 +223,7 @@ class SessionProtocol(asyncio.Protocol):
 
     def _refuse(self, reason: str, message: str, code: int | None = None) -> None:
         log.warning("session connection refused: %s", message, extra={"pid": self.creds[0]})
-        self.on_refused(reason)
+        self.hooks.refused(reason)
         if code is None:
             code = _REFUSAL_CODES.get(reason, pb.ERROR_CODE_INVALID_ARGUMENT)
         if self.transport is not None:
@@ -266,8 +273,8 @@ class SessionProtocol(asyncio.Protocol):
             if f.bind.operator:
                 self.roles.operators.add(session.id)
                 path, version = "none", 0  # the CLI moves no data: not placed anywhere
-            elif self.on_bound is not None:
-                path, version = self.on_bound(session, f.bind.shm_nonce, pid)
+            elif self.hooks.bound is not None:
+                path, version = self.hooks.bound(session, f.bind.shm_nonce, pid)
             else:
                 path, version = Transport.SHM.value, 0
             self.send(
@@ -285,7 +292,7 @@ class SessionProtocol(asyncio.Protocol):
         for p in f.publish:
             m.on_publish(session, p)
             if p.ref:
-                self.on_ref(p.nbytes)
+                self.hooks.ref(p.nbytes)
         for c in f.claim:
             m.on_claim(session, c)
         for rel in f.release:
@@ -295,9 +302,9 @@ class SessionProtocol(asyncio.Protocol):
         for g in f.return_grant:
             m.return_grant(session, g.grant_id)
         for rep in f.report:
-            self.on_report(session, rep)
+            self.hooks.report(session, rep)
         for lat in f.latency:
-            self.on_latency(session, lat)
+            self.hooks.latency(session, lat)
         for call in f.fetch:
             self._start_fetch(session, call)
         # After the notices: a keyed put's Publish travels in the same frame.
@@ -315,7 +322,7 @@ class SessionProtocol(asyncio.Protocol):
             self._answer(
                 call.call_id, InvalidArgumentError(f"fetch call {call.call_id} is in flight")
             )
-        elif self.on_fetch is None:
+        elif self.hooks.fetch is None:
             self._answer(call.call_id, InternalError("this daemon does not serve fetches"))
         elif len(self._fetches) >= MAX_FETCH_CALLS:
             self._answer(
@@ -327,9 +334,9 @@ class SessionProtocol(asyncio.Protocol):
             self._fetches[call.call_id] = task
 
     async def _fetch(self, session: Session, call: pb.FetchCall) -> None:
-        assert self.on_fetch is not None
+        assert self.hooks.fetch is not None
         try:
-            resp = await self.on_fetch(session, call.data_ref, call.timeout_seconds)
+            resp = await self.hooks.fetch(session, call.data_ref, call.timeout_seconds)
         except RelayError as err:
             self._answer(call.call_id, err)
         except Exception as exc:  # a bug: say so to the caller, keep the session
