@@ -13,7 +13,7 @@ import asyncio
 import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from relayd_client.wire.errors import (
     InternalError,
@@ -54,6 +54,14 @@ MAX_FETCH_CALLS = 4096
 # Keyed puts, takes (a waiting get is one) and discards one session may have
 # in flight; more are refused, as for fetches.
 MAX_KEYED_CALLS = 4096
+# The SessionFrame fields a client sends, as keys of ``ListFields()``.
+_FIELD = pb.SessionFrame.DESCRIPTOR.fields_by_name
+_RESERVE, _PUBLISH, _CLAIM, _RELEASE, _CANCEL, _RETURN_GRANT = (
+    _FIELD[n] for n in ("reserve", "publish", "claim", "release", "cancel", "return_grant")
+)
+_REPORT, _LATENCY, _FETCH, _KEYED_PUT, _KEYED_TAKE, _DISCARD = (
+    _FIELD[n] for n in ("report", "latency", "fetch", "keyed_put", "keyed_take", "discard")
+)
 _REFUSAL_CODES = {
     "uid": pb.ERROR_CODE_PERMISSION_DENIED,
     "limit": pb.ERROR_CODE_RESOURCE_EXHAUSTED,
@@ -284,35 +292,40 @@ class SessionProtocol(asyncio.Protocol):
                     ]
                 )
             )
-        cancelled = {x.lease_id for x in f.cancel}
-        for r in f.reserve:
+        # Only the fields the frame carries: reading an absent repeated field
+        # of a upb message builds an empty container, and a frame carries one
+        # to three of these thirteen (measured: 8.4-9.6 -> 4.6-5.7 us a frame).
+        present: dict[object, Any] = dict(f.ListFields())
+        cancels = present.get(_CANCEL, ())
+        cancelled = {x.lease_id for x in cancels}
+        for r in present.get(_RESERVE, ()):
             m.on_reserve(session, r, cancelled)
             if r.trace_id:
                 log_trace(r.lease_id, r.trace_id, r.request_id)
-        for p in f.publish:
+        for p in present.get(_PUBLISH, ()):
             m.on_publish(session, p)
             if p.ref:
                 self.hooks.ref(p.nbytes)
-        for c in f.claim:
+        for c in present.get(_CLAIM, ()):
             m.on_claim(session, c)
-        for rel in f.release:
+        for rel in present.get(_RELEASE, ()):
             m.on_release(session, rel)
-        for x in f.cancel:
+        for x in cancels:
             m.on_cancel(session, x)
-        for g in f.return_grant:
+        for g in present.get(_RETURN_GRANT, ()):
             m.return_grant(session, g.grant_id)
-        for rep in f.report:
+        for rep in present.get(_REPORT, ()):
             self.hooks.report(session, rep)
-        for lat in f.latency:
+        for lat in present.get(_LATENCY, ()):
             self.hooks.latency(session, lat)
-        for call in f.fetch:
+        for call in present.get(_FETCH, ()):
             self._start_fetch(session, call)
         # After the notices: a keyed put's Publish travels in the same frame.
-        for kp in f.keyed_put:
+        for kp in present.get(_KEYED_PUT, ()):
             self._start_keyed(session, kp.call_id, "put", kp)
-        for kt in f.keyed_take:
+        for kt in present.get(_KEYED_TAKE, ()):
             self._start_keyed(session, kt.call_id, "take", kt)
-        for dc in f.discard:
+        for dc in present.get(_DISCARD, ()):
             self._start_keyed(session, dc.call_id, "discard", dc)
 
     # -- cross-node reads -----------------------------------------------------------
