@@ -78,3 +78,64 @@ def test_a_grant_request_takes_its_own_notices_and_a_closed_writer_gets_none() -
         assert sent == [("asker", Freed((1,))), ("other", Freed((2,)))]
 
     asyncio.run(scenario())
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_writer_owed_nothing_for_a_quiet_spell_is_told_at_once() -> None:
+    async def scenario() -> None:
+        clock = _Clock()
+        sent: list[tuple[str, Freed]] = []
+        b = FreedBatcher(60.0, lambda sid, ev: sent.append((sid, ev)), clock)
+        b.add("w", 1, KIB)  # the writer's first notice: its pace is unknown, it lingers
+        b.flush(space_short=False)
+        assert sent == []
+        b.send()
+        clock.now += 2 * freed.FREED_IDLE_S
+        b.add("w", 2, KIB)  # after a quiet spell: nothing is likely to join it
+        b.add("other", 7, KIB)  # another writer's first notice still lingers
+        b.flush(space_short=False)
+        assert sent == [("w", Freed((1,))), ("w", Freed((2,)))]
+        assert b.pending("other") and not b.pending("w")
+
+    asyncio.run(scenario())
+
+
+def test_a_busy_writer_keeps_getting_batches() -> None:
+    async def scenario() -> None:
+        clock = _Clock()
+        sent: list[tuple[str, Freed]] = []
+        b = FreedBatcher(60.0, lambda sid, ev: sent.append((sid, ev)), clock)
+        b.add("w", 1, KIB)
+        b.flush(space_short=False)
+        for lease_id in range(2, 6):  # one free every tenth of the quiet spell
+            clock.now += freed.FREED_IDLE_S / 10
+            b.add("w", lease_id, KIB)
+            b.flush(space_short=False)
+        assert sent == []
+        b.send()
+        assert sent == [("w", Freed((1, 2, 3, 4, 5)))]
+
+    asyncio.run(scenario())
+
+
+def test_a_closed_writer_starts_over_as_unknown() -> None:
+    async def scenario() -> None:
+        clock = _Clock()
+        sent: list[tuple[str, Freed]] = []
+        b = FreedBatcher(60.0, lambda sid, ev: sent.append((sid, ev)), clock)
+        b.add("w", 1, KIB)
+        b.drop("w")
+        clock.now += 2 * freed.FREED_IDLE_S
+        b.add("w", 2, KIB)  # the same id again, but nothing is remembered of the old one
+        b.flush(space_short=False)
+        assert sent == []
+        assert b.pending("w")
+
+    asyncio.run(scenario())
