@@ -156,55 +156,52 @@ class LeaseTable:
         before its cancels, so a Reserve over a lease this session cancels in
         the same frame takes that cancel first.
         """
+        # Each field read once: a upb field read costs about as much as a check.
+        lease_id, slot, nslots = r.lease_id, r.slot, r.nslots
         grant = session.grants.get(r.grant_id)
         if grant is None:
             raise InvalidArgumentError(
-                f"lease {r.lease_id} names grant {r.grant_id}, which this session does not hold"
+                f"lease {lease_id} names grant {r.grant_id}, which this session does not hold"
             )
-        if not (
-            r.nslots >= 1
-            and grant.run.slot <= r.slot
-            and r.slot + r.nslots <= grant.run.slot + grant.run.nslots
-        ):
+        grun = grant.run
+        if not (nslots >= 1 and grun.slot <= slot and slot + nslots <= grun.slot + grun.nslots):
             raise InvalidArgumentError(
-                f"lease {r.lease_id} (slots {r.slot}+{r.nslots}) lies outside grant {grant.id}"
+                f"lease {lease_id} (slots {slot}+{nslots}) lies outside grant {grant.id}"
             )
-        if r.lease_id != r.generation or not is_id_of(r.lease_id, grant.id):
+        if lease_id != r.generation or not is_id_of(lease_id, grant.id):
             raise InvalidArgumentError(
-                f"lease id {r.lease_id} (generation {r.generation}) is not an id of grant "
-                f"{grant.id}"
+                f"lease id {lease_id} (generation {r.generation}) is not an id of grant {grant.id}"
             )
-        if r.lease_id <= grant.last_lease or r.lease_id in self.leases:
+        if lease_id <= grant.last_lease or lease_id in self.leases:
             raise InvalidArgumentError(
-                f"lease id {r.lease_id} was used already in grant {grant.id}; ids go upward"
+                f"lease id {lease_id} was used already in grant {grant.id}; ids go upward"
             )
-        if not grant.is_free(r.slot, r.nslots) and not self._cancel_first(
-            session, grant, r, cancelled
-        ):
+        if not grant.is_free(slot, nslots) and not self._cancel_first(session, grant, r, cancelled):
             raise InvalidArgumentError(
-                f"lease {r.lease_id} (slots {r.slot}+{r.nslots}) would overlap a live lease "
+                f"lease {lease_id} (slots {slot}+{nslots}) would overlap a live lease "
                 f"of grant {grant.id}"
             )
-        if r.from_stage[:NAME_KEEP] not in session.stages:
+        from_stage = r.from_stage[:NAME_KEEP]
+        if from_stage not in session.stages:
             # A writer names itself; claiming another stage's name would let it
             # pass that stage's abort check.
             raise PermissionDeniedError(
-                f"lease {r.lease_id} names from_stage {r.from_stage[:64]!r}, not this session's"
+                f"lease {lease_id} names from_stage {r.from_stage[:64]!r}, not this session's"
             )
         lease = Lease(
-            id=r.lease_id,
-            generation=r.generation,
+            id=lease_id,
+            generation=lease_id,
             grant=grant,
-            run=Run(grant.run.segment, r.slot, r.nslots, grant.run.pool),
+            run=Run(grun.segment, slot, nslots, grun.pool),
             state=LeaseState.RESERVED,
             request_id=r.request_id[:NAME_KEEP],
-            from_stage=r.from_stage[:NAME_KEEP],
+            from_stage=from_stage,
             to_stage=r.to_stage[:NAME_KEEP],
             writer=session.id,
             created=self.clock(),
         )
         self.add(lease)
-        grant.last_lease = max(grant.last_lease, lease.id)
+        grant.last_lease = max(grant.last_lease, lease_id)
         req = self.requests.add(lease, lease.created)
         if req.aborted and req.aborters and not req.aborters & {lease.from_stage, lease.to_stage}:
             # A stage with no part in this lease cannot abort it ahead of time.
