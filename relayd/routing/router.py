@@ -68,7 +68,7 @@ Why this order, and where it departs from the table in DESIGN.md:
   and nothing outlives the writer. The pool has leases (abort, TTL, reclaim) and
   costs one device-to-device copy, so it is the default for same-GPU edges;
   ``PayloadFacts.direct_allowed`` (the writer's ``cuda_ipc_direct=True``) says
-  the writer takes on PyTorch's contract (see ``relayd_client._cuda``).
+  the writer takes on PyTorch's contract (see ``relayd_client._cuda_direct``).
 
 ``PayloadFacts`` are measured by the writer from the actual tensors; a
 ``Placement``'s ``can_map_shm`` is proven by the daemon (the client mapped a
