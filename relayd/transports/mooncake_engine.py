@@ -164,9 +164,9 @@ def submit_blocking(
     write: bool = False,
 ) -> tuple[list[int], list[TransferState], RelayError | None]:
     """Submit the first of ``phases``, one batch per op (see the module docstring of
-    :mod:`relayd.transports.mooncake`); on the event loop once the peer was reached
-    (a submit then only queues), on a worker thread before. Returns the ids and
-    states of the ops it submitted."""
+    :mod:`relayd.transports.mooncake`): a READ to a peer already reached on the
+    event loop (it then only queues), anything else on a worker thread. Returns
+    the ids and states of the ops it submitted."""
     ids: list[int] = []
     states: list[TransferState] = []
     failure: RelayError | None = None
