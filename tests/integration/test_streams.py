@@ -233,3 +233,26 @@ def test_inline_rule_applies_per_chunk(tmp_path: object) -> None:
 
     with running_daemon(str(tmp_path)) as d:
         asyncio.run(asyncio.wait_for(scenario(d.socket), 60))
+
+
+def test_an_abort_by_another_client_of_the_process_wakes_a_waiting_reader(
+    tmp_path: object,
+) -> None:
+    """The daemon cannot tell a stream reader that holds no lease yet; the
+    aborting client tells this process's other clients itself."""
+
+    async def scenario(sock: str) -> None:
+        async with RelayClient("thinker", sock) as w, RelayClient("talker", sock) as r:
+
+            async def read() -> list[object]:
+                return [c async for c in r.stream("doomed", from_stage="thinker", timeout=30)]
+
+            task = asyncio.ensure_future(read())
+            while not r._streams.has("doomed"):  # the reader is waiting
+                await asyncio.sleep(0)
+            assert await w.abort("doomed") == 0
+            with pytest.raises(AbortedError):
+                await asyncio.wait_for(task, 10)
+
+    with running_daemon(str(tmp_path)) as d:
+        asyncio.run(asyncio.wait_for(scenario(d.socket), 60))

@@ -109,3 +109,29 @@ def test_dataref_with_forwarded_refs_round_trips_and_malformed_ones_are_refused(
     nested.refs[0].refs.append(_tensor_ref().proto)
     with pytest.raises(CorruptRefError):
         DataRef.from_bytes(DataRef(nested).to_bytes())
+
+
+def test_an_abort_tells_the_other_clients_of_this_process_not_the_aborting_one() -> None:
+    heard: dict[str, list[str]] = {"a": [], "b": []}
+
+    class _Listening:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def on_abort(self, request_id: str) -> None:
+            heard[self.name].append(request_id)
+
+    a, b = _Listening("a"), _Listening("b")
+    _local.serve(("sa",), a, a.on_abort)
+    _local.serve(("sb",), b, b.on_abort)
+    try:
+        _local.put({"x": 1}, "sb", "r1", "o1")
+        assert _local.abort("r1", by=a) == 1
+        assert heard == {"a": [], "b": ["r1"]}
+        with pytest.raises(KeyError):
+            _local.take("o1")
+    finally:
+        _local.unserve(("sa",), a)
+        _local.unserve(("sb",), b)
+    _local.abort("r2", by=a)
+    assert heard == {"a": [], "b": ["r1"]}  # a closed client hears nothing
