@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 from relayd_client.wire.errors import PeerUnavailableError
+from relayd_client.wire.framing import NOTICE_LINGER_S
 from relayd_client.wire.proto import relay_pb2 as pb
 from relayd_client.wire.proto import relay_pb2_grpc as pb_grpc
 from relayd_client.wire.status import from_rpc_error
@@ -47,9 +48,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _ABORT_ORIGINS = 4096
-# Frees and releases to a peer wait this long to share one Notify call (a landed
-# notice, which a reader waits for, takes along whatever is pending then).
-NOTICE_LINGER_S = 0.025
 
 
 def segment_address(mm: Any) -> int:
@@ -291,4 +289,4 @@ class PeerManager:
         return out
 
 
-__all__ = ["NOTICE_LINGER_S", "PeerManager", "segment_address"]
+__all__ = ["PeerManager", "segment_address"]

@@ -20,6 +20,7 @@ import time
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from relayd_client.wire.dataref import MAX_REF_BYTES
+from relayd_client.wire.framing import NOTICE_LINGER_S
 from relayd_client.wire.proto import relay_pb2_grpc as pb_grpc
 
 from . import __version__, rundir
@@ -49,9 +50,6 @@ from .status import DaemonState, NodeStatus
 log = logging.getLogger(__name__)
 
 HOUSEKEEPING_INTERVAL = 0.5
-# Freed notices to a writer are batched this long (LeaseManager.flush says
-# why), as clients batch theirs (the client's NOTICE_LINGER_S).
-FREED_LINGER_S = 0.025
 # Besides the packed bytes of the largest put, a socket-fallback message carries
 # its DataRef (at most MAX_REF_BYTES) and framing.
 _MESSAGE_OVERHEAD = MAX_REF_BYTES + (64 << 10)
@@ -202,7 +200,7 @@ class Daemon:
             max_sessions=s.max_sessions,
             max_session_grants=s.max_session_grants,
             max_grant_waits=s.max_grant_waits,
-            freed_linger=FREED_LINGER_S,
+            freed_linger=NOTICE_LINGER_S,
             gpu_work_may_run=cuda_pools.gpu_work_may_run if self.cuda_pools else None,
             hooks=Hooks(
                 reclaimed=self.reclaims,

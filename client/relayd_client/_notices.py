@@ -11,17 +11,13 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING
 
+from .wire.framing import NOTICE_LINGER_S
 from .wire.proto import relay_pb2 as pb
 
 if TYPE_CHECKING:
     from ._checks import ReadChecks
     from ._connection import Connection
     from ._grants import Lease
-
-# Publish, claim and release notices wait this long for company, as the
-# daemon's Freed notices do: long enough that a 50/s stream's chunks, 20 ms
-# apart, share frames, which takes a third off the daemon's CPU per chunk.
-NOTICE_LINGER_S = 0.025
 
 
 class Notices:

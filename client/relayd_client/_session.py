@@ -32,7 +32,14 @@ from typing import Any
 
 from .wire import peercred
 from .wire.errors import DaemonUnavailableError, RelayError, RelayTimeoutError, error_from_code
-from .wire.framing import LENGTH_BYTES, MAX_FRAME, decode_frame, encode_frame, frame_length
+from .wire.framing import (
+    LENGTH_BYTES,
+    MAX_FRAME,
+    NOTICE_LINGER_MAX_BYTES,
+    decode_frame,
+    encode_frame,
+    frame_length,
+)
 from .wire.proto import relay_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -40,10 +47,6 @@ log = logging.getLogger(__name__)
 # A lingering frame goes out early once it holds this many notices, so that
 # frames stay far below MAX_FRAME at any rate.
 LINGER_MAX_NOTICES = 512
-# ... or once its releases hold back this many bytes of arena: a writer that
-# cycles through more slots copies into cache-cold memory (4 MiB puts got
-# ~20% slower with every release lingering, measured).
-LINGER_MAX_BYTES = 2 << 20
 # A fetch's answer may trail its own deadline by the daemon's clean-up.
 _ANSWER_GRACE = 1.0
 # How long close() waits for the daemon to read the last frame and hang up.
@@ -155,7 +158,7 @@ class SessionChannel:
             self._lingered_bytes += holds
             if (
                 self._lingered >= LINGER_MAX_NOTICES
-                or self._lingered_bytes >= LINGER_MAX_BYTES
+                or self._lingered_bytes >= NOTICE_LINGER_MAX_BYTES
                 or loop.time() - self._sent_at >= linger
             ):
                 self._soon()
@@ -182,7 +185,7 @@ class SessionChannel:
                 self._lingered_bytes += holds
                 now = (
                     self._lingered >= LINGER_MAX_NOTICES
-                    or self._lingered_bytes >= LINGER_MAX_BYTES
+                    or self._lingered_bytes >= NOTICE_LINGER_MAX_BYTES
                     or loop.time() - self._sent_at >= linger
                 )
             try:

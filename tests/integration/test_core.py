@@ -287,7 +287,7 @@ def test_a_writer_short_of_space_gets_the_releases_readers_hold_back(
     import relayd_client._session
 
     monkeypatch.setattr(relayd_client._notices, "NOTICE_LINGER_S", 60.0)
-    monkeypatch.setattr(relayd_client._session, "LINGER_MAX_BYTES", 1 << 40)
+    monkeypatch.setattr(relayd_client._session, "NOTICE_LINGER_MAX_BYTES", 1 << 40)
 
     async def scenario(sock: str) -> None:
         async with RelayClient("thinker", sock, timeout=30) as w, RelayClient("talker", sock) as r:

@@ -47,7 +47,7 @@ def test_notices_linger_until_the_timer_and_then_go_together() -> None:
 def test_a_writer_owed_the_byte_cap_is_told_at_once_others_keep_lingering(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(freed, "FREED_LINGER_MAX_BYTES", 128 * KIB)
+    monkeypatch.setattr(freed, "NOTICE_LINGER_MAX_BYTES", 128 * KIB)
 
     async def scenario() -> None:
         b, sent = _batcher(60.0)

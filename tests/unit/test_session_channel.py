@@ -11,8 +11,13 @@ import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
-from relayd_client._session import LINGER_MAX_BYTES, LINGER_MAX_NOTICES, SessionChannel
-from relayd_client.wire.framing import LENGTH_BYTES, decode_frame, frame_length
+from relayd_client._session import LINGER_MAX_NOTICES, SessionChannel
+from relayd_client.wire.framing import (
+    LENGTH_BYTES,
+    NOTICE_LINGER_MAX_BYTES,
+    decode_frame,
+    frame_length,
+)
 from relayd_client.wire.proto import relay_pb2 as pb
 
 pytestmark = pytest.mark.timeout(30)
@@ -133,11 +138,11 @@ def test_lingering_releases_go_at_once_when_they_hold_enough_bytes() -> None:
     async def scenario(channel: SessionChannel, daemon: Daemon) -> None:
         busy(channel, daemon)
         release(channel, 1)
-        channel.mark(linger=LONG, holds=LINGER_MAX_BYTES // 2)
+        channel.mark(linger=LONG, holds=NOTICE_LINGER_MAX_BYTES // 2)
         await turns()
         assert daemon.ready() == []
         release(channel, 2)
-        channel.mark(linger=LONG, holds=LINGER_MAX_BYTES // 2)
+        channel.mark(linger=LONG, holds=NOTICE_LINGER_MAX_BYTES // 2)
         frame = await daemon.next()
         assert [r.lease_id for r in frame.release] == [1, 2]
 
