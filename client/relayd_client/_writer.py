@@ -96,16 +96,25 @@ class Shape:
     facts take microseconds to derive and nothing to look up.
     """
 
-    __slots__ = ("cuda_uuids", "has_cpu", "specs", "template", "total")
+    __slots__ = ("cuda_uuids", "encoded_bytes", "route_keys", "specs", "template", "total")
 
     def __init__(self, template: pb.DataRef, key: ShapeKey, tensors: Sequence[Any]) -> None:
-        _, codec, header, _ = key
+        to_stage, codec, header, _ = key
         specs, self.total = _packing.plan_layout(tensors, alignment=ALIGNMENT)
         self.specs = _cuda_facts.name_gpus(specs)
-        self.has_cpu = any(t.device.type == "cpu" for t in tensors)
+        has_cpu = any(t.device.type == "cpu" for t in tensors)
         self.cuda_uuids = _cuda_facts.payload_facts(
             [s.device for s in self.specs if s.nbytes]
         ).cuda_uuids
+        # What the router is told about the size: the whole encoded put.
+        self.encoded_bytes = len(header) + self.total + _LAYOUT_ENTRY_BYTES * len(specs)
+        # The route key of a put of this shape, by whether it is a stream chunk
+        # carrying tensors (never inline): looked up, not built, per put.
+        fits = fits_inline(self.encoded_bytes)
+        self.route_keys: tuple[RouteKey, RouteKey] = (
+            (to_stage, has_cpu, self.cuda_uuids, fits),
+            (to_stage, has_cpu, self.cuda_uuids, False),
+        )
         # Every field but the per-put ones (object and request id, chunk, transport, lease).
         self.template = template
         self.template.ClearField("object_id")
@@ -114,6 +123,9 @@ class Shape:
         self.template.header = header
         add_layout(self.template, self.specs)
 
+
+# ref() and buffer() take a lease without asking the router.
+NOT_ROUTED: RouteKey = ("", False, (), False)
 
 # (to_stage, header codec, header, per tensor: dtype, shape, device, layout, nested)
 ShapeKey = tuple[str, "pb.HeaderCodec", bytes, tuple[tuple[Any, ...], ...]]
@@ -129,10 +141,9 @@ class PutPlan:
     specs: list[_packing.TensorSpec]
     total: int
     refs: Sequence[TensorRef] = ()
-    has_cpu: bool = True
     cuda_uuids: tuple[str, ...] = ()
-    # What the router is told about the size: the whole encoded put, and
-    # whether it is a stream chunk whose payload holds a tensor.
+    # How the router is asked (see Shape.route_keys).
+    route_key: RouteKey = NOT_ROUTED
     encoded_bytes: int = 0
     chunk_carries_tensors: bool = False
     # How it is published: a TensorRef's lease, the leased transport the route
@@ -144,11 +155,7 @@ class PutPlan:
 
     @property
     def fits_inline(self) -> bool:
-        return fits_inline(self.encoded_bytes, self.chunk_carries_tensors)
-
-    @property
-    def route_key(self) -> RouteKey:
-        return (self.msg.to_stage, self.has_cpu, self.cuda_uuids, self.fits_inline)
+        return self.route_key[3]
 
     @property
     def route_facts(self) -> tuple[RouteKey, int, bool, bool]:
@@ -212,7 +219,6 @@ class Writer:
         else:
             header, codec = _codec.encode(tree), pb.HEADER_CODEC_SAFE
         shape = self.shape(a, to_stage, codec, header, tensors)
-        specs, total = shape.specs, shape.total
         msg = pb.DataRef()
         msg.CopyFrom(shape.template)
         msg.object_id = self._object_id()
@@ -220,10 +226,10 @@ class Writer:
         msg.chunk_id = -1 if chunk_id is None else chunk_id
         if refs:
             msg.refs.extend(r.proto for r in refs)
+        carries = chunk_id is not None and bool(tensors)
         return PutPlan(
-            obj, msg, tensors, specs, total, refs, shape.has_cpu, shape.cuda_uuids,
-            encoded_bytes=len(header) + total + _LAYOUT_ENTRY_BYTES * len(specs),
-            chunk_carries_tensors=chunk_id is not None and bool(tensors),
+            obj, msg, tensors, shape.specs, shape.total, refs, shape.cuda_uuids,
+            shape.route_keys[carries], shape.encoded_bytes, carries,
         )  # fmt: skip
 
     def shape(
