@@ -473,11 +473,10 @@ class RelayClient:
         check_request_id(request_id)
         conn = self._conn
         conn.usable() or await conn.ready(None)
-        self._remember_aborted(request_id)
-        conn.flush()  # lingering publishes first: Abort frees what they announce
         # local_object transfers never reach the daemon, so it cannot tell
-        # this process's readers of the request; _local tells them.
-        _local.abort(request_id, by=self)
+        # this process's other readers of the request: _local tells them.
+        self._remember_aborted(request_id, tell_others=True)
+        conn.flush()  # lingering publishes first: Abort frees what they announce
         try:
             resp = await conn.call("Abort", pb.AbortRequest(request_id=request_id), self.timeout)
         except RelayError:
@@ -496,10 +495,10 @@ class RelayClient:
         resp: pb.StatusResponse = await conn.call("Status", pb.StatusRequest(), self.timeout)
         return resp
 
-    def _remember_aborted(self, request_id: str) -> None:
+    def _remember_aborted(self, request_id: str, tell_others: bool = False) -> None:
         # Wake blocked stream readers and drop what can never be read now.
         self._streams.abort(request_id)
-        _local.abort(request_id)
+        _local.abort(request_id, by=self if tell_others else None)
         self._aborts.remember(request_id)
 
     def _local_abort(self, request_id: str) -> None:
