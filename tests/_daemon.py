@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from relayd.launch import DaemonProcess, serve_argv
@@ -49,15 +49,26 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_until(predicate: Any, timeout: float, what: str, interval: float = 0.02) -> Any:
-    """Poll ``predicate`` until truthy; fail with ``what`` after ``timeout`` seconds."""
+def wait_until(
+    predicate: Any,
+    timeout: float,
+    what: str,
+    interval: float = 0.02,
+    state: Callable[[], object] | None = None,
+) -> Any:
+    """Poll ``predicate`` until truthy; fail with ``what`` after ``timeout`` seconds.
+
+    ``state``: what the failure message shows of the system at the deadline
+    (the numbers that tell a slow release from a leak).
+    """
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+            shown = "" if state is None else f"; state: {state()}"
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what}{shown}")
         time.sleep(interval)
 
 

@@ -75,6 +75,15 @@ def _free_but_grant(a: Node, b: Node) -> bool:
     return True
 
 
+def _arenas_and_peers(a: Node, b: Node) -> dict[str, object]:
+    """Each node's pool and its view of the other: a lost peer's grant is held
+    in quarantine, a leak is not."""
+    return {
+        name: {"pool": here.daemon.pool(), "peer": here.peer(other.address)}
+        for name, here, other in (("a", a, b), ("b", b, a))
+    }
+
+
 def test_puts_to_a_remote_consumer_are_pushed_and_read_locally(nodes: tuple[Node, Node]) -> None:
     a, b = nodes
     sizes = [300_000, MiB, 4 * MiB + 3, 9 * MiB]
@@ -164,7 +173,12 @@ def test_abort_frees_pushed_leases_on_both_nodes(nodes: tuple[Node, Node]) -> No
                         await r.get(ref.to_bytes())
 
     asyncio.run(asyncio.wait_for(scenario(), 60))
-    wait_until(lambda: _free_but_grant(a, b), 10, "both arenas back to the push grant alone")
+    wait_until(
+        lambda: _free_but_grant(a, b),
+        10,
+        "both arenas back to the push grant alone",
+        state=lambda: _arenas_and_peers(a, b),
+    )
     assert int(b.peer(a.address)["credits_in_use"]) == 0
 
 
