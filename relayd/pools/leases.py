@@ -149,6 +149,8 @@ class LeaseManager:
         self.bind = self.session_table.bind
         self.on_reserve = self.table.on_reserve
         self.on_publish = self.table.on_publish
+        self.count_later = self.table.count_later
+        self.count_now = self.table.count_now
         self.on_claim = self.table.on_claim
         self.on_release = self.table.on_release
         self.on_cancel = self.table.on_cancel

@@ -162,6 +162,7 @@ class SessionProtocol(asyncio.Protocol):
         self._buf += data
         buf = self._buf
         pos = 0
+        self.manager.count_later()  # the transfers of these frames, counted once
         try:
             while len(buf) - pos >= LENGTH_BYTES:
                 n = frame_length(buf, pos)
@@ -190,7 +191,14 @@ class SessionProtocol(asyncio.Protocol):
             return
         finally:
             del buf[:pos]
+            self._count()
         self._flush()
+
+    def _count(self) -> None:
+        try:
+            self.manager.count_now()
+        except Exception:  # counting is the daemon's own: log, never end the loop
+            log.exception("counting transfers failed")
 
     def _flush(self) -> None:
         try:
