@@ -231,7 +231,12 @@ class Connection:
             for seg in sorted(a.segments, key=lambda s: s.index):
                 mapped = MappedSegment(seg.name, seg.size, seg.index, a.slot_size)
                 self.segments.append(mapped)
-                self.views.append(torch.frombuffer(mapped.mm, dtype=torch.uint8))
+                # Through a memoryview: torch.frombuffer keeps its argument
+                # alive but holds no buffer export, so a bare mmap could be
+                # unmapped (and its addresses reused by the next arena) under
+                # the tensors still viewing it. The memoryview's export makes
+                # MappedSegment.close leave a viewed mapping to the last view.
+                self.views.append(torch.frombuffer(memoryview(mapped.mm), dtype=torch.uint8))
             if not self.segments:
                 return b""
             probe = a.probe_offset

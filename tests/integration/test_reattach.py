@@ -8,6 +8,8 @@ re-attaches in the background; a call made meanwhile must wait for that
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -126,4 +128,54 @@ def test_each_call_right_after_a_daemon_restart_waits_for_the_reattach(
     try:
         asyncio.run(asyncio.wait_for(scenario(), 120))
     finally:
+        d.stop()
+
+
+# A reader in its own process: it keeps a zero-copy view of one put, waits for
+# the parent to restart the daemon, re-attaches (mapping the new arena), then
+# reads the view again. Run apart from pytest: a dangling view is a SIGSEGV.
+_VIEW_HOLDER = """
+import sys
+from relayd_client import DataRef, SyncRelayClient
+from tests._workers import digest
+
+with SyncRelayClient("talker", sys.argv[1], timeout=20) as r:
+    view = r.get(DataRef.from_bytes(bytes.fromhex(sys.stdin.readline())), copy=False)
+    epoch = r.daemon_epoch
+    print(digest(view), flush=True)
+    sys.stdin.readline()  # the daemon was restarted
+    r.status()  # waits for the re-attach, which unmaps the old arena
+    assert r.daemon_epoch != epoch
+    print(digest(view), flush=True)
+"""
+
+
+def test_a_zero_copy_view_stays_readable_after_the_daemon_restarts(tmp_path: object) -> None:
+    """Re-attaching maps the new daemon's arena and lets go of the old one; a
+    view the application still holds into the old one keeps its mapping (and
+    its bytes) until the view is dropped, instead of pointing at unmapped memory."""
+    d = Daemon(str(tmp_path)).start()
+    reader = subprocess.Popen(
+        [sys.executable, "-c", _VIEW_HOLDER, d.socket],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert reader.stdin is not None and reader.stdout is not None
+        with SyncRelayClient("thinker", d.socket, timeout=20) as w:
+            ref = w.put({"t": _tensor(7)}, to_stage="talker", request_id="viewed")
+            reader.stdin.write(ref.to_bytes().hex() + "\n")
+            reader.stdin.flush()
+            before = reader.stdout.readline().strip()
+            assert before == digest({"t": _tensor(7)})
+            d = _restart(d, tmp_path)
+            out, _ = reader.communicate("restarted\n", timeout=60)
+        # -11 (SIGSEGV): the view pointed into an arena the client had unmapped.
+        assert reader.returncode == 0, reader.returncode
+        assert out.split() == [before]
+    finally:
+        if reader.poll() is None:
+            reader.kill()
+            reader.wait(timeout=10)
         d.stop()

@@ -122,8 +122,9 @@ class MappedSegment:
         try:
             self.mm.close()
         except BufferError:
-            # A caller still holds a zero-copy view; the mapping lives on until
-            # that view is garbage, and the kernel drops it at exit.
+            # A tensor still views the segment (the client's views hold a
+            # buffer export): the mapping lives on until the last view is
+            # garbage, then goes with the mmap object.
             pass
         if self._fd >= 0:
             os.close(self._fd)
