@@ -167,7 +167,7 @@ class RelaydMooncake(RelaydShm):
         deadline = loop.time() + ROUTE_WAIT_S
         to_stage = self._stages()[1]
         while loop.time() < deadline:
-            self.client._routes.answers.clear()
+            self.client._routes.forget()
             key = (to_stage, True, (), False)  # a CPU payload too large for inline
             if await self.client._routes.ask(key, 1 << 20, False, False) == pb.TRANSPORT_MOONCAKE:
                 return

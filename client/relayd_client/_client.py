@@ -34,7 +34,7 @@ from ._refs import TensorRef
 from ._reports import Reports
 from ._routes import Routes
 from ._streams import Streams
-from ._writer import MAX_SIGNAL_MESSAGE, PutPlan, Writer, check_names, check_trace_id, leased
+from ._writer import MAX_SIGNAL_MESSAGE, Writer, check_names, check_trace_id, leased
 from .wire import latency
 from .wire.dataref import KIND_DONE, KIND_ERROR, DataRef
 from .wire.errors import InvalidArgumentError, RelayError, RelayTimeoutError
@@ -231,17 +231,13 @@ class RelayClient:
         trace_id: str = "",
     ) -> DataRef:
         a = self._conn.usable() or await self._conn.ready(timeout)
-        plan = self._writer.plan(a, obj, to_stage, request_id, chunk_id, pickle)
+        w = self._writer
+        plan = w.plan(a, obj, to_stage, request_id, chunk_id, pickle)
         route = self._routes.cached(plan.route_key)
         if route is None:
             route = await self._routes.ask(*plan.route_facts)
-        return await self._put_planned(plan, route, timeout, trace_id)
-
-    async def _put_planned(
-        self, plan: PutPlan, route: int, timeout: float | None, trace_id: str
-    ) -> DataRef:
-        """A planned, routed put: by reference, on a GPU path, or into a lease."""
-        here = self._writer.put_here(plan, route)
+        # By reference or inline, on a GPU path, or into a lease.
+        here = w.put_here(plan, route)
         if here is not None:
             return here
         if self._gpu_paths.may_take(plan):
@@ -249,7 +245,7 @@ class RelayClient:
             if gpu_ref is not None:
                 return gpu_ref
         plan.transport, plan.trace_id = leased(route), trace_id
-        return await self._writer.publish(plan, timeout)
+        return w.publish_now(plan) or await w.publish(plan, timeout)
 
     @contextlib.asynccontextmanager
     async def buffer(
@@ -340,9 +336,11 @@ class RelayClient:
         valid until :meth:`release` (prefer :meth:`view`)."""
         started = time.perf_counter_ns()
         ref = ref if isinstance(ref, DataRef) else DataRef.from_bytes(ref)
-        return self._get_finished(ref, await self._get(ref, copy), started)
+        self._conn.usable() or await self._conn.ready(None)
+        return self._get_finished(ref, await self._reader.get(ref, copy), started)
 
     async def _get(self, ref: DataRef, copy: bool) -> Any:
+        """:meth:`get` for the blocking client's loop."""
         self._conn.usable() or await self._conn.ready(None)
         return await self._reader.get(ref, copy)
 

@@ -11,6 +11,7 @@ announces a new registry version: a put in steady state makes no round trip.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from . import _cuda_facts
@@ -33,20 +34,23 @@ class Routes:
         self._conn = conn
         self._from_stage = from_stage
         self._cuda_ipc_direct = cuda_ipc_direct
-        self.answers: dict[RouteKey, pb.RouteResponse] = {}
+        self._answers: dict[RouteKey, int] = {}
+        # The cached transport of a key, or None: the dict's own lookup, since
+        # every put asks (cleared in place, never replaced).
+        self.cached: Callable[[RouteKey], int | None] = self._answers.get
         # Stages the daemon routed to another node: their puts ask for a push.
         self.remote_stages: set[str] = set()
         self.registry_version = 0
 
-    def cached(self, key: RouteKey) -> int | None:
-        answer = self.answers.get(key)
-        return None if answer is None else int(answer.transport)
+    def forget(self) -> None:
+        """Ask the daemon again at the next put of every key."""
+        self._answers.clear()
 
     def registry(self, version: int) -> None:
         """A session event announced ``version``: answers of another version are stale."""
         if version != self.registry_version:
             self.registry_version = version
-            self.answers.clear()
+            self.forget()
             self.remote_stages.clear()
 
     async def ask(
@@ -86,7 +90,7 @@ class Routes:
         # An answer computed before a registry change we have seen since is stale.
         if version == self.registry_version and resp.registry_version >= version:
             self.registry_version = max(self.registry_version, resp.registry_version)
-            self.answers[key] = resp
+            self._answers[key] = int(resp.transport)
             if resp.transport == pb.TRANSPORT_MOONCAKE:
                 self.remote_stages.add(to_stage)
             else:
