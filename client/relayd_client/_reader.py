@@ -13,7 +13,6 @@ methods (:meth:`Reader.read_here`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from typing import TYPE_CHECKING, Any
 
 from . import _copies, _cuda_facts, _cuda_staging, _flatten, _local, _packing, _remote
@@ -149,8 +148,10 @@ class Reader:
         return await self._read(ref, tree, copy)
 
     def take_local(self, m: pb.DataRef) -> Any:
-        with contextlib.suppress(KeyError):
+        try:  # a try, not contextlib.suppress: a context manager per get costs ~1.5 us
             return _local.take(m.object_id)
+        except KeyError:
+            pass
         self._aborts.check(m.request_id)
         raise StaleRefError(
             "local_object DataRef is not held in this process (read already, or it comes "
