@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from relayd.launch import DaemonProcess, serve_argv
+from tests import _zygote
 
 READY_TIMEOUT = 30.0
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -166,13 +167,7 @@ def run_worker(
     args: Sequence[str], *, input: bytes | None = None, timeout: float = 60.0, check: bool = True
 ) -> subprocess.CompletedProcess[bytes]:
     """Run ``python -m tests._workers ARGS`` in its own process."""
-    cp = subprocess.run(
-        [sys.executable, "-m", "tests._workers", *args],
-        input=input,
-        capture_output=True,
-        timeout=timeout,
-        cwd=REPO,
-    )
+    cp = _zygote.run("tests._workers", args, cwd=REPO, input=input, timeout=timeout)
     if check and cp.returncode != 0:
         raise AssertionError(
             f"worker {args} failed ({cp.returncode}):\n{cp.stderr.decode()[-4000:]}"
@@ -216,7 +211,10 @@ def _piped(argv: Sequence[str]) -> subprocess.Popen[bytes]:
 
 
 def spawn_worker(args: Sequence[str]) -> subprocess.Popen[bytes]:
-    return _piped([sys.executable, "-m", "tests._workers", *args])
+    """``python -m tests._workers ARGS`` with its three pipes, reaped after the test."""
+    proc = _zygote.popen("tests._workers", args, cwd=REPO)
+    _SPAWNED.append(proc)
+    return proc
 
 
 def unshare_available() -> bool:

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import subprocess
 import sys
 from typing import Any
 
 import torch
 from relayd_client import DataRef, RelayClient, RelayError, SyncRelayClient, TensorRef
 
+from tests import _zygote
 from tests._daemon import _SPAWNED, REPO, read_line, send_line
 from tests._workers import digest, make_payload, out
 
@@ -37,13 +37,7 @@ class Stage:
 
     def __init__(self, socket: str, stage: str, *, blocking: bool = False) -> None:
         args = ["--socket", socket, "--stage", stage] + (["--blocking"] if blocking else [])
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests._keyed_worker", *args],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            cwd=REPO,
-        )
+        self.proc = _zygote.popen("tests._keyed_worker", args, cwd=REPO, stderr=False)
         _SPAWNED.append(self.proc)  # reaped after the test, whatever happens
         assert self._line(ANSWER_TIMEOUT) == "READY"
 
