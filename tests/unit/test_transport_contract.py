@@ -204,6 +204,52 @@ def test_pull_from_a_closed_peer_fails_not_in_flight(pair: Pair) -> None:
     _run(main())
 
 
+@pytest.mark.multinode
+@requires_mooncake
+def test_mooncake_pushes_to_a_reached_peer_and_a_submit_that_raises(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Pushes to a peer already reached are submitted by a worker that hands them to
+    the watcher itself; a submit that raises there fails that push, in flight (its
+    ops cannot be told apart from ones still writing), and the next push works."""
+
+    async def main() -> None:
+        with _regions(4 << 20, 4 << 20) as [(buf_a, reg_a), (buf_b, reg_b)]:
+            async with _open(_mooncake_pair) as (a, b):
+                await a.register(reg_a)
+                await b.register(reg_b)
+                await b.pull(a.session_id, [PullOp(reg_b.base, reg_a.base, 4096)], timeout=5)
+                for i in range(8):  # one op and several, 4 KiB to 1 MiB
+                    n, parts = 4096 << i % 9, 1 + i % 3
+                    buf_b[:n] = os.urandom(n)
+                    step = n // parts
+                    ops = [
+                        PullOp(reg_b.base + k * step, reg_a.base + (1 << 20) + k * step, step)
+                        for k in range(parts)
+                    ]
+                    await b.push(a.session_id, ops, timeout=5)
+                    got = buf_a[1 << 20 : (1 << 20) + step * parts]
+                    assert _sha(got) == _sha(buf_b[: step * parts])
+
+                real = mc.submit_blocking
+
+                def broken(*args: object) -> object:
+                    raise RuntimeError("the engine broke")
+
+                monkeypatch.setattr(mc, "submit_blocking", broken)
+                op = [PullOp(reg_b.base, reg_a.base, 4096)]
+                with pytest.raises(PullFailedError) as failed:
+                    await b.push(a.session_id, op, timeout=5)
+                assert failed.value.in_flight is True
+                assert "the engine broke" in failed.value.message
+                monkeypatch.setattr(mc, "submit_blocking", real)
+                buf_b[:4096] = os.urandom(4096)
+                await b.push(a.session_id, op, timeout=5)
+                assert _sha(buf_a[:4096]) == _sha(buf_b[:4096])
+
+    _run(main())
+
+
 # --- the loopback's knobs --------------------------------------------------------------
 
 
