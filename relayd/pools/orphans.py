@@ -86,9 +86,13 @@ class Orphans:
         adopted = 0
         start, end = grant.run.slot, grant.run.slot + grant.run.nslots
         busy = bytearray(grant.run.nslots)
-        for lease in list(grant.leases.values()):
+        # A lease freed while a push reads it keeps its slots, and its header,
+        # until the push stops (LeaseTable.hold): that header is no unannounced lease.
+        held = [h for h in t.held.values() if h.grant is grant]
+        for lease in [*grant.leases.values(), *held]:
             first = lease.run.slot - start
             busy[first : first + lease.run.nslots] = b"\x01" * lease.run.nslots
+        for lease in list(grant.leases.values()):
             if lease.state is LeaseState.RESERVED:
                 length = t.sealed_length(lease)
                 if length is not None:

@@ -170,6 +170,39 @@ def test_writer_death_publishes_what_it_sealed_but_never_announced(arena: Arena)
     assert arena.used_bytes == 0 and not m.grants and not m.leases
 
 
+@pytest.mark.parametrize("freed_by", ["abort", "ttl"])
+def test_a_lease_freed_under_its_push_is_not_adopted_when_its_writer_goes(
+    arena: Arena, freed_by: str
+) -> None:
+    # A push reads the lease's slots: freeing it (abort, TTL) drops the record but
+    # keeps the slots, header included, until the push stops. The writer leaving
+    # meanwhile must not take that header for a lease it sealed and never announced:
+    # that lease would sit on slots the push's end gives back to the arena, to be
+    # freed a second time later (two grants on one run).
+    clock, reclaimed, wf = Clock(), [], []  # type: ignore[var-annotated]
+    m = _manager(arena, clock, reclaimed)
+    w = _session(m, "thinker", wf)
+    grant = asyncio.run(m.grant(w, SLOT, 1.0))
+    lid = _publish(m, w, grant, 0, 2, rid="gone")
+    _seal(arena, grant, 0, lid, 2 * SLOT)
+    m.hold(m.leases[lid])
+    pushed = m.leases[lid]
+    if freed_by == "abort":
+        assert m.abort(w, "gone") == (1, 2 * SLOT)
+    else:
+        clock.now += 11.0
+        assert m.reap() == 1
+    assert lid not in m.leases
+    m.close_session(w.id)
+    assert lid not in m.leases and not m.leases
+    assert arena.used_bytes == 2 * SLOT  # the push still reads them
+    m.unhold(pushed)
+    assert arena.used_bytes == 0 and not m.grants and not m.leases
+    clock.now += 100.0
+    assert m.reap() == 0
+    assert arena.used_bytes == 0 and reclaimed == [freed_by]
+
+
 def test_an_adopted_lease_is_any_readers_and_expires_like_any_other(arena: Arena) -> None:
     clock, reclaimed, wf = Clock(), [], []  # type: ignore[var-annotated]
     m = _manager(arena, clock, reclaimed)
