@@ -76,10 +76,14 @@ def _free_but_grant(a: Node, b: Node) -> bool:
 
 
 def _arenas_and_peers(a: Node, b: Node) -> dict[str, object]:
-    """Each node's pool and its view of the other: a lost peer's grant is held
-    in quarantine, a leak is not."""
+    """Each node's pool, its leases and its view of the other: a lost peer's grant
+    is held in quarantine, a leak is not."""
     return {
-        name: {"pool": here.daemon.pool(), "peer": here.peer(other.address)}
+        name: {
+            "pool": here.daemon.pool(),
+            "peer": here.peer(other.address),
+            "leases": here.daemon.status().get("leases", []),
+        }
         for name, here, other in (("a", a, b), ("b", b, a))
     }
 
