@@ -3,8 +3,8 @@
 Every worker is still a process of its own: its own pid, pipes, signals and
 death, a client in another process exactly as a stage worker is. What it does
 not pay is the import: ``import torch`` costs ~2.5 s of CPU, and the suite
-starts hundreds of workers on a two-core CI machine. One zygote per test
-session imports the heavy modules once and forks each worker on request;
+starts hundreds of workers on a two-core CI machine. One zygote per pytest
+run imports the heavy modules once and forks each worker on request;
 :func:`popen` returns a :class:`subprocess.Popen` for it, so the tests drive it
 as they would any child (``wait``, ``kill``, ``communicate``, ``returncode``).
 
