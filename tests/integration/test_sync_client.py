@@ -241,8 +241,10 @@ def test_close_from_another_thread_ends_blocked_and_later_calls(tmp_path: object
 
 
 def test_hot_path_never_hops_to_the_loop(tmp_path: object) -> None:
+    # One grant holds every put below (21 x 19 slots): whether a put finds room must
+    # not depend on when the reader's frees come back (they linger), only the path.
     with (
-        running_daemon(str(tmp_path), pool="32MiB") as d,
+        running_daemon(str(tmp_path), "--grant-size", "28MiB", pool="64MiB") as d,
         SyncRelayClient("thinker", d.socket) as w,
         SyncRelayClient("talker", d.socket) as r,
     ):
