@@ -457,6 +457,10 @@ class LeaseTable:
         :meth:`unhold`, so the writer cannot refill them under the push."""
         self._holds.add(lease.id)
 
+    def held_in(self, grant: Grant) -> list[Lease]:
+        """The freed leases of ``grant`` whose slots a push still reads."""
+        return [h for h in self.held.values() if h.grant is grant]
+
     def unhold(self, lease: Lease) -> bool:
         """The push stopped reading: True if this gave the slots back."""
         self._holds.discard(lease.id)

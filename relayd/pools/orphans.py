@@ -58,7 +58,7 @@ class Orphans:
             grant.writer_pid = writer.pid
         # Give back every part of the run no published lease sits on (and no
         # freed lease a push is still reading: see LeaseTable.hold).
-        live = [*grant.leases.values(), *(h for h in t.held.values() if h.grant is grant)]
+        live = [*grant.leases.values(), *t.held_in(grant)]
         kept = sorted((lease.run.slot, lease.run.nslots) for lease in live)
         cursor = grant.run.slot
         end = grant.run.slot + grant.run.nslots
@@ -88,8 +88,7 @@ class Orphans:
         busy = bytearray(grant.run.nslots)
         # A lease freed while a push reads it keeps its slots, and its header,
         # until the push stops (LeaseTable.hold): that header is no unannounced lease.
-        held = [h for h in t.held.values() if h.grant is grant]
-        for lease in [*grant.leases.values(), *held]:
+        for lease in [*grant.leases.values(), *t.held_in(grant)]:
             first = lease.run.slot - start
             busy[first : first + lease.run.nslots] = b"\x01" * lease.run.nslots
         for lease in list(grant.leases.values()):

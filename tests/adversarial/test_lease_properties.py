@@ -130,7 +130,7 @@ class World:
                     assert key not in held, f"slot {key} in grants {held[key]} and {gid}"
                     held[key] = gid
             expect = bytearray(grant.run.nslots)
-            pushed = [h for h in m.table.held.values() if h.grant is grant]
+            pushed = m.table.held_in(grant)
             for lease in [*grant.leases.values(), *pushed]:
                 assert lease in pushed or m.leases.get(lease.id) is lease
                 first = lease.run.slot - grant.run.slot
