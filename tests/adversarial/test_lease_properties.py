@@ -3,16 +3,21 @@
 Several sessions drive one ``LeaseManager`` (a real arena, a fake clock) with
 random notices, honest and hostile alike: reserves anywhere (others' grants,
 overlapping, replayed ids), publishes, claims, releases, cancels, grant
-returns, peers' releases, aborts, session closes, TTL sweeps, and pushes that
-hold a lease's slots while they read them. A notice the
-manager refuses by raising closes that session, as the session socket does.
-After every step:
+returns, peers' releases, aborts, session closes, TTL sweeps, pushes that
+hold a lease's slots while they read them, and the daemon's own cross-node
+leases: pulls into runs it reserves for a reader (published or dropped), and
+pushes that peers land in the push grant it gave them (which it may retire
+while some are unread). A notice the manager refuses by raising closes that
+session, as the session socket does. After every step:
 
 * no slot is in two live leases, nor in two grants, nor in a live lease and a
   freed one a push still reads;
 * every lease lies in its grant, and each grant's slot map is its leases;
-* the pool's free map is exactly the slots no grant holds;
+* a pull's run stays reserved until the pull ends;
+* the pool's free map is exactly the slots no grant holds (a push grant
+  given to a peer holds its own);
 * sessions' grant bookkeeping adds up;
+* no run was freed twice (the pool refuses that, and logs it: a table bug);
 * nothing but a session-closing refusal was raised (the manager is alive).
 
 At the end every session closes and the TTL passes: the arena is empty.
@@ -21,6 +26,7 @@ At the end every session closes and the TTL passes: the arena is empty.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from collections.abc import Iterator
 
@@ -31,7 +37,7 @@ from relayd_client import RelayError
 from relayd_client.wire.proto import relay_pb2 as pb
 from relayd_client.wire.slots import SlotAllocator
 
-from relayd.pools.arena import Arena
+from relayd.pools.arena import Arena, Run
 from relayd.pools.leases import LeaseManager
 from relayd.pools.records import GEN_SHIFT, Lease, LeaseState
 from relayd.pools.sessions import Session, SessionState
@@ -40,6 +46,7 @@ SLOT = 64 << 10
 NSLOTS = 48
 TTL = 5.0
 STAGES = ("a", "b", "c")
+GIVEN_SLOTS = 8  # the push grant given to a peer
 
 # Deterministic and bounded: ~2,000 sequences of up to 40 steps in a few seconds.
 LEASE_TABLE = settings(
@@ -88,6 +95,30 @@ class World:
             self.open(stage)
         self.ids: list[int] = [1, 1 << GEN_SHIFT | 1]  # ids seen anywhere, to replay
         self.pushing: list[Lease] = []  # leases a push reads (relayd.push holds them)
+        self.pulls: list[Lease] = []  # pulls in flight: runs the daemon reserved for them
+        # The push grant given to a peer (relayd.push_landing): its run, which parts
+        # hold landed leases, and whether it was retired (free parts gone back).
+        self.given: Run | None = None
+        self.given_used = SlotAllocator(GIVEN_SLOTS)
+        self.retired = False
+        self.double_frees: list[str] = []  # what the pool refused to free (logged)
+
+    def landed_returned(self, run: Run) -> None:
+        """A landed lease was freed: its run goes back to the grant, or to the
+        arena once the grant is retired (as PushLanding._give_back does)."""
+        assert self.given is not None
+        if self.retired:
+            self.arena.free(run)
+        else:
+            self.given_used.free(run.slot - self.given.slot, run.nslots)
+
+    def retire(self) -> None:
+        if self.given is not None and not self.retired:
+            self.retired = True
+            for start, n in self.given_used.free_runs():
+                self.arena.free(
+                    Run(self.given.segment, self.given.slot + start, n, self.given.pool)
+                )
 
     def open(self, stage: str) -> Session:
         s = self.m.open_session(pid=1, stages=[stage])
@@ -152,12 +183,28 @@ class World:
                 key = (lease.run.segment, slot)
                 assert key not in held, f"slot {key} read by a push is in grant {held[key]}"
                 held[key] = g.id
+        for lease in self.pulls:
+            # Mooncake may still be writing into a pull's run: nothing but the pull's
+            # own end (published or dropped) may free it.
+            assert m.leases.get(lease.id) is lease, f"pull lease {lease.id} freed under its pull"
+            assert lease.state is LeaseState.RESERVED
+        if self.given is not None and not self.retired:
+            # The free part of the push grant given to a peer; its landed leases
+            # are orphan grants of their own, counted above.
+            for start, n in self.given_used.free_runs():
+                for slot in range(self.given.slot + start, self.given.slot + start + n):
+                    key = (self.given.segment, slot)
+                    assert key not in held, (
+                        f"slot {key} of the given push grant is in grant {held[key]}"
+                    )
+                    held[key] = -1
         free: set[tuple[int, int]] = set()
         for seg, alloc in enumerate(self.arena.allocators):
             for start, n in alloc.free_runs():
                 free.update((seg, slot) for slot in range(start, start + n))
         assert not free & held.keys(), "a held slot is in the free map"
         assert len(free) + len(held) == self.arena.capacity_slots, "slots leaked"
+        assert not self.double_frees, self.double_frees
         for s in self.live():
             assert s.granted_slots == sum(g.run.nslots for g in s.grants.values())
             for g in s.grants.values():
@@ -167,6 +214,10 @@ class World:
         for lease in list(self.pushing):
             self.m.unhold(lease)
         self.pushing.clear()
+        for lease in self.pulls:
+            self.m.crossnode.drop_pull(lease)
+        self.pulls.clear()
+        self.retire()
         for s in list(self.live()):
             self.m.close_session(s.id)
         self.clock.now += TTL + 1
@@ -183,6 +234,7 @@ class World:
 _KINDS = [
     *("grant", "reserve", "reserve", "reserve", "publish", "publish", "claim", "release"),
     *("cancel", "return", "peer", "seal", "abort", "close", "ttl", "push", "pushed"),
+    *("pull", "pulled", "give", "land", "land", "retire"),
 ]
 OPS = st.tuples(
     st.sampled_from(_KINDS),
@@ -277,6 +329,54 @@ def step(w: World, op: tuple[str, int, int, int, int]) -> None:
             else:
                 m.unhold(lease)
             m.flush()
+    elif kind == "pull":
+        # A reader's fetch of a peer's lease: the daemon reserves a run for the bytes.
+        try:
+            lease = w.loop.run_until_complete(
+                m.crossnode.reserve_for_pull(
+                    s, (1 + c % 3) * SLOT - 1000 * d, 0.0, request_id=f"r{b % 4}",
+                    from_stage="peer", to_stage=STAGES[b % 3],
+                )
+            )  # fmt: skip
+        except RelayError:
+            return  # no room (a timeout of 0), or draining: nothing reserved
+        w.pulls.append(lease)
+        w.ids.append(lease.id)
+    elif kind == "pulled":
+        # The pull ended: verified and published for its reader, or failed and dropped
+        # (a failed publish drops it too, as relayd.pull does).
+        if w.pulls:
+            lease = w.pulls.pop(b % len(w.pulls))
+            try:
+                if c % 2:
+                    m.crossnode.publish_pull(lease, min(c * 1000, lease.run.nslots * SLOT))
+                    return
+            except RelayError:
+                pass  # aborted meanwhile (freed) or reclaimed
+            m.crossnode.drop_pull(lease)
+            m.flush()
+    elif kind == "give":
+        if w.given is None:
+            w.given = w.arena.allocate(GIVEN_SLOTS)
+    elif kind == "land":
+        # A peer's push landed in the grant it was given (PushLanding.on_landed
+        # checked the run lies in it and overlaps no landed lease).
+        given = w.given
+        n = 1 + d % 3
+        if given is None or w.retired or not w.given_used.allocate_at(c % GIVEN_SLOTS, n):
+            return
+        run = Run(given.segment, given.slot + c % GIVEN_SLOTS, n, given.pool)
+        try:
+            lease = m.crossnode.adopt_push(
+                run, c * 1000 + 1, request_id=f"r{b % 4}", from_stage="peer",
+                to_stage=STAGES[b % 3], returns=w.landed_returned,
+            )  # fmt: skip
+        except RelayError:
+            w.given_used.free(c % GIVEN_SLOTS, n)  # draining: refused, given back
+            return
+        w.ids.append(lease.id)
+    elif kind == "retire":
+        w.retire()
     elif kind == "abort":
         try:
             m.abort(s, f"r{b % 4}")
@@ -296,6 +396,9 @@ def step(w: World, op: tuple[str, int, int, int, int]) -> None:
 @example(ops=[("grant", 0, 0, 0, 0), ("reserve", 0, 0, 0, 0), ("publish", 0, 2, 1, 0),
               ("push", 0, 0, 0, 0), ("ttl", 0, 0, 7, 0), ("close", 0, 0, 0, 0),
               ("pushed", 0, 0, 0, 0)])  # fmt: skip
+# A pull whose request was aborted mid-pull: its publish frees the lease, and
+# the pull's clean-up must not free the run a second time.
+@example(ops=[("pull", 0, 0, 0, 0), ("abort", 0, 0, 0, 0), ("pulled", 0, 0, 1, 0)])
 def test_no_frame_sequence_corrupts_the_lease_table(arena: Arena, ops: list) -> None:  # type: ignore[type-arg]
     # A fresh pool each example, even after a failed one.
     arena.allocators[:] = [SlotAllocator(seg.nslots) for seg in arena.segments]
@@ -303,6 +406,8 @@ def test_no_frame_sequence_corrupts_the_lease_table(arena: Arena, ops: list) -> 
         for slot in range(seg.nslots):
             seg.write_header(slot, 0, 0)
     w = World(arena)
+    refused = _Refused(w.double_frees)
+    logging.getLogger("relayd.pools.returns").addHandler(refused)
     try:
         for op in ops:
             step(w, op)
@@ -311,3 +416,16 @@ def test_no_frame_sequence_corrupts_the_lease_table(arena: Arena, ops: list) -> 
     except BaseException:
         w.loop.close()
         raise
+    finally:
+        logging.getLogger("relayd.pools.returns").removeHandler(refused)
+
+
+class _Refused(logging.Handler):
+    """Collects the pool's "refused to free" errors."""
+
+    def __init__(self, into: list[str]) -> None:
+        super().__init__(logging.ERROR)
+        self.into = into
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.into.append(record.getMessage())
