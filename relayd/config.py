@@ -181,6 +181,13 @@ class Settings:
     )
     peer_token_file: str = _field("", metavar="FILE", help="shared secret peers authenticate with")
     peer_credits: int = _field(32, parse=int, metavar="N", help="in-flight Mooncake pulls per peer")
+    peer_notice_port: int = _field(
+        0,
+        parse=int,
+        metavar="PORT",
+        help="TCP port for notices between daemons, on the Peer service's host; "
+        "0: any free port (advertised to peers); -1: none, notices ride the Peer service",
+    )
     peer_timeout: float = _field(
         5.0, parse=float, metavar="SECONDS", help="a peer transfer or call fails after this"
     )
@@ -300,6 +307,8 @@ class Settings:
             )
         if self.max_edge_labels < 0:
             raise ConfigError("max_edge_labels must be >= 0")
+        if not -1 <= self.peer_notice_port <= 65535:
+            raise ConfigError("peer_notice_port must be a port, 0 (any free one) or -1 (none)")
         if self.lease_ttl <= 0 or self.reserve_timeout <= 0 or self.peer_credits <= 0:
             raise ConfigError("lease_ttl, reserve_timeout and peer_credits must be positive")
 

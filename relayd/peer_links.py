@@ -85,7 +85,7 @@ def load_token(path: str) -> bytes:
     return token
 
 
-def _split(address: str) -> tuple[str, int]:
+def split_address(address: str) -> tuple[str, int]:
     host, _, port = address.rpartition(":")
     return host.strip("[]"), int(port)
 
@@ -96,7 +96,7 @@ def _join(host: str, port: int) -> str:
 
 def _resolve(entry: str) -> list[str]:
     """``host:port`` -> every address it names (a headless service names several)."""
-    host, port = _split(entry)
+    host, port = split_address(entry)
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     return sorted({_join(str(info[4][0]), port) for info in infos})
 
@@ -112,6 +112,7 @@ class PeerState:
     node_id: str = ""
     epoch: str = ""
     mooncake_session: str = ""
+    notice_port: int = 0  # its notice channel (relayd.peer_channel); 0: none
     slot_size: int = 0
     segments: dict[int, pb.ArenaSegment] = dataclasses.field(default_factory=dict)
     stages: tuple[str, ...] = ()
@@ -123,6 +124,7 @@ class PeerState:
 
     def forget_identity(self) -> None:
         self.up = False
+        self.notice_port = 0
         self.segments = {}
         self.stages = ()
 
@@ -345,6 +347,7 @@ class PeerLinks:
         peer.node_id = resp.node_id
         peer.epoch = resp.daemon_epoch
         peer.mooncake_session = resp.mooncake_session
+        peer.notice_port = resp.notice_port if resp.notice_port <= 65535 else 0
         peer.slot_size = resp.slot_size
         peer.segments = {s.index: s for s in resp.segments}
         peer.last_error = ""

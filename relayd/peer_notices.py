@@ -1,11 +1,14 @@
-"""One-way notices between daemons, batched per peer (``Peer.Notify``, a stream).
+"""One-way notices between daemons, batched per peer.
 
 Pushes that landed or were declined, push-grant runs freed, pulled leases to
 free: none of them is answered, so none is worth a call of its own. Each peer
-has one pending :class:`relayd_client.wire.proto.relay_pb2.PeerNotices`, one
-long-lived Notify stream (a message on it costs about half a unary call, in
-latency and CPU) and at most one write in flight on it; whatever is added
-meanwhile rides the next write, which goes as soon as the one before is done.
+has one pending :class:`relayd_client.wire.proto.relay_pb2.PeerNotices`. A
+batch goes on the peer's notice channel (:mod:`relayd.peer_channel`, a plain
+authenticated TCP connection) when it has one up, else on one long-lived
+``Peer.Notify`` stream (a message on it costs about half a unary call, in
+latency and CPU, and ten times a channel frame), with at most one write in
+flight on it; whatever is added meanwhile rides the next write, which goes as
+soon as the one before is done.
 Under load that batches like the session's notices; idle, a notice leaves at
 the end of the loop turn that made it. Frees and releases may linger
 (``linger``), since nothing waits for them.
@@ -27,12 +30,17 @@ import grpc
 from relayd_client.wire.proto import relay_pb2 as pb
 from relayd_client.wire.status import from_rpc_error
 
-from .peer_links import PeerLinks
+from .peer_channel import NoticeLink
+from .peer_links import PeerLinks, PeerState, split_address
 
 log = logging.getLogger(__name__)
 
 # A batch goes early once it holds this many notices.
 MAX_BATCH = 512
+# After a notice channel could not be opened, how long its peer's notices ride
+# the Peer service before the next try (the first try often comes before the
+# peer has dialled us back, and is refused).
+CHANNEL_RETRY_S = 1.0
 
 
 @dataclasses.dataclass(eq=False)
@@ -52,6 +60,64 @@ class PeerNotifier:
         self._linger = linger
         self._boxes: dict[str, _Outbox] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._channels: dict[str, NoticeLink] = {}
+        self._dialling: dict[str, asyncio.Task[None]] = {}
+        self._retry_at: dict[str, float] = {}
+        self._failures: dict[str, int] = {}  # by peer: tries in a row that failed
+        self._channel_batches: dict[str, int] = {}  # by peer: sent on its channel
+
+    def channel_batches(self, address: str) -> int:
+        return self._channel_batches.get(address, 0)
+
+    def has_channel(self, address: str) -> bool:
+        link = self._channels.get(address)
+        return link is not None and link.alive
+
+    def ensure_channel(self, peer: PeerState) -> None:
+        """Open ``peer``'s notice channel unless it is up, being opened, advertised
+        by no listener, or failed within :data:`CHANNEL_RETRY_S`."""
+        address = peer.address
+        if not peer.notice_port or self.has_channel(address) or address in self._dialling:
+            return
+        loop = asyncio.get_running_loop()
+        if loop.time() < self._retry_at.get(address, 0.0):
+            return
+        task = loop.create_task(self._dial(peer, peer.notice_port, peer.epoch))
+        self._dialling[address] = task
+        task.add_done_callback(lambda t: self._dialled(address, t))
+
+    def _dialled(self, address: str, task: asyncio.Task[None]) -> None:
+        if self._dialling.get(address) is task:
+            del self._dialling[address]
+
+    async def _dial(self, peer: PeerState, port: int, epoch: str) -> None:
+        links = self._links
+        host, _ = split_address(peer.address)
+        hello = pb.PeerNotices(node_id=links.settings.node_id, daemon_epoch=links.epoch)
+        timeout = min(links.settings.peer_timeout, 5.0)
+        try:
+            link = await NoticeLink.open(host, port, links.token, hello, timeout)
+        except (OSError, TimeoutError, asyncio.IncompleteReadError) as exc:
+            self._retry_at[peer.address] = asyncio.get_running_loop().time() + CHANNEL_RETRY_S
+            failures = self._failures[peer.address] = self._failures.get(peer.address, 0) + 1
+            # The first try is often refused: the peer has not dialled us back yet.
+            log.log(
+                logging.INFO if failures == 1 else logging.WARNING,
+                "notice channel to peer %s (port %d) not opened, notices ride the Peer service: %r",
+                peer.address,
+                port,
+                exc,
+            )
+            return
+        if not peer.up or peer.epoch != epoch or peer.notice_port != port:
+            link.close()  # the peer went (or restarted) meanwhile
+            return
+        old = self._channels.pop(peer.address, None)
+        if old is not None:
+            old.close()
+        self._channels[peer.address] = link
+        self._failures.pop(peer.address, None)
+        log.info("notice channel to peer %s open (port %d)", peer.address, port)
 
     def box(self, address: str) -> pb.PeerNotices:
         """The batch to add notices to; call :meth:`send` after adding."""
@@ -81,8 +147,19 @@ class PeerNotifier:
                 ob.timer.cancel()
             if ob.call is not None:
                 ob.call.cancel()
+        link = self._channels.pop(address, None)
+        if link is not None:
+            link.close()
+        dialling = self._dialling.pop(address, None)
+        if dialling is not None:
+            dialling.cancel()
 
     async def close(self) -> None:
+        for link in self._channels.values():
+            link.close()
+        self._channels.clear()
+        for task in self._dialling.values():
+            task.cancel()
         for ob in self._boxes.values():
             if ob.timer is not None:
                 ob.timer.cancel()
@@ -114,6 +191,15 @@ class PeerNotifier:
         batch, ob.pending, ob.count = ob.pending, pb.PeerNotices(), 0
         batch.node_id = self._links.settings.node_id
         batch.daemon_epoch = self._links.epoch
+        link = self._channels.get(address)
+        if link is not None:
+            if link.send(batch):
+                self._channel_batches[address] = self._channel_batches.get(address, 0) + 1
+                return
+            # Closed (the peer went, or stopped reading): this batch and the next
+            # ride the Peer service until the channel is opened again.
+            del self._channels[address]
+            log.warning("notice channel to peer %s closed; notices ride the Peer service", address)
         ob.busy = True
         task = asyncio.get_running_loop().create_task(self._write(address, ob, batch))
         self._tasks.add(task)

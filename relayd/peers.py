@@ -32,8 +32,9 @@ from relayd_client.wire.proto import relay_pb2_grpc as pb_grpc
 from relayd_client.wire.status import from_rpc_error
 from relayd_client.wire.version import PROTOCOL_VERSION
 
+from .peer_channel import NO_CHANNEL, NoticeListener
 from .peer_context import PeerHooks, PeerLeases, PeerParts
-from .peer_links import PeerLinks, PeerState
+from .peer_links import PeerLinks, PeerState, split_address
 from .peer_notices import PeerNotifier
 from .pools.sessions import Session
 from .pull import Puller
@@ -97,6 +98,8 @@ class PeerManager:
         self.push = PushManager(self.parts)
         self.puller = Puller(self.parts, self.push.landing, self._note_origin)
         self._server: grpc.aio.Server | None = None
+        self._notices_in: NoticeListener | None = None
+        self.notice_port = 0  # of our notice channel, once it listens; 0: none
         # request id -> peers its pulled leases came from, so abort reaches them.
         self._origins: collections.OrderedDict[str, set[str]] = collections.OrderedDict()
 
@@ -118,6 +121,7 @@ class PeerManager:
         port = server.add_insecure_port(self.settings.peer_address)
         await server.start()
         self._server = server
+        await self._listen_for_notices()
         # Even with pushes off here: a put that asked for one is declined, so the
         # reader's daemon pulls at once instead of waiting for it.
         self.leases.on_push = self.push.on_publish
@@ -130,8 +134,35 @@ class PeerManager:
         )
         self.links.start()
 
+    async def _listen_for_notices(self) -> None:
+        if self.settings.peer_notice_port == NO_CHANNEL:
+            return
+        links = self.links
+
+        def accept(node_id: str, epoch: str) -> bool:
+            peer = links.by_node.get(node_id)
+            return peer is not None and peer.up and peer.epoch == epoch
+
+        listener = NoticeListener(links.token, accept, self.push.on_notices)
+        host, _ = split_address(self.settings.peer_address)
+        try:
+            self.notice_port = await listener.start(host, self.settings.peer_notice_port)
+        except OSError as exc:
+            # Notices still flow, on the Peer service: slower, not broken.
+            log.warning(
+                "no notice channel (port %d on %s): %s; peers send notices on the Peer service",
+                self.settings.peer_notice_port,
+                host,
+                exc,
+            )
+            return
+        self._notices_in = listener
+        log.info("notice channel on %s port %d", host, self.notice_port)
+
     async def close(self) -> None:
         await self.links.close()
+        if self._notices_in is not None:
+            await self._notices_in.close()
         await self.push.close()
         await self.notifier.close()
         if self._server is not None:
@@ -163,11 +194,13 @@ class PeerManager:
                 for seg, base in zip(arena.segments, self.parts.local_bases, strict=True)
             ],
             stages=self.local_stages(),
+            notice_port=self.notice_port,
         )
 
     # -- what the links tell (LinkEvents) --------------------------------------------
 
     async def beat(self, peer: PeerState) -> None:
+        self.notifier.ensure_channel(peer)
         if self.push.enabled and peer.address not in self.push.out:
             # Right after the handshake, then on each beat until the peer has room
             # (it may not have dialled us back yet).
@@ -283,6 +316,8 @@ class PeerManager:
                     pulls_in_flight_max=peer.in_flight_max,
                     last_error=peer.last_error[:512],
                     stages=list(peer.stages),
+                    notice_channel=self.notifier.has_channel(address),
+                    notice_batches=self.notifier.channel_batches(address),
                     **self.push.status(address),
                 )
             )

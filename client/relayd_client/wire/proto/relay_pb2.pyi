@@ -645,7 +645,7 @@ class GetBytesResponse(_message.Message):
     def __init__(self, data: _Optional[bytes] = ...) -> None: ...
 
 class PeerStatus(_message.Message):
-    __slots__ = ("address", "node_id", "up", "daemon_epoch", "mooncake_session", "credits_in_use", "credits_capacity", "pulls_in_flight_max", "last_error", "stages", "pushes_out", "pushes_declined", "pushes_in", "push_grant_bytes", "reads_landed", "reads_awaited", "reads_pulled", "pull_phases")
+    __slots__ = ("address", "node_id", "up", "daemon_epoch", "mooncake_session", "credits_in_use", "credits_capacity", "pulls_in_flight_max", "last_error", "stages", "pushes_out", "pushes_declined", "pushes_in", "push_grant_bytes", "reads_landed", "reads_awaited", "reads_pulled", "pull_phases", "notice_channel", "notice_batches")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     UP_FIELD_NUMBER: _ClassVar[int]
@@ -664,6 +664,8 @@ class PeerStatus(_message.Message):
     READS_AWAITED_FIELD_NUMBER: _ClassVar[int]
     READS_PULLED_FIELD_NUMBER: _ClassVar[int]
     PULL_PHASES_FIELD_NUMBER: _ClassVar[int]
+    NOTICE_CHANNEL_FIELD_NUMBER: _ClassVar[int]
+    NOTICE_BATCHES_FIELD_NUMBER: _ClassVar[int]
     address: str
     node_id: str
     up: bool
@@ -682,7 +684,9 @@ class PeerStatus(_message.Message):
     reads_awaited: int
     reads_pulled: int
     pull_phases: int
-    def __init__(self, address: _Optional[str] = ..., node_id: _Optional[str] = ..., up: _Optional[bool] = ..., daemon_epoch: _Optional[str] = ..., mooncake_session: _Optional[str] = ..., credits_in_use: _Optional[int] = ..., credits_capacity: _Optional[int] = ..., pulls_in_flight_max: _Optional[int] = ..., last_error: _Optional[str] = ..., stages: _Optional[_Iterable[str]] = ..., pushes_out: _Optional[int] = ..., pushes_declined: _Optional[int] = ..., pushes_in: _Optional[int] = ..., push_grant_bytes: _Optional[int] = ..., reads_landed: _Optional[int] = ..., reads_awaited: _Optional[int] = ..., reads_pulled: _Optional[int] = ..., pull_phases: _Optional[int] = ...) -> None: ...
+    notice_channel: bool
+    notice_batches: int
+    def __init__(self, address: _Optional[str] = ..., node_id: _Optional[str] = ..., up: _Optional[bool] = ..., daemon_epoch: _Optional[str] = ..., mooncake_session: _Optional[str] = ..., credits_in_use: _Optional[int] = ..., credits_capacity: _Optional[int] = ..., pulls_in_flight_max: _Optional[int] = ..., last_error: _Optional[str] = ..., stages: _Optional[_Iterable[str]] = ..., pushes_out: _Optional[int] = ..., pushes_declined: _Optional[int] = ..., pushes_in: _Optional[int] = ..., push_grant_bytes: _Optional[int] = ..., reads_landed: _Optional[int] = ..., reads_awaited: _Optional[int] = ..., reads_pulled: _Optional[int] = ..., pull_phases: _Optional[int] = ..., notice_channel: _Optional[bool] = ..., notice_batches: _Optional[int] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
     __slots__ = ("session_id", "session_token", "data_ref", "timeout_seconds")
@@ -977,7 +981,7 @@ class ArenaSegment(_message.Message):
     def __init__(self, index: _Optional[int] = ..., base: _Optional[int] = ..., size: _Optional[int] = ..., data_offset: _Optional[int] = ..., nslots: _Optional[int] = ...) -> None: ...
 
 class PeerHello(_message.Message):
-    __slots__ = ("protocol_version", "node_id", "daemon_epoch", "peer_address", "mooncake_session", "slot_size", "segments", "stages")
+    __slots__ = ("protocol_version", "node_id", "daemon_epoch", "peer_address", "mooncake_session", "slot_size", "segments", "stages", "notice_port")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     DAEMON_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -986,6 +990,7 @@ class PeerHello(_message.Message):
     SLOT_SIZE_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
+    NOTICE_PORT_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     node_id: str
     daemon_epoch: str
@@ -994,7 +999,8 @@ class PeerHello(_message.Message):
     slot_size: int
     segments: _containers.RepeatedCompositeFieldContainer[ArenaSegment]
     stages: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, protocol_version: _Optional[int] = ..., node_id: _Optional[str] = ..., daemon_epoch: _Optional[str] = ..., peer_address: _Optional[str] = ..., mooncake_session: _Optional[str] = ..., slot_size: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[ArenaSegment, _Mapping]]] = ..., stages: _Optional[_Iterable[str]] = ...) -> None: ...
+    notice_port: int
+    def __init__(self, protocol_version: _Optional[int] = ..., node_id: _Optional[str] = ..., daemon_epoch: _Optional[str] = ..., peer_address: _Optional[str] = ..., mooncake_session: _Optional[str] = ..., slot_size: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[ArenaSegment, _Mapping]]] = ..., stages: _Optional[_Iterable[str]] = ..., notice_port: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("node_id", "daemon_epoch", "stages")
