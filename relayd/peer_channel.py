@@ -221,7 +221,10 @@ class _Inbound(asyncio.Protocol):
 class NoticeLink:
     """The dialling side: one authenticated connection to one peer's listener."""
 
-    def __init__(self, writer: asyncio.StreamWriter) -> None:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # The listener sends nothing after its accept: the reader only tells
+        # when it closed (a stream keeps its transport open after EOF).
+        self._reader = reader
         self._writer = writer
 
     @classmethod
@@ -246,18 +249,16 @@ class NoticeLink:
             except BaseException:
                 writer.transport.abort()
                 raise
-        return cls(writer)
+        return cls(reader, writer)
 
     @property
     def alive(self) -> bool:
-        return not self._writer.transport.is_closing()
+        return not (self._writer.transport.is_closing() or self._reader.at_eof())
 
     def send(self, batch: pb.PeerNotices) -> bool:
         """Queue one batch; False (and the connection closed) when it cannot go."""
         transport = self._writer.transport
-        if transport.is_closing():
-            return False
-        if transport.get_write_buffer_size() > MAX_BUFFERED:
+        if not self.alive or transport.get_write_buffer_size() > MAX_BUFFERED:
             transport.abort()
             return False
         transport.write(frame(batch.SerializeToString()))

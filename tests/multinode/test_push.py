@@ -88,13 +88,21 @@ def _arenas_and_peers(a: Node, b: Node) -> dict[str, object]:
     }
 
 
+# Node B with no notice channel: node A's notices to it ride Peer.Notify.
+NO_CHANNEL = {"RELAYD_PEER_NOTICE_PORT": "-1"}
+
+
+@pytest.mark.parametrize("nodes", [{}, NO_CHANNEL], indirect=True, ids=["channel", "notify"])
 def test_puts_to_a_remote_consumer_are_pushed_and_read_locally(nodes: tuple[Node, Node]) -> None:
     a, b = nodes
     sizes = [300_000, MiB, 4 * MiB + 3, 9 * MiB]
+    channel = (b.daemon.env or {}).get("RELAYD_PEER_NOTICE_PORT") != "-1"
 
     async def scenario() -> None:
         async with RelayClient("talker", b.daemon.socket) as r:
             _ready_to_push(a, b)
+            if channel:
+                wait_until(lambda: a.peer(b.address).get("notice_channel"), 10, "a's channel")
             async with RelayClient("thinker", a.daemon.socket) as w:
                 for i, n in enumerate(sizes):
                     payload = make_payload(i, n)
@@ -110,6 +118,12 @@ def test_puts_to_a_remote_consumer_are_pushed_and_read_locally(nodes: tuple[Node
     # What each read waited for on the network: nothing, or the push's Landed notice.
     assert _count(b, a, "reads_landed") + _count(b, a, "reads_awaited") == len(sizes)
     assert _count(b, a, "reads_pulled") == 0
+    # The Landed notices went on node B's notice channel when it has one.
+    if channel:
+        assert _count(a, b, "notice_batches") >= len(sizes)
+    else:
+        assert not a.peer(b.address).get("notice_channel")
+        assert _count(a, b, "notice_batches") == 0
     wait_until(lambda: _free_but_grant(a, b), 10, "both arenas back to the push grant alone")
     assert int(b.peer(a.address)["credits_in_use"]) == 0
     assert int(a.peer(b.address).get("credits_in_use", 0)) == 0

@@ -1,0 +1,279 @@
+"""The notice channel between daemons holds its end against whoever connects.
+
+A real listener on a loopback TCP port, real sockets dialling it: the honest
+dialler's batches arrive in order; a wrong token, a peer not up here, a replayed
+answer, an oversized or garbage frame, another node's notices, a silent
+connection and a flood of unauthenticated ones are each closed, never handled,
+and the listener goes on serving the honest peer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+from collections.abc import Awaitable, Callable, Iterator
+
+import pytest
+from relayd_client.wire.proto import relay_pb2 as pb
+
+from relayd import peer_channel
+from relayd.peer_channel import (
+    MAX_FRAME,
+    MAX_HELLO,
+    MAX_PENDING,
+    NONCE_BYTES,
+    NoticeLink,
+    NoticeListener,
+    answer,
+    frame,
+)
+from tests._figures import count
+
+TOKEN = b"0123456789abcdef-shared-peer-token"
+NODE, EPOCH = "node-w", "epoch-w"
+WAIT_S = 5.0
+
+
+class Harness:
+    """A listener that knows one peer (``up``), and what it handed on."""
+
+    def __init__(self) -> None:
+        self.up: set[tuple[str, str]] = {(NODE, EPOCH)}
+        self.handled: list[pb.PeerNotices] = []
+        self.listener = NoticeListener(
+            TOKEN, lambda node, epoch: (node, epoch) in self.up, self.handled.append
+        )
+        self.port = 0
+        self.links: list[NoticeLink] = []
+        self.writers: list[asyncio.StreamWriter] = []
+
+    async def start(self) -> None:
+        self.port = await self.listener.start("127.0.0.1", 0)
+
+    async def dial(self, node: str = NODE, epoch: str = EPOCH, token: bytes = TOKEN) -> NoticeLink:
+        hello = pb.PeerNotices(node_id=node, daemon_epoch=epoch)
+        link = await NoticeLink.open("127.0.0.1", self.port, token, hello, WAIT_S)
+        self.links.append(link)
+        return link
+
+    async def raw(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bytes]:
+        """A bare connection and the challenge it was sent."""
+        reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
+        self.writers.append(writer)
+        (n,) = struct.unpack("<I", await reader.readexactly(4))
+        assert n == NONCE_BYTES
+        return reader, writer, await reader.readexactly(n)
+
+    async def until(self, what: Callable[[], bool], why: str) -> None:
+        async with asyncio.timeout(WAIT_S):
+            while not what():
+                await asyncio.sleep(0.005)  # polling a condition, bounded above
+
+    async def honest_batch_arrives(self, tag: int) -> None:
+        """The listener still serves the honest peer (a fresh connection)."""
+        link = await self.dial()
+        before = len(self.handled)
+        assert link.send(_batch(tag))
+        await self.until(lambda: len(self.handled) > before, "the honest batch")
+        assert self.handled[-1].landed[0].lease_id == tag
+        link.close()
+
+
+def _batch(lease_id: int, node: str = NODE, epoch: str = EPOCH) -> pb.PeerNotices:
+    n = pb.PeerNotices(node_id=node, daemon_epoch=epoch)
+    n.landed.add(lease_id=lease_id, generation=lease_id, length=1)
+    return n
+
+
+async def _closed(reader: asyncio.StreamReader) -> bool:
+    """True once the listener has closed the connection (EOF or reset)."""
+    try:
+        async with asyncio.timeout(WAIT_S):
+            return await reader.read(1 << 16) == b""
+    except ConnectionError:
+        return True
+
+
+def run(body: Callable[[Harness], Awaitable[None]]) -> Harness:
+    async def main() -> Harness:
+        h = Harness()
+        await h.start()
+        try:
+            await body(h)
+        finally:
+            for link in h.links:
+                link.close()
+            for writer in h.writers:
+                writer.transport.abort()
+            await h.listener.close()
+        return h
+
+    return asyncio.run(main())
+
+
+@pytest.fixture(autouse=True)
+def _short_hello(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setattr(peer_channel, "HELLO_TIMEOUT_S", 0.3)
+    yield
+
+
+def test_an_honest_peers_batches_arrive_in_order() -> None:
+    async def body(h: Harness) -> None:
+        link = await h.dial()
+        for i in range(1, 201):
+            assert link.send(_batch(i))
+        await h.until(lambda: len(h.handled) == 200, "200 batches")
+        assert [b.landed[0].lease_id for b in h.handled] == list(range(1, 201))
+        assert h.listener.refused == 0
+
+    run(body)
+
+
+@pytest.mark.parametrize(
+    "who",
+    ["wrong token", "unknown node", "stale epoch"],
+)
+def test_a_dialler_that_is_no_peer_is_refused_before_anything_it_sends(who: str) -> None:
+    async def body(h: Harness) -> None:
+        kwargs = {
+            "wrong token": {"token": b"another-token-of-16-bytes"},
+            "unknown node": {"node": "node-x"},
+            "stale epoch": {"epoch": "epoch-old"},
+        }[who]
+        with pytest.raises((ConnectionError, asyncio.IncompleteReadError)):
+            await h.dial(**kwargs)  # type: ignore[arg-type]
+        count("notice-channel diallers refused")
+        assert h.handled == [] and h.listener.by_node == {}
+        await h.honest_batch_arrives(7)
+
+    run(body)
+
+
+def test_a_recorded_answer_opens_nothing_on_another_connection() -> None:
+    async def body(h: Harness) -> None:
+        reader, writer, nonce = await h.raw()
+        recorded = frame(answer(TOKEN, nonce, pb.PeerNotices(node_id=NODE, daemon_epoch=EPOCH)))
+        writer.write(recorded)
+        assert await reader.readexactly(4) == struct.pack("<I", 0)  # accepted
+        writer.close()
+        reader2, writer2, _ = await h.raw()  # a new nonce
+        writer2.write(recorded + frame(_batch(1).SerializeToString()))
+        assert await _closed(reader2)
+        assert h.handled == []
+        await h.honest_batch_arrives(8)
+
+    run(body)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    ["oversized answer", "garbage answer", "short answer", "silence"],
+)
+def test_a_bad_or_missing_answer_closes_the_connection(bad: str) -> None:
+    async def body(h: Harness) -> None:
+        big = "n" * MAX_HELLO  # a peer that is up, with a signed answer too long to read
+        h.up.add((big, EPOCH))
+        reader, writer, nonce = await h.raw()
+        good = answer(TOKEN, nonce, pb.PeerNotices(node_id=NODE, daemon_epoch=EPOCH))
+        data = {
+            "oversized answer": frame(
+                answer(TOKEN, nonce, pb.PeerNotices(node_id=big, daemon_epoch=EPOCH))
+            ),
+            "garbage answer": frame(b"\xff" * 40),
+            "short answer": frame(good[:10]),
+            "silence": b"",
+        }[bad]
+        writer.write(data)
+        assert await _closed(reader)
+        count("notice-channel bad answers")
+        assert h.handled == [] and h.listener.pending == 0
+        await h.honest_batch_arrives(9)
+
+    run(body)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    ["oversized frame", "not a PeerNotices", "another node's notices", "another epoch's"],
+)
+def test_a_bad_frame_after_the_answer_closes_only_that_connection(bad: str) -> None:
+    async def body(h: Harness) -> None:
+        h.up.add(("node-v", "epoch-v"))
+        reader, writer, nonce = await h.raw()
+        writer.write(frame(answer(TOKEN, nonce, pb.PeerNotices(node_id=NODE, daemon_epoch=EPOCH))))
+        assert await reader.readexactly(4) == struct.pack("<I", 0)
+        other = await h.dial("node-v", "epoch-v")  # another peer, connected meanwhile
+        data = {
+            "oversized frame": struct.pack("<I", MAX_FRAME + 1),
+            "not a PeerNotices": frame(b"\x0a\xff\xff\xff\xff\x0f"),
+            "another node's notices": frame(
+                _batch(1, node="node-v", epoch="epoch-v").SerializeToString()
+            ),
+            "another epoch's": frame(_batch(1, epoch="epoch-x").SerializeToString()),
+        }[bad]
+        writer.write(
+            frame(_batch(2).SerializeToString()) + data + frame(_batch(3).SerializeToString())
+        )
+        assert await _closed(reader)
+        count("notice-channel bad frames")
+        assert [b.landed[0].lease_id for b in h.handled] == [2]  # what came before stands
+        assert other.send(_batch(4, node="node-v", epoch="epoch-v"))
+        await h.until(lambda: len(h.handled) == 2, "the other peer's batch")
+        await h.honest_batch_arrives(10)
+
+    run(body)
+
+
+def test_a_flood_of_connections_that_never_answer_is_bounded_and_expires(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Long enough that every connection below is in before the first expires.
+    monkeypatch.setattr(peer_channel, "HELLO_TIMEOUT_S", 3.0)
+
+    async def body(h: Harness) -> None:
+        socks = []
+        for _ in range(MAX_PENDING + 20):
+            s = socket.create_connection(("127.0.0.1", h.port), timeout=WAIT_S)
+            s.setblocking(False)
+            socks.append(s)
+        closed: set[int] = set()
+
+        def poll() -> bool:
+            for i, s in enumerate(socks):
+                if i not in closed and _eof(s):
+                    closed.add(i)
+            return h.listener.pending == MAX_PENDING and len(closed) == 20
+
+        # Past the cap a connection is closed at once: the last 20, not the first.
+        await h.until(poll, "the pending cap")
+        assert closed == set(range(MAX_PENDING, MAX_PENDING + 20))
+        # The rest are closed at the answer deadline.
+        await h.until(lambda: h.listener.pending == 0, "the answer deadline")
+        count("notice-channel silent connections", len(socks))
+        for s in socks:
+            s.close()
+        await h.honest_batch_arrives(11)
+
+    run(body)
+
+
+def _eof(s: socket.socket) -> bool:
+    try:
+        return s.recv(1 << 16) == b"" or False
+    except BlockingIOError:
+        return False
+    except ConnectionError:
+        return True
+
+
+def test_a_newer_connection_of_the_same_peer_replaces_the_older() -> None:
+    async def body(h: Harness) -> None:
+        old = await h.dial()
+        new = await h.dial()
+        await h.until(lambda: not old.alive, "the older connection to close")
+        assert new.send(_batch(5))
+        await h.until(lambda: len(h.handled) == 1, "the batch on the newer one")
+        assert not old.send(_batch(6))  # a closed link says so; the sender falls back
+
+    run(body)
