@@ -389,7 +389,8 @@ def test_daemonset_flags_probes_and_ports(
         assert var in env_names, var
 
     ports = {p["name"]: p["containerPort"] for p in relayd_container["ports"]}
-    assert ports == {"metrics": 9090, "health": 9091, "peer": 9092}
+    assert ports == {"metrics": 9090, "health": 9091, "peer": 9092, "peer-notice": 9093}
+    assert ports["peer-notice"] == k8s_settings.peer_notice_port
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         spec = relayd_container[probe]
         assert set(spec) & {"grpc", "httpGet", "tcpSocket", "exec"} == {"grpc"}, probe
