@@ -63,6 +63,8 @@ def _start_pair(tmp: pathlib.Path) -> tuple[Daemon, Daemon]:
     token.write_text(f"{secrets.token_hex(16)}\n")
     token.chmod(0o600)
     ports = [free_port(), free_port()]
+    # Fixed, so the descriptor count can tell the notice channel from Mooncake.
+    notice_ports = [free_port(), free_port()]
     tag = secrets.token_hex(3)
     daemons = []
     for i, side in enumerate("ab"):
@@ -81,6 +83,8 @@ def _start_pair(tmp: pathlib.Path) -> tuple[Daemon, Daemon]:
                 "2",
                 "--peer-credits",
                 str(CREDITS),
+                "--peer-notice-port",
+                str(notice_ports[i]),
                 "--lease-ttl",
                 str(TTL),
                 # A node id of our own: other suites' daemons share /dev/shm here.
@@ -103,7 +107,9 @@ def _peers(d: Daemon) -> list[dict[str, Any]]:
 
 
 def _up(d: Daemon) -> bool:
-    return any(p.get("up") for p in _peers(d))
+    """The peer is up and our notice channel to it is open (its descriptors are
+    then counted before the chaos, not during it)."""
+    return any(p.get("up") and p.get("notice_channel") for p in _peers(d))
 
 
 def _credits(d: Daemon) -> int:
@@ -147,8 +153,10 @@ def _socket_inodes(pid: int) -> set[str]:
 
 
 def _mooncake_ports(*daemons: Daemon) -> set[int]:
-    """The daemons' Mooncake ports: every TCP port they listen on but their Peer service's."""
+    """The daemons' Mooncake ports: every TCP port they listen on but their Peer
+    service's and their notice channel's."""
     peer = {int(d.args[d.args.index("--peer-address") + 1].rsplit(":", 1)[1]) for d in daemons}
+    peer |= {int(d.args[d.args.index("--peer-notice-port") + 1]) for d in daemons}
     inodes = set().union(*(_socket_inodes(d.pid) for d in daemons))
     listening = {_port(r[1]) for r in _tcp_rows() if r[3] == "0A" and r[9] in inodes}
     return listening - peer
