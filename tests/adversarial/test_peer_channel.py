@@ -18,6 +18,7 @@ import pytest
 from relayd_client.wire.proto import relay_pb2 as pb
 
 from relayd import peer_channel
+from relayd.config import ConfigError, Settings
 from relayd.peer_channel import (
     MAX_FRAME,
     MAX_HELLO,
@@ -277,3 +278,9 @@ def test_a_newer_connection_of_the_same_peer_replaces_the_older() -> None:
         assert not old.send(_batch(6))  # a closed link says so; the sender falls back
 
     run(body)
+
+
+@pytest.mark.parametrize("port", [-2, 65536])
+def test_a_notice_port_that_is_no_port_is_refused_at_start(port: int) -> None:
+    with pytest.raises(ConfigError, match="peer_notice_port"):
+        Settings(peer_notice_port=port)

@@ -13,6 +13,7 @@ import asyncio
 import hashlib
 import os
 import pathlib
+import socket
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
@@ -56,6 +57,7 @@ class Node:
         peers: tuple[str, ...] = (),
         push_grant_size: int = 0,
         peer_credits: int = 4,
+        peer_notice_port: int = 0,
     ) -> None:
         self.name = name
         self.epoch = os.urandom(4).hex()
@@ -68,6 +70,7 @@ class Node:
             peer_timeout=PEER_TIMEOUT,
             peer_credits=peer_credits,
             push_grant_size=push_grant_size,
+            peer_notice_port=peer_notice_port,
         )
         self.arena = Arena(
             node_id=self.settings.node_id, epoch=self.epoch, total_bytes=64 * SLOT + 8192,
@@ -167,14 +170,16 @@ async def until(predicate: Callable[[], Any], what: str, timeout: float = BOUND)
 
 
 @asynccontextmanager
-async def two_nodes(tmp_path: pathlib.Path, **kw: Any) -> AsyncIterator[tuple[Node, Node]]:
+async def two_nodes(
+    tmp_path: pathlib.Path, b_notice_port: int = 0, **kw: Any
+) -> AsyncIterator[tuple[Node, Node]]:
     """Node A (writer) and B (reader, which dials A), handshaken both ways."""
     token = tmp_path / "token"
     token.write_bytes(os.urandom(32).hex().encode())
     token.chmod(0o600)
     loopback = Loopback()
     a = Node("a", loopback, token, **kw)
-    b = Node("b", loopback, token, peers=(a.address,), **kw)
+    b = Node("b", loopback, token, peers=(a.address,), peer_notice_port=b_notice_port, **kw)
     try:
         await a.peers.start()
         await b.peers.start()
@@ -376,9 +381,11 @@ def test_peer_loss_fails_a_pending_pull_and_leaves_nothing_held(tmp_path: pathli
 
 
 @asynccontextmanager
-async def pushing_nodes(tmp_path: pathlib.Path) -> AsyncIterator[tuple[Node, Node, Session]]:
+async def pushing_nodes(
+    tmp_path: pathlib.Path, **kw: Any
+) -> AsyncIterator[tuple[Node, Node, Session]]:
     """Two nodes with pushes on; A holds B's push grant and knows B serves READER."""
-    async with two_nodes(tmp_path, push_grant_size=16 * SLOT) as (a, b):
+    async with two_nodes(tmp_path, push_grant_size=16 * SLOT, **kw) as (a, b):
         reader = b.session(READER)
         await until(lambda: b.address in a.peers.push.out, "A to hold B's push grant")
         await until(lambda: a.peers.serving(READER) is not None, "A to hear B's stages")
@@ -408,6 +415,38 @@ def test_a_push_lands_and_the_reader_gets_a_local_lease(tmp_path: pathlib.Path) 
             assert not b.leases.leases and b.arena.used_bytes == given
 
     run(main())
+
+
+def test_a_taken_notice_port_leaves_that_nodes_notices_on_the_peer_service(
+    tmp_path: pathlib.Path,
+) -> None:
+    """B cannot listen on its notice port (something else holds it): it starts all
+    the same and advertises no channel, A's notices to it ride Peer.Notify, and a
+    push still lands and is read; B's notices to A go on A's channel."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+
+    async def main() -> None:
+        async with pushing_nodes(tmp_path, b_notice_port=taken.getsockname()[1]) as (a, b, reader):
+            assert b.peers.notice_port == 0 and a.peers.notice_port > 0
+            await until(lambda: b.peers.notifier.has_channel(a.address), "B's channel to A")
+            writer = a.session(WRITER)
+            data = os.urandom(2 * SLOT + 5)
+            local = await b.peers.fetch(reader, await a.put(writer, data, push=True), BOUND)
+            assert _sha(b.read(local)) == _sha(data)
+            assert b.peers.push.counts[a.address].into == 1  # landed: its notice came by Notify
+            assert not a.peers.notifier.has_channel(b.address)
+            assert a.peers.notifier.channel_batches(b.address) == 0
+            b.release(reader, local)
+            grant = a.peers.push.out[b.address]
+            await until(lambda: grant.alloc.free_runs() == [(0, grant.nslots)], "the freed run")
+            assert b.peers.notifier.channel_batches(a.address) >= 1  # that Freed, on A's channel
+
+    try:
+        run(main())
+    finally:
+        taken.close()
 
 
 def test_a_push_that_fails_falls_back_to_the_pull(tmp_path: pathlib.Path) -> None:
