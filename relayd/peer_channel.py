@@ -62,8 +62,6 @@ MAX_BUFFERED = 16 << 20
 # The port to listen on: 0 any free one, NO_CHANNEL none.
 NO_CHANNEL = -1
 STOPPING = "the daemon is stopping"
-
-
 ACCEPTED = b""
 
 
@@ -91,6 +89,7 @@ class NoticeListener:
         self.accept = accept
         self.handle = handle
         self.pending = 0
+        self.conns: set[_Inbound] = set()
         self.by_node: dict[str, _Inbound] = {}
         self.refused = 0
         self._server: asyncio.AbstractServer | None = None
@@ -105,7 +104,7 @@ class NoticeListener:
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
-            for conn in list(self.by_node.values()):
+            for conn in list(self.conns):
                 conn.drop(STOPPING)
             await self._server.wait_closed()
             self._server = None
@@ -125,6 +124,7 @@ class _Inbound(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass
         lst = self.listener
+        lst.conns.add(self)
         if lst.pending >= MAX_PENDING:
             self.drop(f"more than {MAX_PENDING} connections waiting to authenticate")
             return
@@ -191,7 +191,7 @@ class _Inbound(asyncio.Protocol):
         if self.transport is None:
             return
         lst = self.listener
-        if not self.node or why != STOPPING:
+        if why != STOPPING:
             lst.refused += not self.node
             log.log(
                 level,
@@ -211,6 +211,7 @@ class _Inbound(asyncio.Protocol):
             self.listener.pending -= 1
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.listener.conns.discard(self)
         self._uncount()
         self.transport = None
         self.buf = bytearray()

@@ -284,3 +284,24 @@ def test_a_newer_connection_of_the_same_peer_replaces_the_older() -> None:
 def test_a_notice_port_that_is_no_port_is_refused_at_start(port: int) -> None:
     with pytest.raises(ConfigError, match="peer_notice_port"):
         Settings(peer_notice_port=port)
+
+
+def test_stopping_closes_every_connection_authenticated_or_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(peer_channel, "HELLO_TIMEOUT_S", 60.0)  # only the stop may close it
+
+    async def main() -> None:
+        h = Harness()
+        await h.start()
+        link = await h.dial()
+        reader, writer, _ = await h.raw()  # never answers
+        await h.until(lambda: h.listener.pending == 1 and len(h.listener.conns) == 2, "both in")
+        await h.listener.close()
+        assert await _closed(reader)
+        await h.until(lambda: not link.alive, "the peer's link to see the stop")
+        assert h.listener.conns == set() and h.listener.pending == 0
+        link.close()
+        writer.transport.abort()
+
+    asyncio.run(main())
