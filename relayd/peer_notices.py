@@ -38,9 +38,11 @@ log = logging.getLogger(__name__)
 # A batch goes early once it holds this many notices.
 MAX_BATCH = 512
 # After a notice channel could not be opened, how long its peer's notices ride
-# the Peer service before the next try (the first try often comes before the
-# peer has dialled us back, and is refused).
+# the Peer service before the next try: the first try often comes before the
+# peer has dialled us back, and is refused; then twice as long after each
+# failure, up to CHANNEL_RETRY_MAX_S (a firewalled port costs a try a minute).
 CHANNEL_RETRY_S = 1.0
+CHANNEL_RETRY_MAX_S = 60.0
 
 
 @dataclasses.dataclass(eq=False)
@@ -98,11 +100,14 @@ class PeerNotifier:
         try:
             link = await NoticeLink.open(host, port, links.token, hello, timeout)
         except (OSError, TimeoutError, asyncio.IncompleteReadError) as exc:
-            self._retry_at[peer.address] = asyncio.get_running_loop().time() + CHANNEL_RETRY_S
             failures = self._failures[peer.address] = self._failures.get(peer.address, 0) + 1
-            # The first try is often refused: the peer has not dialled us back yet.
+            delay = min(CHANNEL_RETRY_S * 2 ** (failures - 1), CHANNEL_RETRY_MAX_S)
+            self._retry_at[peer.address] = asyncio.get_running_loop().time() + delay
+            # The first failure is the usual race above; after that, a warning at the
+            # 2nd, 4th, 8th... failure, not one a minute forever.
+            level = logging.INFO if failures == 1 else logging.WARNING
             log.log(
-                logging.INFO if failures == 1 else logging.WARNING,
+                level if failures & (failures - 1) == 0 else logging.DEBUG,
                 "notice channel to peer %s (port %d) not opened, notices ride the Peer service: %r",
                 peer.address,
                 port,
@@ -150,6 +155,8 @@ class PeerNotifier:
         link = self._channels.pop(address, None)
         if link is not None:
             link.close()
+        self._failures.pop(address, None)  # it may come back configured otherwise
+        self._retry_at.pop(address, None)
         dialling = self._dialling.pop(address, None)
         if dialling is not None:
             dialling.cancel()

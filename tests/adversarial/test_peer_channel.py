@@ -10,8 +10,10 @@ and the listener goes on serving the honest peer.
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import struct
+import types
 from collections.abc import Awaitable, Callable, Iterator
 
 import pytest
@@ -29,6 +31,8 @@ from relayd.peer_channel import (
     answer,
     frame,
 )
+from relayd.peer_links import PeerState
+from relayd.peer_notices import PeerNotifier
 from tests._figures import count
 
 TOKEN = b"0123456789abcdef-shared-peer-token"
@@ -305,3 +309,38 @@ def test_stopping_closes_every_connection_authenticated_or_not(
         writer.transport.abort()
 
     asyncio.run(main())
+
+
+def test_a_channel_that_will_not_open_is_tried_less_and_less_and_warned_of_rarely(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A peer advertises a port nothing answers on (a firewall): its notices ride
+    Notify, the dialler backs off to a try a minute and warns at the 2nd, 4th, 8th
+    failure; the peer's loss starts it afresh."""
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()  # nothing listens there: every dial is refused
+
+    async def main() -> None:
+        settings = types.SimpleNamespace(node_id=NODE, peer_timeout=1.0)
+        links = types.SimpleNamespace(settings=settings, epoch=EPOCH, token=TOKEN)
+        notifier = PeerNotifier(links, 0.0)  # type: ignore[arg-type]
+        peer = PeerState("127.0.0.1:1", up=True, epoch="epoch-r", notice_port=port)
+        loop = asyncio.get_running_loop()
+
+        async def fail() -> float:
+            await notifier._dial(peer, port, peer.epoch)
+            assert not notifier.has_channel(peer.address)
+            return notifier._retry_at[peer.address] - loop.time()
+
+        delays = [await fail() for _ in range(9)]
+        assert [round(d) for d in delays] == [1, 2, 4, 8, 16, 32, 60, 60, 60]
+        notifier.forget(peer.address)
+        assert round(await fail()) == 1
+        await notifier.close()
+
+    with caplog.at_level(logging.DEBUG, logger="relayd.peer_notices"):
+        asyncio.run(main())
+    levels = [r.levelno for r in caplog.records if "not opened" in r.getMessage()]
+    assert levels.count(logging.WARNING) == 3 and levels.count(logging.INFO) == 2
