@@ -60,6 +60,11 @@ class StateCollector(Collector):
             ("relayd_mooncake_credits_in_use", "Mooncake pulls in flight", "credits_in_use"),
             ("relayd_mooncake_credits_capacity", "Mooncake pull credits", "credits_capacity"),
             ("relayd_peer_up", "1 when the peer daemon answers heartbeats", "peer_up"),
+            (
+                "relayd_peer_notice_channel",
+                "1 while notices to the peer go on its notice channel, 0 on Peer.Notify",
+                "notice_channel",
+            ),
         ):
             fam = GaugeMetricFamily(name, help_, labels=["peer"])
             for peer, value in sorted(snap.get(key, {}).items()):

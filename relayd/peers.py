@@ -294,12 +294,19 @@ class PeerManager:
         in_use: dict[str, float] = {}
         capacity: dict[str, float] = {}
         up: dict[str, float] = {}
+        channel: dict[str, float] = {}
         for address, peer in self.links.others():
             c = credits.get(address)
             in_use[address] = c.in_use if c else 0
             capacity[address] = self.credits.capacity(address)
             up[address] = 1 if peer.up else 0
-        return {"credits_in_use": in_use, "credits_capacity": capacity, "peer_up": up}
+            channel[address] = 1 if self.notifier.has_channel(address) else 0
+        return {
+            "credits_in_use": in_use,
+            "credits_capacity": capacity,
+            "peer_up": up,
+            "notice_channel": channel,
+        }
 
     def status(self) -> list[pb.PeerStatus]:
         out = []

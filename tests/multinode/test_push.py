@@ -119,6 +119,8 @@ def test_puts_to_a_remote_consumer_are_pushed_and_read_locally(nodes: tuple[Node
     assert _count(b, a, "reads_landed") + _count(b, a, "reads_awaited") == len(sizes)
     assert _count(b, a, "reads_pulled") == 0
     # The Landed notices went on node B's notice channel when it has one.
+    path = _metric(a.daemon.scrape(), "relayd_peer_notice_channel", peer=b.address)
+    assert path == (1 if channel else 0)
     if channel:
         assert _count(a, b, "notice_batches") >= len(sizes)
     else:
