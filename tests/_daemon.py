@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import select
@@ -71,6 +72,20 @@ def wait_until(
             shown = "" if state is None else f"; state: {state()}"
             raise TimeoutError(f"timed out after {timeout}s waiting for {what}{shown}")
         time.sleep(interval)
+
+
+async def async_wait_until(
+    predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.01
+) -> Any:
+    """:func:`wait_until` for a test on an event loop: the loop runs between polls."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(interval)
 
 
 class Daemon(DaemonProcess):

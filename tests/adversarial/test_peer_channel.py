@@ -17,11 +17,13 @@ import types
 from collections.abc import Awaitable, Callable, Iterator
 
 import pytest
+from relayd_client.wire.framing import LENGTH_BYTES
 from relayd_client.wire.proto import relay_pb2 as pb
 
 from relayd import peer_channel
 from relayd.config import ConfigError, Settings
 from relayd.peer_channel import (
+    ACCEPTED,
     MAX_FRAME,
     MAX_HELLO,
     MAX_PENDING,
@@ -33,6 +35,7 @@ from relayd.peer_channel import (
 )
 from relayd.peer_links import PeerState
 from relayd.peer_notices import PeerNotifier
+from tests._daemon import async_wait_until
 from tests._figures import count
 
 TOKEN = b"0123456789abcdef-shared-peer-token"
@@ -57,8 +60,7 @@ class Harness:
         self.port = await self.listener.start("127.0.0.1", 0)
 
     async def dial(self, node: str = NODE, epoch: str = EPOCH, token: bytes = TOKEN) -> NoticeLink:
-        hello = pb.PeerNotices(node_id=node, daemon_epoch=epoch)
-        link = await NoticeLink.open("127.0.0.1", self.port, token, hello, WAIT_S)
+        link = await NoticeLink.open("127.0.0.1", self.port, token, _hello(node, epoch), WAIT_S)
         self.links.append(link)
         return link
 
@@ -71,9 +73,7 @@ class Harness:
         return reader, writer, await reader.readexactly(n)
 
     async def until(self, what: Callable[[], bool], why: str) -> None:
-        async with asyncio.timeout(WAIT_S):
-            while not what():
-                await asyncio.sleep(0.005)  # polling a condition, bounded above
+        await async_wait_until(what, WAIT_S, why)
 
     async def honest_batch_arrives(self, tag: int) -> None:
         """The listener still serves the honest peer (a fresh connection)."""
@@ -83,6 +83,11 @@ class Harness:
         await self.until(lambda: len(self.handled) > before, "the honest batch")
         assert self.handled[-1].landed[0].lease_id == tag
         link.close()
+
+
+def _hello(node: str = NODE, epoch: str = EPOCH) -> pb.PeerNotices:
+    """What a dialler says it is (signed in its answer)."""
+    return pb.PeerNotices(node_id=node, daemon_epoch=epoch)
 
 
 def _batch(lease_id: int, node: str = NODE, epoch: str = EPOCH) -> pb.PeerNotices:
@@ -158,9 +163,9 @@ def test_a_dialler_that_is_no_peer_is_refused_before_anything_it_sends(who: str)
 def test_a_recorded_answer_opens_nothing_on_another_connection() -> None:
     async def body(h: Harness) -> None:
         reader, writer, nonce = await h.raw()
-        recorded = frame(answer(TOKEN, nonce, pb.PeerNotices(node_id=NODE, daemon_epoch=EPOCH)))
+        recorded = frame(answer(TOKEN, nonce, _hello()))
         writer.write(recorded)
-        assert await reader.readexactly(4) == struct.pack("<I", 0)  # accepted
+        assert await reader.readexactly(LENGTH_BYTES) == frame(ACCEPTED)
         writer.close()
         reader2, writer2, _ = await h.raw()  # a new nonce
         writer2.write(recorded + frame(_batch(1).SerializeToString()))
@@ -180,11 +185,9 @@ def test_a_bad_or_missing_answer_closes_the_connection(bad: str) -> None:
         big = "n" * MAX_HELLO  # a peer that is up, with a signed answer too long to read
         h.up.add((big, EPOCH))
         reader, writer, nonce = await h.raw()
-        good = answer(TOKEN, nonce, pb.PeerNotices(node_id=NODE, daemon_epoch=EPOCH))
+        good = answer(TOKEN, nonce, _hello())
         data = {
-            "oversized answer": frame(
-                answer(TOKEN, nonce, pb.PeerNotices(node_id=big, daemon_epoch=EPOCH))
-            ),
+            "oversized answer": frame(answer(TOKEN, nonce, _hello(big))),
             "garbage answer": frame(b"\xff" * 40),
             "short answer": frame(good[:10]),
             "silence": b"",
@@ -206,8 +209,8 @@ def test_a_bad_frame_after_the_answer_closes_only_that_connection(bad: str) -> N
     async def body(h: Harness) -> None:
         h.up.add(("node-v", "epoch-v"))
         reader, writer, nonce = await h.raw()
-        writer.write(frame(answer(TOKEN, nonce, pb.PeerNotices(node_id=NODE, daemon_epoch=EPOCH))))
-        assert await reader.readexactly(4) == struct.pack("<I", 0)
+        writer.write(frame(answer(TOKEN, nonce, _hello())))
+        assert await reader.readexactly(LENGTH_BYTES) == frame(ACCEPTED)
         other = await h.dial("node-v", "epoch-v")  # another peer, connected meanwhile
         data = {
             "oversized frame": struct.pack("<I", MAX_FRAME + 1),

@@ -13,6 +13,7 @@ from relayd_client import RelayClient, Transport
 
 from tests._daemon import (
     Daemon,
+    async_wait_until,
     isolated_worker,
     run_worker,
     running_daemon,
@@ -83,7 +84,7 @@ def test_route_cache_follows_the_registry(tmp_path: object) -> None:
             version = w.registry_version
             async with RelayClient("z", d.socket) as z:
                 # the daemon pushes the new registry version; the cached route goes
-                await asyncio.wait_for(_until(lambda: w.registry_version > version), 10)
+                await async_wait_until(lambda: w.registry_version > version, 10, "a new registry")
                 second = await w.put({"x": torch.ones(MiB)}, to_stage="z", request_id="a")
                 assert second.transport is Transport.LOCAL_OBJECT
                 assert torch.equal((await z.get(first))["x"], torch.ones(MiB))
@@ -97,11 +98,6 @@ def test_route_cache_follows_the_registry(tmp_path: object) -> None:
     with running_daemon(str(tmp_path)) as d:
         asyncio.run(asyncio.wait_for(scenario(d), 60))
         wait_until(lambda: _drained(d), 10, "arena back to zero")
-
-
-async def _until(pred: Any) -> None:
-    while not pred():
-        await asyncio.sleep(0.01)
 
 
 def test_two_processes_use_shm_and_status_shows_the_registry(tmp_path: object) -> None:

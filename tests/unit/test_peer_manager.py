@@ -35,7 +35,7 @@ from relayd.push_landing import QUARANTINE_TIMEOUTS
 from relayd.rpc.frames import frame_sink
 from relayd.transports.base import PullTimeoutError
 from relayd.transports.loopback import Loopback, LoopbackTransport
-from tests._daemon import free_port
+from tests._daemon import async_wait_until, free_port
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -162,11 +162,7 @@ def _sha(data: bytes) -> str:
 
 async def until(predicate: Callable[[], Any], what: str, timeout: float = BOUND) -> None:
     """Poll ``predicate`` on the loop until truthy; fail naming ``what`` after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.01)
+    await async_wait_until(predicate, timeout, what)
 
 
 @asynccontextmanager
