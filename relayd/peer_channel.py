@@ -46,7 +46,7 @@ import secrets
 from collections.abc import Callable
 from typing import cast
 
-from relayd_client.wire.framing import FRAME_LENGTH, LENGTH_BYTES
+from relayd_client.wire.framing import FRAME_LENGTH, LENGTH_BYTES, frame_length
 from relayd_client.wire.proto import relay_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -140,7 +140,7 @@ class _Inbound(asyncio.Protocol):
         buf, pos = self.buf, 0
         try:
             while len(buf) - pos >= LENGTH_BYTES and self.transport is not None:
-                (n,) = FRAME_LENGTH.unpack_from(buf, pos)
+                n = frame_length(buf, pos)
                 limit = MAX_FRAME if self.node else MAX_HELLO
                 if n > limit:
                     self.drop(f"a frame of {n} bytes (at most {limit})")
@@ -236,15 +236,14 @@ class NoticeLink:
         async with asyncio.timeout(timeout):
             reader, writer = await asyncio.open_connection(host, port)
             try:
-                head = await reader.readexactly(LENGTH_BYTES)
-                (n,) = FRAME_LENGTH.unpack(head)
+                n = frame_length(await reader.readexactly(LENGTH_BYTES))
                 if n != NONCE_BYTES:
                     raise ConnectionError(f"peer notice listener sent a {n}-byte challenge")
                 nonce = await reader.readexactly(n)
                 writer.write(frame(answer(token, nonce, hello)))
                 await writer.drain()
                 # Refused (a wrong token, or we are not up there yet): closed instead.
-                (n,) = FRAME_LENGTH.unpack(await reader.readexactly(LENGTH_BYTES))
+                n = frame_length(await reader.readexactly(LENGTH_BYTES))
                 if n != len(ACCEPTED):
                     raise ConnectionError(f"peer notice listener sent {n} bytes, not its accept")
             except BaseException:

@@ -30,7 +30,7 @@ import grpc
 from relayd_client.wire.proto import relay_pb2 as pb
 from relayd_client.wire.status import from_rpc_error
 
-from .peer_channel import NoticeLink
+from .peer_channel import HELLO_TIMEOUT_S, NoticeLink
 from .peer_links import PeerLinks, PeerState, split_address
 
 log = logging.getLogger(__name__)
@@ -96,7 +96,8 @@ class PeerNotifier:
         links = self._links
         host, _ = split_address(peer.address)
         hello = pb.PeerNotices(node_id=links.settings.node_id, daemon_epoch=links.epoch)
-        timeout = min(links.settings.peer_timeout, 5.0)
+        # No longer than the listener waits for our answer.
+        timeout = min(links.settings.peer_timeout, HELLO_TIMEOUT_S)
         try:
             link = await NoticeLink.open(host, port, links.token, hello, timeout)
         except (OSError, TimeoutError, asyncio.IncompleteReadError) as exc:
