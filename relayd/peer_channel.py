@@ -93,13 +93,11 @@ class NoticeListener:
         self.by_node: dict[str, _Inbound] = {}
         self.refused = 0
         self._server: asyncio.AbstractServer | None = None
-        self.port = 0
 
     async def start(self, host: str, port: int) -> int:
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(lambda: _Inbound(self), host, port)
-        self.port = int(self._server.sockets[0].getsockname()[1])
-        return self.port
+        return int(self._server.sockets[0].getsockname()[1])
 
     async def close(self) -> None:
         if self._server is not None:
