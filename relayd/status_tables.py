@@ -353,9 +353,17 @@ def _registry(d: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def _link(peer: Mapping[str, Any]) -> str:
+    if not peer.get("up"):
+        return "down"
+    return "up/tcp" if peer.get("notice_channel") else "up/grpc"
+
+
 def _peers(d: Mapping[str, Any]) -> list[str]:
-    """Each peer as README lists it: link, epoch, Mooncake session, credits in use, the
-    high-water mark of concurrent pulls (MAX), and its last error below the table."""
+    """Each peer as README lists it: link (when up, with the path this daemon's notices
+    to it take: ``tcp``, its notice channel, or ``grpc``, ``Peer.Notify``), epoch,
+    Mooncake session, credits in use, the high-water mark of concurrent pulls (MAX),
+    and its last error below the table."""
     if "peers" not in d:
         return []
     peers = _items(d, "peers")
@@ -378,7 +386,7 @@ def _peers(d: Mapping[str, Any]) -> list[str]:
         rows.append(
             [
                 name,
-                "up" if p.get("up") else "down",
+                _link(p),
                 str(p.get("daemon_epoch") or "-"),
                 str(p.get("mooncake_session") or "-"),
                 format_bar(in_use, capacity),

@@ -37,6 +37,7 @@ PEERS = [
     {
         "peer": "10.0.0.2:7600",
         "up": True,
+        "notice_channel": True,
         "daemon_epoch": "5c7dd4189c",
         "mooncake_session": "10.0.0.2:15459",
         "credits_in_use": 12,
@@ -491,6 +492,20 @@ def test_leases_filter_matches_either_stage_and_request() -> None:
     assert render_leases(state(), request="nope") == "LEASES  0 of 7 (request=nope)"
 
 
+def test_peer_link_names_the_path_notices_take() -> None:
+    d = state()
+    d["peers"][0]["notice_channel"] = False
+
+    def links(d: dict[str, Any]) -> list[str]:
+        lines = render_status(d).splitlines()
+        header = lines.index("PEERS  2") + 1
+        start = lines[header].index("LINK")
+        return [line[start:].split()[0] for line in lines[header : header + 3]]
+
+    assert links(state()) == ["LINK", "up/tcp", "down"]
+    assert links(d) == ["LINK", "up/grpc", "down"]
+
+
 def test_top_without_comparable_previous_shows_no_rates() -> None:
     first = render_top(state(), None, 2.0)
     restarted = previous_state()
@@ -592,7 +607,13 @@ _session = st.fixed_dictionaries(
     }
 )
 _peer = st.fixed_dictionaries(
-    {"peer": _word, "up": st.booleans(), "credits_in_use": _num, "credits_capacity": _num}
+    {
+        "peer": _word,
+        "up": st.booleans(),
+        "notice_channel": st.booleans(),
+        "credits_in_use": _num,
+        "credits_capacity": _num,
+    }
 )
 _state = st.fixed_dictionaries(
     {
