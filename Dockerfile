@@ -39,7 +39,8 @@ ARG PIP_EXTRA_INDEX_URL
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    RELAYD_SOCKET=/run/relayd/relayd.sock
+    RELAYD_SOCKET=/run/relayd/relayd.sock \
+    RELAYD_PEER_NOTICE_PORT=9093
 
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 
@@ -73,8 +74,9 @@ RUN --mount=type=bind,source=.,target=/src,rw pip install --no-cache-dir ./clien
 WORKDIR /
 USER 10001:10001
 
-# metrics, gRPC health, peer service
-EXPOSE 9090 9091 9092
+# metrics, gRPC health, peer service, peer notices (fixed above, as in deploy/k8s,
+# so that a port mapping or firewall can name it)
+EXPOSE 9090 9091 9092 9093
 
 # Exits 0 when the daemon's gRPC health says SERVING. Kubernetes ignores this and
 # uses the probes in deploy/k8s/daemonset.yaml. The OCI image format has no

@@ -589,7 +589,9 @@ def test_dockerfile_shape() -> None:
     assert words.count("USER") == 1 and words.index("USER") > last_run
     assert json.loads(args["ENTRYPOINT"]) == ["relayd", "serve"]
     assert args["HEALTHCHECK"].endswith('CMD ["relayd", "health"]')
-    assert sorted(args["EXPOSE"].split()) == ["9090", "9091", "9092"]
+    assert sorted(args["EXPOSE"].split()) == ["9090", "9091", "9092", "9093"]
+    # The notice port is exposed only if the image fixes it (its default is any free port).
+    assert "RELAYD_PEER_NOTICE_PORT=9093" in args["ENV"].split()
     assert _pip_install_line() == "pip install --no-cache-dir ./client '.[mooncake]'"
 
 
