@@ -25,7 +25,7 @@ from relayd_client.wire.errors import (
     PermissionDeniedError,
     RelayError,
 )
-from relayd_client.wire.framing import NOTICE_LINGER_MAX_BYTES
+from relayd_client.wire.framing import FREED_LINGER_MAX_BYTES
 from relayd_client.wire.proto import relay_pb2 as pb
 from relayd_client.wire.slots import SlotAllocator
 
@@ -227,7 +227,7 @@ class PushLanding:
             )
             # A big run goes back at once, as a local Freed does: the writer's
             # daemon cannot push the next big lease until it has it.
-            big = run.nslots * self.parts.arena.slot_size >= NOTICE_LINGER_MAX_BYTES
+            big = run.nslots * self.parts.arena.slot_size >= FREED_LINGER_MAX_BYTES
             self.parts.notifier.send(peer.address, urgent=big)
 
     def _remember(self, key: Key) -> None:

@@ -5,7 +5,7 @@ several idle grants' worth; a writer that runs short asks for a grant, which
 sends its notices at once (:meth:`FreedBatcher.send` from the grant queue).
 So they can wait: batching turns one wakeup of the writer (and a send here)
 per transfer into one per linger. Not once a writer's pending notices give
-back :data:`NOTICE_LINGER_MAX_BYTES`, though: a writer that cannot reuse the
+back :data:`FREED_LINGER_MAX_BYTES`, though: a writer that cannot reuse the
 slots it just wrote takes cache-cold ones, and copying into cold memory makes
 4 MiB transfers about 12% slower. And not while a grant waits for space.
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Iterable
 
-from relayd_client.wire.framing import NOTICE_LINGER_MAX_BYTES
+from relayd_client.wire.framing import FREED_LINGER_MAX_BYTES
 
 from .events import Freed
 
@@ -48,7 +48,7 @@ class FreedBatcher:
         if self.linger <= 0 or space_short:
             self.send()
             return
-        due = [sid for sid, n in self._bytes.items() if n >= NOTICE_LINGER_MAX_BYTES]
+        due = [sid for sid, n in self._bytes.items() if n >= FREED_LINGER_MAX_BYTES]
         if due:
             self.send(due)
         if self._ids and self._timer is None:

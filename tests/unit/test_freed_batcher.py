@@ -47,7 +47,7 @@ def test_notices_linger_until_the_timer_and_then_go_together() -> None:
 def test_a_writer_owed_the_byte_cap_is_told_at_once_others_keep_lingering(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(freed, "NOTICE_LINGER_MAX_BYTES", 128 * KIB)
+    monkeypatch.setattr(freed, "FREED_LINGER_MAX_BYTES", 128 * KIB)
 
     async def scenario() -> None:
         b, sent = _batcher(60.0)
@@ -61,6 +61,22 @@ def test_a_writer_owed_the_byte_cap_is_told_at_once_others_keep_lingering(
         assert b.pending("small") and not b.pending("big")
         b.flush(space_short=True)  # a grant waits for space: nothing lingers
         assert sent[-1] == ("small", Freed((1,)))
+
+    asyncio.run(scenario())
+
+
+def test_a_writer_owed_2_mib_is_told_at_once() -> None:
+    """Unlike a client's notices, a big Freed does not wait for company: the daemon
+    sends it in a turn it is awake for anyway, and the writer needs the space."""
+
+    async def scenario() -> None:
+        b, sent = _batcher(60.0)
+        b.add("w", 1, 1 << 20)
+        b.flush(space_short=False)
+        assert sent == []
+        b.add("w", 2, 1 << 20)
+        b.flush(space_short=False)
+        assert sent == [("w", Freed((1, 2)))]
 
     asyncio.run(scenario())
 

@@ -369,10 +369,10 @@ def test_freed_notices_linger_into_one_frame_and_a_grant_request_flushes_them(
 def test_freed_notices_for_large_leases_go_at_once(
     arena: Arena, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The linger holds back at most NOTICE_LINGER_MAX_BYTES of the writer's arena."""
+    """The linger holds back at most FREED_LINGER_MAX_BYTES of the writer's arena."""
     from relayd.pools import freed
 
-    monkeypatch.setattr(freed, "NOTICE_LINGER_MAX_BYTES", 3 * SLOT)
+    monkeypatch.setattr(freed, "FREED_LINGER_MAX_BYTES", 3 * SLOT)
     wf, rf = [], []  # type: ignore[var-annotated]
     m = _manager(arena, Clock(), [], freed_linger=60.0)
     w, r = _session(m, "thinker", wf), _session(m, "talker", rf)
@@ -401,7 +401,7 @@ def test_freed_notices_linger_per_writer_and_not_while_space_is_short(
 ) -> None:
     from relayd.pools import freed
 
-    monkeypatch.setattr(freed, "NOTICE_LINGER_MAX_BYTES", 2 * SLOT)
+    monkeypatch.setattr(freed, "FREED_LINGER_MAX_BYTES", 2 * SLOT)
     af, bf, rf, hf = [], [], [], []  # type: ignore[var-annotated]
     m = _manager(arena, Clock(), [], freed_linger=60.0)
     a, b = _session(m, "thinker", af), _session(m, "encoder", bf)

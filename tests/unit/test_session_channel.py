@@ -149,6 +149,24 @@ def test_lingering_releases_go_at_once_when_they_hold_enough_bytes() -> None:
     run(scenario)
 
 
+def test_a_4_mib_transfers_notice_lingers_for_company() -> None:
+    """Each frame a client sends wakes the daemon; a whole frame per 4 MiB transfer
+    was most of the daemon's CPU for it. Two of them share one frame."""
+
+    async def scenario(channel: SessionChannel, daemon: Daemon) -> None:
+        busy(channel, daemon)
+        release(channel, 1)
+        channel.mark(linger=LONG, holds=4 << 20)
+        await turns()
+        assert daemon.ready() == []
+        release(channel, 2)
+        channel.mark(linger=LONG, holds=4 << 20)
+        frame = await daemon.next()
+        assert [r.lease_id for r in frame.release] == [1, 2]
+
+    run(scenario)
+
+
 def test_lingering_releases_go_at_once_when_there_are_enough_of_them() -> None:
     async def scenario(channel: SessionChannel, daemon: Daemon) -> None:
         busy(channel, daemon)
