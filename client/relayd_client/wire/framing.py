@@ -28,13 +28,11 @@ SESSION_SOCKET_SUFFIX = ".session"
 NOTICE_LINGER_S = 0.025
 #: ... unless a client's lingering notices (Publish, Claim, Release) hold back
 #: this many bytes of a writer's arena. Each frame a client sends wakes the
-#: daemon, and a wake-up, not the notices in it, is most of what a transfer
-#: costs the daemon (~100 us of CPU, cache-cold, against a few us per notice):
-#: with 2 MiB, 4 MiB transfers took two wake-ups each. At 8 MiB the daemon's
-#: CPU per stop-and-wait transfer fell from 33 to 20 us at 256 KiB, 88 to 38
-#: at 1 MiB and 175 to 100 at 4 MiB, and the blocking client's transfers got
-#: 5-19% faster (same-minutes A/B); with no cap at all, 4-16 MiB writers ran out
-#: of space and got up to 40% slower.
+#: daemon, and the wake-up, not the notices in it, is most of what a transfer
+#: costs the daemon (~100 us of CPU, cache-cold, against a few us a notice); at
+#: this cap 4 MiB transfers share frames, and a stop-and-wait transfer costs the
+#: daemon ~20 us at 256 KiB, ~40 at 1 MiB and ~120 at 4 MiB (measured). Without a
+#: cap, writers of 4-16 MiB run out of space and get slower.
 NOTICE_LINGER_MAX_BYTES = 8 << 20
 #: The daemon's Freed to a writer goes at once from this many bytes: the daemon
 #: sends it in a turn it is awake for anyway, and a writer of large payloads needs
