@@ -30,6 +30,7 @@ from .arena import Arena, Run
 from .early import MAX_EARLY_PER_SESSION, Early, EarlyKind, EarlyNotices
 from .freed import FreedBatcher
 from .grant_queue import GrantQueue
+from .publish_waits import PublishWaits
 from .records import (
     GEN_SHIFT,
     NAME_KEEP,
@@ -131,6 +132,8 @@ class LeaseTable:
         self.held: dict[int, Lease] = {}
         # Called with each lease published with Publish.push set (relayd.push).
         self.on_push: Callable[[Lease], None] | None = None
+        # Reads through the daemon that came before their lease's Publish.
+        self.publish_waits = PublishWaits()
         # While a session's frames are handled (_later): the transfers
         # published, per (transport, from_stage, to_stage), counted at the end.
         self._later = False
@@ -257,6 +260,7 @@ class LeaseTable:
         lease.state = LeaseState.PUBLISHED
         lease.published_at = self.clock()
         lease.nbytes = min(nbytes, lease.run.nslots * self.slot_size)
+        self.publish_waits.published(lease.id)  # they look again when they run
         if self._later:
             key = (transport, lease.from_stage, lease.to_stage)
             tally = self._counts.get(key)

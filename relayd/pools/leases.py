@@ -50,7 +50,17 @@ from .grant_queue import GrantQueue
 from .lease_table import LeaseTable
 from .orphans import Orphans
 from .reclaim import Reclaimer
-from .records import GEN_SHIFT, Grant, Hooks, Lease, LeaseState, Pool, ReclaimReason, slots_for
+from .records import (
+    GEN_SHIFT,
+    Grant,
+    Hooks,
+    Lease,
+    LeaseState,
+    Pool,
+    ReclaimReason,
+    is_id_of,
+    slots_for,
+)
 from .requests import RequestInfo, Requests
 from .returns import RunReturns
 from .sessions import BIND_DEADLINE, Session, Sessions
@@ -266,6 +276,29 @@ class LeaseManager:
         self.detach_grant(session, grant)
         self.flush()
         return lease
+
+    async def read_out(
+        self, session: Session, lease_id: int, generation: int, request_id: str
+    ) -> bytes:
+        """:meth:`get_bytes`, once a Publish that may still be lingering on its
+        writer's side has come (see :mod:`relayd.pools.publish_waits`)."""
+        if self._publish_may_come(lease_id, generation):
+            await self.table.publish_waits.wait(lease_id)
+        return self.get_bytes(session, lease_id, generation, request_id)
+
+    def _publish_may_come(self, lease_id: int, generation: int) -> bool:
+        """Whether ``lease_id`` is reserved, or not yet announced in a live writer's grant."""
+        lease = self.leases.get(lease_id)
+        if lease is not None:
+            return lease.state is LeaseState.RESERVED and lease.generation == generation
+        grant = self.grants.get(lease_id >> GEN_SHIFT)
+        return (
+            grant is not None
+            and not grant.orphan
+            and grant.returns is None  # a peer's push grant: the daemon publishes those
+            and is_id_of(lease_id, grant.id)
+            and lease_id > grant.last_lease
+        )
 
     def get_bytes(self, session: Session, lease_id: int, generation: int, request_id: str) -> bytes:
         """Copy a published lease out for ``session`` and free it, as its reader would."""

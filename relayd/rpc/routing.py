@@ -99,6 +99,6 @@ class RoutingService:
     async def GetBytes(self, request: pb.GetBytesRequest, context: Ctx) -> pb.GetBytesResponse:
         session = self._bound(request.session_id, request.session_token)
         ref = request.lease
-        data = self.leases.get_bytes(session, ref.lease_id, ref.generation, request.request_id)
+        data = await self.leases.read_out(session, ref.lease_id, ref.generation, request.request_id)
         # Counted once, when it was published, under its DataRef's transport.
         return pb.GetBytesResponse(data=data)

@@ -1,0 +1,166 @@
+"""A read through the daemon (the socket fallback's GetBytes) that comes before its
+lease's lingering Publish: it waits for the Publish while one can still come, and
+only then, for a bounded time, and in bounded number."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Iterator
+
+import pytest
+from relayd_client import StaleRefError
+from relayd_client.wire.proto import relay_pb2 as pb
+
+from relayd.pools import publish_waits
+from relayd.pools.arena import Arena
+from relayd.pools.leases import LeaseManager
+from relayd.pools.sessions import Session
+from relayd.rpc.frames import frame_sink
+
+SLOT = 64 << 10
+BOUND = 10.0  # no test waits this long unless the behaviour under test is broken
+
+
+@pytest.fixture
+def arena() -> Iterator[Arena]:
+    a = Arena(node_id="unit", epoch=os.urandom(4).hex(), total_bytes=32 * SLOT + 4096 * 2,
+              segment_bytes=1 << 30, slot_size=SLOT)  # fmt: skip
+    yield a
+    a.close()
+
+
+def _manager(arena: Arena) -> LeaseManager:
+    return LeaseManager(
+        arena, grant_bytes=8 * SLOT, lease_ttl=60.0, stage_quota_bytes=24 * SLOT, max_sessions=8
+    )
+
+
+def _session(m: LeaseManager, stage: str) -> Session:
+    s = m.open_session(pid=1, stages=[stage])
+    return m.bind(s.id, s.token, frame_sink(lambda frame: None), pid=1, uid=0, gid=0)
+
+
+class Writer:
+    """A writer's grant and its notices, written into the arena as a client would."""
+
+    def __init__(self, m: LeaseManager, arena: Arena) -> None:
+        self.m, self.arena = m, arena
+        self.session = _session(m, "thinker")
+        self.grant = asyncio.run(m.grant(self.session, 2 * SLOT, BOUND))
+        self.lease_id = m.new_generation_base(self.grant) + 1
+
+    def write(self, data: bytes) -> None:
+        run = self.grant.run
+        seg = self.arena.segments[run.segment]
+        start = seg.slot_offset(run.slot)
+        seg.mm[start : start + len(data)] = data
+        seg.write_header(run.slot, self.lease_id, len(data))
+
+    def reserve(self) -> None:
+        self.m.on_reserve(self.session, pb.Reserve(
+            lease_id=self.lease_id, grant_id=self.grant.id, slot=self.grant.run.slot, nslots=1,
+            generation=self.lease_id, request_id="r", to_stage="talker", from_stage="thinker",
+        ))  # fmt: skip
+
+    def publish(self, nbytes: int) -> None:
+        self.m.on_publish(
+            self.session,
+            pb.Publish(lease_id=self.lease_id, nbytes=nbytes, transport=pb.TRANSPORT_SOCKET),
+        )
+
+
+def _read(m: LeaseManager, reader: Session, lease_id: int) -> asyncio.Task[bytes]:
+    return asyncio.ensure_future(m.read_out(reader, lease_id, lease_id, "r"))
+
+
+@pytest.mark.parametrize("announced", ["reserved", "not yet reserved"])
+def test_a_read_waits_for_its_lingering_publish(
+    arena: Arena, monkeypatch: pytest.MonkeyPatch, announced: str
+) -> None:
+    monkeypatch.setattr(publish_waits, "PUBLISH_WAIT_S", 3600.0)  # only the Publish wakes it
+    m = _manager(arena)
+    w, reader = Writer(m, arena), _session(m, "talker")
+    data = os.urandom(1000)
+    w.write(data)
+    if announced == "reserved":
+        w.reserve()
+
+    async def scenario() -> bytes:
+        read = _read(m, reader, w.lease_id)
+        await asyncio.sleep(0)  # the read is waiting now
+        assert not read.done() and m.table.publish_waits.waiting == 1
+        if announced != "reserved":
+            w.reserve()
+        w.publish(len(data))
+        return await asyncio.wait_for(read, BOUND)
+
+    assert asyncio.run(scenario()) == data
+    assert m.table.publish_waits.waiting == 0
+    assert not m.leases  # read out and freed, as its reader would
+
+
+def test_a_read_that_no_publish_can_answer_is_stale_at_once(
+    arena: Arena, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(publish_waits, "PUBLISH_WAIT_S", 3600.0)
+    m = _manager(arena)
+    w, reader = Writer(m, arena), _session(m, "talker")
+    w.write(b"x" * 100)
+    w.reserve()
+    w.publish(100)
+    gone = w.lease_id
+    assert asyncio.run(m.read_out(reader, gone, gone, "r")) == b"x" * 100
+
+    async def stale(lease_id: int, generation: int) -> None:
+        with pytest.raises(StaleRefError):
+            await asyncio.wait_for(m.read_out(reader, lease_id, generation, "r"), BOUND)
+
+    asyncio.run(stale(gone, gone))  # read already: ids at or below the last are gone
+    asyncio.run(stale(gone + (7 << 32), gone + (7 << 32)))  # no such grant
+    w.lease_id += 1
+    w.reserve()
+    asyncio.run(stale(w.lease_id, w.lease_id + 1))  # reserved, but another generation
+    m.close_session(w.session.id)
+    asyncio.run(stale(w.lease_id + 1, w.lease_id + 1))  # its writer is gone
+    assert m.table.publish_waits.waiting == 0
+
+
+def test_an_unpublished_read_gives_up_at_the_bound_and_leaves_nothing_waiting(
+    arena: Arena, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(publish_waits, "PUBLISH_WAIT_S", 0.05)
+    m = _manager(arena)
+    w, reader = Writer(m, arena), _session(m, "talker")
+    w.reserve()  # and never published
+
+    async def scenario() -> None:
+        with pytest.raises(StaleRefError):
+            await asyncio.wait_for(m.read_out(reader, w.lease_id, w.lease_id, "r"), BOUND)
+
+    asyncio.run(scenario())
+    assert m.table.publish_waits.waiting == 0
+
+
+def test_waiting_reads_are_capped_and_a_cancelled_one_leaves_nothing(
+    arena: Arena, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(publish_waits, "MAX_WAITING", 2)
+    m = _manager(arena)
+    w, reader = Writer(m, arena), _session(m, "talker")
+    w.reserve()
+
+    async def scenario() -> None:
+        first, second = _read(m, reader, w.lease_id), _read(m, reader, w.lease_id)
+        await asyncio.sleep(0)
+        assert m.table.publish_waits.waiting == 2
+        with pytest.raises(StaleRefError):  # the third is answered at once
+            await asyncio.wait_for(m.read_out(reader, w.lease_id, w.lease_id, "r"), BOUND)
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+        assert m.table.publish_waits.waiting == 1
+        second.cancel()
+        await asyncio.gather(second, return_exceptions=True)
+        assert m.table.publish_waits.waiting == 0
+
+    asyncio.run(scenario())
