@@ -483,8 +483,10 @@ class Writer:
         if push:  # a fresh message's push is False already
             msg.push = True
         # With push, the daemon starts moving the bytes to the consumer's node
-        # when the notice arrives: it must not linger.
-        self._notices.publish(lease.id, total, transport, ref=ref, push=push, now=push)
+        # when the notice arrives; a reader on the socket fallback reads through
+        # the daemon, which serves it once the notice is in: neither may linger.
+        now = push or transport == pb.TRANSPORT_SOCKET
+        self._notices.publish(lease.id, total, transport, ref=ref, push=push, now=now)
         return DataRef(msg)
 
     async def publish_socket(self, plan: PutPlan, timeout: float | None) -> DataRef:

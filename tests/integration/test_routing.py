@@ -15,6 +15,7 @@ from tests._daemon import (
     Daemon,
     async_wait_until,
     isolated_worker,
+    read_line,
     run_worker,
     running_daemon,
     spawn_worker,
@@ -176,6 +177,41 @@ def test_client_without_the_daemons_shm_falls_back_to_the_socket(tmp_path: objec
         assert _metric(text, "relayd_transfers_total", transport="shm") == 1
         assert _metric(text, "relayd_transfer_bytes_total", transport="socket") >= 3 * MiB
         assert _metric(text, "relayd_socket_fallback_sessions_total") == 2
+
+
+@pytest.mark.skipif(not unshare_available(), reason="needs root and unshare --mount")
+def test_a_socket_reader_gets_a_busy_writers_puts_without_waiting_out_their_linger(
+    tmp_path: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reader that cannot map the arena reads through the daemon, so the writer's
+    Publish is what it reads by: that one goes at once. Every other notice of this
+    writer would linger a minute here, past the daemon's wait for a late Publish."""
+    import relayd_client._notices
+
+    monkeypatch.setattr(relayd_client._notices, "NOTICE_LINGER_S", 60.0)
+    with running_daemon(str(tmp_path)) as d:
+        reader = isolated_worker(["read", "--socket", d.socket])
+        assert read_line(reader, 60) == "READY"
+        payloads = [make_payload(i, 256 << 10) for i in range(3)]
+
+        async def scenario() -> list[str]:
+            async with RelayClient("thinker", d.socket) as w:
+                got = []
+                for i, payload in enumerate(payloads):  # after the first, the channel is busy
+                    ref = await w.put(payload, to_stage="talker", request_id=f"s{i}")
+                    assert ref.transport is Transport.SOCKET
+                    assert not w._conn.session._dirty, "the Publish lingers"
+                    assert reader.stdin is not None
+                    reader.stdin.write(ref.to_bytes().hex().encode() + b"\n")
+                    reader.stdin.flush()
+                    got.append(await asyncio.to_thread(read_line, reader, 30))
+                return got
+
+        assert asyncio.run(asyncio.wait_for(scenario(), 120)) == [digest(p) for p in payloads]
+        assert reader.stdin is not None
+        reader.stdin.close()
+        assert reader.wait(timeout=30) == 0
+        wait_until(lambda: _drained(d), 10, "arena back to zero")
 
 
 def test_three_stage_chain_forwards_a_tensor_without_copying_it(tmp_path: object) -> None:
