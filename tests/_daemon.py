@@ -22,13 +22,18 @@ READY_TIMEOUT = 30.0
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+_PORTS_GIVEN: set[int] = set()
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that is free now, below the kernel's ephemeral range.
 
     ``bind(0)`` hands out an ephemeral port, and outgoing connections draw from
     the same range (Mooncake opens many): one took a daemon's metrics port
     between the test picking it and the daemon binding it. Below that range
-    only the listeners the tests start compete.
+    only the listeners the tests start compete, and each port is handed out once
+    per process: two picks before either is bound (the two nodes of one test)
+    would otherwise draw the same port now and then.
     """
     import random
     import socket
@@ -40,11 +45,14 @@ def free_port() -> int:
         ephemeral_low = 0
     for _ in range(200 if ephemeral_low > 11_000 else 0):
         port = random.randrange(10_000, ephemeral_low)
+        if port in _PORTS_GIVEN:
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
+            _PORTS_GIVEN.add(port)
             return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
