@@ -29,7 +29,7 @@ NOTICE_LINGER_S = 0.025
 #: ... unless a client's lingering notices (Publish, Claim, Release) hold back
 #: this many bytes of a writer's arena. Each frame a client sends wakes the
 #: daemon, and the wake-up, not the notices in it, is most of what a transfer
-#: costs the daemon (~100 us of CPU, cache-cold, against a few us a notice); at
+#: costs the daemon (60-90 us of CPU, cache-cold, against 5-17 us a notice); at
 #: this cap 4 MiB transfers share frames, and a stop-and-wait transfer costs the
 #: daemon ~20 us at 256 KiB, ~40 at 1 MiB and ~120 at 4 MiB (measured). Without a
 #: cap, writers of 4-16 MiB run out of space and get slower.
