@@ -36,8 +36,8 @@ from relayd.pools.cuda import HEADER_SEGMENT_BASE, CudaPool, pool_geometry
 from relayd.pools.leases import LeaseManager
 from relayd.pools.records import Hooks, LeaseState
 from relayd.rpc.frames import frame_sink
+from tests.unit._pools import SLOT, unit_arena
 
-SLOT = 64 << 10
 GPU_A = "GPU-58b9e9e8-0000-0000-0000-00000000000a"
 GPU_B = "GPU-58b9e9e8-0000-0000-0000-00000000000b"
 
@@ -196,10 +196,8 @@ def test_pool_geometry() -> None:
 
 @pytest.fixture
 def arena() -> Iterator[Arena]:
-    a = Arena(node_id="unit", epoch=os.urandom(4).hex(), total_bytes=32 * SLOT + 8192,
-              segment_bytes=1 << 30, slot_size=SLOT)  # fmt: skip
-    yield a
-    a.close()
+    with unit_arena(32) as a:
+        yield a
 
 
 @pytest.fixture

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Iterator
 
 import pytest
@@ -16,17 +15,15 @@ from relayd.pools.grant_queue import GrantQueue
 from relayd.pools.records import Hooks
 from relayd.pools.returns import RunReturns
 from relayd.pools.sessions import Session, Sessions
+from tests.unit._pools import SLOT, unit_arena
 
-SLOT = 64 << 10
 NSLOTS = 32
 
 
 @pytest.fixture
 def arena() -> Iterator[Arena]:
-    a = Arena(node_id="unit", epoch=os.urandom(4).hex(), total_bytes=NSLOTS * SLOT + 4096 * 2,
-              segment_bytes=1 << 30, slot_size=SLOT)  # fmt: skip
-    yield a
-    a.close()
+    with unit_arena(NSLOTS) as a:
+        yield a
 
 
 class World:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Iterator
 
 import pytest
@@ -15,16 +14,13 @@ from relayd.pools.arena import Arena
 from relayd.pools.leases import LeaseManager
 from relayd.pools.sessions import Session
 from relayd.rpc.frames import frame_sink
-
-SLOT = 64 << 10
+from tests.unit._pools import SLOT, unit_arena
 
 
 @pytest.fixture
 def arena() -> Iterator[Arena]:
-    a = Arena(node_id="unit", epoch=os.urandom(4).hex(), total_bytes=64 * SLOT + 4096 * 2,
-              segment_bytes=1 << 30, slot_size=SLOT)  # fmt: skip
-    yield a
-    a.close()
+    with unit_arena(64) as a:
+        yield a
 
 
 def _manager(arena: Arena, **kw: int) -> LeaseManager:

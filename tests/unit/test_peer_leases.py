@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import pathlib
 from collections.abc import Iterator
 
@@ -16,16 +15,13 @@ from relayd.pools.arena import Arena
 from relayd.pools.leases import LeaseManager
 from relayd.pools.records import LeaseState
 from relayd.rpc.frames import frame_sink
-
-SLOT = 64 << 10
+from tests.unit._pools import SLOT, unit_arena
 
 
 @pytest.fixture
 def arena() -> Iterator[Arena]:
-    a = Arena(node_id="unit", epoch=os.urandom(4).hex(), total_bytes=16 * SLOT + 4096 * 2,
-              segment_bytes=1 << 30, slot_size=SLOT)  # fmt: skip
-    yield a
-    a.close()
+    with unit_arena(16) as a:
+        yield a
 
 
 def _manager(arena: Arena) -> LeaseManager:

@@ -17,17 +17,15 @@ from relayd.pools.arena import Arena
 from relayd.pools.leases import LeaseManager
 from relayd.pools.sessions import Session
 from relayd.rpc.frames import frame_sink
+from tests.unit._pools import SLOT, unit_arena
 
-SLOT = 64 << 10
 BOUND = 10.0  # no test waits this long unless the behaviour under test is broken
 
 
 @pytest.fixture
 def arena() -> Iterator[Arena]:
-    a = Arena(node_id="unit", epoch=os.urandom(4).hex(), total_bytes=32 * SLOT + 4096 * 2,
-              segment_bytes=1 << 30, slot_size=SLOT)  # fmt: skip
-    yield a
-    a.close()
+    with unit_arena(32) as a:
+        yield a
 
 
 def _manager(arena: Arena) -> LeaseManager:
@@ -70,17 +68,32 @@ class Writer:
         )
 
 
+Parts = tuple[LeaseManager, "Writer", Session]
+
+
+@pytest.fixture
+def parts(arena: Arena) -> Parts:
+    """A lease table, a writer holding a grant in it, and a reader of its stage."""
+    m = _manager(arena)
+    return m, Writer(m, arena), _session(m, "talker")
+
+
 def _read(m: LeaseManager, reader: Session, lease_id: int) -> asyncio.Task[bytes]:
     return asyncio.ensure_future(m.read_out(reader, lease_id, lease_id, "r"))
 
 
+async def _stale(m: LeaseManager, reader: Session, lease_id: int, generation: int) -> None:
+    """The read ends in StaleRefError, well within the test's bound."""
+    with pytest.raises(StaleRefError):
+        await asyncio.wait_for(m.read_out(reader, lease_id, generation, "r"), BOUND)
+
+
 @pytest.mark.parametrize("announced", ["reserved", "not yet reserved"])
 def test_a_read_waits_for_its_lingering_publish(
-    arena: Arena, monkeypatch: pytest.MonkeyPatch, announced: str
+    parts: Parts, monkeypatch: pytest.MonkeyPatch, announced: str
 ) -> None:
     monkeypatch.setattr(publish_waits, "PUBLISH_WAIT_S", 3600.0)  # only the Publish wakes it
-    m = _manager(arena)
-    w, reader = Writer(m, arena), _session(m, "talker")
+    m, w, reader = parts
     data = os.urandom(1000)
     w.write(data)
     if announced == "reserved":
@@ -101,61 +114,49 @@ def test_a_read_waits_for_its_lingering_publish(
 
 
 def test_a_read_that_no_publish_can_answer_is_stale_at_once(
-    arena: Arena, monkeypatch: pytest.MonkeyPatch
+    parts: Parts, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(publish_waits, "PUBLISH_WAIT_S", 3600.0)
-    m = _manager(arena)
-    w, reader = Writer(m, arena), _session(m, "talker")
+    m, w, reader = parts
     w.write(b"x" * 100)
     w.reserve()
     w.publish(100)
     gone = w.lease_id
     assert asyncio.run(m.read_out(reader, gone, gone, "r")) == b"x" * 100
 
-    async def stale(lease_id: int, generation: int) -> None:
-        with pytest.raises(StaleRefError):
-            await asyncio.wait_for(m.read_out(reader, lease_id, generation, "r"), BOUND)
-
-    asyncio.run(stale(gone, gone))  # read already: ids at or below the last are gone
-    asyncio.run(stale(gone + (7 << 32), gone + (7 << 32)))  # no such grant
+    asyncio.run(_stale(m, reader, gone, gone))  # read already: ids up to the last are gone
+    no_grant = gone + (7 << 32)
+    asyncio.run(_stale(m, reader, no_grant, no_grant))
     w.lease_id += 1
     w.reserve()
-    asyncio.run(stale(w.lease_id, w.lease_id + 1))  # reserved, but another generation
+    asyncio.run(_stale(m, reader, w.lease_id, w.lease_id + 1))  # reserved, another generation
     m.close_session(w.session.id)
-    asyncio.run(stale(w.lease_id + 1, w.lease_id + 1))  # its writer is gone
+    asyncio.run(_stale(m, reader, w.lease_id + 1, w.lease_id + 1))  # its writer is gone
     assert m.table.publish_waits.waiting == 0
 
 
 def test_an_unpublished_read_gives_up_at_the_bound_and_leaves_nothing_waiting(
-    arena: Arena, monkeypatch: pytest.MonkeyPatch
+    parts: Parts, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(publish_waits, "PUBLISH_WAIT_S", 0.05)
-    m = _manager(arena)
-    w, reader = Writer(m, arena), _session(m, "talker")
+    m, w, reader = parts
     w.reserve()  # and never published
-
-    async def scenario() -> None:
-        with pytest.raises(StaleRefError):
-            await asyncio.wait_for(m.read_out(reader, w.lease_id, w.lease_id, "r"), BOUND)
-
-    asyncio.run(scenario())
+    asyncio.run(_stale(m, reader, w.lease_id, w.lease_id))
     assert m.table.publish_waits.waiting == 0
 
 
 def test_waiting_reads_are_capped_and_a_cancelled_one_leaves_nothing(
-    arena: Arena, monkeypatch: pytest.MonkeyPatch
+    parts: Parts, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(publish_waits, "MAX_WAITING", 2)
-    m = _manager(arena)
-    w, reader = Writer(m, arena), _session(m, "talker")
+    m, w, reader = parts
     w.reserve()
 
     async def scenario() -> None:
         first, second = _read(m, reader, w.lease_id), _read(m, reader, w.lease_id)
         await asyncio.sleep(0)
         assert m.table.publish_waits.waiting == 2
-        with pytest.raises(StaleRefError):  # the third is answered at once
-            await asyncio.wait_for(m.read_out(reader, w.lease_id, w.lease_id, "r"), BOUND)
+        await _stale(m, reader, w.lease_id, w.lease_id)  # the third is answered at once
         first.cancel()
         await asyncio.gather(first, return_exceptions=True)
         assert m.table.publish_waits.waiting == 1

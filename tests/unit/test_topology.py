@@ -16,16 +16,13 @@ from relayd.pools.arena import Arena
 from relayd.pools.sessions import Session, Sessions
 from relayd.routing.topology import Topology, process_key
 from relayd.rpc.frames import frame_sink
-
-SLOT = 64 << 10
+from tests.unit._pools import unit_arena
 
 
 @pytest.fixture
 def arena() -> Iterator[Arena]:
-    a = Arena(node_id="unit", epoch=os.urandom(4).hex(), total_bytes=8 * SLOT + 8192,
-              segment_bytes=1 << 30, slot_size=SLOT)  # fmt: skip
-    yield a
-    a.close()
+    with unit_arena(8) as a:
+        yield a
 
 
 @pytest.fixture
