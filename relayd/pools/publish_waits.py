@@ -11,8 +11,6 @@ grant of a live writer. Anything else is answered at once.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import Callable
 
 #: How long such a read waits: far beyond a writer's linger, so that only a
 #: writer that never publishes (or died) makes a read wait this long.
@@ -26,40 +24,34 @@ class PublishWaits:
     """Who waits for which lease's Publish; woken by the lease table's ``published``."""
 
     def __init__(self) -> None:
-        self._waiting: dict[int, list[Callable[[], None]]] = {}
-        self._count = 0
+        self._waiting: dict[int, list[asyncio.Future[None]]] = {}
+        self._count = 0  # the futures in _waiting, for the cap without a sum
 
     def published(self, lease_id: int) -> None:
-        wakes = self._waiting.pop(lease_id, None)
-        if wakes is not None:
-            self._count -= len(wakes)
-            for wake in wakes:
-                wake()
+        futures = self._waiting.pop(lease_id, None)
+        if futures is not None:
+            self._count -= len(futures)
+            for fut in futures:
+                if not fut.done():
+                    fut.set_result(None)
 
-    async def wait(self, lease_id: int, timeout: float | None = None) -> None:
-        """Until ``lease_id`` is published or ``timeout`` (:data:`PUBLISH_WAIT_S`)
-        passes; the caller looks at the lease again either way."""
+    async def wait(self, lease_id: int) -> None:
+        """Until ``lease_id`` is published or :data:`PUBLISH_WAIT_S` passes; the
+        caller looks at the lease again either way."""
         if self._count >= MAX_WAITING:
             return
-        done = asyncio.get_running_loop().create_future()
-
-        def wake() -> None:
-            if not done.done():
-                done.set_result(None)
-
-        self._waiting.setdefault(lease_id, []).append(wake)
+        fut = asyncio.get_running_loop().create_future()
+        self._waiting.setdefault(lease_id, []).append(fut)
         self._count += 1
         try:
-            await asyncio.wait((done,), timeout=PUBLISH_WAIT_S if timeout is None else timeout)
+            await asyncio.wait((fut,), timeout=PUBLISH_WAIT_S)
         finally:
-            wakes = self._waiting.get(lease_id)
-            if wakes is not None and wake in wakes:  # timed out or cancelled
-                wakes.remove(wake)
+            if not fut.done():  # timed out or cancelled: still listed
+                futures = self._waiting[lease_id]
+                futures.remove(fut)
                 self._count -= 1
-                if not wakes:
+                if not futures:
                     del self._waiting[lease_id]
-            with contextlib.suppress(asyncio.InvalidStateError):
-                done.cancel()
 
     @property
     def waiting(self) -> int:
