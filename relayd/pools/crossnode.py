@@ -25,7 +25,7 @@ from relayd_client.wire.transport import Transport
 from .arena import Run
 from .early import Early, EarlyKind
 from .lease_table import LeaseTable
-from .records import GEN_SHIFT, NAME_KEEP, Grant, Lease, LeaseState, ReclaimReason, slots_for
+from .records import NAME_KEEP, Grant, Lease, LeaseState, ReclaimReason, slots_for
 from .sessions import Session
 
 
@@ -187,10 +187,8 @@ class CrossNodeLeases:
             # The writer's notices linger: the peer may have read a lease whose
             # Reserve and Publish are still on the way (its copy checked the
             # sealed header). The release waits for them, like a local one.
-            if lease is None:
-                grant = t.grants.get(lease_id >> GEN_SHIFT)
-                if grant is None or lease_id <= grant.last_lease:
-                    return False  # no such grant, or announced and already freed
+            if lease is None and t.unannounced_in(lease_id) is None:
+                return False  # no such grant, or announced and already freed
             if lease_id != generation:
                 return False
             if lease is not None and t.sealed_length(lease) is None:

@@ -346,6 +346,13 @@ class LeaseTable:
 
     # -- readers' notices -------------------------------------------------------------
 
+    def unannounced_in(self, lease_id: int) -> Grant | None:
+        """The live grant ``lease_id`` is numbered in, if its writer has not announced
+        it yet: writers announce their leases in order, so an id at or below the
+        grant's last one is gone."""
+        grant = self.grants.get(lease_id >> GEN_SHIFT)
+        return grant if grant is not None and lease_id > grant.last_lease else None
+
     def _reader_lease(
         self, session: Session, lease_id: int, generation: int, kind: EarlyKind
     ) -> Lease | None:

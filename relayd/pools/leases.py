@@ -291,13 +291,12 @@ class LeaseManager:
         lease = self.leases.get(lease_id)
         if lease is not None:
             return lease.state is LeaseState.RESERVED and lease.generation == generation
-        grant = self.grants.get(lease_id >> GEN_SHIFT)
+        grant = self.table.unannounced_in(lease_id)
         return (
             grant is not None
             and not grant.orphan
             and grant.returns is None  # a peer's push grant: the daemon publishes those
             and is_id_of(lease_id, grant.id)
-            and lease_id > grant.last_lease
         )
 
     def get_bytes(self, session: Session, lease_id: int, generation: int, request_id: str) -> bytes:
