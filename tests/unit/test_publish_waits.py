@@ -17,6 +17,7 @@ from relayd.pools.arena import Arena
 from relayd.pools.leases import LeaseManager
 from relayd.pools.sessions import Session
 from relayd.rpc.frames import frame_sink
+from tests._daemon import async_wait_until
 from tests.unit._pools import SLOT, unit_arena
 
 BOUND = 10.0  # no test waits this long unless the behaviour under test is broken
@@ -82,6 +83,10 @@ def _read(m: LeaseManager, reader: Session, lease_id: int) -> asyncio.Task[bytes
     return asyncio.ensure_future(m.read_out(reader, lease_id, lease_id, "r"))
 
 
+async def _until_waiting(m: LeaseManager, n: int) -> None:
+    await async_wait_until(lambda: m.table.publish_waits.waiting == n, BOUND, f"{n} waiting reads")
+
+
 async def _stale(m: LeaseManager, reader: Session, lease_id: int, generation: int) -> None:
     """The read ends in StaleRefError, well within the test's bound."""
     with pytest.raises(StaleRefError):
@@ -101,8 +106,8 @@ def test_a_read_waits_for_its_lingering_publish(
 
     async def scenario() -> bytes:
         read = _read(m, reader, w.lease_id)
-        await asyncio.sleep(0)  # the read is waiting now
-        assert not read.done() and m.table.publish_waits.waiting == 1
+        await _until_waiting(m, 1)
+        assert not read.done()
         if announced != "reserved":
             w.reserve()
         w.publish(len(data))
@@ -154,8 +159,7 @@ def test_waiting_reads_are_capped_and_a_cancelled_one_leaves_nothing(
 
     async def scenario() -> None:
         first, second = _read(m, reader, w.lease_id), _read(m, reader, w.lease_id)
-        await asyncio.sleep(0)
-        assert m.table.publish_waits.waiting == 2
+        await _until_waiting(m, 2)
         await _stale(m, reader, w.lease_id, w.lease_id)  # the third is answered at once
         first.cancel()
         await asyncio.gather(first, return_exceptions=True)
