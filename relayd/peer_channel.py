@@ -30,6 +30,12 @@ Contract:
   and epoch, handled as a ``Notify`` batch is. Anything else (a bad length, a
   body that does not parse, another node's notices, a batch the handler
   refuses) closes that connection and nothing more.
+* A batch whose Landed notices say ``attached`` is followed, right after its
+  frame and outside any frame, by those pushes' bytes, in the order of the
+  notices: the bytes of a small push travel with the notice that publishes
+  them (see :mod:`relayd.push`). At most :data:`MAX_ATTACHED` bytes follow
+  one batch; the batch is handled once they have all arrived, each notice
+  with a view of its own bytes (valid only during the call).
 * Nothing is acknowledged. A connection that fails loses what it carried, as a
   failed ``Notify`` write does, and each kind of notice has its fallback (see
   :mod:`relayd.peer_notices`); a sender whose unsent bytes pass
@@ -43,7 +49,7 @@ import hashlib
 import hmac
 import logging
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import cast
 
 from relayd_client.wire.framing import FRAME_LENGTH, LENGTH_BYTES, frame_length
@@ -59,6 +65,7 @@ MAX_FRAME = 4 << 20
 MAX_PENDING = 64
 HELLO_TIMEOUT_S = 5.0
 MAX_BUFFERED = 16 << 20
+MAX_ATTACHED = 4 << 20
 # The port to listen on: 0 any free one, NO_CHANNEL none.
 NO_CHANNEL = -1
 STOPPING = "the daemon is stopping"
@@ -75,15 +82,19 @@ def frame(body: bytes) -> bytes:
     return FRAME_LENGTH.pack(len(body)) + body
 
 
+Handler = Callable[[pb.PeerNotices, Sequence[memoryview]], object]
+
+
 class NoticeListener:
     """The listening side; ``accept(node_id, epoch)`` says whether that peer is up
-    here, ``handle(batch)`` applies a batch (raising refuses it)."""
+    here, ``handle(batch, attached)`` applies a batch and the bytes that followed
+    it (raising refuses it)."""
 
     def __init__(
         self,
         token: bytes,
         accept: Callable[[str, str], bool],
-        handle: Callable[[pb.PeerNotices], object],
+        handle: Handler,
     ) -> None:
         self.token = token
         self.accept = accept
@@ -118,6 +129,9 @@ class _Inbound(asyncio.Protocol):
         self.buf = bytearray()
         self.timer: asyncio.TimerHandle | None = None
         self.counted = False
+        # A batch read whose attached bytes are still on their way, and how many.
+        self.batch: pb.PeerNotices | None = None
+        self.attached = 0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass
@@ -143,14 +157,20 @@ class _Inbound(asyncio.Protocol):
                 if n > limit:
                     self.drop(f"a frame of {n} bytes (at most {limit})")
                     return
-                if len(buf) - pos - LENGTH_BYTES < n:
+                end = pos + LENGTH_BYTES + n
+                if len(buf) < end:
                     break
-                body = bytes(buf[pos + LENGTH_BYTES : pos + LENGTH_BYTES + n])
-                pos += LENGTH_BYTES + n
-                if self.node:
-                    self.on_notices(body)
-                else:
-                    self.on_answer(body)
+                if not self.node:
+                    self.on_answer(bytes(buf[pos + LENGTH_BYTES : end]))
+                    pos = end
+                    continue
+                if self.batch is None:  # parsed once, however many reads its bytes take
+                    self.batch = self.parse(bytes(buf[pos + LENGTH_BYTES : end]))
+                if len(buf) - end < self.attached:
+                    break
+                batch, self.batch = self.batch, None
+                pos = end + self.attached
+                self.on_notices(batch, buf, end)
         except Exception as exc:  # a bad frame (or a bug) ends this connection only
             self.drop(f"{type(exc).__name__}: {exc}")
             return
@@ -179,11 +199,31 @@ class _Inbound(asyncio.Protocol):
         if self.transport is not None:
             self.transport.write(frame(ACCEPTED))
 
-    def on_notices(self, body: bytes) -> None:
+    def parse(self, body: bytes) -> pb.PeerNotices:
+        """A batch from this connection's peer; sets :attr:`attached` to the bytes
+        that follow it."""
         batch = pb.PeerNotices.FromString(body)
         if batch.node_id != self.node or batch.daemon_epoch != self.epoch:
             raise ValueError(f"notices of node {batch.node_id[:64]!r} on node {self.node!r}'s")
-        self.listener.handle(batch)
+        self.attached = sum(int(landed.attached) for landed in batch.landed)
+        if self.attached > MAX_ATTACHED:
+            raise ValueError(f"{self.attached} bytes attached to a batch (at most {MAX_ATTACHED})")
+        return batch
+
+    def on_notices(self, batch: pb.PeerNotices, buf: bytearray, start: int) -> None:
+        """Handle ``batch`` with views of its attached bytes, at ``start`` in ``buf``."""
+        views: list[memoryview] = []
+        with memoryview(buf) as whole:
+            at = start
+            try:
+                for landed in batch.landed:
+                    if landed.attached:
+                        views.append(whole[at : at + landed.attached])
+                        at += landed.attached
+                self.listener.handle(batch, views)
+            finally:
+                for view in views:
+                    view.release()  # before the buffer moves on
 
     def drop(self, why: str, level: int = logging.WARNING) -> None:
         if self.transport is None:
@@ -213,6 +253,7 @@ class _Inbound(asyncio.Protocol):
         self._uncount()
         self.transport = None
         self.buf = bytearray()
+        self.batch, self.attached = None, 0
         if self.node and self.listener.by_node.get(self.node) is self:
             del self.listener.by_node[self.node]
 
@@ -253,13 +294,19 @@ class NoticeLink:
     def alive(self) -> bool:
         return not (self._writer.transport.is_closing() or self._reader.at_eof())
 
-    def send(self, batch: pb.PeerNotices) -> bool:
-        """Queue one batch; False (and the connection closed) when it cannot go."""
+    @property
+    def backlog(self) -> int:
+        """Bytes queued here, not yet taken by the kernel."""
+        return self._writer.transport.get_write_buffer_size()
+
+    def send(self, batch: pb.PeerNotices, attached: Sequence[bytes] = ()) -> bool:
+        """Queue one batch and the bytes its Landed notices attach, in their order;
+        False (and the connection closed) when it cannot go."""
         transport = self._writer.transport
         if not self.alive or transport.get_write_buffer_size() > MAX_BUFFERED:
             transport.abort()
             return False
-        transport.write(frame(batch.SerializeToString()))
+        transport.writelines([frame(batch.SerializeToString()), *attached])
         return True
 
     def close(self) -> None:
@@ -270,6 +317,7 @@ __all__ = [
     "ACCEPTED",
     "DOMAIN",
     "HELLO_TIMEOUT_S",
+    "MAX_ATTACHED",
     "MAX_FRAME",
     "MAX_HELLO",
     "MAX_PENDING",

@@ -14,7 +14,7 @@ import logging
 import socket
 import struct
 import types
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 
 import pytest
 from relayd_client.wire.framing import LENGTH_BYTES
@@ -24,6 +24,7 @@ from relayd import peer_channel
 from relayd.config import ConfigError, Settings
 from relayd.peer_channel import (
     ACCEPTED,
+    MAX_ATTACHED,
     MAX_FRAME,
     MAX_HELLO,
     MAX_PENDING,
@@ -49,8 +50,9 @@ class Harness:
     def __init__(self) -> None:
         self.up: set[tuple[str, str]] = {(NODE, EPOCH)}
         self.handled: list[pb.PeerNotices] = []
+        self.attached: list[list[bytes]] = []  # each batch's attached bytes, copied
         self.listener = NoticeListener(
-            TOKEN, lambda node, epoch: (node, epoch) in self.up, self.handled.append
+            TOKEN, lambda node, epoch: (node, epoch) in self.up, self.handle
         )
         self.port = 0
         self.links: list[NoticeLink] = []
@@ -58,6 +60,10 @@ class Harness:
 
     async def start(self) -> None:
         self.port = await self.listener.start("127.0.0.1", 0)
+
+    def handle(self, batch: pb.PeerNotices, attached: Sequence[memoryview]) -> None:
+        self.handled.append(batch)
+        self.attached.append([bytes(view) for view in attached])
 
     async def dial(self, node: str = NODE, epoch: str = EPOCH, token: bytes = TOKEN) -> NoticeLink:
         link = await NoticeLink.open("127.0.0.1", self.port, token, _hello(node, epoch), WAIT_S)
@@ -90,9 +96,14 @@ def _hello(node: str = NODE, epoch: str = EPOCH) -> pb.PeerNotices:
     return pb.PeerNotices(node_id=node, daemon_epoch=epoch)
 
 
-def _batch(lease_id: int, node: str = NODE, epoch: str = EPOCH) -> pb.PeerNotices:
+def _batch(
+    lease_id: int, node: str = NODE, epoch: str = EPOCH, attached: Sequence[int] = ()
+) -> pb.PeerNotices:
+    """One Landed notice (``lease_id``), then one more per ``attached`` length."""
     n = pb.PeerNotices(node_id=node, daemon_epoch=epoch)
     n.landed.add(lease_id=lease_id, generation=lease_id, length=1)
+    for k, nbytes in enumerate(attached):
+        n.landed.add(lease_id=lease_id + k + 1, length=nbytes, attached=nbytes)
     return n
 
 
@@ -135,6 +146,33 @@ def test_an_honest_peers_batches_arrive_in_order() -> None:
             assert link.send(_batch(i))
         await h.until(lambda: len(h.handled) == 200, "200 batches")
         assert [b.landed[0].lease_id for b in h.handled] == list(range(1, 201))
+        assert h.listener.refused == 0
+
+    run(body)
+
+
+def test_attached_bytes_reach_the_handler_with_their_batch_however_they_are_cut() -> None:
+    sizes = (3, 70_000, 1)
+    blobs = [bytes([k + 1]) * n for k, n in enumerate(sizes)]
+
+    async def body(h: Harness) -> None:
+        link = await h.dial()
+        assert link.send(_batch(1, attached=sizes), blobs)
+        assert link.send(_batch(9))
+        await h.until(lambda: len(h.handled) == 2, "two batches")
+        # The same bytes from a raw peer, in pieces that cut the frame and the data.
+        reader, writer, nonce = await h.raw()
+        writer.write(frame(answer(TOKEN, nonce, _hello())))
+        assert await reader.readexactly(LENGTH_BYTES) == frame(ACCEPTED)
+        wire = frame(_batch(1, attached=sizes).SerializeToString()) + b"".join(blobs)
+        wire += frame(_batch(9).SerializeToString())
+        for at in range(0, len(wire), 4093):
+            writer.write(wire[at : at + 4093])
+            await writer.drain()
+        await h.until(lambda: len(h.handled) == 4, "the raw peer's two batches")
+        for first, second in (h.attached[0:2], h.attached[2:4]):
+            assert first == blobs and second == []
+        assert [b.landed[0].lease_id for b in h.handled] == [1, 9, 1, 9]
         assert h.listener.refused == 0
 
     run(body)
@@ -203,7 +241,13 @@ def test_a_bad_or_missing_answer_closes_the_connection(bad: str) -> None:
 
 @pytest.mark.parametrize(
     "bad",
-    ["oversized frame", "not a PeerNotices", "another node's notices", "another epoch's"],
+    [
+        "oversized frame",
+        "not a PeerNotices",
+        "another node's notices",
+        "another epoch's",
+        "too many bytes attached",
+    ],
 )
 def test_a_bad_frame_after_the_answer_closes_only_that_connection(bad: str) -> None:
     async def body(h: Harness) -> None:
@@ -219,6 +263,9 @@ def test_a_bad_frame_after_the_answer_closes_only_that_connection(bad: str) -> N
                 _batch(1, node="node-v", epoch="epoch-v").SerializeToString()
             ),
             "another epoch's": frame(_batch(1, epoch="epoch-x").SerializeToString()),
+            "too many bytes attached": frame(
+                _batch(1, attached=(MAX_ATTACHED // 2, MAX_ATTACHED // 2 + 1)).SerializeToString()
+            ),
         }[bad]
         writer.write(
             frame(_batch(2).SerializeToString()) + data + frame(_batch(3).SerializeToString())
