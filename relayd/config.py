@@ -197,6 +197,14 @@ class Settings:
         metavar="SIZE",
         help="arena each peer may push into ahead of its readers; 0 turns pushes off",
     )
+    push_attach_max: int = _field(
+        1 << 20,
+        parse=parse_size,
+        metavar="SIZE",
+        help="pushes up to this size (at most 4MiB) carry their bytes after their Landed "
+        "notice on the peer's notice channel instead of a Mooncake WRITE: no round trip; "
+        "0: never",
+    )
     mooncake_protocol: str = _field("tcp", metavar="PROTO", help="Mooncake protocol: tcp or rdma")
     mooncake_device: str = _field("", metavar="NICS", help="RDMA NIC allow-list for Mooncake")
     gpu_pool_size: int = _field(
@@ -305,8 +313,8 @@ class Settings:
             raise ConfigError(
                 "max_sessions, max_session_grants, max_grant_waits and max_stage_keys must be >= 1"
             )
-        if self.max_edge_labels < 0:
-            raise ConfigError("max_edge_labels must be >= 0")
+        if self.max_edge_labels < 0 or self.push_attach_max < 0:
+            raise ConfigError("max_edge_labels and push_attach_max must be >= 0")
         if not -1 <= self.peer_notice_port <= 65535:
             raise ConfigError("peer_notice_port must be a port, 0 (any free one) or -1 (none)")
         if self.lease_ttl <= 0 or self.reserve_timeout <= 0 or self.peer_credits <= 0:

@@ -30,13 +30,16 @@ import grpc
 from relayd_client.wire.proto import relay_pb2 as pb
 from relayd_client.wire.status import from_rpc_error
 
-from .peer_channel import HELLO_TIMEOUT_S, NoticeLink
+from .peer_channel import HELLO_TIMEOUT_S, MAX_ATTACHED, NoticeLink
 from .peer_links import PeerLinks, PeerState, split_address
 
 log = logging.getLogger(__name__)
 
 # A batch goes early once it holds this many notices.
 MAX_BATCH = 512
+# Unsent bytes on a peer's notice channel past which a push no longer rides it
+# (it goes as a Mooncake WRITE): well below the backlog that drops the channel.
+ATTACH_BACKLOG_MAX = 4 << 20
 # After a notice channel could not be opened, how long its peer's notices ride
 # the Peer service before the next try: the first try often comes before the
 # peer has dialled us back, and is refused; then twice as long after each
@@ -125,6 +128,30 @@ class PeerNotifier:
         self._failures.pop(peer.address, None)
         log.info("notice channel to peer %s open (port %d)", peer.address, port)
 
+    def can_attach(self, address: str, nbytes: int) -> bool:
+        """Whether :meth:`send_attached` of ``nbytes`` to ``address`` would go now."""
+        link = self._channels.get(address)
+        return (
+            link is not None
+            and link.alive
+            and nbytes <= MAX_ATTACHED
+            and link.backlog + nbytes <= ATTACH_BACKLOG_MAX
+        )
+
+    def send_attached(self, address: str, landed: pb.PushLanded, data: bytes) -> bool:
+        """One Landed notice with its push's bytes right after it, on ``address``'s
+        notice channel, now; False (and nothing sent) when they cannot go there."""
+        link = self._channels.get(address)
+        if link is None or not self.can_attach(address, len(data)):
+            return False
+        batch = pb.PeerNotices(node_id=self._links.settings.node_id, daemon_epoch=self._links.epoch)
+        batch.landed.append(landed)
+        if not link.send(batch, (data,)):
+            self._channel_closed(address)
+            return False
+        self._channel_sent(address)
+        return True
+
     def box(self, address: str) -> pb.PeerNotices:
         """The batch to add notices to; call :meth:`send` after adding."""
         return self._outbox(address).pending
@@ -193,6 +220,15 @@ class PeerNotifier:
             if not ob.busy:
                 self._start(address, ob)
 
+    def _channel_sent(self, address: str) -> None:
+        self._channel_batches[address] = self._channel_batches.get(address, 0) + 1
+
+    def _channel_closed(self, address: str) -> None:
+        # Closed (the peer went, or stopped reading): this batch and the next
+        # ride the Peer service until the channel is opened again.
+        del self._channels[address]
+        log.warning("notice channel to peer %s closed; notices ride the Peer service", address)
+
     def _start(self, address: str, ob: _Outbox) -> None:
         if not ob.count:
             return
@@ -202,12 +238,9 @@ class PeerNotifier:
         link = self._channels.get(address)
         if link is not None:
             if link.send(batch):
-                self._channel_batches[address] = self._channel_batches.get(address, 0) + 1
+                self._channel_sent(address)
                 return
-            # Closed (the peer went, or stopped reading): this batch and the next
-            # ride the Peer service until the channel is opened again.
-            del self._channels[address]
-            log.warning("notice channel to peer %s closed; notices ride the Peer service", address)
+            self._channel_closed(address)
         ob.busy = True
         task = asyncio.get_running_loop().create_task(self._write(address, ob, batch))
         self._tasks.add(task)
@@ -238,4 +271,4 @@ class PeerNotifier:
                 self._start(address, ob)
 
 
-__all__ = ["MAX_BATCH", "PeerNotifier"]
+__all__ = ["ATTACH_BACKLOG_MAX", "MAX_BATCH", "PeerNotifier"]

@@ -19,13 +19,20 @@ The message flow (writer W on node A, reader R on node B)::
     A -> B  Notify{landed: (lease id, generation, run, request, stages)}
     B       validates it and publishes a local lease over the run, keyed by
             (origin node, lease id, generation)
+
+    A push of at most ``--push-attach-max`` bytes skips the WRITE and its
+    acknowledgement: on the peer's notice channel the bytes follow their
+    Landed notice (``attached``), and B copies them into the run once the
+    notice is validated. The reader's wait then overlaps the DataRef's trip
+    entirely: one one-way trip, no round trip.
     R -> B  FetchCall(DataRef) on the session socket: the landed lease, at once;
             not landed yet: waits for the Landed (or Declined) notice
     R -> B  Release (session socket), as for any local lease
     B -> A  Notify{freed: the run} (lingering): A may write that run again
 
 Nothing on the reader's path waits for a network round trip it started: the
-one wait (for the Landed notice) overlaps the DataRef's own trip. The DataRef
+one wait (for the Landed notice) overlaps the DataRef's own trip; after a
+Mooncake WRITE it comes one acknowledgement later, with attached bytes not. The DataRef
 says ``push`` so that B knows to wait rather than pull; a writer's daemon that
 cannot push (no grant, no room, no credit, peer down, abort) says Declined and
 the reader pulls as before. A push is never started twice and a pull is never
@@ -45,6 +52,7 @@ import asyncio
 import collections
 import dataclasses
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from relayd_client.wire.errors import (
@@ -161,6 +169,9 @@ class PushManager:
             self._decline(peer.address, lease)
             return
         self.parts.leases.hold(lease)
+        if self._attach(peer, out, lease, start):
+            credit.release()
+            return
         task = asyncio.get_running_loop().create_task(
             self._push(peer, out, lease, start, credit), name=f"relayd-push {lease.id}"
         )
@@ -231,22 +242,58 @@ class PushManager:
             out.alloc.free(start, lease.run.nslots)
             self._decline(peer.address, lease)
             return
-        self.counts[peer.address].out += 1
-        self._pushed[lease.id] = lease.generation
-        while len(self._pushed) > REMEMBER:
-            self._pushed.popitem(last=False)
-        self.parts.notifier.box(peer.address).landed.add(
+        self._landed(peer.address, lease)
+        self.parts.notifier.box(peer.address).landed.append(self._notice(out, lease, start))
+        self.parts.notifier.send(peer.address)
+
+    def _attach(self, peer: PeerState, out: GrantOut, lease: Lease, start: int) -> bool:
+        """Push a small lease with no Mooncake WRITE: its bytes follow its Landed
+        notice on the peer's notice channel, so they arrive with it, one one-way
+        trip after the publish. False: not this way (too big, no channel up, or
+        a backlog on it); the caller pushes by Mooncake.
+
+        W's lease goes at once, as after a WRITE: its bytes are in the kernel's
+        hands or copied; if the channel breaks before they arrive, the reader
+        ends as for a lost Landed notice (the peer timeout, then a pull that
+        finds the lease gone: StaleRefError).
+        """
+        nbytes, address = lease.nbytes, peer.address
+        notifier = self.parts.notifier
+        if nbytes > self.settings.push_attach_max or not notifier.can_attach(address, nbytes):
+            return False
+        seg = self.parts.arena.segments[lease.run.segment]
+        offset = seg.slot_offset(lease.run.slot)
+        # A copy, not a view: the channel may hold what the kernel did not take
+        # yet, and W's slots are reused as soon as the lease goes.
+        data = seg.mm[offset : offset + nbytes]
+        if not notifier.send_attached(address, self._notice(out, lease, start, nbytes), data):
+            return False
+        self.parts.leases.crossnode.free_pushed(lease)  # held since the publish: live
+        self._landed(address, lease)
+        self.counts[address].attached += 1
+        return True
+
+    @staticmethod
+    def _notice(out: GrantOut, lease: Lease, start: int, attached: int = 0) -> pb.PushLanded:
+        return pb.PushLanded(
             lease_id=lease.id,
             generation=lease.generation,
             grant_id=out.grant_id,
             slot=start,
             nslots=lease.run.nslots,
-            length=nbytes,
+            length=lease.nbytes,
             request_id=lease.request_id,
             from_stage=lease.from_stage,
             to_stage=lease.to_stage,
+            attached=attached,
         )
-        self.parts.notifier.send(peer.address)
+
+    def _landed(self, address: str, lease: Lease) -> None:
+        """W's pushed lease was freed here: counted, and remembered for :meth:`landed`."""
+        self.counts[address].out += 1
+        self._pushed[lease.id] = lease.generation
+        while len(self._pushed) > REMEMBER:
+            self._pushed.popitem(last=False)
 
     def landed(self, lease_id: int, generation: int) -> bool:
         """Whether this writer's lease was freed here because its push landed.
@@ -283,9 +330,10 @@ class PushManager:
 
     # -- notices from peers -------------------------------------------------------------
 
-    def on_notices(self, n: pb.PeerNotices) -> int:
-        """A batch from a peer: validated piece by piece; returns how many pulled
-        leases it released here."""
+    def on_notices(self, n: pb.PeerNotices, attached: Sequence[memoryview] = ()) -> int:
+        """A batch from a peer, with the bytes attached to its Landed notices in their
+        order (only on the notice channel): validated piece by piece; returns how
+        many pulled leases it released here."""
         peer = self.parts.links.by_node.get(n.node_id)
         if peer is None or not peer.up or peer.epoch != n.daemon_epoch:
             raise PermissionDeniedError(
@@ -303,8 +351,9 @@ class PushManager:
         if n.freed:
             self.on_freed(peer.address, n.freed)
         self.landing.on_declined(n)
+        data = iter(attached)
         for landed in n.landed:
-            self.landing.on_landed(peer, landed)
+            self.landing.on_landed(peer, landed, next(data, None) if landed.attached else None)
         return released
 
     async def close(self) -> None:
@@ -326,6 +375,8 @@ class PushManager:
             "reads_awaited": c.reads_awaited,
             "reads_pulled": c.reads_pulled,
             "pull_phases": c.pull_phases,
+            "pushes_attached": c.attached,
+            "reads_attached": c.reads_attached,
         }
 
 

@@ -66,6 +66,8 @@ class PushCounts:
     reads_awaited: int = 0
     reads_pulled: int = 0
     pull_phases: int = 0
+    attached: int = 0  # of ``out``: bytes attached to the Landed notice
+    reads_attached: int = 0  # reads of such pushes (not in landed or awaited)
 
 
 class PushLanding:
@@ -78,6 +80,7 @@ class PushLanding:
         self.given: dict[str, GrantIn] = {}  # by node id
         self._next_grant = 1
         self._landed: dict[Key, Lease] = {}
+        self._attached: set[Key] = set()  # of those, the ones whose bytes came attached
         self._declined: collections.OrderedDict[Key, None] = collections.OrderedDict()
         self._waiters: dict[Key, list[asyncio.Future[None]]] = {}
         self._waiting_for: dict[Key, str] = {}  # request id of each awaited push
@@ -150,7 +153,9 @@ class PushLanding:
             self.parts.arena.free(run)
         self.parts.leases.wake()
 
-    def on_landed(self, peer: PeerState, m: pb.PushLanded) -> None:
+    def on_landed(self, peer: PeerState, m: pb.PushLanded, data: memoryview | None) -> None:
+        """A push landed in our grant, or (``m.attached``) its bytes are ``data``,
+        copied into the run only once the notice is validated."""
         key = (peer.node_id, peer.epoch, int(m.lease_id), int(m.generation))
         gin = self.given.get(peer.node_id)
         slot_size = self.parts.arena.slot_size
@@ -161,6 +166,10 @@ class PushLanding:
             why = "lies outside the push grant"
         elif m.length == 0 or m.length > m.nslots * slot_size:
             why = f"length {m.length} does not fit {m.nslots} slots"
+        elif m.attached and (m.attached != m.length or data is None or len(data) != m.length):
+            # Rode the Peer service, which carries no bytes, or says two lengths.
+            got = 0 if data is None else len(data)
+            why = f"attaches {m.attached} bytes for a length of {m.length}; {got} came"
         elif not gin.used.allocate_at(int(m.slot), int(m.nslots)):
             why = "overlaps a landed lease not yet read"
         if why:
@@ -188,6 +197,10 @@ class PushLanding:
             self._remember(key)
             self._wake(key)
             return
+        if data is not None:
+            seg = self.parts.arena.segments[run.segment]
+            offset = seg.slot_offset(run.slot)
+            seg.mm[offset : offset + len(data)] = data
         try:
             lease = self.parts.leases.crossnode.adopt_push(
                 run,
@@ -205,11 +218,14 @@ class PushLanding:
             return
         self.counts[peer.address].into += 1
         self._landed[key] = lease
+        if data is not None:
+            self._attached.add(key)
         self._wake(key)
 
     def _returned(self, gin: GrantIn, key: Key, run: Run) -> None:
         """A landed lease was freed (read, TTL, abort, drain)."""
         self._landed.pop(key, None)
+        self._attached.discard(key)
         self._remember(key)
         self._give_back(gin, run)
 
@@ -295,7 +311,9 @@ class PushLanding:
         peer = self.parts.links.by_node.get(key[0])
         if peer is not None:
             counts = self.counts[peer.address]
-            if waited:
+            if key in self._attached:
+                counts.reads_attached += 1
+            elif waited:
                 counts.reads_awaited += 1
             else:
                 counts.reads_landed += 1

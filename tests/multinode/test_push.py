@@ -44,7 +44,10 @@ def _pair(
 
 @pytest.fixture
 def nodes(tmp_path: pathlib.Path, request: pytest.FixtureRequest) -> Any:
-    a, b = _pair(tmp_path, getattr(request, "param", {}))
+    """Node A (the writer's) and B; a param is B's environment, or (B's, A's)."""
+    param = getattr(request, "param", {})
+    b_env, a_env = param if isinstance(param, tuple) else (param, None)
+    a, b = _pair(tmp_path, b_env, a_env)
     try:
         yield a, b
     finally:
@@ -90,13 +93,24 @@ def _arenas_and_peers(a: Node, b: Node) -> dict[str, object]:
 
 # Node B with no notice channel: node A's notices to it ride Peer.Notify.
 NO_CHANNEL = {"RELAYD_PEER_NOTICE_PORT": "-1"}
+# Node A writing every push by Mooncake, none attached to its Landed notice.
+NO_ATTACH = {"RELAYD_PUSH_ATTACH_MAX": "0"}
 
 
-@pytest.mark.parametrize("nodes", [{}, NO_CHANNEL], indirect=True, ids=["channel", "notify"])
+@pytest.mark.parametrize(
+    "nodes",
+    [{}, NO_CHANNEL, ({}, NO_ATTACH)],
+    indirect=True,
+    ids=["channel", "notify", "channel-no-attach"],
+)
 def test_puts_to_a_remote_consumer_are_pushed_and_read_locally(nodes: tuple[Node, Node]) -> None:
     a, b = nodes
     sizes = [300_000, MiB, 4 * MiB + 3, 9 * MiB]
     channel = (b.daemon.env or {}).get("RELAYD_PEER_NOTICE_PORT") != "-1"
+    attach = channel and (a.daemon.env or {}).get("RELAYD_PUSH_ATTACH_MAX") != "0"
+    # What the default --push-attach-max (1 MiB) sends after its Landed notice: a
+    # lease holds its header and layout too, so 1 MiB of tensor is more than that.
+    attached = sum(n < MiB for n in sizes) if attach else 0
 
     async def scenario() -> None:
         async with RelayClient("talker", b.daemon.socket) as r:
@@ -115,8 +129,11 @@ def test_puts_to_a_remote_consumer_are_pushed_and_read_locally(nodes: tuple[Node
     assert _count(a, b, "pushes_out") == len(sizes)
     assert _count(a, b, "pushes_declined") == 0
     assert _pulls(b) == 0  # not one pull: every read found its local copy
-    # What each read waited for on the network: nothing, or the push's Landed notice.
-    assert _count(b, a, "reads_landed") + _count(b, a, "reads_awaited") == len(sizes)
+    # What each read waited for on the network: nothing, the push's Landed notice,
+    # or (attached) at most the notice that brought the bytes.
+    assert _count(a, b, "pushes_attached") == attached
+    assert _count(b, a, "reads_attached") == attached
+    assert _count(b, a, "reads_landed") + _count(b, a, "reads_awaited") == len(sizes) - attached
     assert _count(b, a, "reads_pulled") == 0
     # The Landed notices went on node B's notice channel when it has one.
     path = _metric(a.daemon.scrape(), "relayd_peer_notice_channel", peer=b.address)
@@ -238,6 +255,10 @@ def test_hostile_push_notices_are_refused(nodes: tuple[Node, Node]) -> None:
                     pb.PushLanded(lease_id=4, generation=4, grant_id=99, slot=0, nslots=1,
                                   length=10, request_id="h", from_stage="thinker",
                                   to_stage="talker"),
+                    # bytes said to follow it, on a stream that carries none
+                    pb.PushLanded(lease_id=5, generation=5, grant_id=1, slot=0, nslots=1,
+                                  length=10, request_id="h", from_stage="thinker",
+                                  to_stage="talker", attached=10),
                 ]  # fmt: skip
                 stub.Notify(
                     iter([pb.PeerNotices(node_id="node-a", daemon_epoch=epoch, landed=bad)]),
@@ -254,6 +275,7 @@ def test_hostile_push_notices_are_refused(nodes: tuple[Node, Node]) -> None:
     assert "does not fit" in log
     assert "is not served on this node" in log
     assert "names no push grant" in log
+    assert "attaches 10 bytes for a length of 10; 0 came" in log
 
 
 def test_keyed_puts_across_nodes_ride_the_push(nodes: tuple[Node, Node]) -> None:

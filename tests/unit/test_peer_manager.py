@@ -56,6 +56,7 @@ class Node:
         *,
         peers: tuple[str, ...] = (),
         push_grant_size: int = 0,
+        push_attach_max: int = 0,
         peer_credits: int = 4,
         peer_notice_port: int = 0,
     ) -> None:
@@ -70,6 +71,7 @@ class Node:
             peer_timeout=PEER_TIMEOUT,
             peer_credits=peer_credits,
             push_grant_size=push_grant_size,
+            push_attach_max=push_attach_max,
             peer_notice_port=peer_notice_port,
         )
         self.arena = Arena(
@@ -380,7 +382,8 @@ def test_peer_loss_fails_a_pending_pull_and_leaves_nothing_held(tmp_path: pathli
 async def pushing_nodes(
     tmp_path: pathlib.Path, **kw: Any
 ) -> AsyncIterator[tuple[Node, Node, Session]]:
-    """Two nodes with pushes on; A holds B's push grant and knows B serves READER."""
+    """Two nodes with pushes on; A holds B's push grant and knows B serves READER.
+    Pushes are the transport's WRITEs unless ``push_attach_max`` says otherwise."""
     async with two_nodes(tmp_path, push_grant_size=16 * SLOT, **kw) as (a, b):
         reader = b.session(READER)
         await until(lambda: b.address in a.peers.push.out, "A to hold B's push grant")
@@ -409,6 +412,32 @@ def test_a_push_lands_and_the_reader_gets_a_local_lease(tmp_path: pathlib.Path) 
             # The run goes back to A's grant by a (lingering) Freed notice.
             await until(lambda: grant.alloc.free_runs() == [(0, grant.nslots)], "the freed run")
             assert not b.leases.leases and b.arena.used_bytes == given
+
+    run(main())
+
+
+def test_a_small_push_rides_its_landed_notice_and_no_mooncake_write(
+    tmp_path: pathlib.Path,
+) -> None:
+    async def main() -> None:
+        async with pushing_nodes(tmp_path, push_attach_max=4 * SLOT) as (a, b, reader):
+            await until(lambda: a.peers.notifier.has_channel(b.address), "A's notice channel")
+            writer = a.session(WRITER)
+            small, big = os.urandom(2 * SLOT + 5), os.urandom(4 * SLOT + 1)
+            refs = [await a.put(writer, data, push=True) for data in (small, big)]
+            got = [await b.peers.fetch(reader, ref, BOUND) for ref in refs]
+            assert [_sha(b.read(local)) for local in got] == [_sha(small), _sha(big)]
+            assert a.transport.transfers == 1  # the big one only; no pull either
+            assert b.transport.transfers == 0
+            assert a.peers.push.counts[b.address].attached == 1
+            assert b.peers.push.counts[a.address].reads_attached == 1
+            assert b.peers.push.counts[a.address].into == 2
+            assert not a.leases.leases and a.credits_out() == 0
+            for local in got:
+                b.release(reader, local)
+            grant = a.peers.push.out[b.address]
+            await until(lambda: grant.alloc.free_runs() == [(0, grant.nslots)], "freed runs")
+            assert not b.leases.leases
 
     run(main())
 

@@ -645,7 +645,7 @@ class GetBytesResponse(_message.Message):
     def __init__(self, data: _Optional[bytes] = ...) -> None: ...
 
 class PeerStatus(_message.Message):
-    __slots__ = ("address", "node_id", "up", "daemon_epoch", "mooncake_session", "credits_in_use", "credits_capacity", "pulls_in_flight_max", "last_error", "stages", "pushes_out", "pushes_declined", "pushes_in", "push_grant_bytes", "reads_landed", "reads_awaited", "reads_pulled", "pull_phases", "notice_channel", "notice_batches")
+    __slots__ = ("address", "node_id", "up", "daemon_epoch", "mooncake_session", "credits_in_use", "credits_capacity", "pulls_in_flight_max", "last_error", "stages", "pushes_out", "pushes_declined", "pushes_in", "push_grant_bytes", "reads_landed", "reads_awaited", "reads_pulled", "pull_phases", "notice_channel", "notice_batches", "pushes_attached", "reads_attached")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     UP_FIELD_NUMBER: _ClassVar[int]
@@ -666,6 +666,8 @@ class PeerStatus(_message.Message):
     PULL_PHASES_FIELD_NUMBER: _ClassVar[int]
     NOTICE_CHANNEL_FIELD_NUMBER: _ClassVar[int]
     NOTICE_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    PUSHES_ATTACHED_FIELD_NUMBER: _ClassVar[int]
+    READS_ATTACHED_FIELD_NUMBER: _ClassVar[int]
     address: str
     node_id: str
     up: bool
@@ -686,7 +688,9 @@ class PeerStatus(_message.Message):
     pull_phases: int
     notice_channel: bool
     notice_batches: int
-    def __init__(self, address: _Optional[str] = ..., node_id: _Optional[str] = ..., up: _Optional[bool] = ..., daemon_epoch: _Optional[str] = ..., mooncake_session: _Optional[str] = ..., credits_in_use: _Optional[int] = ..., credits_capacity: _Optional[int] = ..., pulls_in_flight_max: _Optional[int] = ..., last_error: _Optional[str] = ..., stages: _Optional[_Iterable[str]] = ..., pushes_out: _Optional[int] = ..., pushes_declined: _Optional[int] = ..., pushes_in: _Optional[int] = ..., push_grant_bytes: _Optional[int] = ..., reads_landed: _Optional[int] = ..., reads_awaited: _Optional[int] = ..., reads_pulled: _Optional[int] = ..., pull_phases: _Optional[int] = ..., notice_channel: _Optional[bool] = ..., notice_batches: _Optional[int] = ...) -> None: ...
+    pushes_attached: int
+    reads_attached: int
+    def __init__(self, address: _Optional[str] = ..., node_id: _Optional[str] = ..., up: _Optional[bool] = ..., daemon_epoch: _Optional[str] = ..., mooncake_session: _Optional[str] = ..., credits_in_use: _Optional[int] = ..., credits_capacity: _Optional[int] = ..., pulls_in_flight_max: _Optional[int] = ..., last_error: _Optional[str] = ..., stages: _Optional[_Iterable[str]] = ..., pushes_out: _Optional[int] = ..., pushes_declined: _Optional[int] = ..., pushes_in: _Optional[int] = ..., push_grant_bytes: _Optional[int] = ..., reads_landed: _Optional[int] = ..., reads_awaited: _Optional[int] = ..., reads_pulled: _Optional[int] = ..., pull_phases: _Optional[int] = ..., notice_channel: _Optional[bool] = ..., notice_batches: _Optional[int] = ..., pushes_attached: _Optional[int] = ..., reads_attached: _Optional[int] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
     __slots__ = ("session_id", "session_token", "data_ref", "timeout_seconds")
@@ -1093,7 +1097,7 @@ class PushGrantResponse(_message.Message):
     def __init__(self, grant_id: _Optional[int] = ..., segment: _Optional[int] = ..., slot: _Optional[int] = ..., nslots: _Optional[int] = ..., daemon_epoch: _Optional[str] = ...) -> None: ...
 
 class PushLanded(_message.Message):
-    __slots__ = ("lease_id", "generation", "grant_id", "slot", "nslots", "length", "request_id", "from_stage", "to_stage")
+    __slots__ = ("lease_id", "generation", "grant_id", "slot", "nslots", "length", "request_id", "from_stage", "to_stage", "attached")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     GRANT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -1103,6 +1107,7 @@ class PushLanded(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FROM_STAGE_FIELD_NUMBER: _ClassVar[int]
     TO_STAGE_FIELD_NUMBER: _ClassVar[int]
+    ATTACHED_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     generation: int
     grant_id: int
@@ -1112,7 +1117,8 @@ class PushLanded(_message.Message):
     request_id: str
     from_stage: str
     to_stage: str
-    def __init__(self, lease_id: _Optional[int] = ..., generation: _Optional[int] = ..., grant_id: _Optional[int] = ..., slot: _Optional[int] = ..., nslots: _Optional[int] = ..., length: _Optional[int] = ..., request_id: _Optional[str] = ..., from_stage: _Optional[str] = ..., to_stage: _Optional[str] = ...) -> None: ...
+    attached: int
+    def __init__(self, lease_id: _Optional[int] = ..., generation: _Optional[int] = ..., grant_id: _Optional[int] = ..., slot: _Optional[int] = ..., nslots: _Optional[int] = ..., length: _Optional[int] = ..., request_id: _Optional[str] = ..., from_stage: _Optional[str] = ..., to_stage: _Optional[str] = ..., attached: _Optional[int] = ...) -> None: ...
 
 class PushDeclined(_message.Message):
     __slots__ = ("lease_id", "generation")
