@@ -16,12 +16,15 @@ Counted per read, in units of one RTT, the DataRef's own one-way trip included:
   ``reads_pulled``: the DataRef (0.5), then the Mooncake phases the pull waited
   for one after the other, as the daemon counts them (``pull_phases``: the data's
   reads, then the slot header's, 1 each). The release notice that follows a pull
-  is not waited for.
+  is not waited for. ``reads_attached``: a push whose bytes rode its Landed
+  notice (no WRITE to acknowledge), which left with the put as the DataRef did:
+  its one-way trip overlaps the DataRef's (0.5), landed or awaited.
 
 Whether a push had landed depends on the link: on this one (an RTT of tens of µs)
 many have landed before the reader asks; at a real network's RTT the Landed
 notice arrives 1 RTT after the DataRef, so such a read may wait for it after all.
-``RT+`` is that bound: every pushed read counted as awaited.
+``RT+`` is that bound: every pushed read counted as awaited (an attached push's
+Landed notice travels with its bytes, so its reads stay at 0.5 in both).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ WRITE_ACK = 1.0  # a Mooncake WRITE and its acknowledgement
 NOTICE_TRIP = 0.5  # a one-way notice between daemons (Landed)
 MOONCAKE_READ = 1.0  # a Mooncake read: request out, data back
 PULL_PHASES = 2  # data, then slot header: for a daemon that does not count pull_phases
-READ_COUNTERS = ("reads_landed", "reads_awaited", "reads_pulled", "pull_phases")
+READ_COUNTERS = ("reads_landed", "reads_awaited", "reads_pulled", "pull_phases", "reads_attached")
 EXTRA_RT = "rt"  # Result.extra key: round trips per read, formatted by fmt_rt
 EXTRA_RT_BOUND = "rt+"  # the same with every pushed read counted as awaited (see above)
 
@@ -47,10 +50,11 @@ class ReadCounts:
     awaited: int = 0
     pulled: int = 0
     pull_phases: int = 0  # Mooncake phases the pulls waited for, in all
+    attached: int = 0  # reads of pushes whose bytes rode the Landed notice
 
     @property
     def total(self) -> int:
-        return self.landed + self.awaited + self.pulled
+        return self.landed + self.awaited + self.pulled + self.attached
 
     def __sub__(self, other: ReadCounts) -> ReadCounts:
         return ReadCounts(
@@ -58,6 +62,7 @@ class ReadCounts:
             self.awaited - other.awaited,
             self.pulled - other.pulled,
             self.pull_phases - other.pull_phases,
+            self.attached - other.attached,
         )
 
 
@@ -78,7 +83,8 @@ def relayd_round_trips(c: ReadCounts, *, landed_as_awaited: bool = False) -> flo
     landed = awaited if landed_as_awaited else DATAREF_TRIP
     phases = c.pull_phases if c.pull_phases or not c.pulled else c.pulled * PULL_PHASES
     pulled = c.pulled * DATAREF_TRIP + phases * MOONCAKE_READ
-    return (c.landed * landed + c.awaited * awaited + pulled) / c.total
+    attached = c.attached * DATAREF_TRIP
+    return (c.landed * landed + c.awaited * awaited + pulled + attached) / c.total
 
 
 def bare_read_round_trips(reads: int, transfers: int) -> float | None:

@@ -30,6 +30,8 @@ KIB = 1 << 10
         (ReadCounts(pulled=4, pull_phases=4), 1.5),  # as the daemon counted: one phase each
         (ReadCounts(pulled=4), 2.5),  # a daemon that does not count phases: two each
         (ReadCounts(landed=1, awaited=2, pulled=1, pull_phases=2), (0.5 + 3.0 + 2.5) / 4),
+        (ReadCounts(attached=4), 0.5),  # bytes and Landed in one trip, beside the DataRef
+        (ReadCounts(awaited=1, attached=3), (1.5 + 3 * 0.5) / 4),
     ],
 )
 def test_relayd_round_trips_weight_each_kind_of_read(counts: ReadCounts, want: float) -> None:
@@ -61,11 +63,11 @@ def test_read_counts_sum_over_peers_and_subtract() -> None:
         {
             "peers": [
                 {"reads_landed": "3", "reads_awaited": "5"},
-                {"reads_pulled": "3", "pull_phases": "2"},
+                {"reads_pulled": "3", "pull_phases": "2", "reads_attached": "4"},
             ]
         }
     )
-    assert after - before == ReadCounts(landed=2, awaited=5, pulled=1, pull_phases=2)
+    assert after - before == ReadCounts(landed=2, awaited=5, pulled=1, pull_phases=2, attached=4)
     assert read_counts({}) == ReadCounts()
 
 
