@@ -179,8 +179,10 @@ def test_quick_netns_counts_round_trips_and_models_latency(tmp_path: Path) -> No
         assert float(r["extra"]["rt"]) >= 0.5  # at least the DataRef's own trip
     assert cells["mooncake-raw"]["extra"]["rt"] == "1.50"  # one read per transfer
     moved = cells["relayd-mooncake"]["warmup"] + cells["relayd-mooncake"]["iterations"]
-    landed, awaited, pulled = map(int, cells["relayd-mooncake"]["extra"]["reads"].split("/"))
-    assert landed + awaited + pulled == moved  # every read counted by the reader's daemon
+    reads = cells["relayd-mooncake"]["extra"]["reads"]
+    landed, awaited, pulled, attached = map(int, reads.split("/"))
+    assert landed + awaited + pulled + attached == moved  # every read counted by its daemon
+    assert attached > 0  # 256 KiB rides the Landed notice once the notice channel is up
     assert float(cells["relayd-mooncake"]["extra"]["rt+"]) >= float(
         cells["relayd-mooncake"]["extra"]["rt"]
     )
