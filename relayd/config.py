@@ -198,12 +198,12 @@ class Settings:
         help="arena each peer may push into ahead of its readers; 0 turns pushes off",
     )
     push_attach_max: int = _field(
-        1 << 20,
+        4 << 20,
         parse=parse_size,
         metavar="SIZE",
         help="pushes up to this size (at most 4MiB) carry their bytes after their Landed "
         "notice on the peer's notice channel instead of a Mooncake WRITE: no round trip; "
-        "0: never",
+        "0: never (with RDMA a WRITE may cost less than the kernel's TCP)",
     )
     mooncake_protocol: str = _field("tcp", metavar="PROTO", help="Mooncake protocol: tcp or rdma")
     mooncake_device: str = _field("", metavar="NICS", help="RDMA NIC allow-list for Mooncake")

@@ -108,9 +108,9 @@ def test_puts_to_a_remote_consumer_are_pushed_and_read_locally(nodes: tuple[Node
     sizes = [300_000, MiB, 4 * MiB + 3, 9 * MiB]
     channel = (b.daemon.env or {}).get("RELAYD_PEER_NOTICE_PORT") != "-1"
     attach = channel and (a.daemon.env or {}).get("RELAYD_PUSH_ATTACH_MAX") != "0"
-    # What the default --push-attach-max (1 MiB) sends after its Landed notice: a
-    # lease holds its header and layout too, so 1 MiB of tensor is more than that.
-    attached = sum(n < MiB for n in sizes) if attach else 0
+    # What the default --push-attach-max (4 MiB) sends after its Landed notice: a
+    # lease holds its header and layout too, so 4 MiB + 3 of tensor is more than that.
+    attached = sum(n < 4 * MiB for n in sizes) if attach else 0
 
     async def scenario() -> None:
         async with RelayClient("talker", b.daemon.socket) as r:
