@@ -19,23 +19,22 @@ The message flow (writer W on node A, reader R on node B)::
     A -> B  Notify{landed: (lease id, generation, run, request, stages)}
     B       validates it and publishes a local lease over the run, keyed by
             (origin node, lease id, generation)
-
-    A push of at most ``--push-attach-max`` bytes skips the WRITE and its
-    acknowledgement: on the peer's notice channel the bytes follow their
-    Landed notice (``attached``), and B copies them into the run once the
-    notice is validated. The reader's wait then overlaps the DataRef's trip
-    entirely: one one-way trip, no round trip.
     R -> B  FetchCall(DataRef) on the session socket: the landed lease, at once;
             not landed yet: waits for the Landed (or Declined) notice
     R -> B  Release (session socket), as for any local lease
     B -> A  Notify{freed: the run} (lingering): A may write that run again
 
+A push of at most ``--push-attach-max`` bytes skips the WRITE and its
+acknowledgement: on the peer's notice channel its bytes follow its Landed
+notice (``attached``), and B copies them into the run once the notice is
+validated (:meth:`PushManager._attach`).
+
 Nothing on the reader's path waits for a network round trip it started: the
-one wait (for the Landed notice) overlaps the DataRef's own trip; after a
-Mooncake WRITE it comes one acknowledgement later, with attached bytes not. The DataRef
-says ``push`` so that B knows to wait rather than pull; a writer's daemon that
-cannot push (no grant, no room, no credit, peer down, abort) says Declined and
-the reader pulls as before. A push is never started twice and a pull is never
+one wait (for the Landed notice) overlaps the DataRef's own trip. After a WRITE
+that notice leaves one acknowledgement late; with attached bytes it leaves with
+the put, as the DataRef does. The DataRef says ``push`` so that B knows to wait
+rather than pull; a writer's daemon that cannot push (no grant, no room, no
+credit, peer down, abort) says Declined and the reader pulls as before. A push is never started twice and a pull is never
 started while a push of the same lease may land: B pulls only after Declined,
 after the peer's loss, or when the peer timeout passed with no word at all.
 
