@@ -178,6 +178,24 @@ def test_attached_bytes_reach_the_handler_with_their_batch_however_they_are_cut(
     run(body)
 
 
+def test_an_answer_and_batches_in_one_write_are_all_taken() -> None:
+    async def body(h: Harness) -> None:
+        reader, writer, nonce = await h.raw()
+        blob = b"\x07" * 100_000
+        writer.write(
+            frame(answer(TOKEN, nonce, _hello()))
+            + frame(_batch(1, attached=(len(blob),)).SerializeToString())
+            + blob
+            + frame(_batch(5).SerializeToString())
+        )
+        assert await reader.readexactly(LENGTH_BYTES) == frame(ACCEPTED)
+        await h.until(lambda: len(h.handled) == 2, "both batches")
+        assert [b.landed[0].lease_id for b in h.handled] == [1, 5]
+        assert h.attached == [[blob], []]
+
+    run(body)
+
+
 @pytest.mark.parametrize(
     "who",
     ["wrong token", "unknown node", "stale epoch"],

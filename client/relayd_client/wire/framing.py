@@ -9,6 +9,7 @@ limit (the daemon refuses the session, a client treats the daemon as gone).
 
 from __future__ import annotations
 
+import mmap
 import struct
 
 from .proto import relay_pb2 as pb
@@ -46,7 +47,7 @@ def encode_frame(frame: pb.SessionFrame) -> bytes:
     return FRAME_LENGTH.pack(len(body)) + body
 
 
-def frame_length(buf: bytes | bytearray | memoryview, pos: int = 0) -> int:
+def frame_length(buf: bytes | bytearray | memoryview | mmap.mmap, pos: int = 0) -> int:
     """The body length announced by the prefix at ``buf[pos:pos + LENGTH_BYTES]``."""
     (n,) = FRAME_LENGTH.unpack_from(buf, pos)
     return int(n)
