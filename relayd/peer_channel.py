@@ -122,9 +122,9 @@ class NoticeListener:
 
 class _Inbound(asyncio.BufferedProtocol):
     """One connection to the listener. It reads into a buffer of its own, kept for the
-    connection's life: a buffer that grew and shrank with each frame (as a
-    ``bytes`` join does) gave its pages back to the kernel and faulted them in
-    again on every push, a sixth of the reader's daemon's time at 256 KiB."""
+    connection's life: a ``bytearray`` appended to and cut from the front with
+    each frame gave its pages back to the kernel and faulted them in again on
+    every push, a sixth of the reader's daemon's loop at 256 KiB."""
 
     def __init__(self, listener: NoticeListener) -> None:
         self.listener = listener

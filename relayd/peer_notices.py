@@ -130,21 +130,26 @@ class PeerNotifier:
 
     def can_attach(self, address: str, nbytes: int) -> bool:
         """Whether :meth:`send_attached` of ``nbytes`` to ``address`` would go now."""
+        return self._attach_link(address, nbytes) is not None
+
+    def _attach_link(self, address: str, nbytes: int) -> NoticeLink | None:
         link = self._channels.get(address)
-        return (
-            link is not None
-            and link.alive
-            and nbytes <= MAX_ATTACHED
-            and link.backlog + nbytes <= ATTACH_BACKLOG_MAX
-        )
+        if (
+            link is None
+            or not link.alive
+            or nbytes > MAX_ATTACHED
+            or link.backlog + nbytes > ATTACH_BACKLOG_MAX
+        ):
+            return None
+        return link
 
     def send_attached(self, address: str, landed: pb.PushLanded, data: bytes) -> bool:
         """One Landed notice with its push's bytes right after it, on ``address``'s
         notice channel, now; False (and nothing sent) when they cannot go there."""
-        link = self._channels.get(address)
-        if link is None or not self.can_attach(address, len(data)):
+        link = self._attach_link(address, len(data))
+        if link is None:
             return False
-        batch = pb.PeerNotices(node_id=self._links.settings.node_id, daemon_epoch=self._links.epoch)
+        batch = self._stamped(pb.PeerNotices())
         batch.landed.append(landed)
         if not link.send(batch, (data,)):
             self._channel_closed(address)
@@ -220,6 +225,12 @@ class PeerNotifier:
             if not ob.busy:
                 self._start(address, ob)
 
+    def _stamped(self, batch: pb.PeerNotices) -> pb.PeerNotices:
+        """``batch``, saying which node and epoch it comes from."""
+        batch.node_id = self._links.settings.node_id
+        batch.daemon_epoch = self._links.epoch
+        return batch
+
     def _channel_sent(self, address: str) -> None:
         self._channel_batches[address] = self._channel_batches.get(address, 0) + 1
 
@@ -233,8 +244,7 @@ class PeerNotifier:
         if not ob.count:
             return
         batch, ob.pending, ob.count = ob.pending, pb.PeerNotices(), 0
-        batch.node_id = self._links.settings.node_id
-        batch.daemon_epoch = self._links.epoch
+        self._stamped(batch)
         link = self._channels.get(address)
         if link is not None:
             if link.send(batch):

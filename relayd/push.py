@@ -260,11 +260,9 @@ class PushManager:
         notifier = self.parts.notifier
         if nbytes > self.settings.push_attach_max or not notifier.can_attach(address, nbytes):
             return False
-        seg = self.parts.arena.segments[lease.run.segment]
-        offset = seg.slot_offset(lease.run.slot)
         # A copy, not a view: the channel may hold what the kernel did not take
         # yet, and W's slots are reused as soon as the lease goes.
-        data = seg.mm[offset : offset + nbytes]
+        data = self.parts.arena.read(lease.run, nbytes)
         if not notifier.send_attached(address, self._notice(out, lease, start, nbytes), data):
             return False
         self.parts.leases.crossnode.free_pushed(lease)  # held since the publish: live

@@ -198,9 +198,7 @@ class PushLanding:
             self._wake(key)
             return
         if data is not None:
-            seg = self.parts.arena.segments[run.segment]
-            offset = seg.slot_offset(run.slot)
-            seg.mm[offset : offset + len(data)] = data
+            self.parts.arena.write(run, data)
         try:
             lease = self.parts.leases.crossnode.adopt_push(
                 run,

@@ -199,6 +199,18 @@ class Arena:
     def header(self, segment: int, slot: int) -> tuple[int, int]:
         return self.segments[segment].read_header(slot)
 
+    def read(self, run: Run, nbytes: int) -> bytes:
+        """A copy of the first ``nbytes`` of ``run``'s data."""
+        seg = self.segments[run.segment]
+        start = seg.slot_offset(run.slot)
+        return seg.mm[start : start + nbytes]
+
+    def write(self, run: Run, data: bytes | memoryview) -> None:
+        """Copy ``data`` to the start of ``run``'s data (the caller checked it fits)."""
+        seg = self.segments[run.segment]
+        start = seg.slot_offset(run.slot)
+        seg.mm[start : start + len(data)] = data
+
     # -- lifetime -------------------------------------------------------------
 
     def close(self) -> None:

@@ -259,11 +259,9 @@ class LeaseManager:
             raise AbortedError(f"request {request_id!r} was aborted")
         grant = await self.grant(session, max(len(data), 1), timeout)
         run = grant.run
-        seg = self.arena.segments[run.segment]
         lease_id = grant.first_lease_id()
-        start = seg.slot_offset(run.slot)
-        seg.mm[start : start + len(data)] = data
-        seg.write_header(run.slot, lease_id, len(data))
+        self.arena.write(run, data)
+        self.arena.segments[run.segment].write_header(run.slot, lease_id, len(data))
         nslots = slots_for(len(data), self.slot_size)
         self.table.on_reserve(
             session,
@@ -315,9 +313,7 @@ class LeaseManager:
         if lease.to_stage not in session.stages:
             raise PermissionDeniedError(f"lease is addressed to stage {lease.to_stage!r}")
         self.table.claim(session, lease.id, lease.generation)
-        seg = self.arena.segments[lease.run.segment]
-        start = seg.slot_offset(lease.run.slot)
-        data = bytes(seg.mm[start : start + lease.nbytes])
+        data = self.arena.read(lease.run, lease.nbytes)
         self.table.release(session, lease.id, lease.generation)
         self.flush()
         return data
