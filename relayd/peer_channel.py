@@ -34,8 +34,13 @@ Contract:
   frame and outside any frame, by those pushes' bytes, in the order of the
   notices: the bytes of a small push travel with the notice that publishes
   them (see :mod:`relayd.push`). At most :data:`MAX_ATTACHED` bytes follow
-  one batch; the batch is handled once they have all arrived, each notice
-  with a view of its own bytes (valid only during the call).
+  one batch. Once its frame is read, the listener asks where each notice's
+  bytes go (``place``) and reads them straight there: the daemon places them
+  in the arena run the notice names, so they cross no buffer of ours. The
+  batch is handled once they have all arrived, each notice with its view
+  (valid only during the call); then ``release`` gets the views back, also
+  when the connection ends before they were filled (the batch then is never
+  handled).
 * Nothing is acknowledged. A connection that fails loses what it carried, as a
   failed ``Notify`` write does, and each kind of notice has its fallback (see
   :mod:`relayd.peer_notices`); a sender whose unsent bytes pass
@@ -83,23 +88,44 @@ def frame(body: bytes) -> bytes:
     return FRAME_LENGTH.pack(len(body)) + body
 
 
+# Bytes asked of the kernel at a time between frames: what follows a batch's
+# frame is read into its places, not here, save what one read takes along.
+READ_WINDOW = 64 << 10
+
 Handler = Callable[[pb.PeerNotices, Sequence[memoryview]], object]
+Placer = Callable[[pb.PeerNotices], list[memoryview]]
+Releaser = Callable[[Sequence[memoryview]], None]
+
+
+def scratch(batch: pb.PeerNotices) -> list[memoryview]:
+    """Fresh memory for each attached notice's bytes: a listener's default places."""
+    return [memoryview(bytearray(landed.attached)) for landed in batch.landed if landed.attached]
+
+
+def _nothing(views: Sequence[memoryview]) -> None:
+    pass
 
 
 class NoticeListener:
     """The listening side; ``accept(node_id, epoch)`` says whether that peer is up
     here, ``handle(batch, attached)`` applies a batch and the bytes that followed
-    it (raising refuses it)."""
+    it (raising refuses it). ``place(batch)``: one writable view per Landed notice
+    that attaches bytes, in order, each exactly as long, to read them into;
+    ``release(views)`` takes them back after the batch is handled or abandoned."""
 
     def __init__(
         self,
         token: bytes,
         accept: Callable[[str, str], bool],
         handle: Handler,
+        place: Placer = scratch,
+        release: Releaser = _nothing,
     ) -> None:
         self.token = token
         self.accept = accept
         self.handle = handle
+        self.place = place
+        self.release = release
         self.pending = 0
         self.conns: set[_Inbound] = set()
         self.by_node: dict[str, _Inbound] = {}
@@ -121,10 +147,11 @@ class NoticeListener:
 
 
 class _Inbound(asyncio.BufferedProtocol):
-    """One connection to the listener. It reads into a buffer of its own, kept for the
-    connection's life: a ``bytearray`` appended to and cut from the front with
-    each frame gave its pages back to the kernel and faulted them in again on
-    every push, a sixth of the reader's daemon's loop at 256 KiB."""
+    """One connection to the listener. Frames are read into a buffer of its own, kept
+    for the connection's life: a ``bytearray`` appended to and cut from the front
+    with each frame gave its pages back to the kernel and faulted them in again
+    on every push, a sixth of the reader's daemon's loop at 256 KiB. A batch's
+    attached bytes are read into the places the listener's ``place`` gave."""
 
     def __init__(self, listener: NoticeListener) -> None:
         self.listener = listener
@@ -133,14 +160,18 @@ class _Inbound(asyncio.BufferedProtocol):
         self.node = ""
         self.epoch = ""
         # Unread bytes are buf[start:end]; the buffer holds the largest hello
-        # until the peer has answered, then the largest batch and its bytes.
+        # until the peer has answered, then the largest batch.
         self.buf: bytearray | mmap.mmap = bytearray(LENGTH_BYTES + MAX_HELLO)
         self.start = self.end = 0
         self.timer: asyncio.TimerHandle | None = None
         self.counted = False
-        # A batch read whose attached bytes are still on their way, and how many.
+        # A batch read whose attached bytes are still on their way, how many,
+        # where they go, which place is being filled and how far.
         self.batch: pb.PeerNotices | None = None
         self.attached = 0
+        self.places: list[memoryview] = []
+        self.place_index = self.place_filled = 0
+        self.into_place = False  # the last get_buffer handed out a place
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass
@@ -157,6 +188,9 @@ class _Inbound(asyncio.BufferedProtocol):
         self.transport.write(frame(self.nonce))
 
     def get_buffer(self, sizehint: int) -> memoryview:
+        if self.batch is not None:  # nothing buffered: straight into the place
+            self.into_place = True
+            return self.places[self.place_index][self.place_filled :]
         buf = self.buf
         if self.end == len(buf) and self.start:
             # What is unread moves to the front (the rest of one frame at most).
@@ -166,12 +200,23 @@ class _Inbound(asyncio.BufferedProtocol):
         if self.end == len(buf):  # a full buffer holds more than any frame may
             self.drop("a frame larger than its bounds")
             return memoryview(bytearray(1))  # read into nothing: the connection is closed
-        return memoryview(buf)[self.end :]
+        return memoryview(buf)[self.end : self.end + READ_WINDOW]
 
     def buffer_updated(self, nbytes: int) -> None:
-        self.end += nbytes
+        if self.into_place:
+            self.into_place = False
+            self.place_filled += nbytes
+        else:
+            self.end += nbytes
         try:
-            while self.end - self.start >= LENGTH_BYTES and self.transport is not None:
+            while self.transport is not None:
+                if self.batch is not None:
+                    if not self.fill_places():
+                        break
+                    self.finish()
+                    continue
+                if self.end - self.start < LENGTH_BYTES:
+                    break
                 buf, pos = self.buf, self.start  # an answer swaps the buffer
                 n = frame_length(buf, pos)
                 limit = MAX_FRAME if self.node else MAX_HELLO
@@ -185,13 +230,12 @@ class _Inbound(asyncio.BufferedProtocol):
                     self.start = end
                     self.on_answer(bytes(buf[pos + LENGTH_BYTES : end]))
                     continue
-                if self.batch is None:  # parsed once, however many reads its bytes take
-                    self.batch = self.parse(bytes(buf[pos + LENGTH_BYTES : end]))
-                if self.end - end < self.attached:
-                    break
-                batch, self.batch = self.batch, None
-                self.start = end + self.attached
-                self.on_notices(batch, buf, end)
+                batch = self.parse(bytes(buf[pos + LENGTH_BYTES : end]))
+                self.start = end
+                if self.attached:
+                    self.await_attached(batch)
+                else:
+                    self.listener.handle(batch, ())
         except Exception as exc:  # a bad frame (or a bug) ends this connection only
             self.drop(f"{type(exc).__name__}: {exc}")
             return
@@ -213,10 +257,10 @@ class _Inbound(asyncio.BufferedProtocol):
             return
         self._uncount()
         self.node, self.epoch = hello.node_id, hello.daemon_epoch
-        # Room for the largest batch and the bytes it may bring, for good: a new
-        # buffer, since the loop may still hold a view of the small one. Anonymous
-        # memory: only the pages the biggest batch so far touched are resident.
-        big = mmap.mmap(-1, LENGTH_BYTES + MAX_FRAME + MAX_ATTACHED)
+        # Room for the largest batch, for good: a new buffer, since the loop may
+        # still hold a view of the small one. Anonymous memory: only the pages
+        # the biggest batch so far touched are resident.
+        big = mmap.mmap(-1, LENGTH_BYTES + MAX_FRAME)
         unread = self.end - self.start
         big[:unread] = self.buf[self.start : self.end]
         self.buf, self.start, self.end = big, 0, unread
@@ -238,20 +282,49 @@ class _Inbound(asyncio.BufferedProtocol):
             raise ValueError(f"{self.attached} bytes attached to a batch (at most {MAX_ATTACHED})")
         return batch
 
-    def on_notices(self, batch: pb.PeerNotices, buf: bytearray | mmap.mmap, start: int) -> None:
-        """Handle ``batch`` with views of its attached bytes, at ``start`` in ``buf``."""
-        views: list[memoryview] = []
-        with memoryview(buf) as whole:
-            at = start
-            try:
-                for landed in batch.landed:
-                    if landed.attached:
-                        views.append(whole[at : at + landed.attached])
-                        at += landed.attached
-                self.listener.handle(batch, views)
-            finally:
-                for view in views:
-                    view.release()  # before the buffer moves on
+    def await_attached(self, batch: pb.PeerNotices) -> None:
+        """Ask where ``batch``'s attached bytes go; they are read there next."""
+        places = self.listener.place(batch)
+        want = [int(landed.attached) for landed in batch.landed if landed.attached]
+        if [len(view) for view in places] != want or any(view.readonly for view in places):
+            self.give_back(places)
+            raise ValueError(f"places of {[len(v) for v in places]} bytes for {want} attached")
+        self.batch, self.places = batch, places
+        self.place_index = self.place_filled = 0
+
+    def fill_places(self) -> bool:
+        """Move what the frame's read took along into the places; True once all are full."""
+        places = self.places
+        while self.place_index < len(places):
+            place = places[self.place_index]
+            if self.place_filled == len(place):
+                self.place_index += 1
+                self.place_filled = 0
+                continue
+            n = min(len(place) - self.place_filled, self.end - self.start)
+            if n == 0:
+                return False
+            place[self.place_filled : self.place_filled + n] = self.buf[self.start : self.start + n]
+            self.place_filled += n
+            self.start += n
+        return True
+
+    def finish(self) -> None:
+        """All of the batch's bytes are in: handle it, then give its places back."""
+        batch, places = self.batch, self.places
+        self.batch, self.places = None, []
+        assert batch is not None
+        try:
+            self.listener.handle(batch, places)
+        finally:
+            self.give_back(places)
+
+    def give_back(self, places: list[memoryview]) -> None:
+        try:
+            self.listener.release(places)
+        finally:
+            for view in places:
+                view.release()
 
     def drop(self, why: str, level: int = logging.WARNING) -> None:
         if self.transport is None:
@@ -282,7 +355,12 @@ class _Inbound(asyncio.BufferedProtocol):
         self.transport = None
         self.buf = bytearray()  # the connection's memory goes with it
         self.start = self.end = 0
-        self.batch, self.attached = None, 0
+        places, self.batch, self.places, self.attached = self.places, None, [], 0
+        if places:  # abandoned before its bytes all came: never handled
+            try:
+                self.give_back(places)
+            except Exception:  # the connection is gone either way
+                log.exception("giving back the places of an unfinished batch")
         if self.node and self.listener.by_node.get(self.node) is self:
             del self.listener.by_node[self.node]
 

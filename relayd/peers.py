@@ -143,7 +143,8 @@ class PeerManager:
             peer = links.by_node.get(node_id)
             return peer is not None and peer.up and peer.epoch == epoch
 
-        listener = NoticeListener(links.token, accept, self.push.on_notices)
+        push = self.push
+        listener = NoticeListener(links.token, accept, push.on_notices, push.place, push.unplace)
         host, _ = split_address(self.settings.peer_address)
         try:
             self.notice_port = await listener.start(host, self.settings.peer_notice_port)

@@ -327,12 +327,27 @@ class PushManager:
 
     # -- notices from peers -------------------------------------------------------------
 
+    def place(self, n: pb.PeerNotices) -> list[memoryview]:
+        """Where the notice channel reads the bytes attached to ``n``'s Landed
+        notices, in their order (see :meth:`PushLanding.place`)."""
+        peer = self._sender(n)
+        return [self.landing.place(peer, m) for m in n.landed if m.attached]
+
+    def unplace(self, views: Sequence[memoryview]) -> None:
+        self.landing.unplace(views)
+
+    def _sender(self, n: pb.PeerNotices) -> PeerState | None:
+        peer = self.parts.links.by_node.get(n.node_id)
+        if peer is None or not peer.up or peer.epoch != n.daemon_epoch:
+            return None
+        return peer
+
     def on_notices(self, n: pb.PeerNotices, attached: Sequence[memoryview] = ()) -> int:
         """A batch from a peer, with the bytes attached to its Landed notices in their
         order (only on the notice channel): validated piece by piece; returns how
         many pulled leases it released here."""
-        peer = self.parts.links.by_node.get(n.node_id)
-        if peer is None or not peer.up or peer.epoch != n.daemon_epoch:
+        peer = self._sender(n)
+        if peer is None:
             raise PermissionDeniedError(
                 f"notices from node {n.node_id!r} epoch {n.daemon_epoch!r}, not a connected peer"
             )

@@ -17,6 +17,7 @@ import collections
 import dataclasses
 import functools
 import logging
+from collections.abc import Sequence
 
 from relayd_client.wire.dataref import MAX_NAME
 from relayd_client.wire.errors import (
@@ -84,6 +85,9 @@ class PushLanding:
         self._declined: collections.OrderedDict[Key, None] = collections.OrderedDict()
         self._waiters: dict[Key, list[asyncio.Future[None]]] = {}
         self._waiting_for: dict[Key, str] = {}  # request id of each awaited push
+        # Runs taken for attached bytes being read straight into them, by the
+        # id() of the view they are read through (held here, so ids stay unique).
+        self._placed: dict[int, tuple[memoryview, GrantIn, Run]] = {}
 
     def peer_lost(self, node: str) -> None:
         """Whatever the lost peer ``node`` was given is void; readers waiting on it stop."""
@@ -153,34 +157,66 @@ class PushLanding:
             self.parts.arena.free(run)
         self.parts.leases.wake()
 
-    def on_landed(self, peer: PeerState, m: pb.PushLanded, data: memoryview | None) -> None:
-        """A push landed in our grant, or (``m.attached``) its bytes are ``data``,
-        copied into the run only once the notice is validated."""
-        key = (peer.node_id, peer.epoch, int(m.lease_id), int(m.generation))
+    def place(self, peer: PeerState | None, m: pb.PushLanded) -> memoryview:
+        """Where the ``m.attached`` bytes following Landed notice ``m`` are read: the
+        run of our grant it names, taken for it if the checks that need no bytes
+        pass (those :meth:`on_landed` makes first), so they cross no buffer; else
+        fresh memory, and :meth:`on_landed` refuses it and says why."""
+        taken = None if peer is None else self._take_run(peer, m, int(m.attached))
+        if not isinstance(taken, tuple):
+            return memoryview(bytearray(m.attached))
+        gin, run = taken
+        view = self.parts.arena.view(run, int(m.attached))
+        self._placed[id(view)] = (view, gin, run)
+        return view
+
+    def unplace(self, views: Sequence[memoryview]) -> None:
+        """The channel is done with these places: runs still taken go back."""
+        for view in views:
+            placed = self._placed.pop(id(view), None)
+            if placed is not None:
+                self._give_back(placed[1], placed[2])
+
+    def _take_run(self, peer: PeerState, m: pb.PushLanded, got: int) -> tuple[GrantIn, Run] | str:
+        """The run of our grant that Landed notice ``m`` names, taken for it (``got``:
+        the bytes that came with it); or why not."""
         gin = self.given.get(peer.node_id)
-        slot_size = self.parts.arena.slot_size
-        why = ""
         if gin is None or gin.retired or m.grant_id != gin.grant_id:
-            why = "names no push grant of ours"
-        elif m.nslots == 0 or m.slot + m.nslots > gin.run.nslots:
-            why = "lies outside the push grant"
-        elif m.length == 0 or m.length > m.nslots * slot_size:
-            why = f"length {m.length} does not fit {m.nslots} slots"
-        elif m.attached and (m.attached != m.length or data is None or len(data) != m.length):
+            return "names no push grant of ours"
+        if m.nslots == 0 or m.slot + m.nslots > gin.run.nslots:
+            return "lies outside the push grant"
+        if m.length == 0 or m.length > m.nslots * self.parts.arena.slot_size:
+            return f"length {m.length} does not fit {m.nslots} slots"
+        if m.attached and (m.attached != m.length or got != m.length):
             # Rode the Peer service, which carries no bytes, or says two lengths.
-            got = 0 if data is None else len(data)
-            why = f"attaches {m.attached} bytes for a length of {m.length}; {got} came"
-        elif not gin.used.allocate_at(int(m.slot), int(m.nslots)):
-            why = "overlaps a landed lease not yet read"
-        if why:
+            return f"attaches {m.attached} bytes for a length of {m.length}; {got} came"
+        if not gin.used.allocate_at(int(m.slot), int(m.nslots)):
+            return "overlaps a landed lease not yet read"
+        return gin, Run(gin.run.segment, gin.run.slot + int(m.slot), int(m.nslots), gin.run.pool)
+
+    def on_landed(self, peer: PeerState, m: pb.PushLanded, data: memoryview | None) -> None:
+        """A push landed in our grant, or (``m.attached``) its bytes are ``data``:
+        read into the run by :meth:`place`, or copied there once the notice is
+        validated."""
+        key = (peer.node_id, peer.epoch, int(m.lease_id), int(m.generation))
+        placed = None if data is None else self._placed.pop(id(data), None)
+        copy = None if placed is not None else data  # else the bytes are in the run
+        taken: tuple[GrantIn, Run] | str
+        if placed is None:
+            taken = self._take_run(peer, m, 0 if data is None else len(data))
+        elif placed[1].retired:  # the peer was lost while its bytes came
+            self._give_back(placed[1], placed[2])
+            taken = "names no push grant of ours"
+        else:
+            taken = placed[1], placed[2]
+        if not isinstance(taken, tuple):
             log.warning(
-                "peer %s: landed push of lease %d %s; ignored", peer.address, m.lease_id, why
+                "peer %s: landed push of lease %d %s; ignored", peer.address, m.lease_id, taken
             )
             self._remember(key)
             self._wake(key)
             return
-        assert gin is not None
-        run = Run(gin.run.segment, gin.run.slot + int(m.slot), int(m.nslots), gin.run.pool)
+        gin, run = taken
         refuse = ""
         req = self.parts.leases.requests.get(m.request_id)
         if key in self._landed or key in self._declined:
@@ -197,8 +233,8 @@ class PushLanding:
             self._remember(key)
             self._wake(key)
             return
-        if data is not None:
-            self.parts.arena.write(run, data)
+        if copy is not None:
+            self.parts.arena.write(run, copy)
         try:
             lease = self.parts.leases.crossnode.adopt_push(
                 run,

@@ -205,6 +205,13 @@ class Arena:
         start = seg.slot_offset(run.slot)
         return seg.mm[start : start + nbytes]
 
+    def view(self, run: Run, nbytes: int) -> memoryview:
+        """A writable view of the first ``nbytes`` of ``run``'s data; release it
+        before the arena closes."""
+        seg = self.segments[run.segment]
+        start = seg.slot_offset(run.slot)
+        return memoryview(seg.mm)[start : start + nbytes]
+
     def write(self, run: Run, data: bytes | memoryview) -> None:
         """Copy ``data`` to the start of ``run``'s data (the caller checked it fits)."""
         seg = self.segments[run.segment]

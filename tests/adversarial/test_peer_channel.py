@@ -51,8 +51,15 @@ class Harness:
         self.up: set[tuple[str, str]] = {(NODE, EPOCH)}
         self.handled: list[pb.PeerNotices] = []
         self.attached: list[list[bytes]] = []  # each batch's attached bytes, copied
+        self.places: list[memoryview] = []  # the last batch's, as placed
+        self.placed = self.given_back = 0  # places handed out and given back
+        self.short_places = False  # place one byte too few (a placer's bug)
         self.listener = NoticeListener(
-            TOKEN, lambda node, epoch: (node, epoch) in self.up, self.handle
+            TOKEN,
+            lambda node, epoch: (node, epoch) in self.up,
+            self.handle,
+            self.place,
+            self.release,
         )
         self.port = 0
         self.links: list[NoticeLink] = []
@@ -64,6 +71,20 @@ class Harness:
     def handle(self, batch: pb.PeerNotices, attached: Sequence[memoryview]) -> None:
         self.handled.append(batch)
         self.attached.append([bytes(view) for view in attached])
+        if attached:  # read into the places given, not copied from elsewhere
+            assert len(attached) == len(self.places)
+            assert all(got is placed for got, placed in zip(attached, self.places, strict=True))
+
+    def place(self, batch: pb.PeerNotices) -> list[memoryview]:
+        views = peer_channel.scratch(batch)
+        if self.short_places:
+            views = [view[:-1] for view in views]
+        self.places = views
+        self.placed += len(views)
+        return views
+
+    def release(self, views: Sequence[memoryview]) -> None:
+        self.given_back += len(views)
 
     async def dial(self, node: str = NODE, epoch: str = EPOCH, token: bytes = TOKEN) -> NoticeLink:
         link = await NoticeLink.open("127.0.0.1", self.port, token, _hello(node, epoch), WAIT_S)
@@ -174,6 +195,7 @@ def test_attached_bytes_reach_the_handler_with_their_batch_however_they_are_cut(
             assert first == blobs and second == []
         assert [b.landed[0].lease_id for b in h.handled] == [1, 9, 1, 9]
         assert h.listener.refused == 0
+        assert h.placed == h.given_back == 2 * len(sizes)
 
     run(body)
 
@@ -192,6 +214,29 @@ def test_an_answer_and_batches_in_one_write_are_all_taken() -> None:
         await h.until(lambda: len(h.handled) == 2, "both batches")
         assert [b.landed[0].lease_id for b in h.handled] == [1, 5]
         assert h.attached == [[blob], []]
+
+    run(body)
+
+
+@pytest.mark.parametrize("cut", ["peer closes mid-bytes", "places of the wrong size"])
+def test_a_batch_whose_bytes_do_not_all_land_gives_its_places_back_unhandled(cut: str) -> None:
+    """Whatever ends a batch before its bytes are all in (the connection, or a
+    placer's bug, which closes it), its places go back and it is never handled."""
+    blob = b"\x05" * 50_000
+
+    async def body(h: Harness) -> None:
+        h.short_places = cut == "places of the wrong size"
+        reader, writer, nonce = await h.raw()
+        writer.write(frame(answer(TOKEN, nonce, _hello())))
+        assert await reader.readexactly(LENGTH_BYTES) == frame(ACCEPTED)
+        writer.write(frame(_batch(1, attached=(len(blob), 10)).SerializeToString()) + blob[:999])
+        await writer.drain()
+        await h.until(lambda: h.placed == 2, "the batch's places")
+        if not h.short_places:
+            writer.transport.abort()
+        await h.until(lambda: h.given_back == 2, "the places back")
+        assert h.handled == [] and await _closed(reader)
+        await h.honest_batch_arrives(3)
 
     run(body)
 

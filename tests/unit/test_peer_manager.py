@@ -28,7 +28,7 @@ from relayd_client.wire.shm import SHM_POOL
 from relayd.config import Settings
 from relayd.peer_context import PeerHooks
 from relayd.peers import PeerManager
-from relayd.pools.arena import Arena
+from relayd.pools.arena import Arena, Run
 from relayd.pools.leases import LeaseManager
 from relayd.pools.sessions import Session
 from relayd.push_landing import QUARANTINE_TIMEOUTS
@@ -438,6 +438,44 @@ def test_a_small_push_rides_its_landed_notice_and_no_mooncake_write(
             grant = a.peers.push.out[b.address]
             await until(lambda: grant.alloc.free_runs() == [(0, grant.nslots)], "freed runs")
             assert not b.leases.leases
+
+    run(main())
+
+
+def test_attached_bytes_are_placed_in_the_run_their_notice_names_and_nowhere_shared(
+    tmp_path: pathlib.Path,
+) -> None:
+    """B reads a notice's attached bytes straight into the run of A's grant that it
+    names, taken for it first; a notice that overlaps it, or names no grant of
+    A's, gets memory of its own; a place the channel gives back unfilled returns
+    its run to A's grant."""
+
+    async def main() -> None:
+        async with pushing_nodes(tmp_path) as (a, b, _reader):
+            landing = b.peers.push.landing
+            peer = b.peers.links.by_node[a.settings.node_id]
+            gin = landing.given[a.settings.node_id]
+            length = SLOT + 7
+
+            def landed(slot: int, grant_id: int = gin.grant_id) -> pb.PushLanded:
+                return pb.PushLanded(
+                    lease_id=slot + 1, generation=1, grant_id=grant_id, slot=slot, nslots=2,
+                    length=length, attached=length, request_id="r", to_stage=READER,
+                )  # fmt: skip
+
+            place = landing.place(peer, landed(0))
+            overlapping = landing.place(peer, landed(1))
+            foreign = landing.place(peer, landed(4, grant_id=gin.grant_id + 1))
+            data = os.urandom(length)
+            place[:] = data
+            overlapping[:] = foreign[:] = bytes(length)
+            run = Run(gin.run.segment, gin.run.slot, 2, gin.run.pool)
+            assert b.arena.read(run, length) == data  # the place is the run itself
+            assert gin.used.free_runs() == [(2, gin.run.nslots - 2)]  # taken once
+            landing.unplace([place, overlapping, foreign])
+            assert gin.used.free_runs() == [(0, gin.run.nslots)]
+            for view in (place, overlapping, foreign):
+                view.release()
 
     run(main())
 
