@@ -54,6 +54,7 @@ import hashlib
 import hmac
 import logging
 import mmap
+import os
 import secrets
 from collections.abc import Callable, Sequence
 from typing import cast
@@ -373,6 +374,7 @@ class NoticeLink:
         # when it closed (a stream keeps its transport open after EOF).
         self._reader = reader
         self._writer = writer
+        self._fd: int = writer.get_extra_info("socket").fileno()
 
     @classmethod
     async def open(
@@ -406,18 +408,35 @@ class NoticeLink:
         """Bytes queued here, not yet taken by the kernel."""
         return self._writer.transport.get_write_buffer_size()
 
-    def send(self, batch: pb.PeerNotices, attached: Sequence[bytes] = ()) -> bool:
+    def send(self, batch: pb.PeerNotices, attached: Sequence[bytes | memoryview] = ()) -> bool:
         """Queue one batch and the bytes its Landed notices attach, in their order;
-        False (and the connection closed) when it cannot go."""
+        False (and the connection closed) when it cannot go. ``attached`` may lie
+        in memory reused as soon as this returns: what the kernel does not take
+        at once is copied."""
         transport = self._writer.transport
         if not self.alive or transport.get_write_buffer_size() > MAX_BUFFERED:
             transport.abort()
             return False
-        # One write each, not writelines: before 3.12 that joins them into one
-        # more copy of every attached byte; write() sends straight from each.
-        transport.write(frame(batch.SerializeToString()))
-        for data in attached:
-            transport.write(data)
+        parts = [frame(batch.SerializeToString()), *attached]
+        sent = 0
+        if transport.get_write_buffer_size() == 0:
+            # Nothing queued, so nothing to overtake: the kernel takes them from
+            # where they lie, in one call. The transport's writelines joins them
+            # into one more copy first (before 3.12), and a transport may keep a
+            # view it was given. Its socket is open while it is not closing.
+            try:
+                sent = os.writev(self._fd, parts)
+            except (BlockingIOError, InterruptedError):
+                pass
+            except OSError:
+                transport.abort()
+                return False
+        for part in parts:
+            if sent >= len(part):
+                sent -= len(part)
+                continue
+            transport.write(bytes(part[sent:]))  # a copy, queued behind what went
+            sent = 0
         return True
 
     def close(self) -> None:

@@ -143,9 +143,10 @@ class PeerNotifier:
             return None
         return link
 
-    def send_attached(self, address: str, landed: pb.PushLanded, data: bytes) -> bool:
+    def send_attached(self, address: str, landed: pb.PushLanded, data: bytes | memoryview) -> bool:
         """One Landed notice with its push's bytes right after it, on ``address``'s
-        notice channel, now; False (and nothing sent) when they cannot go there."""
+        notice channel, now (``data`` may be reused once this returns); False (and
+        nothing sent) when they cannot go there."""
         link = self._attach_link(address, len(data))
         if link is None:
             return False

@@ -260,10 +260,14 @@ class PushManager:
         notifier = self.parts.notifier
         if nbytes > self.settings.push_attach_max or not notifier.can_attach(address, nbytes):
             return False
-        # A copy, not a view: the channel may hold what the kernel did not take
-        # yet, and W's slots are reused as soon as the lease goes.
-        data = self.parts.arena.read(lease.run, nbytes)
-        if not notifier.send_attached(address, self._notice(out, lease, start, nbytes), data):
+        # Straight from W's run: the channel copies what the kernel does not take
+        # at once, so the run may be reused as soon as the lease goes.
+        data = self.parts.arena.view(lease.run, nbytes)
+        try:
+            sent = notifier.send_attached(address, self._notice(out, lease, start, nbytes), data)
+        finally:
+            data.release()
+        if not sent:
             return False
         self.parts.leases.crossnode.free_pushed(lease)  # held since the publish: live
         self._landed(address, lease)

@@ -10,6 +10,7 @@ and the listener goes on serving the honest peer.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import socket
 import struct
@@ -128,6 +129,10 @@ def _batch(
     return n
 
 
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
 async def _closed(reader: asyncio.StreamReader) -> bool:
     """True once the listener has closed the connection (EOF or reset)."""
     try:
@@ -196,6 +201,29 @@ def test_attached_bytes_reach_the_handler_with_their_batch_however_they_are_cut(
         assert [b.landed[0].lease_id for b in h.handled] == [1, 9, 1, 9]
         assert h.listener.refused == 0
         assert h.placed == h.given_back == 2 * len(sizes)
+
+    run(body)
+
+
+def test_attached_bytes_may_be_reused_once_send_returns() -> None:
+    """A sender hands over views of memory it overwrites at once (a writer's
+    run, reused as soon as its lease goes): each batch still brings the bytes
+    that were there when it was sent, also those the kernel did not take yet."""
+    size, batches = MAX_ATTACHED, 3
+    memory = bytearray(size)
+
+    async def body(h: Harness) -> None:
+        link = await h.dial()
+        for k in range(batches):
+            memory[:] = bytes([k + 1]) * size
+            with memoryview(memory) as view:
+                assert link.send(_batch(10 * k, attached=(size,)), (view,))
+        memory[:] = bytes(size)
+        assert link.backlog > 0  # some of it waits in the sender's transport
+        await h.until(lambda: len(h.handled) == batches, "every batch")
+        assert [[_sha(blob) for blob in got] for got in h.attached] == [
+            [_sha(bytes([k + 1]) * size)] for k in range(batches)
+        ]
 
     run(body)
 
