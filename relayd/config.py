@@ -198,10 +198,10 @@ class Settings:
         help="arena each peer may push into ahead of its readers; 0 turns pushes off",
     )
     push_attach_max: int = _field(
-        4 << 20,
+        16 << 20,
         parse=parse_size,
         metavar="SIZE",
-        help="pushes up to this size (at most 4MiB) carry their bytes after their Landed "
+        help="pushes up to this size (at most 16MiB) carry their bytes after their Landed "
         "notice on the peer's notice channel instead of a Mooncake WRITE: no round trip; "
         "0: never (with RDMA a WRITE may cost less than the kernel's TCP)",
     )

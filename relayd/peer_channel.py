@@ -71,8 +71,8 @@ MAX_HELLO = 1024
 MAX_FRAME = 4 << 20
 MAX_PENDING = 64
 HELLO_TIMEOUT_S = 5.0
-MAX_BUFFERED = 16 << 20
-MAX_ATTACHED = 4 << 20
+MAX_BUFFERED = 32 << 20
+MAX_ATTACHED = 16 << 20
 # The port to listen on: 0 any free one, NO_CHANNEL none.
 NO_CHANNEL = -1
 STOPPING = "the daemon is stopping"

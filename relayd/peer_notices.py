@@ -38,8 +38,9 @@ log = logging.getLogger(__name__)
 # A batch goes early once it holds this many notices.
 MAX_BATCH = 512
 # Unsent bytes on a peer's notice channel past which a push no longer rides it
-# (it goes as a Mooncake WRITE): well below the backlog that drops the channel.
-ATTACH_BACKLOG_MAX = 8 << 20
+# (it goes as a Mooncake WRITE): below the backlog that drops the channel
+# (MAX_BUFFERED), leaving room for the notices queued behind it.
+ATTACH_BACKLOG_MAX = 24 << 20
 # After a notice channel could not be opened, how long its peer's notices ride
 # the Peer service before the next try: the first try often comes before the
 # peer has dialled us back, and is refused; then twice as long after each

@@ -105,12 +105,12 @@ NO_ATTACH = {"RELAYD_PUSH_ATTACH_MAX": "0"}
 )
 def test_puts_to_a_remote_consumer_are_pushed_and_read_locally(nodes: tuple[Node, Node]) -> None:
     a, b = nodes
-    sizes = [300_000, MiB, 4 * MiB + 3, 9 * MiB]
+    sizes = [300_000, MiB, 9 * MiB, 16 * MiB + 3]
     channel = (b.daemon.env or {}).get("RELAYD_PEER_NOTICE_PORT") != "-1"
     attach = channel and (a.daemon.env or {}).get("RELAYD_PUSH_ATTACH_MAX") != "0"
-    # What the default --push-attach-max (4 MiB) sends after its Landed notice: a
-    # lease holds its header and layout too, so 4 MiB + 3 of tensor is more than that.
-    attached = sum(n < 4 * MiB for n in sizes) if attach else 0
+    # What the default --push-attach-max (16 MiB) sends after its Landed notice: a
+    # lease holds its header and layout too, so 16 MiB + 3 of tensor is more than that.
+    attached = sum(n < 16 * MiB for n in sizes) if attach else 0
 
     async def scenario() -> None:
         async with RelayClient("talker", b.daemon.socket) as r:
