@@ -5,7 +5,9 @@ credits or arena bytes for what failed.
 
 A push is held in flight deterministically by freezing the consumer's daemon
 (SIGSTOP): its Mooncake engine stops applying writes, so the writer's daemon
-waits for the acknowledgement.
+waits for the acknowledgement. So node A pushes by Mooncake WRITE only
+(``--push-attach-max 0``): an attached push is in the kernel's hands once
+published, and the link test below covers those.
 """
 
 from __future__ import annotations
@@ -22,7 +24,14 @@ import pytest
 from relayd_bench import _netns
 from tests._daemon import Daemon, read_line, run_worker, send_line, spawn_worker, wait_until
 from tests._mooncake import requires_mooncake
-from tests.multinode.test_push import _count, _free_but_grant, _pair, _pulls, _ready_to_push
+from tests.multinode.test_push import (
+    NO_ATTACH,
+    _count,
+    _free_but_grant,
+    _pair,
+    _pulls,
+    _ready_to_push,
+)
 from tests.multinode.test_two_daemons import (
     PEER_TIMEOUT,
     MiB,
@@ -41,7 +50,7 @@ pytestmark = [
 
 @pytest.fixture
 def nodes(tmp_path: pathlib.Path) -> Iterator[tuple[Node, Node]]:
-    a, b = _pair(tmp_path, {})
+    a, b = _pair(tmp_path, {}, NO_ATTACH)
     try:
         yield a, b
     finally:
