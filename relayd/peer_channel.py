@@ -166,13 +166,11 @@ class _Inbound(asyncio.BufferedProtocol):
         self.start = self.end = 0
         self.timer: asyncio.TimerHandle | None = None
         self.counted = False
-        # A batch read whose attached bytes are still on their way, how many,
-        # where they go, which place is being filled and how far.
+        # A batch read whose attached bytes are still on their way, where they
+        # go, which place is being filled and how far.
         self.batch: pb.PeerNotices | None = None
-        self.attached = 0
         self.places: list[memoryview] = []
         self.place_index = self.place_filled = 0
-        self.into_place = False  # the last get_buffer handed out a place
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass
@@ -190,7 +188,6 @@ class _Inbound(asyncio.BufferedProtocol):
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self.batch is not None:  # nothing buffered: straight into the place
-            self.into_place = True
             return self.places[self.place_index][self.place_filled :]
         buf = self.buf
         if self.end == len(buf) and self.start:
@@ -204,8 +201,9 @@ class _Inbound(asyncio.BufferedProtocol):
         return memoryview(buf)[self.end : self.end + READ_WINDOW]
 
     def buffer_updated(self, nbytes: int) -> None:
-        if self.into_place:
-            self.into_place = False
+        # A batch is set only here, between reads: this read went where
+        # get_buffer said, into the place while a batch awaits its bytes.
+        if self.batch is not None:
             self.place_filled += nbytes
         else:
             self.end += nbytes
@@ -231,9 +229,9 @@ class _Inbound(asyncio.BufferedProtocol):
                     self.start = end
                     self.on_answer(bytes(buf[pos + LENGTH_BYTES : end]))
                     continue
-                batch = self.parse(bytes(buf[pos + LENGTH_BYTES : end]))
+                batch, attached = self.parse(bytes(buf[pos + LENGTH_BYTES : end]))
                 self.start = end
-                if self.attached:
+                if attached:
                     self.await_attached(batch)
                 else:
                     self.listener.handle(batch, ())
@@ -272,16 +270,15 @@ class _Inbound(asyncio.BufferedProtocol):
         if self.transport is not None:
             self.transport.write(frame(ACCEPTED))
 
-    def parse(self, body: bytes) -> pb.PeerNotices:
-        """A batch from this connection's peer; sets :attr:`attached` to the bytes
-        that follow it."""
+    def parse(self, body: bytes) -> tuple[pb.PeerNotices, int]:
+        """A batch from this connection's peer, and how many bytes follow it."""
         batch = pb.PeerNotices.FromString(body)
         if batch.node_id != self.node or batch.daemon_epoch != self.epoch:
             raise ValueError(f"notices of node {batch.node_id[:64]!r} on node {self.node!r}'s")
-        self.attached = sum(int(landed.attached) for landed in batch.landed)
-        if self.attached > MAX_ATTACHED:
-            raise ValueError(f"{self.attached} bytes attached to a batch (at most {MAX_ATTACHED})")
-        return batch
+        attached = sum(int(landed.attached) for landed in batch.landed)
+        if attached > MAX_ATTACHED:
+            raise ValueError(f"{attached} bytes attached to a batch (at most {MAX_ATTACHED})")
+        return batch, attached
 
     def await_attached(self, batch: pb.PeerNotices) -> None:
         """Ask where ``batch``'s attached bytes go; they are read there next."""
@@ -356,7 +353,7 @@ class _Inbound(asyncio.BufferedProtocol):
         self.transport = None
         self.buf = bytearray()  # the connection's memory goes with it
         self.start = self.end = 0
-        places, self.batch, self.places, self.attached = self.places, None, [], 0
+        places, self.batch, self.places = self.places, None, []
         if places:  # abandoned before its bytes all came: never handled
             try:
                 self.give_back(places)

@@ -129,27 +129,17 @@ class PeerNotifier:
         self._failures.pop(peer.address, None)
         log.info("notice channel to peer %s open (port %d)", peer.address, port)
 
-    def can_attach(self, address: str, nbytes: int) -> bool:
-        """Whether :meth:`send_attached` of ``nbytes`` to ``address`` would go now."""
-        return self._attach_link(address, nbytes) is not None
-
-    def _attach_link(self, address: str, nbytes: int) -> NoticeLink | None:
-        link = self._channels.get(address)
-        if (
-            link is None
-            or not link.alive
-            or nbytes > MAX_ATTACHED
-            or link.backlog + nbytes > ATTACH_BACKLOG_MAX
-        ):
-            return None
-        return link
-
     def send_attached(self, address: str, landed: pb.PushLanded, data: bytes | memoryview) -> bool:
         """One Landed notice with its push's bytes right after it, on ``address``'s
         notice channel, now (``data`` may be reused once this returns); False (and
         nothing sent) when they cannot go there."""
-        link = self._attach_link(address, len(data))
-        if link is None:
+        link = self._channels.get(address)
+        if (
+            link is None
+            or not link.alive
+            or len(data) > MAX_ATTACHED
+            or link.backlog + len(data) > ATTACH_BACKLOG_MAX
+        ):
             return False
         batch = self._stamped(pb.PeerNotices())
         batch.landed.append(landed)

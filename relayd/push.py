@@ -26,8 +26,9 @@ The message flow (writer W on node A, reader R on node B)::
 
 A push of at most ``--push-attach-max`` bytes skips the WRITE and its
 acknowledgement: on the peer's notice channel its bytes follow its Landed
-notice (``attached``), and B copies them into the run once the notice is
-validated (:meth:`PushManager._attach`).
+notice (``attached``), sent straight from W's run, and B reads them straight
+into the run the notice names once the checks that need no bytes passed
+(:meth:`PushManager._attach`, :meth:`PushLanding.place`).
 
 Nothing on the reader's path waits for a network round trip it started: the
 one wait (for the Landed notice) overlaps the DataRef's own trip. After a WRITE
@@ -257,14 +258,14 @@ class PushManager:
         finds the lease gone: StaleRefError).
         """
         nbytes, address = lease.nbytes, peer.address
-        notifier = self.parts.notifier
-        if nbytes > self.settings.push_attach_max or not notifier.can_attach(address, nbytes):
+        if nbytes > self.settings.push_attach_max:
             return False
         # Straight from W's run: the channel copies what the kernel does not take
         # at once, so the run may be reused as soon as the lease goes.
         data = self.parts.arena.view(lease.run, nbytes)
         try:
-            sent = notifier.send_attached(address, self._notice(out, lease, start, nbytes), data)
+            notice = self._notice(out, lease, start, nbytes)
+            sent = self.parts.notifier.send_attached(address, notice, data)
         finally:
             data.release()
         if not sent:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import fcntl
 import logging
+import mmap
 import os
 import re
 import time
@@ -199,24 +200,26 @@ class Arena:
     def header(self, segment: int, slot: int) -> tuple[int, int]:
         return self.segments[segment].read_header(slot)
 
+    def _data(self, run: Run) -> tuple[mmap.mmap, int]:
+        """The mapping ``run``'s data lies in, and where it starts there."""
+        seg = self.segments[run.segment]
+        return seg.mm, seg.slot_offset(run.slot)
+
     def read(self, run: Run, nbytes: int) -> bytes:
         """A copy of the first ``nbytes`` of ``run``'s data."""
-        seg = self.segments[run.segment]
-        start = seg.slot_offset(run.slot)
-        return seg.mm[start : start + nbytes]
+        mm, start = self._data(run)
+        return mm[start : start + nbytes]
 
     def view(self, run: Run, nbytes: int) -> memoryview:
         """A writable view of the first ``nbytes`` of ``run``'s data; release it
         before the arena closes."""
-        seg = self.segments[run.segment]
-        start = seg.slot_offset(run.slot)
-        return memoryview(seg.mm)[start : start + nbytes]
+        mm, start = self._data(run)
+        return memoryview(mm)[start : start + nbytes]
 
     def write(self, run: Run, data: bytes | memoryview) -> None:
         """Copy ``data`` to the start of ``run``'s data (the caller checked it fits)."""
-        seg = self.segments[run.segment]
-        start = seg.slot_offset(run.slot)
-        seg.mm[start : start + len(data)] = data
+        mm, start = self._data(run)
+        mm[start : start + len(data)] = data
 
     # -- lifetime -------------------------------------------------------------
 
