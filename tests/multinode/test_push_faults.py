@@ -6,8 +6,10 @@ credits or arena bytes for what failed.
 A push is held in flight deterministically by freezing the consumer's daemon
 (SIGSTOP): its Mooncake engine stops applying writes, so the writer's daemon
 waits for the acknowledgement. So node A pushes by Mooncake WRITE only
-(``--push-attach-max 0``): an attached push is in the kernel's hands once
-published, and the link test below covers those.
+(``--push-attach-max 0``) in those tests. An attached push is in the kernel's
+hands once published: the same freeze holds its bytes in the writer's daemon's
+notice connection (12 MiB fills the socket buffers), and the ``attached`` tests
+kill a daemon there.
 """
 
 from __future__ import annotations
@@ -40,6 +42,10 @@ from tests.multinode.test_two_daemons import (
     _token,
     stop_pair,
 )
+
+# A push attached to its notice (at most the default --push-attach-max of 16 MiB
+# with its header) that fills the socket buffers between the daemons.
+ATTACHED = 12 * MiB
 
 pytestmark = [
     pytest.mark.multinode,
@@ -78,6 +84,29 @@ def _frozen_writes(a: Node, b: Node, count: int, size: int) -> list[str]:
     b.daemon.proc.send_signal(signal.SIGSTOP)
     send_line(writer, "go")
     return [read_line(writer, 30) for _ in range(count)]  # the writer exits by itself
+
+
+@pytest.fixture
+def attaching(tmp_path: pathlib.Path) -> Iterator[tuple[Node, Node]]:
+    """Node A pushes up to 16 MiB attached to its Landed notices (the default)."""
+    a, b = _pair(tmp_path, {})
+    try:
+        yield a, b
+    finally:
+        stop_pair(a, b)
+
+
+def _frozen_attached(a: Node, b: Node, count: int) -> list[str]:
+    """:func:`_frozen_writes` of ``count`` 12 MiB payloads, each attached to its notice:
+    their bytes wait in node A's notice connection to B until B is thawed or dies."""
+    refs = _frozen_writes(a, b, count, ATTACHED)
+    wait_until(
+        lambda: _count(a, b, "pushes_attached") == count,
+        PEER_TIMEOUT,
+        "the attached pushes",
+        state=lambda: a.peer(b.address),
+    )
+    return refs
 
 
 def _in_flight_pushes(a: Node, b: Node) -> int:
@@ -182,6 +211,83 @@ def test_writer_daemon_killed_with_pushes_in_flight(nodes: tuple[Node, Node]) ->
     _ready_to_push(a, b)
     fresh = _writer_refs(a, 2, MiB)
     for line in fresh:
+        send_line(reader, line)
+        assert read_line(reader, PEER_TIMEOUT + 5) == line.split()[1]
+    assert _count(b, a, "pushes_in") == 2
+    wait_until(lambda: _free_but_grant(a, b), 10, "both arenas back to the push grants alone")
+
+
+def test_consumer_daemon_killed_with_attached_bytes_in_flight(
+    attaching: tuple[Node, Node],
+) -> None:
+    """An attached push frees the writer's lease once its bytes are the kernel's, so
+    they die with the consumer's daemon: the reads end in StaleRefError within the
+    peer timeout, neither daemon keeps a lease or a run of them, and fresh puts are
+    attached again."""
+    a, b = attaching
+    reader = _reader(b)
+    _ready_to_push(a, b)
+    assert b.daemon.proc is not None
+    refs = _frozen_attached(a, b, 2)
+    assert a.used() == 0  # W's leases went with the send
+    b.daemon.proc.send_signal(signal.SIGKILL)
+    b.daemon.proc.wait(timeout=10)
+    reader.kill()
+    wait_until(lambda: not a.sees(b), PEER_TIMEOUT + 5, "node A to mark node B down")
+
+    b.daemon.start()
+    wait_until(lambda: a.sees(b) and b.sees(a), 15, "the daemons to meet again")
+    reader = _reader(b)
+    for line in refs:
+        start = time.monotonic()
+        send_line(reader, line)
+        got = read_line(reader, PEER_TIMEOUT + 10)
+        assert got.startswith("ERR StaleRefError"), got
+        assert time.monotonic() - start < PEER_TIMEOUT + 2
+    _ready_to_push(a, b)
+    for line in _writer_refs(a, 2, MiB):
+        send_line(reader, line)
+        assert read_line(reader, PEER_TIMEOUT + 5) == line.split()[1]
+    assert _count(a, b, "pushes_attached") == 4  # node A counts across B's restart
+    assert _count(b, a, "reads_attached") == 2
+    wait_until(lambda: _free_but_grant(a, b), 10, "both arenas back to the push grants alone")
+    assert _in_flight_pushes(a, b) == 0
+
+
+def test_writer_daemon_killed_with_attached_bytes_in_flight(
+    attaching: tuple[Node, Node],
+) -> None:
+    """Node B gets part of a batch's bytes, then the connection ends: the runs it
+    placed them in go back unpublished, the reads fail with PeerUnavailableError
+    within the peer timeout, and B's arena is all free once the dead peer's grant
+    is back."""
+    a, b = attaching
+    reader = _reader(b)
+    _ready_to_push(a, b)
+    assert a.daemon.proc is not None and b.daemon.proc is not None
+    try:
+        refs = _frozen_attached(a, b, 2)
+        a.daemon.proc.send_signal(signal.SIGKILL)
+        a.daemon.proc.wait(timeout=10)
+    finally:
+        b.daemon.proc.send_signal(signal.SIGCONT)
+    for line in refs:
+        start = time.monotonic()
+        send_line(reader, line)
+        got = read_line(reader, PEER_TIMEOUT + 10)
+        assert got.startswith("ERR PeerUnavailableError"), got
+        assert time.monotonic() - start < PEER_TIMEOUT + 2
+    assert _count(b, a, "pushes_in") == 0  # no batch of the cut connection was handled
+    wait_until(
+        lambda: b.used() == 0 and b.daemon.pool()["free_slots"] == b.daemon.pool()["slots"],
+        10,
+        "node B's arena all free (the dead peer's push grant back)",
+    )
+
+    a.daemon.start()
+    wait_until(lambda: a.sees(b) and b.sees(a), 15, "the daemons to meet again")
+    _ready_to_push(a, b)
+    for line in _writer_refs(a, 2, MiB):
         send_line(reader, line)
         assert read_line(reader, PEER_TIMEOUT + 5) == line.split()[1]
     assert _count(b, a, "pushes_in") == 2
