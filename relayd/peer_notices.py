@@ -1,7 +1,8 @@
 """One-way notices between daemons, batched per peer.
 
-Pushes that landed or were declined, push-grant runs freed, pulled leases to
-free: none of them is answered, so none is worth a call of its own. Each peer
+Pushes that landed or were declined, attached pushes received, push-grant runs
+freed, pulled leases to free: none of them is answered, so none is worth a
+call of its own. Each peer
 has one pending :class:`relayd_client.wire.proto.relay_pb2.PeerNotices`. A
 batch goes on the peer's notice channel (:mod:`relayd.peer_channel`, a plain
 authenticated TCP connection) when it has one up, else on one long-lived
@@ -10,8 +11,8 @@ latency and CPU, and ten times a channel frame), with at most one write in
 flight on it; whatever is added meanwhile rides the next write, which goes as
 soon as the one before is done.
 Under load that batches like the session's notices; idle, a notice leaves at
-the end of the loop turn that made it. Frees and releases may linger
-(``linger``), since nothing waits for them.
+the end of the loop turn that made it. Frees, releases and receipts may
+linger (``linger``), since nothing waits for them.
 
 A write that fails is dropped, not retried, and the stream is opened anew for
 the next batch: the peer is gone or cut off, and each kind has its fallback

@@ -28,7 +28,10 @@ A push of at most ``--push-attach-max`` bytes skips the WRITE and its
 acknowledgement: on the peer's notice channel its bytes follow its Landed
 notice (``attached``), sent straight from W's run, and B reads them straight
 into the run the notice names once the checks that need no bytes passed
-(:meth:`PushManager._attach`, :meth:`PushLanding.place`).
+(:meth:`PushManager._attach`, :meth:`PushLanding.place`). W's lease stays
+published until B says it published the bytes (``received``, off every path),
+so bytes lost on the way (B's daemon dies, the channel breaks) are pulled
+from it, as after a failed WRITE.
 
 Nothing on the reader's path waits for a network round trip it started: the
 one wait (for the Landed notice) overlaps the DataRef's own trip. After a WRITE
@@ -59,6 +62,7 @@ from relayd_client.wire.errors import (
     PermissionDeniedError,
     RelayError,
 )
+from relayd_client.wire.framing import FREED_LINGER_MAX_BYTES
 from relayd_client.wire.proto import relay_pb2 as pb
 from relayd_client.wire.shm import SHM_POOL
 from relayd_client.wire.slots import SlotAllocator
@@ -70,6 +74,10 @@ from .push_landing import REMEMBER, PushCounts, PushLanding
 from .transports.base import PullError, split_ops
 
 log = logging.getLogger(__name__)
+
+# Receipts for attached pushes linger (nothing waits for them) until they free
+# this many of the writers' bytes: the writers need that space back.
+RECEIPT_LINGER_MAX_BYTES = FREED_LINGER_MAX_BYTES
 
 
 @dataclasses.dataclass(eq=False)
@@ -96,6 +104,10 @@ class PushManager:
         self.landing = PushLanding(parts, self.counts)
         # Leases whose push landed (and so were freed here), by id.
         self._pushed: collections.OrderedDict[int, int] = collections.OrderedDict()
+        # Attached pushes sent but not yet received, by peer: (lease id, generation) -> lease.
+        self._unreceived: dict[str, collections.OrderedDict[tuple[int, int], Lease]] = {}
+        # The attached bytes of the receipts in each peer's batch being gathered.
+        self._receipt_bytes: collections.Counter[str] = collections.Counter()
         self._tasks: set[asyncio.Task[Any]] = set()
 
     @property
@@ -140,13 +152,17 @@ class PushManager:
 
     def grant_void(self, peer: PeerState) -> None:
         """``peer`` retired the grant it gave us (it took us for lost): pushes still
-        in flight into it decline, and the next heartbeat asks for a new one."""
+        in flight into it decline, and the next heartbeat asks for a new one.
+        Attached pushes it will not receive stay published here for its pulls."""
+        self._unreceived.pop(peer.address, None)
         if self.out.pop(peer.address, None) is not None:
             log.info("peer %s voided its push grant; asking again", peer.address)
 
     def peer_down(self, peer: PeerState) -> None:
         """Its grant and whatever it gave us are void; readers waiting on it stop."""
         self.out.pop(peer.address, None)
+        self._unreceived.pop(peer.address, None)
+        self._receipt_bytes.pop(peer.address, None)
         self.landing.peer_lost(peer.node_id)
 
     def on_publish(self, lease: Lease) -> None:
@@ -252,10 +268,11 @@ class PushManager:
         trip after the publish. False: not this way (too big, no channel up, or
         a backlog on it); the caller pushes by Mooncake.
 
-        W's lease goes at once, as after a WRITE: its bytes are in the kernel's
-        hands or copied; if the channel breaks before they arrive, the reader
-        ends as for a lost Landed notice (the peer timeout, then a pull that
-        finds the lease gone: StaleRefError).
+        W's lease stays published until the peer's receipt (:meth:`_received`):
+        the bytes are in the kernel's hands or copied, but if the channel breaks
+        or the peer's daemon dies before they are published there, its reader
+        pulls them from W's lease after the peer timeout, as after a failed
+        WRITE. Nothing reads W's run any more, so it is no longer held.
         """
         nbytes, address = lease.nbytes, peer.address
         if nbytes > self.settings.push_attach_max:
@@ -270,10 +287,25 @@ class PushManager:
             data.release()
         if not sent:
             return False
-        self.parts.leases.crossnode.free_pushed(lease)  # held since the publish: live
-        self._landed(address, lease)
+        self.parts.leases.unhold(lease)
+        unreceived = self._unreceived.setdefault(address, collections.OrderedDict())
+        unreceived[lease.id, lease.generation] = lease
+        while len(unreceived) > REMEMBER:  # a peer that never answers: those wait for a pull
+            unreceived.popitem(last=False)
         self.counts[address].attached += 1
         return True
+
+    def _received(self, address: str, keys: Sequence[pb.LeaseKey]) -> None:
+        """``address`` published the bytes of these attached pushes: W's leases go,
+        unless an abort, the TTL or a pull freed them meanwhile. Keys of leases
+        not pushed to that peer, or already received, change nothing."""
+        unreceived = self._unreceived.get(address)
+        if unreceived is None:
+            return
+        for k in keys:
+            lease = unreceived.pop((k.lease_id, k.generation), None)
+            if lease is not None and self.parts.leases.crossnode.free_pushed(lease):
+                self._landed(address, lease)
 
     @staticmethod
     def _notice(out: GrantOut, lease: Lease, start: int, attached: int = 0) -> pb.PushLanded:
@@ -368,10 +400,24 @@ class PushManager:
         if n.freed:
             self.on_freed(peer.address, n.freed)
         self.landing.on_declined(n)
+        self._received(peer.address, n.received)
         data = iter(attached)
         for landed in n.landed:
-            self.landing.on_landed(peer, landed, next(data, None) if landed.attached else None)
+            got = next(data, None) if landed.attached else None
+            if self.landing.on_landed(peer, landed, got) and got is not None:
+                self._receipt(peer.address, landed)
         return released
+
+    def _receipt(self, address: str, landed: pb.PushLanded) -> None:
+        """Tell the writer's daemon an attached push is published here (lingering)."""
+        self.parts.notifier.box(address).received.add(
+            lease_id=landed.lease_id, generation=landed.generation
+        )
+        self._receipt_bytes[address] += int(landed.attached)
+        urgent = self._receipt_bytes[address] >= RECEIPT_LINGER_MAX_BYTES
+        if urgent:
+            del self._receipt_bytes[address]
+        self.parts.notifier.send(address, urgent=urgent)
 
     async def close(self) -> None:
         for task in list(self._tasks):

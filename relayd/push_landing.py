@@ -194,10 +194,10 @@ class PushLanding:
             return "overlaps a landed lease not yet read"
         return gin, Run(gin.run.segment, gin.run.slot + int(m.slot), int(m.nslots), gin.run.pool)
 
-    def on_landed(self, peer: PeerState, m: pb.PushLanded, data: memoryview | None) -> None:
+    def on_landed(self, peer: PeerState, m: pb.PushLanded, data: memoryview | None) -> bool:
         """A push landed in our grant, or (``m.attached``) its bytes are ``data``:
         read into the run by :meth:`place`, or copied there once the notice is
-        validated."""
+        validated. True when it is published here as a local lease."""
         key = (peer.node_id, peer.epoch, int(m.lease_id), int(m.generation))
         placed = None if data is None else self._placed.pop(id(data), None)
         copy = None if placed is not None else data  # else the bytes are in the run
@@ -215,7 +215,7 @@ class PushLanding:
             )
             self._remember(key)
             self._wake(key)
-            return
+            return False
         gin, run = taken
         refuse = ""
         req = self.parts.leases.requests.get(m.request_id)
@@ -232,7 +232,7 @@ class PushLanding:
             self._give_back(gin, run)
             self._remember(key)
             self._wake(key)
-            return
+            return False
         if copy is not None:
             self.parts.arena.write(run, copy)
         try:
@@ -249,12 +249,13 @@ class PushLanding:
             self._give_back(gin, run)
             self._remember(key)
             self._wake(key)
-            return
+            return False
         self.counts[peer.address].into += 1
         self._landed[key] = lease
         if data is not None:
             self._attached.add(key)
         self._wake(key)
+        return True
 
     def _returned(self, gin: GrantIn, key: Key, run: Run) -> None:
         """A landed lease was freed (read, TTL, abort, drain)."""

@@ -432,12 +432,59 @@ def test_a_small_push_rides_its_landed_notice_and_no_mooncake_write(
             assert a.peers.push.counts[b.address].attached == 1
             assert b.peers.push.counts[a.address].reads_attached == 1
             assert b.peers.push.counts[a.address].into == 2
-            assert not a.leases.leases and a.credits_out() == 0
+            assert a.credits_out() == 0
+            # The WRITE's lease went on its ack, the attached one on B's receipt.
+            await until(lambda: not a.leases.leases, "A's leases freed")
             for local in got:
                 b.release(reader, local)
             grant = a.peers.push.out[b.address]
             await until(lambda: grant.alloc.free_runs() == [(0, grant.nslots)], "freed runs")
             assert not b.leases.leases
+
+    run(main())
+
+
+def test_an_attached_push_keeps_the_writers_lease_until_the_reader_node_received_it(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bytes in flight on the notice channel may be lost with B's daemon: W's lease
+    stays published for a pull until B's receipt says they are published there.
+    A receipt frees only a lease A pushed to that peer by attaching it."""
+
+    async def main() -> None:
+        async with pushing_nodes(tmp_path, push_attach_max=4 * SLOT) as (a, b, reader):
+            await until(lambda: a.peers.notifier.has_channel(b.address), "A's notice channel")
+            held: list[pb.PushLanded] = []
+            monkeypatch.setattr(b.peers.push, "_receipt", lambda address, m: held.append(m))
+            writer = a.session(WRITER)
+            data = os.urandom(2 * SLOT + 5)
+            local_ref = DataRef.from_bytes(await a.put(writer, os.urandom(SLOT), request_id="l"))
+            ref = await a.put(writer, data, push=True)
+            got = await b.peers.fetch(reader, ref, BOUND)
+            assert _sha(b.read(got)) == _sha(data)
+            assert len(held) == 1 and a.peers.push.counts[b.address].attached == 1
+            pushed = DataRef.from_bytes(ref).proto.lease
+            assert pushed.lease_id in a.leases.leases  # published, for a pull
+
+            def receipt(lease: pb.LeaseRef) -> None:
+                box = b.peers.notifier.box(a.address)
+                box.received.add(lease_id=lease.lease_id, generation=lease.generation)
+                b.peers.notifier.send(a.address)
+
+            # Never pushed, and pushed but of another generation: nothing changes.
+            receipt(local_ref.proto.lease)
+            receipt(pb.LeaseRef(lease_id=pushed.lease_id, generation=pushed.generation + 1))
+            monkeypatch.undo()
+            # A later push's receipt rides the same channel: handled after those.
+            later = await b.peers.fetch(reader, await a.put(writer, data, push=True), BOUND)
+            await until(lambda: a.peers.push.counts[b.address].out == 1, "the later receipt")
+            assert set(a.leases.leases) == {local_ref.proto.lease.lease_id, pushed.lease_id}
+            b.peers.push._receipt(a.address, held[0])
+            await until(lambda: pushed.lease_id not in a.leases.leases, "the pushed lease freed")
+            assert set(a.leases.leases) == {local_ref.proto.lease.lease_id}
+            assert a.peers.push.counts[b.address].out == 2
+            for local in (got, later):
+                b.release(reader, local)
 
     run(main())
 
