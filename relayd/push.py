@@ -62,7 +62,6 @@ from relayd_client.wire.errors import (
     PermissionDeniedError,
     RelayError,
 )
-from relayd_client.wire.framing import FREED_LINGER_MAX_BYTES
 from relayd_client.wire.proto import relay_pb2 as pb
 from relayd_client.wire.shm import SHM_POOL
 from relayd_client.wire.slots import SlotAllocator
@@ -74,10 +73,6 @@ from .push_landing import REMEMBER, PushCounts, PushLanding
 from .transports.base import PullError, split_ops
 
 log = logging.getLogger(__name__)
-
-# Receipts for attached pushes linger (nothing waits for them) until they free
-# this many of the writers' bytes: the writers need that space back.
-RECEIPT_LINGER_MAX_BYTES = FREED_LINGER_MAX_BYTES
 
 
 @dataclasses.dataclass(eq=False)
@@ -106,8 +101,6 @@ class PushManager:
         self._pushed: collections.OrderedDict[int, int] = collections.OrderedDict()
         # Attached pushes sent but not yet received, by peer: (lease id, generation) -> lease.
         self._unreceived: dict[str, collections.OrderedDict[tuple[int, int], Lease]] = {}
-        # The attached bytes of the receipts in each peer's batch being gathered.
-        self._receipt_bytes: collections.Counter[str] = collections.Counter()
         self._tasks: set[asyncio.Task[Any]] = set()
 
     @property
@@ -162,7 +155,6 @@ class PushManager:
         """Its grant and whatever it gave us are void; readers waiting on it stop."""
         self.out.pop(peer.address, None)
         self._unreceived.pop(peer.address, None)
-        self._receipt_bytes.pop(peer.address, None)
         self.landing.peer_lost(peer.node_id)
 
     def on_publish(self, lease: Lease) -> None:
@@ -409,15 +401,14 @@ class PushManager:
         return released
 
     def _receipt(self, address: str, landed: pb.PushLanded) -> None:
-        """Tell the writer's daemon an attached push is published here (lingering)."""
+        """Tell the writer's daemon an attached push is published here. It lingers:
+        nothing waits for it, so it rides the next batch to that peer (the Freed
+        of a run its reader released, at the latest the linger), one frame less
+        per push; the writer's lease lives that much longer."""
         self.parts.notifier.box(address).received.add(
             lease_id=landed.lease_id, generation=landed.generation
         )
-        self._receipt_bytes[address] += int(landed.attached)
-        urgent = self._receipt_bytes[address] >= RECEIPT_LINGER_MAX_BYTES
-        if urgent:
-            del self._receipt_bytes[address]
-        self.parts.notifier.send(address, urgent=urgent)
+        self.parts.notifier.send(address, urgent=False)
 
     async def close(self) -> None:
         for task in list(self._tasks):

@@ -482,6 +482,11 @@ def test_an_attached_push_keeps_the_writers_lease_until_the_reader_node_received
             b.peers.push._receipt(a.address, held[0])
             await until(lambda: pushed.lease_id not in a.leases.leases, "the pushed lease freed")
             assert set(a.leases.leases) == {local_ref.proto.lease.lease_id}
+            # ... and the writer hears it may reuse those slots, as after a release.
+            await until(
+                lambda: any(pushed.lease_id in f.freed.lease_ids for f in a.frames),
+                "a Freed to the writer",
+            )
             assert a.peers.push.counts[b.address].out == 2
             for local in (got, later):
                 b.release(reader, local)
