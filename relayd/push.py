@@ -62,6 +62,7 @@ from relayd_client.wire.errors import (
     PermissionDeniedError,
     RelayError,
 )
+from relayd_client.wire.framing import FREED_LINGER_MAX_BYTES
 from relayd_client.wire.proto import relay_pb2 as pb
 from relayd_client.wire.shm import SHM_POOL
 from relayd_client.wire.slots import SlotAllocator
@@ -73,6 +74,11 @@ from .push_landing import REMEMBER, PushCounts, PushLanding
 from .transports.base import PullError, split_ops
 
 log = logging.getLogger(__name__)
+
+# Receipts for attached pushes linger (nothing waits for them) until those
+# pending for a peer free this many of its writers' bytes: a writer that gets
+# its space back late copies into cold memory, or asks for a grant.
+RECEIPT_LINGER_MAX_BYTES = FREED_LINGER_MAX_BYTES
 
 
 @dataclasses.dataclass(eq=False)
@@ -101,6 +107,8 @@ class PushManager:
         self._pushed: collections.OrderedDict[int, int] = collections.OrderedDict()
         # Attached pushes sent but not yet received, by peer: (lease id, generation) -> lease.
         self._unreceived: dict[str, collections.OrderedDict[tuple[int, int], Lease]] = {}
+        # The attached bytes of the receipts lingering for each peer.
+        self._receipt_bytes: collections.Counter[str] = collections.Counter()
         self._tasks: set[asyncio.Task[Any]] = set()
 
     @property
@@ -155,6 +163,7 @@ class PushManager:
         """Its grant and whatever it gave us are void; readers waiting on it stop."""
         self.out.pop(peer.address, None)
         self._unreceived.pop(peer.address, None)
+        self._receipt_bytes.pop(peer.address, None)
         self.landing.peer_lost(peer.node_id)
 
     def on_publish(self, lease: Lease) -> None:
@@ -401,14 +410,18 @@ class PushManager:
         return released
 
     def _receipt(self, address: str, landed: pb.PushLanded) -> None:
-        """Tell the writer's daemon an attached push is published here. It lingers:
-        nothing waits for it, so it rides the next batch to that peer (the Freed
-        of a run its reader released, at the latest the linger), one frame less
-        per push; the writer's lease lives that much longer."""
+        """Tell the writer's daemon an attached push is published here: lingering,
+        riding the next batch to that peer, unless the receipts pending for it
+        give back :data:`RECEIPT_LINGER_MAX_BYTES` (at most one frame of its own
+        per that many bytes pushed)."""
         self.parts.notifier.box(address).received.add(
             lease_id=landed.lease_id, generation=landed.generation
         )
-        self.parts.notifier.send(address, urgent=False)
+        self._receipt_bytes[address] += int(landed.attached)
+        urgent = self._receipt_bytes[address] >= RECEIPT_LINGER_MAX_BYTES
+        if urgent:
+            del self._receipt_bytes[address]
+        self.parts.notifier.send(address, urgent=urgent)
 
     async def close(self) -> None:
         for task in list(self._tasks):

@@ -14,6 +14,7 @@ kill a daemon there.
 
 from __future__ import annotations
 
+import contextlib
 import pathlib
 import signal
 import subprocess
@@ -54,13 +55,27 @@ pytestmark = [
 ]
 
 
-@pytest.fixture
-def nodes(tmp_path: pathlib.Path) -> Iterator[tuple[Node, Node]]:
-    a, b = _pair(tmp_path, {}, NO_ATTACH)
+@contextlib.contextmanager
+def _two_nodes(tmp_path: pathlib.Path, attached: bool) -> Iterator[tuple[Node, Node]]:
+    """Node A pushes by Mooncake WRITE only, or (``attached``) up to 16 MiB attached to
+    its Landed notices (the default)."""
+    a, b = _pair(tmp_path, {}, None if attached else NO_ATTACH)
     try:
         yield a, b
     finally:
         stop_pair(a, b)
+
+
+@pytest.fixture
+def nodes(tmp_path: pathlib.Path) -> Iterator[tuple[Node, Node]]:
+    with _two_nodes(tmp_path, attached=False) as pair:
+        yield pair
+
+
+@pytest.fixture
+def attaching(tmp_path: pathlib.Path) -> Iterator[tuple[Node, Node]]:
+    with _two_nodes(tmp_path, attached=True) as pair:
+        yield pair
 
 
 def _reader(b: Node) -> subprocess.Popen[bytes]:
@@ -86,16 +101,6 @@ def _frozen_writes(a: Node, b: Node, count: int, size: int) -> list[str]:
     return [read_line(writer, 30) for _ in range(count)]  # the writer exits by itself
 
 
-@pytest.fixture
-def attaching(tmp_path: pathlib.Path) -> Iterator[tuple[Node, Node]]:
-    """Node A pushes up to 16 MiB attached to its Landed notices (the default)."""
-    a, b = _pair(tmp_path, {})
-    try:
-        yield a, b
-    finally:
-        stop_pair(a, b)
-
-
 def _frozen_attached(a: Node, b: Node, count: int) -> list[str]:
     """:func:`_frozen_writes` of ``count`` 12 MiB payloads, each attached to its notice:
     their bytes wait in node A's notice connection to B until B is thawed or dies."""
@@ -111,6 +116,15 @@ def _frozen_attached(a: Node, b: Node, count: int) -> list[str]:
 
 def _in_flight_pushes(a: Node, b: Node) -> int:
     return int(a.peer(b.address).get("credits_in_use", 0))
+
+
+def _two_in_flight(a: Node, b: Node, attached: bool) -> list[str]:
+    """Two pushes held in flight by freezing node B: WRITEs of 8 MiB, or attached."""
+    if attached:
+        return _frozen_attached(a, b, 2)
+    refs = _frozen_writes(a, b, 2, 8 * MiB)
+    wait_until(lambda: _in_flight_pushes(a, b) == 2, PEER_TIMEOUT, "two pushes in flight")
+    return refs
 
 
 def test_writer_killed_after_publishing_with_pushes_in_flight(nodes: tuple[Node, Node]) -> None:
@@ -178,43 +192,46 @@ def test_consumer_daemon_killed_mid_push(nodes: tuple[Node, Node]) -> None:
     assert _in_flight_pushes(a, b) == 0
 
 
-def test_writer_daemon_killed_with_pushes_in_flight(nodes: tuple[Node, Node]) -> None:
+@pytest.mark.parametrize("attached", [False, True], ids=["write", "attached"])
+def test_writer_daemon_killed_with_pushes_in_flight(tmp_path: pathlib.Path, attached: bool) -> None:
     """The reads awaiting those pushes fail with PeerUnavailableError within the peer
-    timeout; the consumer's daemon gives the dead peer's push grant back."""
-    a, b = nodes
-    reader = _reader(b)
-    _ready_to_push(a, b)
-    assert a.daemon.proc is not None and b.daemon.proc is not None
-    try:
-        refs = _frozen_writes(a, b, 2, 8 * MiB)
-        wait_until(lambda: _in_flight_pushes(a, b) == 2, PEER_TIMEOUT, "two pushes in flight")
-        a.daemon.proc.send_signal(signal.SIGKILL)
-        a.daemon.proc.wait(timeout=10)
-    finally:
-        b.daemon.proc.send_signal(signal.SIGCONT)
-    for line in refs:
-        start = time.monotonic()
-        send_line(reader, line)
-        got = read_line(reader, PEER_TIMEOUT + 10)
-        assert got.startswith("ERR PeerUnavailableError"), got
-        assert time.monotonic() - start < PEER_TIMEOUT + 2
-    pool = b.daemon.pool()
-    wait_until(
-        lambda: b.used() == 0 and b.daemon.pool()["free_slots"] == pool["slots"],
-        10,
-        "node B's arena all free (the dead peer's push grant back)",
-    )
-    assert int(b.peer(a.address).get("credits_in_use", 0)) == 0
+    timeout; the consumer's daemon gives the dead peer's push grant back. Attached:
+    B got part of a batch's bytes when the connection ended, and the runs it placed
+    them in go back unpublished."""
+    with _two_nodes(tmp_path, attached) as (a, b):
+        reader = _reader(b)
+        _ready_to_push(a, b)
+        assert a.daemon.proc is not None and b.daemon.proc is not None
+        try:
+            refs = _two_in_flight(a, b, attached)
+            a.daemon.proc.send_signal(signal.SIGKILL)
+            a.daemon.proc.wait(timeout=10)
+        finally:
+            b.daemon.proc.send_signal(signal.SIGCONT)
+        for line in refs:
+            start = time.monotonic()
+            send_line(reader, line)
+            got = read_line(reader, PEER_TIMEOUT + 10)
+            assert got.startswith("ERR PeerUnavailableError"), got
+            assert time.monotonic() - start < PEER_TIMEOUT + 2
+        assert _count(b, a, "pushes_in") == 0  # nothing of the dead peer was published
+        pool = b.daemon.pool()
+        wait_until(
+            lambda: b.used() == 0 and b.daemon.pool()["free_slots"] == pool["slots"],
+            10,
+            "node B's arena all free (the dead peer's push grant back)",
+        )
+        assert int(b.peer(a.address).get("credits_in_use", 0)) == 0
 
-    a.daemon.start()
-    wait_until(lambda: a.sees(b) and b.sees(a), 15, "the daemons to meet again")
-    _ready_to_push(a, b)
-    fresh = _writer_refs(a, 2, MiB)
-    for line in fresh:
-        send_line(reader, line)
-        assert read_line(reader, PEER_TIMEOUT + 5) == line.split()[1]
-    assert _count(b, a, "pushes_in") == 2
-    wait_until(lambda: _free_but_grant(a, b), 10, "both arenas back to the push grants alone")
+        a.daemon.start()
+        wait_until(lambda: a.sees(b) and b.sees(a), 15, "the daemons to meet again")
+        _ready_to_push(a, b)
+        fresh = _writer_refs(a, 2, MiB)
+        for line in fresh:
+            send_line(reader, line)
+            assert read_line(reader, PEER_TIMEOUT + 5) == line.split()[1]
+        assert _count(b, a, "pushes_in") == 2
+        wait_until(lambda: _free_but_grant(a, b), 10, "both arenas back to the push grants alone")
 
 
 def test_consumer_daemon_killed_with_attached_bytes_in_flight(
@@ -250,46 +267,6 @@ def test_consumer_daemon_killed_with_attached_bytes_in_flight(
     assert _count(b, a, "reads_attached") == 2
     wait_until(lambda: _free_but_grant(a, b), 10, "both arenas back to the push grants alone")
     assert _in_flight_pushes(a, b) == 0
-
-
-def test_writer_daemon_killed_with_attached_bytes_in_flight(
-    attaching: tuple[Node, Node],
-) -> None:
-    """Node B gets part of a batch's bytes, then the connection ends: the runs it
-    placed them in go back unpublished, the reads fail with PeerUnavailableError
-    within the peer timeout, and B's arena is all free once the dead peer's grant
-    is back."""
-    a, b = attaching
-    reader = _reader(b)
-    _ready_to_push(a, b)
-    assert a.daemon.proc is not None and b.daemon.proc is not None
-    try:
-        refs = _frozen_attached(a, b, 2)
-        a.daemon.proc.send_signal(signal.SIGKILL)
-        a.daemon.proc.wait(timeout=10)
-    finally:
-        b.daemon.proc.send_signal(signal.SIGCONT)
-    for line in refs:
-        start = time.monotonic()
-        send_line(reader, line)
-        got = read_line(reader, PEER_TIMEOUT + 10)
-        assert got.startswith("ERR PeerUnavailableError"), got
-        assert time.monotonic() - start < PEER_TIMEOUT + 2
-    assert _count(b, a, "pushes_in") == 0  # no batch of the cut connection was handled
-    wait_until(
-        lambda: b.used() == 0 and b.daemon.pool()["free_slots"] == b.daemon.pool()["slots"],
-        10,
-        "node B's arena all free (the dead peer's push grant back)",
-    )
-
-    a.daemon.start()
-    wait_until(lambda: a.sees(b) and b.sees(a), 15, "the daemons to meet again")
-    _ready_to_push(a, b)
-    for line in _writer_refs(a, 2, MiB):
-        send_line(reader, line)
-        assert read_line(reader, PEER_TIMEOUT + 5) == line.split()[1]
-    assert _count(b, a, "pushes_in") == 2
-    wait_until(lambda: _free_but_grant(a, b), 10, "both arenas back to the push grants alone")
 
 
 @pytest.fixture
