@@ -444,6 +444,7 @@ class PushManager:
             "pull_phases": c.pull_phases,
             "pushes_attached": c.attached,
             "reads_attached": c.reads_attached,
+            "pushes_unreceived": len(self._unreceived.get(address, ())),
         }
 
 

@@ -247,6 +247,7 @@ def test_consumer_daemon_killed_with_attached_bytes_in_flight(
     assert b.daemon.proc is not None
     refs = _frozen_attached(a, b, 2)
     assert a.used() >= 2 * ATTACHED  # not received yet
+    assert _count(a, b, "pushes_unreceived") == 2
     b.daemon.proc.send_signal(signal.SIGKILL)
     b.daemon.proc.wait(timeout=10)
     reader.kill()

@@ -465,6 +465,7 @@ def test_an_attached_push_keeps_the_writers_lease_until_the_reader_node_received
             assert len(held) == 1 and a.peers.push.counts[b.address].attached == 1
             pushed = DataRef.from_bytes(ref).proto.lease
             assert pushed.lease_id in a.leases.leases  # published, for a pull
+            assert a.peers.push.status(b.address)["pushes_unreceived"] == 1
 
             def receipt(lease: pb.LeaseRef) -> None:
                 box = b.peers.notifier.box(a.address)
@@ -482,6 +483,7 @@ def test_an_attached_push_keeps_the_writers_lease_until_the_reader_node_received
             b.peers.push._receipt(a.address, held[0])
             await until(lambda: pushed.lease_id not in a.leases.leases, "the pushed lease freed")
             assert set(a.leases.leases) == {local_ref.proto.lease.lease_id}
+            assert a.peers.push.status(b.address)["pushes_unreceived"] == 0
             # ... and the writer hears it may reuse those slots, as after a release.
             await until(
                 lambda: any(pushed.lease_id in f.freed.lease_ids for f in a.frames),

@@ -645,7 +645,7 @@ class GetBytesResponse(_message.Message):
     def __init__(self, data: _Optional[bytes] = ...) -> None: ...
 
 class PeerStatus(_message.Message):
-    __slots__ = ("address", "node_id", "up", "daemon_epoch", "mooncake_session", "credits_in_use", "credits_capacity", "pulls_in_flight_max", "last_error", "stages", "pushes_out", "pushes_declined", "pushes_in", "push_grant_bytes", "reads_landed", "reads_awaited", "reads_pulled", "pull_phases", "notice_channel", "notice_batches", "pushes_attached", "reads_attached")
+    __slots__ = ("address", "node_id", "up", "daemon_epoch", "mooncake_session", "credits_in_use", "credits_capacity", "pulls_in_flight_max", "last_error", "stages", "pushes_out", "pushes_declined", "pushes_in", "push_grant_bytes", "reads_landed", "reads_awaited", "reads_pulled", "pull_phases", "notice_channel", "notice_batches", "pushes_attached", "reads_attached", "pushes_unreceived")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     UP_FIELD_NUMBER: _ClassVar[int]
@@ -668,6 +668,7 @@ class PeerStatus(_message.Message):
     NOTICE_BATCHES_FIELD_NUMBER: _ClassVar[int]
     PUSHES_ATTACHED_FIELD_NUMBER: _ClassVar[int]
     READS_ATTACHED_FIELD_NUMBER: _ClassVar[int]
+    PUSHES_UNRECEIVED_FIELD_NUMBER: _ClassVar[int]
     address: str
     node_id: str
     up: bool
@@ -690,7 +691,8 @@ class PeerStatus(_message.Message):
     notice_batches: int
     pushes_attached: int
     reads_attached: int
-    def __init__(self, address: _Optional[str] = ..., node_id: _Optional[str] = ..., up: _Optional[bool] = ..., daemon_epoch: _Optional[str] = ..., mooncake_session: _Optional[str] = ..., credits_in_use: _Optional[int] = ..., credits_capacity: _Optional[int] = ..., pulls_in_flight_max: _Optional[int] = ..., last_error: _Optional[str] = ..., stages: _Optional[_Iterable[str]] = ..., pushes_out: _Optional[int] = ..., pushes_declined: _Optional[int] = ..., pushes_in: _Optional[int] = ..., push_grant_bytes: _Optional[int] = ..., reads_landed: _Optional[int] = ..., reads_awaited: _Optional[int] = ..., reads_pulled: _Optional[int] = ..., pull_phases: _Optional[int] = ..., notice_channel: _Optional[bool] = ..., notice_batches: _Optional[int] = ..., pushes_attached: _Optional[int] = ..., reads_attached: _Optional[int] = ...) -> None: ...
+    pushes_unreceived: int
+    def __init__(self, address: _Optional[str] = ..., node_id: _Optional[str] = ..., up: _Optional[bool] = ..., daemon_epoch: _Optional[str] = ..., mooncake_session: _Optional[str] = ..., credits_in_use: _Optional[int] = ..., credits_capacity: _Optional[int] = ..., pulls_in_flight_max: _Optional[int] = ..., last_error: _Optional[str] = ..., stages: _Optional[_Iterable[str]] = ..., pushes_out: _Optional[int] = ..., pushes_declined: _Optional[int] = ..., pushes_in: _Optional[int] = ..., push_grant_bytes: _Optional[int] = ..., reads_landed: _Optional[int] = ..., reads_awaited: _Optional[int] = ..., reads_pulled: _Optional[int] = ..., pull_phases: _Optional[int] = ..., notice_channel: _Optional[bool] = ..., notice_batches: _Optional[int] = ..., pushes_attached: _Optional[int] = ..., reads_attached: _Optional[int] = ..., pushes_unreceived: _Optional[int] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
     __slots__ = ("session_id", "session_token", "data_ref", "timeout_seconds")
