@@ -15,13 +15,32 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from relayd_client.wire.transport import Transport
 
 from .edges import EdgeCollector, EdgeStats
 
 _WAIT_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0)
+
+# Push counters per peer (``PushManager.status`` keys), read at scrape time.
+_PUSH_COUNTERS = (
+    ("relayd_peer_pushes_out", "Pushes to the peer that landed there", "pushes_out"),
+    (
+        "relayd_peer_pushes_attached",
+        "Pushes to the peer whose bytes rode their Landed notice",
+        "pushes_attached",
+    ),
+    ("relayd_peer_pushes_declined", "Pushes to the peer declined: read by pull", "pushes_declined"),
+    ("relayd_peer_pushes_in", "Pushes from the peer published here", "pushes_in"),
+)
+# Reads here of the peer's DataRefs, by what they waited for on the network.
+_READ_WAITS = (
+    ("landed", "reads_landed"),
+    ("awaited", "reads_awaited"),
+    ("pulled", "reads_pulled"),
+    ("attached", "reads_attached"),
+)
 
 
 class StateCollector(Collector):
@@ -30,7 +49,7 @@ class StateCollector(Collector):
     def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
         self._snapshot = snapshot
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         snap = self._snapshot()
         cap = GaugeMetricFamily("relayd_pool_capacity_bytes", "Bytes in the pool", labels=["pool"])
         used = GaugeMetricFamily("relayd_pool_used_bytes", "Bytes held by leases", labels=["pool"])
@@ -70,6 +89,34 @@ class StateCollector(Collector):
             for peer, value in sorted(snap.get(key, {}).items()):
                 fam.add_metric([peer], value)
             yield fam
+        yield from _push_families(snap.get("pushes", {}))
+
+
+def _push_families(pushes: dict[str, dict[str, int]]) -> Iterator[Metric]:
+    """Each peer's push counters, the attached pushes it has not received yet, and
+    the reads here of its DataRefs by what they waited for."""
+    peers = sorted(pushes.items())
+    for name, help_, key in _PUSH_COUNTERS:
+        counter = CounterMetricFamily(name, help_, labels=["peer"])
+        for peer, counts in peers:
+            counter.add_metric([peer], counts.get(key, 0))
+        yield counter
+    unreceived = GaugeMetricFamily(
+        "relayd_peer_pushes_unreceived",
+        "Attached pushes to the peer not received yet: their writers' leases stay",
+        labels=["peer"],
+    )
+    reads = CounterMetricFamily(
+        "relayd_peer_reads",
+        "Reads here of the peer's DataRefs, by what they waited for",
+        labels=["peer", "waited"],
+    )
+    for peer, counts in peers:
+        unreceived.add_metric([peer], counts.get("pushes_unreceived", 0))
+        for waited, key in _READ_WAITS:
+            reads.add_metric([peer, waited], counts.get(key, 0))
+    yield unreceived
+    yield reads
 
 
 class Metrics:

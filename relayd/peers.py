@@ -290,7 +290,7 @@ class PeerManager:
 
     # -- views ------------------------------------------------------------------------
 
-    def snapshot(self) -> dict[str, dict[str, float]]:
+    def snapshot(self) -> dict[str, dict[str, Any]]:
         credits = self.credits.stats()
         in_use: dict[str, float] = {}
         capacity: dict[str, float] = {}
@@ -307,6 +307,7 @@ class PeerManager:
             "credits_capacity": capacity,
             "peer_up": up,
             "notice_channel": channel,
+            "pushes": {address: self.push.status(address) for address, _ in self.links.others()},
         }
 
     def status(self) -> list[pb.PeerStatus]:

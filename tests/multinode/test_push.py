@@ -126,7 +126,9 @@ def test_puts_to_a_remote_consumer_are_pushed_and_read_locally(nodes: tuple[Node
 
     asyncio.run(asyncio.wait_for(scenario(), 60))
     assert _count(b, a, "pushes_in") == len(sizes)
-    assert _count(a, b, "pushes_out") == len(sizes)
+    # An attached push counts as out once node B's (lingering) receipt came.
+    wait_until(lambda: _count(a, b, "pushes_out") == len(sizes), 10, "every push out")
+    assert _count(a, b, "pushes_unreceived") == 0
     assert _count(a, b, "pushes_declined") == 0
     assert _pulls(b) == 0  # not one pull: every read found its local copy
     # What each read waited for on the network: nothing, the push's Landed notice,
@@ -135,8 +137,19 @@ def test_puts_to_a_remote_consumer_are_pushed_and_read_locally(nodes: tuple[Node
     assert _count(b, a, "reads_attached") == attached
     assert _count(b, a, "reads_landed") + _count(b, a, "reads_awaited") == len(sizes) - attached
     assert _count(b, a, "reads_pulled") == 0
+    # The same counts, as Prometheus scrapes them.
+    scraped_a, scraped_b = a.daemon.scrape(), b.daemon.scrape()
+    assert _metric(scraped_a, "relayd_peer_pushes_out_total", peer=b.address) == len(sizes)
+    assert _metric(scraped_a, "relayd_peer_pushes_attached_total", peer=b.address) == attached
+    assert _metric(scraped_a, "relayd_peer_pushes_declined_total", peer=b.address) == 0
+    assert _metric(scraped_a, "relayd_peer_pushes_unreceived", peer=b.address) == 0
+    assert _metric(scraped_b, "relayd_peer_pushes_in_total", peer=a.address) == len(sizes)
+    assert _metric(scraped_b, "relayd_peer_reads_total", peer=a.address, waited="attached") == (
+        attached
+    )
+    assert _metric(scraped_b, "relayd_peer_reads_total", peer=a.address, waited="pulled") == 0
     # The Landed notices went on node B's notice channel when it has one.
-    path = _metric(a.daemon.scrape(), "relayd_peer_notice_channel", peer=b.address)
+    path = _metric(scraped_a, "relayd_peer_notice_channel", peer=b.address)
     assert path == (1 if channel else 0)
     if channel:
         assert _count(a, b, "notice_batches") >= len(sizes)
