@@ -66,6 +66,8 @@ def test_cross_node_key_exists_and_abort(pair: tuple[Node, Node]) -> None:
     a, b = pair
     writer, reader = _stages(a, b, "thinker", "talker")
     _ok(writer.ask("put", "k", 1, LEASED, "r1", "talker"))
+    # Pushed with its bytes attached, that put's lease on A stays until B's receipt.
+    wait_until(lambda: int(a.peer(b.address).get("pushes_unreceived", 0)) == 0, 10, "B's receipt")
     held = _published(a)
     # B's index answers for the key: still unread there.
     assert writer.ask("put", "k", 2, LEASED, "r1", "talker").startswith("ERR KeyExistsError")
