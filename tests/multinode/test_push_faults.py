@@ -114,6 +114,14 @@ def _frozen_attached(a: Node, b: Node, count: int) -> list[str]:
     return refs
 
 
+def _fresh_pushes_read(a: Node, b: Node, reader: subprocess.Popen[bytes]) -> None:
+    """Once the peers are back: two fresh 1 MiB puts are pushed and read by digest."""
+    _ready_to_push(a, b)
+    for line in _writer_refs(a, 2, MiB):
+        send_line(reader, line)
+        assert read_line(reader, PEER_TIMEOUT + 5) == line.split()[1]
+
+
 def _in_flight_pushes(a: Node, b: Node) -> int:
     return int(a.peer(b.address).get("credits_in_use", 0))
 
@@ -182,11 +190,7 @@ def test_consumer_daemon_killed_mid_push(nodes: tuple[Node, Node]) -> None:
     for line in refs:  # the writer's leases survived: pulled now
         send_line(reader, line)
         assert read_line(reader, PEER_TIMEOUT + 10) == line.split()[1]
-    _ready_to_push(a, b)
-    fresh = _writer_refs(a, 2, MiB)
-    for line in fresh:
-        send_line(reader, line)
-        assert read_line(reader, PEER_TIMEOUT + 5) == line.split()[1]
+    _fresh_pushes_read(a, b, reader)
     assert _count(b, a, "pushes_in") == 2
     wait_until(lambda: _free_but_grant(a, b), 10, "both arenas back to the push grants alone")
     assert _in_flight_pushes(a, b) == 0
@@ -225,11 +229,7 @@ def test_writer_daemon_killed_with_pushes_in_flight(tmp_path: pathlib.Path, atta
 
         a.daemon.start()
         wait_until(lambda: a.sees(b) and b.sees(a), 15, "the daemons to meet again")
-        _ready_to_push(a, b)
-        fresh = _writer_refs(a, 2, MiB)
-        for line in fresh:
-            send_line(reader, line)
-            assert read_line(reader, PEER_TIMEOUT + 5) == line.split()[1]
+        _fresh_pushes_read(a, b, reader)
         assert _count(b, a, "pushes_in") == 2
         wait_until(lambda: _free_but_grant(a, b), 10, "both arenas back to the push grants alone")
 
@@ -260,10 +260,7 @@ def test_consumer_daemon_killed_with_attached_bytes_in_flight(
     for line in refs:  # pulled from the writer's leases
         send_line(reader, line)
         assert read_line(reader, PEER_TIMEOUT + 10) == line.split()[1]
-    _ready_to_push(a, b)
-    for line in _writer_refs(a, 2, MiB):
-        send_line(reader, line)
-        assert read_line(reader, PEER_TIMEOUT + 5) == line.split()[1]
+    _fresh_pushes_read(a, b, reader)
     assert _count(a, b, "pushes_attached") == 4  # node A counts across B's restart
     assert _count(b, a, "reads_attached") == 2
     wait_until(lambda: _free_but_grant(a, b), 10, "both arenas back to the push grants alone")
