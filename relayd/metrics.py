@@ -75,6 +75,14 @@ class StateCollector(Collector):
         yield GaugeMetricFamily(
             "relayd_up", "1 while serving, 0 while starting or draining", value=snap["serving"]
         )
+        freed = CounterMetricFamily(
+            "relayd_freed_leases",
+            "Freed leases told to their writers, by the way: their Freed ring or a frame",
+            labels=["via"],
+        )
+        for via, n in sorted(snap.get("freed", {}).items()):
+            freed.add_metric([via], n)
+        yield freed
         for name, help_, key in (
             ("relayd_mooncake_credits_in_use", "Mooncake pulls in flight", "credits_in_use"),
             ("relayd_mooncake_credits_capacity", "Mooncake pull credits", "credits_capacity"),

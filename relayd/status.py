@@ -122,6 +122,7 @@ class NodeStatus:
                 for st, n in m.leases_by_state(p.name).items()
             },
             "sessions": len(m.sessions) - len(self.roles.operators),
+            "freed": {"ring": m.freed.by_ring, "frame": m.freed.by_frame},
             "serving": 1 if self.state() is DaemonState.SERVING else 0,
             **(self.peers.snapshot() if self.peers is not None else {}),
         }

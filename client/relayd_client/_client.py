@@ -512,6 +512,7 @@ class RelayClient:
                 lease = self._table.leases.get(lease_id)
                 if lease is not None:
                     self._conn.free_lease(lease)
+            self._grants.collect()  # an empty Freed: a waiting put's ids are in the ring
         for ab in frame.aborted:
             self._remember_aborted(ab.request_id)
         for ev in frame.event:
@@ -524,6 +525,7 @@ class RelayClient:
                 case pb.EVENT_KIND_DRAINING:
                     self._conn.draining = True
                 case pb.EVENT_KIND_RECLAIM:  # the daemon is short of space
+                    self._grants.collect()  # idle grants may hide in the ring
                     self._grants.return_idle()
                     self._conn.flush()  # lingering releases free some too
                 case pb.EVENT_KIND_ERROR:

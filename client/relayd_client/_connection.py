@@ -205,6 +205,7 @@ class Connection:
                 self.timeout,
                 shm_nonce=nonce,
                 trusted=self._trusted,
+                freed_ring=bool(nonce),
             )
         except grpc.RpcError as exc:
             await self._teardown()
@@ -214,7 +215,9 @@ class Connection:
             raise
         if self.socket_fallback:
             self._unmap()
-        elif self.views:
+        else:
+            self.grants.ring = self.session.freed_ring
+        if not self.socket_fallback and self.views:
             self.gpu = _cuda.GpuSide(a, self.views)
 
     def _map_segments(self, a: pb.AttachResponse) -> bytes:
@@ -256,6 +259,7 @@ class Connection:
         self.segments.clear()
 
     async def _teardown(self) -> None:
+        self.grants.ring = None  # the session closes it
         await self.grants.cancel_calls()
         if self.gpu is not None:
             # GPU grants go back with the session: no copy may still be queued into them.

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator
 from typing import Protocol
 
 from .wire.errors import RelayError, ResourceExhaustedError
+from .wire.freed_ring import FreedRing
 from .wire.shm import SHM_POOL
 from .wire.slots import SlotAllocator
 
@@ -235,6 +236,7 @@ class Grants:
         self.slot_size = 1
         self.idle_budget = 0  # idle slots kept per pool; 0 until attached
         self.wake: Callable[[], None] = self.space.set
+        self.ring: FreedRing | None = None  # the daemon's Freed ring, while attached
 
     def configure(self, slot_size: int, default_grant_bytes: int) -> None:
         """The session's slot size and default grant size (at every attach)."""
@@ -246,13 +248,38 @@ class Grants:
 
     def cut(self, nbytes: int, pool: str = SHM_POOL) -> Lease | None:
         """A lease for ``nbytes`` from a grant held, or None: never waits."""
+        self.collect()
         return self.table.cut(self.nslots(nbytes), pool)
+
+    def collect(self) -> None:
+        """Give back the arena runs the daemon's ring says are free.
+
+        Runs on whichever thread cuts next, and wakes nobody unless a put
+        waits for space (that is the point of the ring).
+        """
+        ring = self.ring
+        if ring is None:
+            return
+        table = self.table
+        try:
+            if not ring.ready():
+                return
+            with table.lock:
+                freed = [table.leases.get(lease_id) for lease_id in ring.take()]
+                for lease in freed:
+                    if lease is not None and lease.grant.pool == SHM_POOL:
+                        self._put_back(lease)
+        except ValueError:  # a re-attach closed the ring: its leases went with the session
+            return
+        if self.calls:
+            self.wake()
 
     async def reserve(self, nbytes: int, deadline: float, pool: str = SHM_POOL) -> Lease:
         """A lease for ``nbytes`` of ``pool``, waiting up to ``deadline`` (monotonic)."""
         self.check_open()
         nslots = self.nslots(nbytes)
         while True:
+            self.collect()
             lease = self.table.cut(nslots, pool)
             if lease is not None:
                 return lease
@@ -315,15 +342,20 @@ class Grants:
 
     def slots_back(self, lease: Lease) -> None:
         """A lease's run is free again (its reader's Freed notice, or a cancel)."""
+        if self._put_back(lease):
+            self.wake()
+
+    def _put_back(self, lease: Lease) -> bool:
+        """Free ``lease`` in the table, and give its grant back if it is idle beyond the budget."""
         table = self.table
         with table.lock:
             if table.free(lease.id) is None:
-                return
+                return False
             grant = lease.grant
             budget = self.idle_budget
             if grant.live == 0 and budget and table.idle_slots(grant.pool) > budget:
                 self.give_back(grant)
-        self.wake()
+        return True
 
     def give_back(self, grant: Grant) -> None:
         with self.table.lock:

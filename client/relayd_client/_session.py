@@ -30,6 +30,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from ._bind import bind_session, map_ring
 from .wire import peercred
 from .wire.errors import DaemonUnavailableError, RelayError, RelayTimeoutError, error_from_code
 from .wire.framing import (
@@ -40,6 +41,7 @@ from .wire.framing import (
     encode_frame,
     frame_length,
 )
+from .wire.freed_ring import FreedRing
 from .wire.proto import relay_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -81,7 +83,7 @@ class SessionChannel:
         self._sent_at = -math.inf  # loop time of the last frame out
         self._lingered = self._lingered_bytes = 0
         self._task: asyncio.Task[None] | None = None
-        self._bound: asyncio.Future[None] | None = None
+        self.freed_ring: FreedRing | None = None  # see connect()
         self._calls: dict[int, asyncio.Future[pb.FetchResponse]] = {}
         self._keyed: dict[int, asyncio.Future[bytes]] = {}
         self._call_ids = itertools.count(1)
@@ -96,34 +98,46 @@ class SessionChannel:
         shm_nonce: bytes = b"",
         *,
         trusted: frozenset[int] | None = None,
+        freed_ring: bool = False,
     ) -> None:
-        """Connect and bind; with ``trusted``, only to a daemon running as one of those uids."""
+        """Connect and bind; with ``trusted``, only to a daemon running as one of those uids.
+
+        With ``freed_ring``, ask for the daemon's Freed ring; :attr:`freed_ring`
+        is then the ring, or None if the daemon sent none.
+        """
         loop = self._loop = asyncio.get_running_loop()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setblocking(False)
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(path), timeout)
-        except PermissionError as exc:
-            raise peercred.permission_problem(path, exc) from None
-        except (OSError, TimeoutError) as exc:
-            raise DaemonUnavailableError(f"cannot open session socket {path}: {exc}") from None
-        self._reader, self._writer = reader, writer
-        if trusted is not None:
             try:
-                peercred.check_peer(writer.get_extra_info("socket"), path, trusted)
-            except BaseException:
-                writer.close()
-                self._writer = None
-                raise
-        self._bound = loop.create_future()
-        self._task = loop.create_task(self._read_loop(), name="relayd-session-reader")
-        self._write(
-            pb.SessionFrame(
-                bind=pb.Bind(session_id=session_id, session_token=token, shm_nonce=shm_nonce)
+                await asyncio.wait_for(loop.sock_connect(sock, path), timeout)
+            except PermissionError as exc:
+                raise peercred.permission_problem(path, exc) from None
+            except (OSError, TimeoutError) as exc:
+                raise DaemonUnavailableError(f"cannot open session socket {path}: {exc}") from None
+            if trusted is not None:
+                peercred.check_peer(sock, path, trusted)
+            bind = pb.Bind(
+                session_id=session_id,
+                session_token=token,
+                shm_nonce=shm_nonce,
+                freed_ring=freed_ring,
             )
-        )
-        try:
-            await asyncio.wait_for(asyncio.shield(self._bound), timeout)
-        except TimeoutError:
-            raise DaemonUnavailableError("daemon did not confirm the session in time") from None
+            try:
+                frame, fds = await asyncio.wait_for(bind_session(loop, sock, bind), timeout)
+            except TimeoutError:
+                raise DaemonUnavailableError("daemon did not confirm the session in time") from None
+            except (ConnectionError, OSError) as exc:
+                raise DaemonUnavailableError(f"daemon closed the session: {exc}") from None
+            self.freed_ring = map_ring(fds)
+            self._reader, self._writer = await asyncio.open_unix_connection(sock=sock)
+        except BaseException:
+            sock.close()
+            self._drop_ring()
+            raise
+        with self.lock:
+            self._on_frame(frame)
+        self._task = loop.create_task(self._read_loop(), name="relayd-session-reader")
 
     # -- out ------------------------------------------------------------------------
 
@@ -352,15 +366,6 @@ class SessionChannel:
                 if n > MAX_FRAME:
                     raise DaemonUnavailableError(f"daemon sent a {n}-byte frame")
                 frame = decode_frame(await self._reader.readexactly(n))
-                for ev in frame.event:
-                    bound = self._bound
-                    if bound is None or bound.done():
-                        break
-                    match ev.kind:
-                        case pb.EVENT_KIND_BOUND:
-                            bound.set_result(None)
-                        case pb.EVENT_KIND_ERROR:
-                            bound.set_exception(error_from_code(ev.code, ev.message))
                 if frame.fetched:
                     self._answer(frame)
                 if frame.keyed_result:
@@ -376,8 +381,6 @@ class SessionChannel:
         except Exception:
             log.exception("session reader failed")
         finally:
-            if self._bound is not None and not self._bound.done():
-                self._bound.set_exception(DaemonUnavailableError("daemon closed the session"))
             answers: list[asyncio.Future[Any]] = [*self._calls.values(), *self._keyed.values()]
             for answer in answers:
                 if not answer.done():
@@ -401,6 +404,7 @@ class SessionChannel:
                 await self._task
         with self.lock:
             raw, self._raw = self._raw, None
+            self._drop_ring()
         if raw is not None:
             raw.close()
         if self._writer is not None:
@@ -408,6 +412,11 @@ class SessionChannel:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._writer.wait_closed(), 2)
         self._writer = None
+
+    def _drop_ring(self) -> None:
+        ring, self.freed_ring = self.freed_ring, None
+        if ring is not None:
+            ring.close()
 
     async def _hang_up(self) -> None:
         """Half-close, then wait (bounded) until the daemon has read all and hung up.

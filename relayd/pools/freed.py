@@ -8,6 +8,13 @@ per transfer into one per linger. Not once a writer's pending notices give
 back :data:`FREED_LINGER_MAX_BYTES`, though: a writer that cannot reuse the
 slots it just wrote takes cache-cold ones, and copying into cold memory makes
 4 MiB transfers about 12% slower. And not while a grant waits for space.
+
+A session that took a Freed ring (:mod:`relayd_client.wire.freed_ring`) gets
+its arena leases' ids written there instead, at once and with no frame: it
+reads them when it next cuts a lease, so nothing wakes it. Frames remain for
+the rest: leases of other pools, a full ring, and any lease freed while a
+grant waits for space (a writer blocked in that wait does not read its ring;
+a grant request nudges it with an empty Freed if its ring holds unread ids).
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import asyncio
 from collections.abc import Callable, Iterable
 
 from relayd_client.wire.framing import FREED_LINGER_MAX_BYTES
+from relayd_client.wire.freed_ring import FreedRing
 
 from .events import Freed
 
@@ -23,25 +31,53 @@ from .events import Freed
 class FreedBatcher:
     """Freed lease ids pending per writer session, and when they go."""
 
-    def __init__(self, linger: float, deliver: Callable[[str, Freed], None]) -> None:
+    def __init__(
+        self,
+        linger: float,
+        deliver: Callable[[str, Freed], None],
+        space_short: Callable[[], bool] = lambda: False,
+    ) -> None:
         # Pending notices wait this long to be batched (0: sent at the end of each turn).
         self.linger = linger
         self.deliver = deliver  # (writer session id, its notice)
+        self.space_short = space_short  # whether some grant waits for space
         self._ids: dict[str, list[int]] = {}
         self._bytes: dict[str, int] = {}  # the slot bytes they give back, by session
+        self._rings: dict[str, FreedRing] = {}
         self._timer: asyncio.TimerHandle | None = None
+        # Lease ids told to writers, by the way they went (metrics read them).
+        self.by_ring = 0
+        self.by_frame = 0
 
-    def add(self, session_id: str, lease_id: int, nbytes: int) -> None:
+    def attach_ring(self, session_id: str, ring: FreedRing) -> None:
+        """``session_id`` reads its arena leases' Freed from ``ring`` from now on."""
+        old = self._rings.pop(session_id, None)
+        if old is not None:
+            old.close()
+        self._rings[session_id] = ring
+
+    def add(self, session_id: str, lease_id: int, nbytes: int, *, arena: bool = True) -> None:
+        ring = self._rings.get(session_id)
+        if ring is not None and arena and not self.space_short() and ring.push(lease_id):
+            self.by_ring += 1
+            return
         self._ids.setdefault(session_id, []).append(lease_id)
         self._bytes[session_id] = self._bytes.get(session_id, 0) + nbytes
 
     def pending(self, session_id: str) -> bool:
-        return bool(self._ids.get(session_id))
+        """Whether the session has Freed to hear: pending here, or unread in its ring."""
+        if self._ids.get(session_id):
+            return True
+        ring = self._rings.get(session_id)
+        return ring is not None and ring.unread()
 
     def drop(self, session_id: str) -> None:
-        """Forget what is pending for a session that closed."""
+        """Forget what is pending for a session that closed, and unmap its ring."""
         self._ids.pop(session_id, None)
         self._bytes.pop(session_id, None)
+        ring = self._rings.pop(session_id, None)
+        if ring is not None:
+            ring.close()
 
     def flush(self, *, space_short: bool) -> None:
         """Send what is due now; arm the linger for the rest."""
@@ -55,7 +91,11 @@ class FreedBatcher:
             self._timer = asyncio.get_running_loop().call_later(self.linger, self.send)
 
     def send(self, session_ids: Iterable[str] | None = None) -> None:
-        """One Freed to each of ``session_ids`` (default: every session with notices pending)."""
+        """One Freed to each of ``session_ids`` (default: every session with notices pending).
+
+        A session named here whose ring holds unread ids gets a Freed even with
+        none pending: an empty one, which makes the writer read its ring.
+        """
         if session_ids is None:
             if self._timer is not None:
                 self._timer.cancel()
@@ -65,4 +105,7 @@ class FreedBatcher:
             ids = self._ids.pop(sid, None)
             self._bytes.pop(sid, None)
             if ids:
+                self.by_frame += len(ids)
                 self.deliver(sid, Freed(tuple(ids)))
+            elif (ring := self._rings.get(sid)) is not None and ring.unread():
+                self.deliver(sid, Freed(()))

@@ -441,7 +441,12 @@ class LeaseTable:
                 self.grants.pop(grant.id, None)
             self.queue.wake()
         else:
-            self.freed.add(grant.session_id, lease.id, lease.run.nslots * self.slot_size)
+            self.freed.add(
+                grant.session_id,
+                lease.id,
+                lease.run.nslots * self.slot_size,
+                arena=lease.run.pool == self.arena.name,
+            )
 
     def free(self, lease: Lease, reason: ReclaimReason | None) -> None:
         """Free ``lease``; with a ``reason``, it was reclaimed (counted and logged)."""

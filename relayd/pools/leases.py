@@ -119,7 +119,7 @@ class LeaseManager:
         self.hooks = hooks or Hooks()
         self.clock = clock
         self.session_table = Sessions(max_sessions, clock)
-        self.freed = FreedBatcher(freed_linger, self._deliver_freed)
+        self.freed = FreedBatcher(freed_linger, self._deliver_freed, lambda: self.queue.space_short)
         self.returns = RunReturns(self.pools, arena.name, clock, gpu_work_may_run)
         self.queue = GrantQueue(
             self.pools,

@@ -9,9 +9,12 @@ however it died.
 
 from __future__ import annotations
 
+import array
 import asyncio
 import dataclasses
 import logging
+import os
+import socket
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, cast
 
@@ -28,6 +31,7 @@ from relayd_client.wire.framing import (
     encode_frame,
     frame_length,
 )
+from relayd_client.wire.freed_ring import FreedRing
 from relayd_client.wire.peercred import peer_credentials
 from relayd_client.wire.proto import relay_pb2 as pb
 from relayd_client.wire.transport import Transport
@@ -237,6 +241,39 @@ class SessionProtocol(asyncio.Protocol):
         if self.transport is not None and not self.transport.is_closing():
             self.transport.write(encode_frame(frame))
 
+    def _send_with_ring(self, frame: pb.SessionFrame, session: Session) -> None:
+        """Send ``frame`` with a new Freed ring's descriptor, and use the ring if it went.
+
+        Straight into the socket, by ``sendmsg``, which the transport cannot
+        do: only while nothing the transport holds is unsent, so frames stay
+        in order (the BOUND event is the connection's first frame).
+        """
+        transport = self.transport
+        data = encode_frame(frame)
+        if transport is None or transport.is_closing():
+            return
+        sent = 0
+        if not transport.get_write_buffer_size():
+            try:
+                ring, fd = FreedRing.create()
+            except OSError as exc:
+                log.warning("cannot create a Freed ring (%s); Freed goes by frames", exc)
+            else:
+                try:
+                    sock = socket.socket(fileno=os.dup(transport.get_extra_info("socket").fileno()))
+                    with sock:
+                        sent = sock.sendmsg([data], [_rights(fd)])
+                except OSError:
+                    sent = 0  # the socket buffer is full: the frame goes by the transport
+                finally:
+                    os.close(fd)
+                if sent:
+                    self.manager.freed.attach_ring(session.id, ring)
+                else:
+                    ring.close()
+        if sent < len(data):
+            transport.write(data[sent:])
+
     def _refuse(self, reason: str, message: str, code: int | None = None) -> None:
         log.warning("session connection refused: %s", message, extra={"pid": self.creds[0]})
         self.hooks.refused(reason)
@@ -293,13 +330,13 @@ class SessionProtocol(asyncio.Protocol):
                 path, version = self.hooks.bound(session, f.bind.shm_nonce, pid)
             else:
                 path, version = Transport.SHM.value, 0
-            self.send(
-                pb.SessionFrame(
-                    event=[
-                        pb.Event(kind=pb.EVENT_KIND_BOUND, message=path, registry_version=version)
-                    ]
-                )
+            bound = pb.SessionFrame(
+                event=[pb.Event(kind=pb.EVENT_KIND_BOUND, message=path, registry_version=version)]
             )
+            if f.bind.freed_ring and path == Transport.SHM.value:
+                self._send_with_ring(bound, session)
+            else:
+                self.send(bound)
         # Only the fields the frame carries: reading an absent repeated field
         # of a upb message builds an empty container, and a frame carries one
         # to three of these thirteen (measured: 8.4-9.6 -> 4.6-5.7 us a frame).
@@ -432,3 +469,8 @@ class SessionProtocol(asyncio.Protocol):
         else:
             result = pb.KeyedResult(call_id=call_id, data_ref=outcome)
         self.send(pb.SessionFrame(keyed_result=[result]))
+
+
+def _rights(fd: int) -> tuple[int, int, bytes]:
+    """The ancillary item that passes ``fd`` over a Unix socket."""
+    return socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]).tobytes()

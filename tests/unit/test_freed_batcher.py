@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
+from relayd_client.wire.freed_ring import RING_SLOTS, FreedRing
 
 from relayd.pools import freed
 from relayd.pools.events import Freed
@@ -92,5 +94,67 @@ def test_a_grant_request_takes_its_own_notices_and_a_closed_writer_gets_none() -
         b.drop("gone")
         b.send()  # everything pending, and the linger's timer is cancelled
         assert sent == [("asker", Freed((1,))), ("other", Freed((2,)))]
+
+    asyncio.run(scenario())
+
+
+def _ringed(space_short: list[bool]) -> tuple[FreedBatcher, list[tuple[str, Freed]], FreedRing]:
+    sent: list[tuple[str, Freed]] = []
+    b = FreedBatcher(60.0, lambda sid, ev: sent.append((sid, ev)), lambda: space_short[0])
+    ring, fd = FreedRing.create()
+    writer = FreedRing.map(fd)
+    os.close(fd)
+    b.attach_ring("w", ring)
+    return b, sent, writer
+
+
+def test_a_session_with_a_ring_hears_of_arena_leases_there_and_nothing_is_sent() -> None:
+    async def scenario() -> None:
+        short = [False]
+        b, sent, writer = _ringed(short)
+        b.add("w", 1, 4 << 20)  # over the byte cap: would go at once as a frame
+        b.add("w", 2, 64 * KIB)
+        b.flush(space_short=False)
+        assert sent == [] and writer.take() == [1, 2]
+        assert not b.pending("w")
+        b.add("w", 3, 64 * KIB, arena=False)  # a GPU pool's lease: frames only
+        short[0] = True
+        b.add("w", 4, 64 * KIB)  # a grant waits: a blocked writer reads no ring
+        b.flush(space_short=True)
+        assert sent == [("w", Freed((3, 4)))] and writer.take() == []
+        writer.close()
+        b.drop("w")
+
+    asyncio.run(scenario())
+
+
+def test_a_grant_request_nudges_a_writer_whose_ring_holds_unread_ids() -> None:
+    async def scenario() -> None:
+        b, sent, writer = _ringed([False])
+        b.add("w", 1, 64 * KIB)
+        assert b.pending("w")  # unread in the ring
+        b.send(["w"])  # what GrantQueue.grant does for a pending writer
+        assert sent == [("w", Freed(()))]
+        assert writer.take() == [1]
+        b.send(["w"])
+        assert len(sent) == 1 and not b.pending("w")
+        writer.close()
+        b.drop("w")
+
+    asyncio.run(scenario())
+
+
+def test_a_full_ring_leaves_the_rest_to_frames() -> None:
+    async def scenario() -> None:
+        b, sent, writer = _ringed([False])
+        for lease_id in range(1, RING_SLOTS + 3):
+            b.add("w", lease_id, 1 << 20)
+        b.flush(space_short=False)
+        assert sent == [("w", Freed((RING_SLOTS + 1, RING_SLOTS + 2)))]
+        assert writer.take() == list(range(1, RING_SLOTS + 1))
+        writer.close()
+        b.drop("w")
+        b.add("w", 99, 64 * KIB)  # a closed session's ring is gone: pending as before
+        assert b.pending("w")
 
     asyncio.run(scenario())

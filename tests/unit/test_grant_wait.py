@@ -8,6 +8,7 @@ a timeout - is policy; these tests pin it with a source that answers as told.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Coroutine
 from typing import Any
@@ -19,6 +20,7 @@ from relayd_client.wire.errors import (
     RelayError,
     ResourceExhaustedError,
 )
+from relayd_client.wire.freed_ring import FreedRing
 
 SLOT = 4096
 DEFAULT_GRANT = 16 * SLOT  # the daemon's default grant: 16 slots
@@ -256,5 +258,53 @@ def test_cancel_calls_ends_a_grant_call_in_flight() -> None:
         assert not g.calls
         with pytest.raises(asyncio.CancelledError):
             await put
+
+    _run(main())
+
+
+def _ring(g: Grants) -> FreedRing:
+    """Give ``g`` a Freed ring; returns the daemon's end."""
+    daemon, fd = FreedRing.create()
+    g.ring = FreedRing.map(fd)
+    os.close(fd)
+    return daemon
+
+
+def test_ring_ids_free_their_runs_at_the_next_cut_newest_first_waking_nobody() -> None:
+    async def main() -> None:
+        src = FakeSource()
+        g = _grants(src)
+        wakes: list[None] = []
+        g.wake = lambda: wakes.append(None)
+        daemon = _ring(g)
+        g.add(src.grant(4))
+        a, b = g.cut(2 * SLOT), g.cut(2 * SLOT)
+        assert a is not None and b is not None and g.cut(SLOT) is None
+        assert daemon.push(b.id) and daemon.push(a.id)
+        c = g.cut(2 * SLOT)
+        assert c is not None and c.slot == a.slot  # freed last, reused first
+        assert set(g.table.leases) == {c.id} and wakes == []
+        daemon.push(a.id)  # a stale id: already free, nothing changes
+        g.collect()
+        assert set(g.table.leases) == {c.id}
+
+    _run(main())
+
+
+def test_an_empty_freed_ends_a_wait_whose_space_sits_in_the_ring() -> None:
+    async def main() -> None:
+        src = FakeSource()
+        g = _grants(src)
+        daemon = _ring(g)
+        g.add(src.grant(4))
+        held = g.cut(4 * SLOT)
+        assert held is not None
+        task = asyncio.ensure_future(g.reserve(4 * SLOT, time.monotonic() + 5))
+        await _settle()
+        assert daemon.push(held.id)  # written after the put looked
+        await _settle()
+        assert not task.done()  # nobody reads the ring while waiting...
+        g.collect()  # ...until the daemon's nudge (an empty Freed) makes the client look
+        assert (await task).slot == held.slot
 
     _run(main())

@@ -1,0 +1,115 @@
+"""Binding a session socket: the first frame each way, read so that descriptors survive.
+
+The daemon's answer to ``Bind`` may carry a descriptor (the Freed ring,
+:mod:`relayd_client.wire.freed_ring`) by ``SCM_RIGHTS``. A plain read of those
+bytes, as a stream reader does, makes the kernel close it, so the answer is
+read here with ``recvmsg`` before the socket becomes a stream.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import logging
+import os
+import socket
+
+from .wire.errors import DaemonUnavailableError, error_from_code
+from .wire.framing import LENGTH_BYTES, MAX_FRAME, decode_frame, encode_frame, frame_length
+from .wire.freed_ring import FreedRing
+from .wire.proto import relay_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+# Room for the descriptors a bind's answer may carry (one: the Freed ring).
+_ANCILLARY_SPACE = socket.CMSG_SPACE(4 * array.array("i").itemsize)
+
+
+async def bind_session(
+    loop: asyncio.AbstractEventLoop, sock: socket.socket, bind: pb.Bind
+) -> tuple[pb.SessionFrame, list[int]]:
+    """Send ``bind``; the daemon's answer (BOUND), and the descriptors that came with it.
+
+    Read with ``recvmsg``, not through a stream: a descriptor that arrives
+    while a plain read takes its bytes is closed by the kernel.
+    """
+    fds: list[int] = []
+    try:
+        try:
+            await loop.sock_sendall(sock, encode_frame(pb.SessionFrame(bind=bind)))
+        except OSError as exc:
+            # A daemon that refuses the connection sends why, then hangs up,
+            # maybe before our bind arrives: read the reason all the same.
+            sent: OSError | None = exc
+        else:
+            sent = None
+        try:
+            head = await _recv_exactly(loop, sock, LENGTH_BYTES, fds)
+        except OSError:
+            if sent is not None:
+                raise sent from None
+            raise
+        n = frame_length(head)
+        if n > MAX_FRAME:
+            raise DaemonUnavailableError(f"daemon sent a {n}-byte frame")
+        frame = decode_frame(await _recv_exactly(loop, sock, n, fds))
+        for ev in frame.event:
+            if ev.kind == pb.EVENT_KIND_ERROR:
+                raise error_from_code(ev.code, ev.message)
+            if ev.kind == pb.EVENT_KIND_BOUND:
+                return frame, fds
+        raise DaemonUnavailableError("daemon answered the bind with something else")
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+
+
+async def _recv_exactly(
+    loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int, fds: list[int]
+) -> bytes:
+    """``n`` bytes from non-blocking ``sock``; descriptors passed with them go to ``fds``."""
+    buf = bytearray()
+    while len(buf) < n:
+        try:
+            data, ancillary, _, _ = sock.recvmsg(n - len(buf), _ANCILLARY_SPACE)
+        except (BlockingIOError, InterruptedError):
+            await _readable(loop, sock)
+            continue
+        for level, kind, item in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                got = array.array("i")
+                got.frombytes(item[: len(item) - len(item) % got.itemsize])
+                fds.extend(got)
+        if not data:
+            raise ConnectionResetError("end of stream")
+        buf += data
+    return bytes(buf)
+
+
+async def _readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+    ready: asyncio.Future[None] = loop.create_future()
+
+    def wake() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    loop.add_reader(sock, wake)
+    try:
+        await ready
+    finally:
+        loop.remove_reader(sock)
+
+
+def map_ring(fds: list[int]) -> FreedRing | None:
+    """The Freed ring among ``fds`` (the first), or None; closes every fd."""
+    ring = None
+    try:
+        if fds:
+            ring = FreedRing.map(fds[0])
+    except (OSError, ValueError) as exc:
+        log.warning("relayd sent an unusable Freed ring (%s); Freed goes by frames", exc)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return ring

@@ -1,0 +1,145 @@
+"""The Freed ring against a real daemon: writers hear what is free without a frame.
+
+Each test counts the lease ids that reach the writer in Freed frames, which
+the ring exists to replace, and checks the bytes and the arena as always.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+import pytest
+from relayd_client import DataRef, RelayClient, SyncRelayClient
+from relayd_client.wire.freed_ring import RING_SLOTS
+
+from tests._daemon import Daemon, drained, metric, running_daemon, wait_until
+from tests._workers import digest, make_payload
+
+pytestmark = pytest.mark.timeout(120)
+
+MiB = 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def _separate_processes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Writer and reader share this process: hide the local stage table (see test_core)."""
+    import relayd_client._local
+
+    monkeypatch.setattr(relayd_client._local, "serves", lambda stage: False)
+
+
+def _freed_by_frame(client: RelayClient) -> list[int]:
+    """The lease ids each Freed frame to ``client`` carries, from now on."""
+    channel = client._conn.session
+    seen: list[int] = []
+    handle = channel._on_frame
+
+    def on_frame(frame: Any) -> None:
+        if frame.HasField("freed"):
+            seen.extend(frame.freed.lease_ids)
+        handle(frame)
+
+    channel._on_frame = on_frame
+    return seen
+
+
+def _freed(d: Daemon, via: str) -> float:
+    return metric(d.scrape(), "relayd_freed_leases_total", via=via)
+
+
+def _slot(ref: DataRef) -> tuple[int, int]:
+    return ref.proto.lease.segment, ref.proto.lease.slot
+
+
+def test_a_blocking_writer_reuses_its_slots_with_no_freed_frame(tmp_path: object) -> None:
+    with running_daemon(str(tmp_path), pool="64MiB", metrics=True) as d:
+        with (
+            SyncRelayClient("thinker", d.socket) as w,
+            SyncRelayClient("talker", d.socket) as r,
+        ):
+            assert w._client._grants.ring is not None
+            by_frame = _freed_by_frame(w._client)
+            slots = set()
+            for i in range(40):
+                payload = make_payload(i, MiB)
+                ref = w.put(payload, to_stage="talker", request_id=f"r{i}", timeout=30)
+                slots.add(_slot(ref))
+                assert digest(r.get(ref)) == digest(payload)
+            assert by_frame == []
+            # Told nothing, the writer would take new slots for every put.
+            assert len(slots) < 20
+            wait_until(lambda: _freed(d, "ring") >= 40, 10, "the daemon counts its ring writes")
+            assert _freed(d, "frame") == 0
+        wait_until(lambda: drained(d), 10, "arena back to zero")
+
+
+def test_the_async_client_reads_its_ring_too(tmp_path: object) -> None:
+    async def scenario(sock: str) -> tuple[list[int], int]:
+        async with RelayClient("thinker", sock) as w, RelayClient("talker", sock) as r:
+            assert w._grants.ring is not None
+            by_frame = _freed_by_frame(w)
+            slots = set()
+            for i in range(30):
+                payload = make_payload(i, 2 * MiB)
+                ref = await w.put(payload, to_stage="talker", request_id=f"a{i}", timeout=30)
+                slots.add(_slot(ref))
+                assert digest(await r.get(ref)) == digest(payload)
+            return by_frame, len(slots)
+
+    with running_daemon(str(tmp_path), pool="64MiB") as d:
+        by_frame, nslots = asyncio.run(asyncio.wait_for(scenario(d.socket), 60))
+        assert by_frame == [] and nslots < 15
+        wait_until(lambda: drained(d), 10, "arena back to zero")
+
+
+def test_a_writer_that_never_reads_its_ring_gets_frames(tmp_path: object) -> None:
+    """Whatever the writer leaves in its ring, the daemon only falls back to frames."""
+    with running_daemon(str(tmp_path), pool="64MiB", metrics=True) as d:
+        with (
+            SyncRelayClient("thinker", d.socket) as w,
+            SyncRelayClient("talker", d.socket) as r,
+        ):
+            grants = w._client._grants
+            ring, grants.ring = grants.ring, None
+            assert ring is not None
+            for i in range(RING_SLOTS):  # a full ring of garbage
+                ring._words[i] = 0xFFFF_FFFF_0000_0000 | i
+            by_frame = _freed_by_frame(w._client)
+            refs = []
+            for i in range(20):
+                payload = make_payload(i, MiB)
+                ref = w.put(payload, to_stage="talker", request_id=f"g{i}", timeout=30)
+                refs.append(ref.proto.lease.lease_id)
+                assert digest(r.get(ref)) == digest(payload)
+            wait_until(lambda: set(refs) <= set(by_frame), 10, "every lease freed by frame")
+            assert _freed(d, "frame") >= len(refs) and _freed(d, "ring") == 0
+            assert d.pool().get("used_bytes", 0) == 0
+        wait_until(lambda: drained(d), 10, "arena back to zero")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="/proc/self/map_files needs root")
+def test_a_writer_cannot_truncate_the_ring_under_the_daemon(tmp_path: object) -> None:
+    """The daemon maps the ring too: a shrunk ring would fault it (SIGBUS) at its next write."""
+    with running_daemon(str(tmp_path), pool="64MiB") as d:
+        with (
+            SyncRelayClient("thinker", d.socket) as w,
+            SyncRelayClient("talker", d.socket) as r,
+        ):
+            with open("/proc/self/maps") as maps:
+                rings = [ln.split()[0] for ln in maps if "memfd:relayd-freed" in ln]
+            assert len(rings) == 2  # the writer's and the reader's sessions
+            for span in rings:
+                fd = os.open(f"/proc/self/map_files/{span}", os.O_RDWR)
+                try:
+                    with pytest.raises(PermissionError):
+                        os.ftruncate(fd, 0)
+                finally:
+                    os.close(fd)
+            for i in range(3):
+                payload = make_payload(i, MiB)
+                ref = w.put(payload, to_stage="talker", request_id=f"t{i}", timeout=30)
+                assert digest(r.get(ref)) == digest(payload)
+            assert d.status()["sessions"]
+        wait_until(lambda: drained(d), 10, "arena back to zero")
