@@ -271,8 +271,12 @@ class Grants:
                         self._put_back(lease)
         except ValueError:  # a re-attach closed the ring: its leases went with the session
             return
-        if self.calls:
+        if self.waiting():
             self.wake()
+
+    def waiting(self) -> bool:
+        """Whether a put waits for space (a call's entry may outlive its wait)."""
+        return any(not call.task.done() for call in self.calls.values())
 
     async def reserve(self, nbytes: int, deadline: float, pool: str = SHM_POOL) -> Lease:
         """A lease for ``nbytes`` of ``pool``, waiting up to ``deadline`` (monotonic)."""

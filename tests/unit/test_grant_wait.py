@@ -14,7 +14,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 import pytest
-from relayd_client._grants import IDLE_GRANTS, Grant, Grants, LeaseTable
+from relayd_client._grants import IDLE_GRANTS, Grant, GrantCall, Grants, LeaseTable
 from relayd_client.wire.errors import (
     DaemonUnavailableError,
     RelayError,
@@ -278,6 +278,15 @@ def test_ring_ids_free_their_runs_at_the_next_cut_newest_first_waking_nobody() -
         g.wake = lambda: wakes.append(None)
         daemon = _ring(g)
         g.add(src.grant(4))
+
+        async def answered() -> Grant:
+            return src.grant(1)
+
+        ended = asyncio.ensure_future(answered())
+        await ended
+        # The entry of a call whose put took freed space instead stays behind:
+        # nobody waits on it, so it must not make the ring wake the loop.
+        g.calls["shm"] = GrantCall(ended, 1, time.monotonic() + 5)
         a, b = g.cut(2 * SLOT), g.cut(2 * SLOT)
         assert a is not None and b is not None and g.cut(SLOT) is None
         assert daemon.push(b.id) and daemon.push(a.id)
