@@ -14,6 +14,8 @@ import logging
 import os
 import socket
 
+from google.protobuf.message import DecodeError
+
 from .wire.errors import DaemonUnavailableError, error_from_code
 from .wire.framing import LENGTH_BYTES, MAX_FRAME, decode_frame, encode_frame, frame_length
 from .wire.freed_ring import FreedRing
@@ -52,7 +54,13 @@ async def bind_session(
         n = frame_length(head)
         if n > MAX_FRAME:
             raise DaemonUnavailableError(f"daemon sent a {n}-byte frame")
-        frame = decode_frame(await _recv_exactly(loop, sock, n, fds))
+        body = await _recv_exactly(loop, sock, n, fds)
+        try:
+            frame = decode_frame(body)
+        except DecodeError:
+            raise DaemonUnavailableError(
+                "daemon answered the bind with a malformed frame"
+            ) from None
         for ev in frame.event:
             if ev.kind == pb.EVENT_KIND_ERROR:
                 raise error_from_code(ev.code, ev.message)
