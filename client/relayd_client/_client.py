@@ -519,7 +519,7 @@ class RelayClient:
             match ev.kind:
                 case pb.EVENT_KIND_BOUND:
                     self._conn.socket_fallback = ev.message == Transport.SOCKET.value
-                    self._routes.registry_version = ev.registry_version
+                    self._routes.bound(ev.registry_version)
                 case pb.EVENT_KIND_REGISTRY:
                     self._routes.registry(ev.registry_version)
                 case pb.EVENT_KIND_DRAINING:

@@ -47,11 +47,21 @@ class Routes:
         self._answers.clear()
 
     def registry(self, version: int) -> None:
-        """A session event announced ``version``: answers of another version are stale."""
-        if version != self.registry_version:
+        """A session event announced ``version``: answers of older versions are stale.
+
+        Versions only grow within a session; an event older than an answer
+        already taken (it travels on another channel) changes nothing.
+        """
+        if version > self.registry_version:
             self.registry_version = version
             self.forget()
             self.remote_stages.clear()
+
+    def bound(self, version: int) -> None:
+        """A session (re)bound at ``version``: the daemon may be a restarted one."""
+        self.registry_version = version
+        self.forget()
+        self.remote_stages.clear()
 
     async def ask(
         self, key: RouteKey, encoded_bytes: int, is_chunk: bool, chunk_carries_tensors: bool
@@ -63,7 +73,6 @@ class Routes:
         to_stage, has_cpu, cuda_uuids, fits = key
         conn = self._conn
         conn.require_open()  # a closed or lost session is the caller's error, not a route's
-        version = self.registry_version
         try:
             resp: pb.RouteResponse = await conn.call(
                 "Route",
@@ -87,9 +96,11 @@ class Routes:
             if fits:
                 return pb.TRANSPORT_INLINE
             return pb.TRANSPORT_SOCKET if conn.socket_fallback else pb.TRANSPORT_SHM
-        # An answer computed before a registry change we have seen since is stale.
-        if version == self.registry_version and resp.registry_version >= version:
-            self.registry_version = max(self.registry_version, resp.registry_version)
+        # An answer computed before a registry change we have seen since is
+        # stale; one at least as new as every change seen is current, even when
+        # that change's event landed while the call was in flight.
+        if resp.registry_version >= self.registry_version:
+            self.registry_version = resp.registry_version
             self._answers[key] = int(resp.transport)
             if resp.transport == pb.TRANSPORT_MOONCAKE:
                 self.remote_stages.add(to_stage)
