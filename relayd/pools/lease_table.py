@@ -210,10 +210,15 @@ class LeaseTable:
         self.add(lease)
         grant.last_lease = max(grant.last_lease, lease_id)
         req = self.requests.add(lease, lease.created)
-        if req.aborted and req.aborters and not req.aborters & {lease.from_stage, lease.to_stage}:
+        if (
+            req.aborted
+            and req.aborters
+            and lease.from_stage not in req.aborters
+            and lease.to_stage not in req.aborters
+        ):
             # A stage with no part in this lease cannot abort it ahead of time.
             req.aborted = False
-            req.aborters.clear()
+            req.aborters = ()
 
     def _cancel_first(
         self, session: Session, grant: Grant, r: ReserveNotice, cancelled: Collection[int]

@@ -33,7 +33,7 @@ class Reclaimer:
         req = t.requests.get(request_id)
         if req is None:
             t.requests.tombstone(request_id, session.stages, t.clock())
-        elif not (set(session.stages) & (req.writers | req.readers)):
+        elif not any(st in req.writers or st in req.readers for st in session.stages):
             raise PermissionDeniedError(
                 f"stage(s) {', '.join(session.stages)} neither wrote nor read request {request_id!r}"
             )
@@ -45,7 +45,7 @@ class Reclaimer:
         req = t.requests.touch(request_id, t.clock())
         req.aborted = True
         n = nbytes = 0
-        for lease_id in list(req.leases):
+        for lease_id in req.live_leases():
             lease = t.leases.get(lease_id)
             if lease is not None and lease.state is not LeaseState.RESERVED:
                 n += 1
