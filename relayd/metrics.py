@@ -20,6 +20,7 @@ from prometheus_client.registry import Collector
 from relayd_client.wire.transport import Transport
 
 from .edges import EdgeCollector, EdgeStats
+from .gc_pauses import GcPauses
 
 _WAIT_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0)
 
@@ -173,6 +174,8 @@ class Metrics:
         for t in Transport:
             self.transfers.labels(t.value)
             self.transfer_bytes.labels(t.value)
+        self.gc_pauses = GcPauses()
+        r.register(self.gc_pauses)
         self._server: Any = None
         self._thread: threading.Thread | None = None
 
@@ -183,6 +186,10 @@ class Metrics:
         """Per-edge counters and put/get histograms, read from ``stats`` at scrape time."""
         self.registry.register(EdgeCollector(stats))
 
+    def watch_gc(self) -> None:
+        """Time this process's garbage collections from now on (until :meth:`close`)."""
+        self.gc_pauses.watch()
+
     def serve(self, address: str) -> int:
         """Start the HTTP endpoint (its own thread, off the event loop); returns the port."""
         host, _, port = address.rpartition(":")
@@ -192,6 +199,7 @@ class Metrics:
         return int(server.server_address[1])
 
     def close(self) -> None:
+        self.gc_pauses.stop()
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()

@@ -235,6 +235,7 @@ class Daemon:
         loop = asyncio.get_running_loop()
         m.attach_state(lambda: self.node_status.snapshot_threadsafe(loop))
         m.attach_edges(self.edges)
+        m.watch_gc()
         self.service = RelayService(
             self.manager,
             facts=NodeFacts(

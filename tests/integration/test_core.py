@@ -391,6 +391,12 @@ def test_metrics_endpoint_reports_pools_sessions_and_transfers(tmp_path: object)
         assert _metric(text, "relayd_transfers_total", transport="shm") == 1
         assert _metric(text, "relayd_transfer_bytes_total", transport="shm") >= MiB
         assert _metric(text, "relayd_transfers_total", transport="inline") == 1
+        # Collector pauses, per generation, from the daemon's own callback.
+        for generation in "012":
+            count = _metric(text, "relayd_gc_pause_seconds_count", generation=generation)
+            top = _metric(text, "relayd_gc_pause_seconds_bucket", generation=generation, le="+Inf")
+            assert f'relayd_gc_pause_seconds_count{{generation="{generation}"}}' in text
+            assert count == top
         run_worker(["read", "--socket", d.socket], input=refs[0].encode() + b"\n")
         wait_until(
             lambda: _metric(d.scrape(), "relayd_pool_used_bytes", pool="shm") == 0,

@@ -1,0 +1,73 @@
+"""How long Python's garbage collector stops the daemon, per generation.
+
+Every collection runs on whichever thread allocated last, usually the event
+loop's, and nothing else runs meanwhile: a full collection over a large heap
+is a stall every session sees at once (request records made one take 100 ms
+or more before they were slimmed). The operator sees them as
+``relayd_gc_pause_seconds``.
+
+The callback only counts into plain lists (no lock, no allocation the
+collector tracks); the histogram is built from them at scrape time, like the
+other collectors in :mod:`relayd.metrics`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import gc
+import time
+from collections.abc import Iterator
+
+from prometheus_client.core import HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+GENERATIONS = 3
+# Upper bounds, seconds: a young collection takes tens of microseconds, a full
+# one over a big heap tens to hundreds of milliseconds.
+PAUSE_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0)
+
+
+class GcPauses(Collector):
+    """Times this process's collections while watching; a collector of the results."""
+
+    def __init__(self) -> None:
+        # Per generation: a count per bucket (the last one: above every bound), and the sum.
+        self._counts = [[0] * (len(PAUSE_BUCKETS) + 1) for _ in range(GENERATIONS)]
+        self._sums = [0.0] * GENERATIONS
+        self._started = 0.0
+
+    def watch(self) -> None:
+        if self._on_gc not in gc.callbacks:
+            gc.callbacks.append(self._on_gc)
+
+    def stop(self) -> None:
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+            return
+        seconds = time.perf_counter() - self._started
+        generation = min(info["generation"], GENERATIONS - 1)
+        self._counts[generation][bisect.bisect_left(PAUSE_BUCKETS, seconds)] += 1
+        self._sums[generation] += seconds
+
+    def collect(self) -> Iterator[Metric]:
+        family = HistogramMetricFamily(
+            "relayd_gc_pause_seconds",
+            "Time the daemon stood still for Python's garbage collector",
+            labels=["generation"],
+        )
+        for generation in range(GENERATIONS):
+            counts = list(self._counts[generation])  # one copy: consistent buckets
+            cumulative, buckets = 0, []
+            for bound, n in zip((*PAUSE_BUCKETS, float("inf")), counts, strict=True):
+                cumulative += n
+                buckets.append((_bound(bound), cumulative))
+            family.add_metric([str(generation)], buckets, self._sums[generation])
+        yield family
+
+
+def _bound(bound: float) -> str:
+    return "+Inf" if bound == float("inf") else repr(bound)
