@@ -33,12 +33,14 @@ METRICS: dict[str, set[str]] = {
     "relayd_edge_bytes_total": {"from_stage", "to_stage", "transport"},
     "relayd_put_seconds": {"from_stage", "to_stage", "transport"},
     "relayd_get_seconds": {"from_stage", "to_stage", "transport"},
+    "relayd_gc_pause_seconds": {"generation"},
 }
 HISTOGRAMS = {
     "relayd_reserve_wait_seconds",
     "relayd_mooncake_pull_seconds",
     "relayd_put_seconds",
     "relayd_get_seconds",
+    "relayd_gc_pause_seconds",
 }
 TARGET_LABELS = {"instance", "job", "node", "pod", "namespace"}  # added by the scrape
 PROMQL_WORDS = {
