@@ -44,8 +44,8 @@ class RequestInfo:
     :data:`MAX_REQUEST_RECORDS` of these, and every container in them is an
     object each full collection walks. Stage names are in tuples (untracked
     once they hold only strings) and the lease set exists only while a lease
-    does, so a remembered record is one object, not six (a collection over
-    65,536 remembered records took 107 ms before, 15 ms now).
+    does, so a remembered record is one object, not six (a full collection
+    over 65,536 records: ~15 ms as one object each, ~107 ms as six, measured).
     """
 
     __slots__ = ("aborted", "aborters", "leases", "readers", "touched", "writers")
