@@ -20,6 +20,7 @@ from collections.abc import Iterator
 
 from prometheus_client.core import HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 GENERATIONS = 3
 # Upper bounds, seconds: a young collection takes tens of microseconds, a full
@@ -64,10 +65,8 @@ class GcPauses(Collector):
             cumulative, buckets = 0, []
             for bound, n in zip((*PAUSE_BUCKETS, float("inf")), counts, strict=True):
                 cumulative += n
-                buckets.append((_bound(bound), cumulative))
+                # The le label as prometheus_client writes its own histograms (untyped there).
+                le = floatToGoString(bound)  # type: ignore[no-untyped-call]
+                buckets.append((le, cumulative))
             family.add_metric([str(generation)], buckets, self._sums[generation])
         yield family
-
-
-def _bound(bound: float) -> str:
-    return "+Inf" if bound == float("inf") else repr(bound)

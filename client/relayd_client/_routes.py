@@ -53,12 +53,11 @@ class Routes:
         already taken (it travels on another channel) changes nothing.
         """
         if version > self.registry_version:
-            self.registry_version = version
-            self.forget()
-            self.remote_stages.clear()
+            self.bound(version)
 
     def bound(self, version: int) -> None:
-        """A session (re)bound at ``version``: the daemon may be a restarted one."""
+        """Forget every answer: the registry is at ``version`` now (at a bind, even a
+        lower one: the daemon may be a restarted one)."""
         self.registry_version = version
         self.forget()
         self.remote_stages.clear()

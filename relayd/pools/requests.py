@@ -113,7 +113,8 @@ class Requests:
             for rid in empty[: MAX_TOMBSTONES // 4]:
                 del self.by_id[rid]
         req = self.by_id[request_id] = RequestInfo(touched=now)
-        req.aborters = tuple(dict.fromkeys(stages))
+        for stage in stages:
+            req.aborters = _joined(req.aborters, stage)
 
     def forget_old(self, now: float) -> None:
         """Drop records with no lease left that are old, or beyond the cap (oldest first)."""
