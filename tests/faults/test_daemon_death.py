@@ -27,10 +27,17 @@ MiB = 1 << 20
 SLACK = 1.5
 
 
-async def _load(w: RelayClient, r: RelayClient, stop: asyncio.Event, out: list[str]) -> None:
-    """Puts and gets until the daemon dies; records how the in-flight call ended."""
+async def _load(
+    w: RelayClient, r: RelayClient, stop: asyncio.Event, out: list[str], trying: asyncio.Event
+) -> None:
+    """Puts and gets until the daemon dies; records how the in-flight call ended.
+
+    ``trying`` is set as the first put starts: whoever waits on it resumes once
+    that put has suspended, in flight.
+    """
     i = 0
     while not stop.is_set():
+        trying.set()
         try:
             ref = await w.put(
                 make_payload(i, MiB), to_stage="talker", request_id=f"l{i}", timeout=2
@@ -72,9 +79,9 @@ def test_daemon_sigkill_gives_clear_errors_then_clients_reattach(
             waiting = asyncio.ensure_future(
                 w.put(make_payload(5, 6 * MiB), to_stage="talker", request_id="w", timeout=30)
             )
-            stop, outcomes = asyncio.Event(), []  # type: ignore[var-annotated]
-            load = asyncio.ensure_future(_load(w, r, stop, outcomes))
-            await asyncio.sleep(0.2)  # let the load run for a while before the kill
+            stop, trying, outcomes = asyncio.Event(), asyncio.Event(), []  # type: ignore[var-annotated]
+            load = asyncio.ensure_future(_load(w, r, stop, outcomes, trying))
+            await asyncio.wait_for(trying.wait(), 10)  # its put is in flight at the kill
             t0 = time.monotonic()
             os.kill(d.pid, signal.SIGKILL)
             # The waiting put was in flight: it fails fast, not at its 30 s deadline.

@@ -19,6 +19,8 @@ from relayd_client import _cuda_copy, _cuda_direct, _gpu_order
 from relayd_client.wire.errors import RelayTimeoutError, StaleRefError
 from relayd_client.wire.proto import relay_pb2 as pb
 
+from tests._daemon import async_wait_until
+
 
 class FakeEvent:
     """Completes after ``after`` queries (never when None); ``fire()`` completes it."""
@@ -241,10 +243,7 @@ def test_slots_of_a_lease_whose_copy_is_queued_wait_for_it() -> None:
             await asyncio.sleep(0)
         assert back == [] and fences.deferred == 1  # still queued: not back
         queued.fire()
-        for _ in range(200):
-            if back:
-                break
-            await asyncio.sleep(0.001)
+        await async_wait_until(lambda: back, 5, "the fence's lease back", interval=0.001)
 
     asyncio.run(scenario())
     assert back == [7] and fences.deferred == 0 and fences.events == {}
@@ -259,10 +258,7 @@ def test_a_lease_freed_twice_while_queued_is_released_once() -> None:
         assert fences.free(5, lambda: back.append("cancel")) is False
         assert fences.free(5, lambda: back.append("freed")) is False and fences.deferred == 1
         queued.fire()
-        for _ in range(200):
-            if back:
-                break
-            await asyncio.sleep(0.001)
+        await async_wait_until(lambda: back, 5, "the fence's lease back", interval=0.001)
 
     asyncio.run(scenario())
     assert back == ["cancel"]
