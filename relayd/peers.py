@@ -22,6 +22,7 @@ import asyncio
 import collections
 import ctypes
 import logging
+from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -219,6 +220,12 @@ class PeerManager:
     async def fetch(self, session: Session, data: bytes, timeout: float) -> pb.LeaseRef:
         """Pull a foreign DataRef into this arena (or take its landed push); the local lease."""
         return await self.puller.fetch(session, data, timeout)
+
+    def start_fetch(
+        self, session: Session, data: bytes, timeout: float
+    ) -> pb.LeaseRef | Coroutine[Any, Any, pb.LeaseRef]:
+        """:meth:`fetch`, answered now when the push has landed (see ``Puller.start``)."""
+        return self.puller.start(session, data, timeout)
 
     def serving(self, stage: str) -> PeerState | None:
         """A live peer that serves ``stage`` (the first by address when several do)."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from relayd_client.wire.dataref import DataRef
@@ -69,6 +69,22 @@ class Puller:
 
     async def fetch(self, session: Session, data: bytes, timeout: float) -> pb.LeaseRef:
         """Pull a foreign DataRef into this arena; returns the local lease."""
+        got = self.start(session, data, timeout)
+        return got if isinstance(got, pb.LeaseRef) else await got
+
+    def start(
+        self, session: Session, data: bytes, timeout: float
+    ) -> pb.LeaseRef | Coroutine[Any, Any, pb.LeaseRef]:
+        """A read of a foreign DataRef: the local lease now when its push has
+        landed, else the work that waits for the push or pulls. A bad DataRef
+        raises here, before anything waits."""
+        m = self._checked(session, data)
+        pushed = self.landing.take_now(m)
+        if pushed is not None:
+            return self._lease_ref(pushed, pushed.nbytes)
+        return self._fetch(session, m, timeout)
+
+    def _checked(self, session: Session, data: bytes) -> pb.DataRef:
         ref = DataRef.from_bytes(data)
         m = ref.proto
         if m.to_stage not in session.stages:
@@ -82,6 +98,9 @@ class Puller:
         req = self.leases.requests.get(m.request_id)
         if req is not None and req.aborted:
             raise AbortedError(f"request {m.request_id!r} was aborted")
+        return m
+
+    async def _fetch(self, session: Session, m: pb.DataRef, timeout: float) -> pb.LeaseRef:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         pushed = await self.landing.take(m, deadline)

@@ -297,18 +297,15 @@ class PushLanding:
         """The landed lease for DataRef ``m``, waiting for its push when the writer
         asked for one; None: read it by pull."""
         key = _key_of(m)
-        lease = self._landed.get(key)
-        waited = False
         # Only a peer holding a grant here can push here: from any other, nothing
         # will come (its pushes are off, or it pushes to another node), so pull.
         given = self.given.get(key[0])
         pushable = given is not None and not given.retired and given.epoch == key[1]
-        if lease is None and m.push and pushable and key not in self._declined:
+        if key not in self._landed and m.push and pushable and key not in self._declined:
             peer = self.parts.links.by_node.get(key[0])
             if peer is None or not peer.up:
                 return None  # the pull says what is wrong with the peer
             loop = asyncio.get_running_loop()
-            waited = True
             fut: asyncio.Future[None] = loop.create_future()
             self._waiters.setdefault(key, []).append(fut)
             self._waiting_for[key] = m.request_id
@@ -327,12 +324,26 @@ class PushLanding:
             req = self.parts.leases.requests.get(m.request_id)
             if req is not None and req.aborted:
                 raise AbortedError(f"request {m.request_id!r} was aborted")
-            lease = self._landed.get(key)
-            if lease is None and not (peer.up and self.parts.links.by_node.get(key[0]) is peer):
+            if key not in self._landed and not (
+                peer.up and self.parts.links.by_node.get(key[0]) is peer
+            ):
                 raise PeerUnavailableError(
                     f"peer node {key[0]!r} went down while its push of lease {key[2]} "
                     f"was awaited: {peer.last_error or 'unreachable'}"
                 )
+            return self._taken(key, m, waited=True)
+        return self._taken(key, m, waited=False)
+
+    def take_now(self, m: pb.DataRef) -> Lease | None:
+        """The landed lease for DataRef ``m`` if its push has landed; None: not
+        (yet), :meth:`take` waits or says to pull. No wait, so a reader whose
+        push is already here is answered without a task."""
+        key = _key_of(m)
+        return self._taken(key, m, waited=False) if key in self._landed else None
+
+    def _taken(self, key: Key, m: pb.DataRef, *, waited: bool) -> Lease | None:
+        """The landed lease of ``key`` for a reader of ``m``, counted as that read."""
+        lease = self._landed.get(key)
         if lease is None:
             return None
         if self.parts.leases.leases.get(lease.id) is not lease:

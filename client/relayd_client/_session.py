@@ -28,7 +28,7 @@ import os
 import socket
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from ._bind import bind_session, map_ring
 from .wire import peercred
@@ -44,6 +44,7 @@ from .wire.framing import (
 from .wire.freed_ring import FreedRing
 from .wire.proto import relay_pb2 as pb
 
+T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 # A lingering frame goes out early once it holds this many notices, so that
@@ -300,11 +301,7 @@ class SessionChannel:
         )
         self.mark(flush=True)
         try:
-            return await asyncio.wait_for(answer, timeout + _ANSWER_GRACE)
-        except TimeoutError:
-            raise RelayTimeoutError(
-                f"the daemon did not answer a cross-node read within {timeout + _ANSWER_GRACE:.3g}s"
-            ) from None
+            return await _answered(answer, timeout, "a cross-node read")
         finally:
             self._calls.pop(call_id, None)
 
@@ -328,11 +325,7 @@ class SessionChannel:
                 self._pending.discard.append(call)
             self.mark(flush=True)
         try:
-            return await asyncio.wait_for(answer, timeout + _ANSWER_GRACE)
-        except TimeoutError:
-            raise RelayTimeoutError(
-                f"the daemon did not answer within {timeout + _ANSWER_GRACE:.3g}s"
-            ) from None
+            return await _answered(answer, timeout, "")
         finally:
             self._keyed.pop(call_id, None)
 
@@ -432,3 +425,15 @@ class SessionChannel:
             return
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.shield(self._task), _CLOSE_GRACE)
+
+
+async def _answered(answer: asyncio.Future[T], timeout: float, what: str) -> T:
+    """The daemon's answer to a call, within the call's timeout and a grace."""
+    budget = timeout + _ANSWER_GRACE
+    try:
+        # Not wait_for: its own waiter costs the answer one more loop turn.
+        async with asyncio.timeout(budget):
+            return await answer
+    except TimeoutError:
+        about = f" {what}" if what else ""
+        raise RelayTimeoutError(f"the daemon did not answer{about} within {budget:.3g}s") from None

@@ -2,11 +2,14 @@
 
 The pull itself is the peer layer's (:meth:`relayd.peers.PeerManager.fetch`);
 this checks the caller, bounds the wait and answers with this node's identity.
+A read whose push has already landed is answered at once, with no task: the
+reader waits for that answer and nothing else.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Coroutine
+from typing import Any, Protocol
 
 from relayd_client.wire.errors import PeerUnavailableError, SessionClosedError
 from relayd_client.wire.proto import relay_pb2 as pb
@@ -15,11 +18,16 @@ from ..pools.sessions import Session, SessionState
 
 MAX_FETCH_TIMEOUT = 3600.0
 
+Answer = pb.FetchResponse | Coroutine[Any, Any, pb.FetchResponse]
+"""A fetch's answer now, or the work that waits for it."""
+
 
 class PeerFetch(Protocol):
     """The peer layer as a fetch sees it."""
 
-    async def fetch(self, session: Session, data: bytes, timeout: float) -> pb.LeaseRef: ...
+    def start_fetch(
+        self, session: Session, data: bytes, timeout: float
+    ) -> pb.LeaseRef | Coroutine[Any, Any, pb.LeaseRef]: ...
 
 
 class Fetcher:
@@ -36,6 +44,16 @@ class Fetcher:
 
     async def fetch(self, session: Session, data_ref: bytes, timeout: float) -> pb.FetchResponse:
         """Pull a foreign DataRef into this arena for ``session``."""
+        got = self.start(session, data_ref, timeout)
+        return got if isinstance(got, pb.FetchResponse) else await got
+
+    def on_session(self, session: Session, data_ref: bytes, asked: float) -> Answer:
+        """A session's ``FetchCall``, which asks for its own timeout."""
+        return self.start(session, data_ref, self.timeout(asked))
+
+    def start(self, session: Session, data_ref: bytes, timeout: float) -> Answer:
+        """:meth:`fetch`'s answer now when the push has landed, else the work that
+        waits for it; a bad call raises here."""
         if session.state is not SessionState.BOUND:
             raise SessionClosedError("bind the session socket before fetching")
         if self.peers is None:
@@ -43,12 +61,16 @@ class Fetcher:
                 "this daemon has no peers (--peer-address is not set); cross-node DataRefs "
                 "cannot be read here"
             )
-        lease = await self.peers.fetch(session, data_ref, timeout)
+        got = self.peers.start_fetch(session, data_ref, timeout)
+        if isinstance(got, pb.LeaseRef):
+            return self._response(got)
+        return self._later(got)
+
+    async def _later(self, pending: Coroutine[Any, Any, pb.LeaseRef]) -> pb.FetchResponse:
+        return self._response(await pending)
+
+    def _response(self, lease: pb.LeaseRef) -> pb.FetchResponse:
         return pb.FetchResponse(lease=lease, node_id=self.node_id, daemon_epoch=self.epoch)
 
-    async def on_session(self, session: Session, data_ref: bytes, asked: float) -> pb.FetchResponse:
-        """A session's ``FetchCall``, which asks for its own timeout."""
-        return await self.fetch(session, data_ref, self.timeout(asked))
 
-
-__all__ = ["MAX_FETCH_TIMEOUT", "Fetcher", "PeerFetch"]
+__all__ = ["MAX_FETCH_TIMEOUT", "Answer", "Fetcher", "PeerFetch"]

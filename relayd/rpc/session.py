@@ -40,6 +40,7 @@ from ..edges import log_trace
 from ..pools.leases import LeaseManager
 from ..pools.sessions import BIND_DEADLINE, Session
 from .admission import Admission, Roles, peer_groups
+from .fetch import Answer
 from .frames import frame_sink
 from .limits import UidLimits
 
@@ -90,8 +91,9 @@ class SessionHooks:
     """Forget a session's placement when its connection ends."""
     ref: Callable[[int], None] = lambda nbytes: None
     """A forwarded tensor reference of this many bytes was published."""
-    fetch: Callable[[Session, bytes, float], Awaitable[pb.FetchResponse]] | None = None
-    """A cross-node read (DataRef bytes, the timeout asked for); None: not served."""
+    fetch: Callable[[Session, bytes, float], Answer] | None = None
+    """A cross-node read (DataRef bytes, the timeout asked for): its answer now, or
+    the work that waits for it; None: not served."""
 
 
 class SessionProtocol(asyncio.Protocol):
@@ -341,6 +343,11 @@ class SessionProtocol(asyncio.Protocol):
         # of a upb message builds an empty container, and a frame carries one
         # to three of these thirteen (measured: 8.4-9.6 -> 4.6-5.7 us a frame).
         present: dict[object, Any] = dict(f.ListFields())
+        # Fetches first: a reader waits for its answer, which a landed push gives
+        # at once, while the notices riding with it (its last Release, reports)
+        # wait for nobody.
+        for call in present.get(_FETCH, ()):
+            self._start_fetch(session, call)
         cancels = present.get(_CANCEL, ())
         cancelled = {x.lease_id for x in cancels}
         for r in present.get(_RESERVE, ()):
@@ -363,8 +370,6 @@ class SessionProtocol(asyncio.Protocol):
             self.hooks.report(session, rep)
         for lat in present.get(_LATENCY, ()):
             self.hooks.latency(session, lat)
-        for call in present.get(_FETCH, ()):
-            self._start_fetch(session, call)
         # After the notices: a keyed put's Publish travels in the same frame.
         for kp in present.get(_KEYED_PUT, ()):
             self._start_keyed(session, kp.call_id, "put", kp)
@@ -388,22 +393,37 @@ class SessionProtocol(asyncio.Protocol):
                 ResourceExhaustedError(f"{MAX_FETCH_CALLS} fetches already in flight"),
             )
         else:
-            task = asyncio.get_running_loop().create_task(self._fetch(session, call))
+            try:
+                got = self.hooks.fetch(session, call.data_ref, call.timeout_seconds)
+            except RelayError as err:
+                self._answer(call.call_id, err)
+                return
+            except Exception as exc:  # a bug: say so to the caller, keep the session
+                self._fetch_failed(session, call.call_id, exc)
+                return
+            if isinstance(got, pb.FetchResponse):
+                self._answer(call.call_id, got)
+                return
+            task = asyncio.get_running_loop().create_task(self._fetch(session, call, got))
             self._fetches[call.call_id] = task
 
-    async def _fetch(self, session: Session, call: pb.FetchCall) -> None:
-        assert self.hooks.fetch is not None
+    async def _fetch(
+        self, session: Session, call: pb.FetchCall, pending: Awaitable[pb.FetchResponse]
+    ) -> None:
         try:
-            resp = await self.hooks.fetch(session, call.data_ref, call.timeout_seconds)
+            resp = await pending
         except RelayError as err:
             self._answer(call.call_id, err)
         except Exception as exc:  # a bug: say so to the caller, keep the session
-            log.exception("fetch failed", extra={"session_id": session.id})
-            self._answer(call.call_id, InternalError(f"{type(exc).__name__}: {exc}"))
+            self._fetch_failed(session, call.call_id, exc)
         else:
             self._answer(call.call_id, resp)
         finally:
             self._fetches.pop(call.call_id, None)
+
+    def _fetch_failed(self, session: Session, call_id: int, exc: Exception) -> None:
+        log.error("fetch failed", exc_info=exc, extra={"session_id": session.id})
+        self._answer(call_id, InternalError(f"{type(exc).__name__}: {exc}"))
 
     def _answer(self, call_id: int, outcome: pb.FetchResponse | RelayError) -> None:
         if isinstance(outcome, RelayError):

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 from relayd_client.wire.dataref import DataRef
-from relayd_client.wire.errors import PeerUnavailableError, StaleRefError
+from relayd_client.wire.errors import CorruptRefError, PeerUnavailableError, StaleRefError
 from relayd_client.wire.proto import relay_pb2 as pb
 from relayd_client.wire.shm import SHM_POOL
 
@@ -412,6 +412,39 @@ def test_a_push_lands_and_the_reader_gets_a_local_lease(tmp_path: pathlib.Path) 
             # The run goes back to A's grant by a (lingering) Freed notice.
             await until(lambda: grant.alloc.free_runs() == [(0, grant.nslots)], "the freed run")
             assert not b.leases.leases and b.arena.used_bytes == given
+
+    run(main())
+
+
+def test_a_read_whose_push_landed_is_answered_at_once_others_wait_or_pull(
+    tmp_path: pathlib.Path,
+) -> None:
+    """``start_fetch`` gives the landed lease itself, with no task; a DataRef with no
+    push here gives the work that pulls it; a bad DataRef fails before any wait."""
+
+    async def main() -> None:
+        async with pushing_nodes(tmp_path, push_attach_max=4 * SLOT) as (a, b, reader):
+            await until(lambda: a.peers.notifier.has_channel(b.address), "A's notice channel")
+            writer = a.session(WRITER)
+            pushed, pulled = os.urandom(2 * SLOT + 5), os.urandom(SLOT + 3)
+            ref = await a.put(writer, pushed, push=True)
+            await until(lambda: b.peers.push.counts[a.address].into == 1, "the push to land")
+            now = b.peers.start_fetch(reader, ref, BOUND)
+            assert isinstance(now, pb.LeaseRef)
+            assert _sha(b.read(now)) == _sha(pushed)
+            assert b.peers.push.counts[a.address].reads_attached == 1
+            later = b.peers.start_fetch(reader, await a.put(writer, pulled, request_id="p"), BOUND)
+            assert not isinstance(later, pb.LeaseRef)
+            local = await later
+            assert _sha(b.read(local)) == _sha(pulled)
+            assert b.peers.push.counts[a.address].reads_pulled == 1
+            bad = bytearray(ref)
+            bad[-1] ^= 0xFF  # the CRC no longer matches
+            with pytest.raises(CorruptRefError):
+                b.peers.start_fetch(reader, bytes(bad), BOUND)
+            for got in (now, local):
+                b.release(reader, got)
+            await until(lambda: not a.leases.leases and not b.leases.leases, "leases freed")
 
     run(main())
 
