@@ -54,6 +54,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import functools
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -418,10 +419,14 @@ class PushManager:
             lease_id=landed.lease_id, generation=landed.generation
         )
         self._receipt_bytes[address] += int(landed.attached)
-        urgent = self._receipt_bytes[address] >= RECEIPT_LINGER_MAX_BYTES
-        if urgent:
+        notifier = self.parts.notifier
+        notifier.send(address, urgent=False)
+        if self._receipt_bytes[address] >= RECEIPT_LINGER_MAX_BYTES:
             del self._receipt_bytes[address]
-        self.parts.notifier.send(address, urgent=urgent)
+            # After the readers this landing woke: they wait, the writer's daemon
+            # only wants its space back before its next push.
+            flush = functools.partial(notifier.send, address, urgent=True, added=0)
+            asyncio.get_running_loop().call_soon(flush)
 
     async def close(self) -> None:
         for task in list(self._tasks):

@@ -311,7 +311,9 @@ class PushLanding:
             self._waiting_for[key] = m.request_id
             wait = min(deadline - loop.time(), self.settings.peer_timeout)
             try:
-                await asyncio.wait_for(fut, max(wait, 0.0))
+                # Not wait_for, whose own waiter costs the reader one more loop turn.
+                async with asyncio.timeout(max(wait, 0.0)):
+                    await fut
             except TimeoutError:
                 log.warning("push of lease %d from %s did not arrive; pulling", key[2], key[0])
             finally:
