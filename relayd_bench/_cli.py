@@ -12,8 +12,16 @@ from types import FrameType
 
 from relayd_bench import _netns, _plot, _registry
 from relayd_bench._progress import Progress
+from relayd_bench._rounds import round_ratios
 from relayd_bench._run import Bench, Options, plan_for
-from relayd_bench._stats import Status, add_ratios, add_stream_ratios, machine_info, to_json
+from relayd_bench._stats import (
+    Status,
+    add_ratios,
+    add_stream_ratios,
+    machine_info,
+    result_json,
+    to_json,
+)
 from relayd_bench._table import render_table
 
 DEFAULT_SIZES = "4K,256K,1M,4M,16M"
@@ -76,6 +84,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         metavar="FLOAT",
         help=f"multiply warm-up and measured counts (default 1, {QUICK_SCALE} with --quick)",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run every method and size N times, the methods' order reversed every other "
+        "round; the table shows each cell's median round and adds each ratio's median "
+        "over the rounds with its range (default 1). The stream workload runs once",
     )
     p.add_argument(
         "--reuse-processes",
@@ -159,6 +176,8 @@ def _options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Optio
         scale = QUICK_SCALE if args.quick else 1.0
     if scale <= 0:
         parser.error("--iterations-scale must be > 0")
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     streams = args.streams if args.streams is not None else QUICK_STREAMS if args.quick else 16
     seconds = args.stream_seconds
     if seconds is None:
@@ -192,6 +211,7 @@ def _options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Optio
         stream_methods=stream_methods,
         netns=args.netns,
         netns_rate=rate,
+        rounds=args.rounds,
     )
 
 
@@ -248,10 +268,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
         bench.close()
+    for cells in bench.rounds if opts.rounds > 1 else ():
+        add_ratios(cells)  # each round's cells against that round's floor
     add_ratios(bench.results)
     add_stream_ratios(bench.streams)
     machine = {**machine_info(), "loadavg_at_start": bench.loadavg_at_start}
-    sys.stdout.write(render_table(bench.results, bench.streams, machine))
+    per_round = round_ratios(bench.rounds) if opts.rounds > 1 else []
+    sys.stdout.write(render_table(bench.results, bench.streams, machine, rounds=per_round))
     network = bench.network_line()
     if network:
         sys.stdout.write(network + "\n")
@@ -265,6 +288,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "reuse_processes": opts.reuse_processes,
             "netns": opts.netns,
             "netns_rate": opts.netns_rate if opts.netns else None,
+            "rounds": opts.rounds,
             "plan": [vars(plan_for(s, opts.scale)) for s in opts.sizes],
             "stream": {
                 "streams": opts.streams,
@@ -275,7 +299,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             **bench.describe(),
         }
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(to_json(bench.results, bench.streams, machine, run), f, indent=2)
+            doc = to_json(bench.results, bench.streams, machine, run)
+            if opts.rounds > 1:
+                doc["rounds"] = {
+                    "ratios": [r.to_json() for r in per_round],
+                    "results": [[result_json(r) for r in cells] for cells in bench.rounds],
+                }
+            json.dump(doc, f, indent=2)
             f.write("\n")
     if args.plot:
         _plot.write_plot(args.plot, bench.results, machine)

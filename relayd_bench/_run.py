@@ -35,6 +35,7 @@ from relayd_bench._api import BenchContext, JobSpec, Pace, SizePlan, Step
 from relayd_bench._harness import JobOutcome, run_jobs
 from relayd_bench._progress import Progress
 from relayd_bench._registry import ENTRIES, STREAM, Entry
+from relayd_bench._rounds import median_cells
 from relayd_bench._stats import Cpu, Result, Status, StreamResult, median, summarize
 from relayd_bench._table import fmt_ns, fmt_size
 
@@ -81,6 +82,7 @@ class Options:
     stream_methods: tuple[str, ...] = ("floor", "relayd-shm")
     netns: bool = False
     netns_rate: str | None = None
+    rounds: int = 1
 
 
 class Bench:
@@ -97,6 +99,7 @@ class Bench:
         self.leftover_segments: list[str] = []
         self.warnings: list[str] = []
         self.results: list[Result] = []
+        self.rounds: list[list[Result]] = []  # each round's cells; results: the median ones
         self.streams: list[StreamResult] = []
         self.started = time.monotonic()
         self.loadavg_at_start = [round(x, 2) for x in os.getloadavg()]
@@ -110,7 +113,13 @@ class Bench:
             rate = self.opts.netns_rate
             self.progress.line(f"creating two network namespaces, veth at {rate or 'full speed'}")
             self.netns = self._namespaces.enter_context(_netns.netns_pair(rate=rate))
-        self._run_methods([ENTRIES[n] for n in self.opts.methods if n != STREAM])
+        entries = [ENTRIES[n] for n in self.opts.methods if n != STREAM]
+        for k in range(self.opts.rounds):
+            if self.opts.rounds > 1:
+                self.progress.line(f"round {k + 1} of {self.opts.rounds}")
+            # every other round backwards, so that no method always runs first
+            self.rounds.append(self._run_methods(entries if k % 2 == 0 else entries[::-1]))
+        self.results = median_cells(self.rounds)
         if STREAM in self.opts.methods:
             self._run_streams([ENTRIES[n] for n in self.opts.stream_methods])
 
@@ -255,7 +264,7 @@ class Bench:
             self._warn(self.reader_daemon_error)
             self.daemon = _daemon.start(self.tmpdir, o.shm_pool_size, o.daemon_timeout_s)
 
-    def _run_methods(self, entries: list[Entry]) -> None:
+    def _run_methods(self, entries: list[Entry]) -> list[Result]:
         """Each (method, size) in fresh processes, or with reuse one job per kind of process."""
         results: dict[tuple[str, int], Result] = {}
         jobs: list[tuple[bool, list[Step]]] = []
@@ -291,8 +300,7 @@ class Bench:
             rest = self._collect(steps, outcome, results)
             if rest:
                 jobs.insert(0, (local, rest))  # what the failure cut short, in fresh processes
-        for entry in entries:
-            self.results += [results[entry.name, s] for s in self.opts.sizes]
+        return [results[entry.name, s] for entry in entries for s in self.opts.sizes]
 
     def _runnable(self, steps: list[Step], results: dict[tuple[str, int], Result]) -> list[Step]:
         """The steps whose daemons are up; the others are recorded as failed, with why."""

@@ -11,7 +11,8 @@ Conventions:
 - GB/s is decimal (1e9 bytes per second): ``size / median``;
 - "x floor" is this method's median over the ``floor`` median at the same size;
 - a comparison (``COMPARISONS``) is one method's median over another's at the same
-  size: relayd-mooncake over raw Mooncake moving the same bytes in the same run;
+  size: relayd-mooncake over raw Mooncake moving the same bytes in the same run,
+  the async client over the same hand-off driven from an event loop;
 - the daemon CPU of a method whose reader has its own daemon (relayd-mooncake) is
   the sum of both daemons in the table ("d") and in ``cpu_ns_per_transfer.daemon``,
   and each side apart in ``daemon_cpu_ns_per_transfer``.
@@ -31,7 +32,11 @@ from typing import Any
 SCHEMA = "relayd-bench/1"
 REFERENCE_METHOD = "floor"
 # (method, baseline it is held against) beyond floor: the same bytes, the same engine
-COMPARISONS: tuple[tuple[str, str], ...] = (("relayd-mooncake", "mooncake-raw"),)
+# or the same driving (an event loop on both sides)
+COMPARISONS: tuple[tuple[str, str], ...] = (
+    ("relayd-mooncake", "mooncake-raw"),
+    ("relayd-shm", "floor-async"),
+)
 
 
 class Status(enum.StrEnum):

@@ -10,6 +10,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from relayd_bench import _rtt
+from relayd_bench._rounds import RoundRatios
 from relayd_bench._stats import COMPARISONS, Cpu, Result, Status, StreamResult, comparisons
 
 TABLE_WIDTH = 100
@@ -78,6 +79,7 @@ def render_table(
     streams: Sequence[StreamResult] = (),
     machine: dict[str, Any] | None = None,
     width: int = TABLE_WIDTH,
+    rounds: Sequence[RoundRatios] = (),
 ) -> str:
     """Fixed-width text: a method x size overview, per-cell details, then the stream workload.
 
@@ -93,6 +95,9 @@ def render_table(
         out.append("")
         out += _render_details(results, width)
         out += _render_round_trips(results)
+    if rounds:
+        out.append("")
+        out += _render_rounds(rounds, width)
     if streams:
         if results:
             out.append("")
@@ -153,15 +158,42 @@ def _render_comparisons(results: Sequence[Result], width: int) -> list[str]:
     """One line per comparison that ran, wrapped to ``width``: "a / b: x1.23 at 1MiB, …"."""
     out: list[str] = []
     for method, baseline, ratios in comparisons(results):
-        pieces = [f"{_fmt_ratio(ratio)} at {fmt_size(size)}," for size, ratio in ratios]
-        pieces[-1] = pieces[-1].rstrip(",")
-        line = f"{method} / {baseline}:"
-        for piece in pieces:
-            if len(line) + 1 + len(piece) > width:
-                out.append(line)
-                line = "   "
-            line += " " + piece
-        out.append(line)
+        pieces = [f"{_fmt_ratio(ratio)} at {fmt_size(size)}" for size, ratio in ratios]
+        out += _wrapped(f"{method} / {baseline}:", pieces, width)
+    return out
+
+
+def _wrapped(head: str, pieces: Sequence[str], width: int) -> list[str]:
+    """``head`` and the comma-separated ``pieces``, wrapped to ``width`` between pieces."""
+    out: list[str] = []
+    line = head
+    for k, piece in enumerate(pieces):
+        piece += "," if k < len(pieces) - 1 else ""
+        if len(line) + 1 + len(piece) > width:
+            out.append(line)
+            line = "   "
+        line += " " + piece
+    out.append(line)
+    return out
+
+
+def _render_rounds(rounds: Sequence[RoundRatios], width: int) -> list[str]:
+    """Per method over its baseline: the median of the per-round ratios and their range."""
+    n = max(len(r.ratios) for r in rounds)
+    out = [
+        f"ratios per round ({n} rounds, both sides of each in the same round): "
+        "median [lowest-highest]"
+    ]
+    by_pair: dict[tuple[str, str], list[RoundRatios]] = {}
+    for r in rounds:
+        by_pair.setdefault((r.method, r.baseline), []).append(r)
+    for (method, baseline), cells in by_pair.items():
+        pieces = [
+            f"{_fmt_ratio(c.median)} [{_fmt_ratio(c.low)[1:]}-{_fmt_ratio(c.high)[1:]}]"
+            f" at {fmt_size(c.size)}"
+            for c in cells
+        ]
+        out += _wrapped(f"{method} / {baseline}:", pieces, width)
     return out
 
 

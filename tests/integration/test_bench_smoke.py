@@ -87,6 +87,25 @@ def test_quick_baselines_produce_every_cell(tmp_path: Path) -> None:
     assert "floor" in stdout  # the table went to stdout
 
 
+def test_rounds_run_every_cell_each_round_and_summarize_the_ratios(tmp_path: Path) -> None:
+    doc, stdout = _bench(tmp_path, ["floor", "memcpy"], ["4K"], ["--rounds", "2"])
+
+    assert doc["run"]["rounds"] == 2
+    per_round = doc["rounds"]["results"]
+    first, second = [[(r["method"], r["size"]) for r in cells] for cells in per_round]
+    assert sorted(first) == [("floor", 4096), ("memcpy", 4096)]
+    assert second == first[::-1]  # the second round runs backwards
+    for cells in per_round:
+        for r in cells:
+            _assert_ok(r)
+    [ratio] = doc["rounds"]["ratios"]
+    assert (ratio["method"], ratio["baseline"], ratio["size"]) == ("memcpy", "floor", 4096)
+    assert len(ratio["ratios"]) == 2
+    medians = {c["method"]: c["median_ns"] for c in per_round[0]}
+    assert ratio["ratios"][0] == medians["memcpy"] / medians["floor"]
+    assert "ratios per round (2 rounds" in stdout and "memcpy / floor: x" in stdout
+
+
 @pytest.mark.multinode
 @requires_mooncake
 def test_quick_relayd_mooncake_runs_on_two_daemons_beside_raw_mooncake(tmp_path: Path) -> None:
