@@ -5,7 +5,9 @@ one minute to the next, so a ratio of two medians taken minutes apart says
 little about either method. ``relayd bench --rounds N`` runs every method and
 size N times, reversing the methods' order every other round, and gives each
 ratio as the median of its N per-round ratios with their range: the two sides
-of every ratio measured in the same round. The table's cells are each the
+of every ratio measured in the same round. Where both sides of a comparison
+counted their round trips, each round's ratio of the latencies they model at
+the ``_rtt`` RTTs is summarized the same way. The table's cells are each the
 median round's cell (a real run, with its own p99 and CPU), not a blend.
 
 Pure functions over ``_stats`` results, like ``_stats`` itself.
@@ -17,6 +19,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from relayd_bench import _rtt
 from relayd_bench._stats import COMPARISONS, REFERENCE_METHOD, Result, median
 
 
@@ -28,6 +31,8 @@ class RoundRatios:
     baseline: str
     size: int
     ratios: tuple[float, ...]
+    rtt_ns: int | None = None
+    """None: the ratio of the medians; else of the latencies modelled at this RTT."""
 
     @property
     def median(self) -> float:
@@ -48,6 +53,7 @@ class RoundRatios:
             "size": self.size,
             "ratios": list(self.ratios),
             "median": self.median,
+            "modelled_at_rtt_ns": self.rtt_ns,
         }
 
 
@@ -56,6 +62,17 @@ def _medians(results: Sequence[Result]) -> dict[tuple[str, int], float]:
         (r.method, r.size): r.latency.median_ns
         for r in results
         if r.latency is not None and r.latency.median_ns > 0
+    }
+
+
+def _modelled(results: Sequence[Result], rtt_ns: int) -> dict[tuple[str, int], float]:
+    """The latency each cell that counted its round trips models at ``rtt_ns``."""
+    return {
+        (r.method, r.size): _rtt.modelled_ns(r.latency.median_ns, rt, rtt_ns)
+        for r in results
+        if r.latency is not None
+        and r.latency.median_ns > 0
+        and (rt := _rtt.parse_rt(r.extra)) is not None
     }
 
 
@@ -70,11 +87,23 @@ def round_ratios(rounds: Sequence[Sequence[Result]]) -> list[RoundRatios]:
     of the two medians in each such round."""
     if not rounds:
         return []
-    per_round = [_medians(results) for results in rounds]
     methods = list(dict.fromkeys(r.method for r in rounds[0]))
     sizes = list(dict.fromkeys(r.size for r in rounds[0]))
+    out = _ratios(_pairs(methods), sizes, [_medians(results) for results in rounds], None)
+    for rtt in _rtt.MODEL_RTTS_NS:
+        per_round = [_modelled(results, rtt) for results in rounds]
+        out += _ratios(COMPARISONS, sizes, per_round, rtt)
+    return out
+
+
+def _ratios(
+    pairs: Sequence[tuple[str, str]],
+    sizes: Sequence[int],
+    per_round: Sequence[dict[tuple[str, int], float]],
+    rtt_ns: int | None,
+) -> list[RoundRatios]:
     out = []
-    for method, baseline in _pairs(methods):
+    for method, baseline in pairs:
         for size in sizes:
             ratios = tuple(
                 m[method, size] / m[baseline, size]
@@ -82,7 +111,7 @@ def round_ratios(rounds: Sequence[Sequence[Result]]) -> list[RoundRatios]:
                 if (method, size) in m and (baseline, size) in m
             )
             if ratios:
-                out.append(RoundRatios(method, baseline, size, ratios))
+                out.append(RoundRatios(method, baseline, size, ratios, rtt_ns))
     return out
 
 

@@ -184,16 +184,17 @@ def _render_rounds(rounds: Sequence[RoundRatios], width: int) -> list[str]:
         f"ratios per round ({n} rounds, both sides of each in the same round): "
         "median [lowest-highest]"
     ]
-    by_pair: dict[tuple[str, str], list[RoundRatios]] = {}
+    by_pair: dict[tuple[str, str, int | None], list[RoundRatios]] = {}
     for r in rounds:
-        by_pair.setdefault((r.method, r.baseline), []).append(r)
-    for (method, baseline), cells in by_pair.items():
+        by_pair.setdefault((r.method, r.baseline, r.rtt_ns), []).append(r)
+    for (method, baseline, rtt), cells in by_pair.items():
         pieces = [
             f"{_fmt_ratio(c.median)} [{_fmt_ratio(c.low)[1:]}-{_fmt_ratio(c.high)[1:]}]"
             f" at {fmt_size(c.size)}"
             for c in cells
         ]
-        out += _wrapped(f"{method} / {baseline}:", pieces, width)
+        modelled = "" if rtt is None else f" modelled at {_rtt.rtt_label(rtt)}"
+        out += _wrapped(f"{method} / {baseline}{modelled}:", pieces, width)
     return out
 
 

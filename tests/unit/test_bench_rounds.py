@@ -74,3 +74,24 @@ def test_the_table_prints_each_ratios_median_and_range() -> None:
     assert "relayd-sync / floor: x3.00 [2.00-5.00] at 256KiB" in text
     assert "relayd-shm / floor-async: x2.50 [2.00-3.00] at 256KiB" in text
     assert "ratios per round" not in render_table(median_cells(ROUNDS))
+
+
+def test_modelled_latencies_are_compared_round_by_round_where_round_trips_were_counted() -> None:
+    def cross(relayd: int, raw: int) -> list[Result]:
+        return [
+            ok("mooncake-raw", K256, [raw], extra={"rt": "1.50"}),
+            ok("relayd-mooncake", K256, [relayd], extra={"rt": "0.50"}),
+        ]
+
+    rounds = [cross(relayd=800_000, raw=200_000), cross(relayd=600_000, raw=200_000)]
+    got = {r.rtt_ns: r for r in round_ratios(rounds) if r.baseline == "mooncake-raw"}
+    assert got[None].ratios == (4.0, 3.0)
+    # at 200 us: (median + 0.5 RTT) / (median + 1.5 RTT), in each round
+    assert got[200_000].ratios == (900_000 / 500_000, 700_000 / 500_000)
+    assert got[200_000].median == 1.6
+    assert set(got) == {None, 50_000, 200_000, 1_000_000}
+    text = render_table(median_cells(rounds), rounds=round_ratios(rounds))
+    assert "relayd-mooncake / mooncake-raw modelled at RTT 200us: x1.60 [1.40-1.80]" in text
+    # a round that counted no round trips gives no modelled ratio
+    rounds[1][1].extra.clear()
+    assert [r.ratios for r in round_ratios(rounds) if r.rtt_ns == 200_000] == [(1.8,)]
