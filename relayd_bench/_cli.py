@@ -268,7 +268,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
         bench.close()
-    for cells in bench.rounds if opts.rounds > 1 else ():
+    for cells in bench.rounds:
         add_ratios(cells)  # each round's cells against that round's floor
     add_ratios(bench.results)
     add_stream_ratios(bench.streams)

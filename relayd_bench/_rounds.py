@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from relayd_bench import _rtt
-from relayd_bench._stats import COMPARISONS, REFERENCE_METHOD, Result, median
+from relayd_bench._stats import COMPARISONS, REFERENCE_METHOD, Result, median, medians
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,14 +57,6 @@ class RoundRatios:
         }
 
 
-def _medians(results: Sequence[Result]) -> dict[tuple[str, int], float]:
-    return {
-        (r.method, r.size): r.latency.median_ns
-        for r in results
-        if r.latency is not None and r.latency.median_ns > 0
-    }
-
-
 def _modelled(results: Sequence[Result], rtt_ns: int) -> dict[tuple[str, int], float]:
     """The latency each cell that counted its round trips models at ``rtt_ns``."""
     return {
@@ -89,7 +81,7 @@ def round_ratios(rounds: Sequence[Sequence[Result]]) -> list[RoundRatios]:
         return []
     methods = list(dict.fromkeys(r.method for r in rounds[0]))
     sizes = list(dict.fromkeys(r.size for r in rounds[0]))
-    out = _ratios(_pairs(methods), sizes, [_medians(results) for results in rounds], None)
+    out = _ratios(_pairs(methods), sizes, [medians(results) for results in rounds], None)
     for rtt in _rtt.MODEL_RTTS_NS:
         per_round = [_modelled(results, rtt) for results in rounds]
         out += _ratios(COMPARISONS, sizes, per_round, rtt)

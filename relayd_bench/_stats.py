@@ -183,19 +183,24 @@ def add_ratios(results: Iterable[Result], reference: str = REFERENCE_METHOD) -> 
             r.ratio_vs_floor = r.latency.median_ns / base[r.size]
 
 
-def comparisons(results: Iterable[Result]) -> list[tuple[str, str, list[tuple[int, float]]]]:
-    """For each of ``COMPARISONS`` that ran: (method, baseline, [(size, ratio of medians)])."""
-    medians = {
+def medians(results: Iterable[Result]) -> dict[tuple[str, int], float]:
+    """Each measured cell's median, by (method, size)."""
+    return {
         (r.method, r.size): r.latency.median_ns
         for r in results
         if r.latency is not None and r.latency.median_ns > 0
     }
+
+
+def comparisons(results: Iterable[Result]) -> list[tuple[str, str, list[tuple[int, float]]]]:
+    """For each of ``COMPARISONS`` that ran: (method, baseline, [(size, ratio of medians)])."""
+    by_cell = medians(results)
     out = []
     for method, baseline in COMPARISONS:
-        sizes = sorted(s for m, s in medians if m == method and (baseline, s) in medians)
+        sizes = sorted(s for m, s in by_cell if m == method and (baseline, s) in by_cell)
         if sizes:
             out.append(
-                (method, baseline, [(s, medians[method, s] / medians[baseline, s]) for s in sizes])
+                (method, baseline, [(s, by_cell[method, s] / by_cell[baseline, s]) for s in sizes])
             )
     return out
 
