@@ -44,6 +44,8 @@ import itertools
 import os
 from typing import TYPE_CHECKING
 
+from relayd_bench._procstat import ProcSample
+
 if TYPE_CHECKING:
     import torch
 
@@ -229,8 +231,8 @@ class WriterReport:
     size: int
     usage: Usage
     cycles_ns: tuple[int, ...]  # t0 -> ack, measured transfers
-    daemon_cpu_ns: int | None
-    reader_daemon_cpu_ns: int | None  # the reader's own daemon, for a step with reader_daemon
+    daemon: ProcSample | None  # what the daemon spent over the measured transfers
+    reader_daemon: ProcSample | None  # the reader's own daemon, for a step with reader_daemon
     start_ns: int  # first measured transfer's t0 (scheduled time when paced)
     end_ns: int  # after the last measured ack
     extra: dict[str, str]

@@ -8,8 +8,9 @@ until each transfer is due and stamps the real start, so sleep overshoot does no
 count; if it is already behind, ``t0`` is the due time, so queueing delay does.
 
 CPU time and minor faults come from ``getrusage`` over the measured transfers;
-the daemon's CPU from procfs, sampled by the writer (or local process), and for a
-step whose reader has its own daemon (relayd-mooncake) that daemon's CPU as well.
+the daemon's CPU and wake-ups from procfs, sampled by the writer (or local
+process), and for a step whose reader has its own daemon (relayd-mooncake) that
+daemon's as well.
 
 The parent imports this module only to name ``child_main``; torch is imported in
 the child, as it costs ~2 s of CPU per import here.
@@ -48,7 +49,7 @@ from relayd_bench._api import (
     WriterReport,
 )
 from relayd_bench._payload import MIN_SIZE, Stamp, check_tensor, make_source
-from relayd_bench._procstat import proc_cpu_ns
+from relayd_bench._procstat import ProcSample, proc_sample
 from relayd_bench._wire import BenchFailure
 
 if TYPE_CHECKING:
@@ -85,11 +86,11 @@ class _Meter:
         self.start_ns = 0
         self._u0, self._d0, self._r0 = _usage(), self._daemon(), self._reader_daemon()
 
-    def _daemon(self) -> int | None:
-        return None if self._pid is None else proc_cpu_ns(self._pid)
+    def _daemon(self) -> ProcSample | None:
+        return None if self._pid is None else proc_sample(self._pid)
 
-    def _reader_daemon(self) -> int | None:
-        return None if self._reader_pid is None else proc_cpu_ns(self._reader_pid)
+    def _reader_daemon(self) -> ProcSample | None:
+        return None if self._reader_pid is None else proc_sample(self._reader_pid)
 
     def at(self, i: int) -> None:
         if i == self._plan.warmup:  # warm-up over: resources count from here
@@ -128,7 +129,7 @@ class _Meter:
         return ReaderReport(self._step.method, self._plan.size, usage, samples, dict(extra or {}))
 
 
-def _since(start: int | None, end: int | None) -> int | None:
+def _since(start: ProcSample | None, end: ProcSample | None) -> ProcSample | None:
     return end - start if start is not None and end is not None else None
 
 

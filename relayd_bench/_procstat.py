@@ -1,10 +1,36 @@
-"""CPU time of another process, from procfs (used for the daemon's share of a transfer)."""
+"""Another process's CPU time and wake-ups, from procfs (the daemon's share of a transfer)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+_WAKEUPS = b"voluntary_ctxt_switches:"
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcSample:
+    """What a process had spent at one moment; subtract two for what happened between.
+
+    ``wakeups`` counts the times its main thread (the daemon's event loop) went
+    to sleep, so each is one wake-up by whatever came next: a session frame, a
+    peer's notice, a timer. A daemon's CPU per transfer is mostly those wake-ups,
+    cache-cold, so the bench shows both.
+    """
+
+    cpu_ns: int
+    wakeups: int
+
+    def __sub__(self, other: ProcSample) -> ProcSample:
+        return ProcSample(self.cpu_ns - other.cpu_ns, self.wakeups - other.wakeups)
+
+
+def proc_sample(pid: int) -> ProcSample | None:
+    """``pid``'s CPU (all threads) and its main thread's wake-ups; None if it is gone."""
+    cpu = proc_cpu_ns(pid)
+    wakeups = proc_wakeups(pid)
+    return None if cpu is None or wakeups is None else ProcSample(cpu, wakeups)
 
 
 def proc_cpu_ns(pid: int) -> int | None:
@@ -22,3 +48,15 @@ def proc_cpu_ns(pid: int) -> int | None:
     fields = data[data.rindex(b")") + 2 :].split()
     utime, stime = int(fields[11]), int(fields[12])  # fields 14 and 15 of proc(5)
     return (utime + stime) * 1_000_000_000 // _TICKS_PER_S
+
+
+def proc_wakeups(pid: int) -> int | None:
+    """Voluntary context switches of ``pid``'s main thread (proc(5)); None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(_WAKEUPS):
+                    return int(line[len(_WAKEUPS) :])
+    except OSError:
+        return None
+    return None

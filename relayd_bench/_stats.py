@@ -62,6 +62,7 @@ class Cpu:
     ``None`` where a role was not measured (no daemon, or an in-process method).
     ``daemon_ns`` is the writer's daemon (the only one, for most methods);
     ``reader_daemon_ns`` the reader's, where it has its own (relayd-mooncake).
+    ``*_wakeups``: the times that daemon's event loop was woken, per transfer.
     """
 
     writer_ns: float | None = None
@@ -70,12 +71,24 @@ class Cpu:
     writer_minflt: float | None = None
     reader_minflt: float | None = None
     reader_daemon_ns: float | None = None
+    daemon_wakeups: float | None = None
+    reader_daemon_wakeups: float | None = None
 
     @property
     def daemons_ns(self) -> float | None:
         """Every daemon involved: the writer's, plus the reader's if it has its own."""
-        parts = [v for v in (self.daemon_ns, self.reader_daemon_ns) if v is not None]
-        return sum(parts) if parts else None
+        return _either(self.daemon_ns, self.reader_daemon_ns)
+
+    @property
+    def daemons_wakeups(self) -> float | None:
+        """Wake-ups of every daemon involved, as :attr:`daemons_ns` adds their CPU."""
+        return _either(self.daemon_wakeups, self.reader_daemon_wakeups)
+
+
+def _either(writer_side: float | None, reader_side: float | None) -> float | None:
+    """The sum of the sides measured; None if neither was."""
+    parts = [v for v in (writer_side, reader_side) if v is not None]
+    return sum(parts) if parts else None
 
 
 @dataclasses.dataclass
@@ -280,6 +293,7 @@ def result_json(r: Result) -> dict[str, Any]:
         "cycle_median_ns": r.cycle_median_ns,
         "cpu_ns_per_transfer": _cpu_sides(r.cpu),
         "daemon_cpu_ns_per_transfer": _daemon_sides(r.cpu),
+        "daemon_wakeups_per_transfer": _wakeup_sides(r.cpu),
         "minflt_per_transfer": {"writer": r.cpu.writer_minflt, "reader": r.cpu.reader_minflt},
         "extra": dict(r.extra),
     }
@@ -291,6 +305,10 @@ def _cpu_sides(cpu: Cpu) -> dict[str, float | None]:
 
 def _daemon_sides(cpu: Cpu) -> dict[str, float | None]:
     return {"writer_side": cpu.daemon_ns, "reader_side": cpu.reader_daemon_ns}
+
+
+def _wakeup_sides(cpu: Cpu) -> dict[str, float | None]:
+    return {"writer_side": cpu.daemon_wakeups, "reader_side": cpu.reader_daemon_wakeups}
 
 
 def stream_json(r: StreamResult) -> dict[str, Any]:
@@ -309,6 +327,7 @@ def stream_json(r: StreamResult) -> dict[str, Any]:
         "ratio_vs_floor": r.ratio_vs_floor,
         "cpu_ns_per_chunk": _cpu_sides(r.cpu),
         "daemon_cpu_ns_per_chunk": _daemon_sides(r.cpu),
+        "daemon_wakeups_per_chunk": _wakeup_sides(r.cpu),
         "extra": dict(r.extra),
     }
 

@@ -70,6 +70,11 @@ def _cpu_cell(cpu: Cpu) -> str:
     return f"{_fmt_us(cpu.writer_ns)}/{_fmt_us(cpu.reader_ns)}/{_fmt_us(cpu.daemons_ns)}"
 
 
+def _wakeup_cell(cpu: Cpu) -> str:
+    v = cpu.daemons_wakeups
+    return "-" if v is None else f"{v:.2f}" if v < 10 else f"{v:.0f}"
+
+
 def _flt_cell(cpu: Cpu) -> str:
     return f"{_fmt_flt(cpu.writer_minflt)}/{_fmt_flt(cpu.reader_minflt)}"
 
@@ -103,8 +108,13 @@ def render_table(
             out.append("")
         out += _render_streams(streams, width)
     cpus = [r.cpu for r in results] + [s.cpu for s in streams]
+    if any(c.daemons_wakeups is not None for c in cpus):
+        out.append("d wk: times the daemon's event loop was woken, per transfer (each costs it")
+        out.append("tens of µs of CPU, cache-cold: most of CPU µs d at 1 MiB and up)")
     if any(c.reader_daemon_ns is not None for c in cpus):
-        out.append("CPU µs d: the writer's daemon + the reader's, where the reader has its own")
+        out.append(
+            "CPU µs d, d wk: the writer's daemon + the reader's, where the reader has its own"
+        )
     return "\n".join(_clip(line.rstrip(), width) for line in out) + "\n"
 
 
@@ -200,7 +210,7 @@ def _render_rounds(rounds: Sequence[RoundRatios], width: int) -> list[str]:
 
 _DETAIL_HEAD = (
     f"{'size':<7}{'method':<17}{'median':>9}{'p99':>9}{'GB/s':>7}{'xfloor':>7}"
-    f"  {'CPU µs w/r/d':<17}{'flt w/r':<10}via"
+    f"  {'CPU µs w/r/d':<17}{'d wk':<6}{'flt w/r':<10}via"
 )
 
 
@@ -227,7 +237,7 @@ def _render_details(results: Sequence[Result], width: int) -> list[str]:
                     f"{lead}{fmt_ns(r.latency.median_ns):>9}{fmt_ns(r.latency.p99_ns):>9}"
                     f"{_fmt_gbps(r.gbps):>7}"
                     f"{_fmt_ratio(r.ratio_vs_floor):>7}  {_cpu_cell(r.cpu):<17}"
-                    f"{_flt_cell(r.cpu):<10}{_note(r.extra)}",
+                    f"{_wakeup_cell(r.cpu):<6}{_flt_cell(r.cpu):<10}{_note(r.extra)}",
                     width,
                 )
             )
@@ -295,7 +305,7 @@ def _render_streams(streams: Sequence[StreamResult], width: int) -> list[str]:
         f"stream: {s0.streams} streams x {fmt_size(s0.chunk_size)} at {s0.rate_hz:g}/s each;"
         " latency from each chunk's scheduled send time",
         f"{'method':<17}{'chunks':>7}{'p50':>8}{'p99':>8}{'max':>8}{'rate/s (target)':>16}"
-        f"{'GB/s':>6}{'xfloor':>7}  {'CPU µs w/r/d':<16}via",
+        f"{'GB/s':>6}{'xfloor':>7}  {'CPU µs w/r/d':<16}{'d wk':<6}via",
     ]
     for r in streams:
         lead = f"{r.method[:16]:<17}"
@@ -308,7 +318,8 @@ def _render_streams(streams: Sequence[StreamResult], width: int) -> list[str]:
                 f"{lead}{r.chunks:>7}{fmt_ns(r.latency.median_ns):>8}"
                 f"{fmt_ns(r.latency.p99_ns):>8}{fmt_ns(r.latency.max_ns):>8}{rate:>16}"
                 f"{_fmt_gbps(r.aggregate_gbps):>6}"
-                f"{_fmt_ratio(r.ratio_vs_floor):>7}  {_cpu_cell(r.cpu):<16}{_note(r.extra)}",
+                f"{_fmt_ratio(r.ratio_vs_floor):>7}  {_cpu_cell(r.cpu):<16}"
+                f"{_wakeup_cell(r.cpu):<6}{_note(r.extra)}",
                 width,
             )
         )

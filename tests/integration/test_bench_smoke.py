@@ -147,6 +147,12 @@ def test_quick_relayd_sync_beside_the_async_client(tmp_path: Path) -> None:
     assert cells["relayd-sync", SIZES["4K"]]["extra"]["transport"] == "inline"
     assert cells["relayd-sync", SIZES["1M"]]["extra"]["transport"] == "shm"
     assert doc["run"]["leftover_segments"] == []
+    # The daemon's wake-ups: none sampled for the floor; an inline put and get
+    # never reach it; a leased one's notices do, in batches.
+    wakeups = {k: c["daemon_wakeups_per_transfer"]["writer_side"] for k, c in cells.items()}
+    assert wakeups["floor", SIZES["1M"]] is None
+    assert wakeups["relayd-sync", SIZES["4K"]] < 0.5
+    assert wakeups["relayd-sync", SIZES["1M"]] > 0
 
 
 def test_breakdown_prints_every_step_for_both_clients() -> None:

@@ -50,7 +50,7 @@ def _rows() -> list[Result]:
         ok("floor", MIB, [200]),
         ok("mooncake-raw", 256 * KIB, [400]),
         ok("mooncake-raw", MIB, [1_000]),
-        ok("relayd-mooncake", MIB, [1_500], cpu=Cpu(10e3, 20e3, 30e3, 0, 0, 40e3)),
+        ok("relayd-mooncake", MIB, [1_500], cpu=Cpu(10e3, 20e3, 30e3, 0, 0, 40e3, 0.25, 0.5)),
         Result("relayd-mooncake", 256 * KIB, Status.FAILED, "peer daemons unavailable"),
     ]
     add_ratios(rows)
@@ -65,9 +65,11 @@ def test_comparison_is_the_ratio_of_medians_where_both_ran() -> None:
 def test_table_prints_the_comparison_and_sums_both_daemons() -> None:
     text = render_table(_rows())
     assert "relayd-mooncake / mooncake-raw: x1.50 at 1MiB\n" in text
-    # CPU µs w/r/d of relayd-mooncake: d = 30 µs (the writer's daemon) + 40 µs (the reader's)
-    assert "10/20/70 " in text
+    # CPU µs w/r/d of relayd-mooncake: d = 30 µs (the writer's daemon) + 40 µs (the reader's),
+    # and so are their wake-ups: 0.25 + 0.5 a transfer
+    assert "10/20/70         0.75  " in text
     assert "the writer's daemon + the reader's" in text
+    assert "d wk: times the daemon's event loop was woken" in text
 
 
 def test_a_long_comparison_wraps_within_the_table_width() -> None:
@@ -91,8 +93,10 @@ def test_json_carries_the_comparison_and_each_daemons_cpu() -> None:
     row = next(r for r in doc["results"] if r["method"] == "relayd-mooncake" and r["size"] == MIB)
     assert row["cpu_ns_per_transfer"]["daemon"] == 70e3
     assert row["daemon_cpu_ns_per_transfer"] == {"writer_side": 30e3, "reader_side": 40e3}
+    assert row["daemon_wakeups_per_transfer"] == {"writer_side": 0.25, "reader_side": 0.5}
     floor = next(r for r in doc["results"] if r["method"] == "floor")
     assert floor["daemon_cpu_ns_per_transfer"] == {"writer_side": None, "reader_side": None}
+    assert floor["daemon_wakeups_per_transfer"] == {"writer_side": None, "reader_side": None}
 
 
 @requires_mooncake
