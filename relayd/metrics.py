@@ -84,6 +84,14 @@ class StateCollector(Collector):
         for via, n in sorted(snap.get("freed", {}).items()):
             freed.add_metric([via], n)
         yield freed
+        released = CounterMetricFamily(
+            "relayd_released_leases",
+            "Releases readers sent, by the way: their Release ring or a frame",
+            labels=["via"],
+        )
+        for via, n in sorted(snap.get("released", {}).items()):
+            released.add_metric([via], n)
+        yield released
         for name, help_, key in (
             ("relayd_mooncake_credits_in_use", "Mooncake pulls in flight", "credits_in_use"),
             ("relayd_mooncake_credits_capacity", "Mooncake pull credits", "credits_capacity"),

@@ -392,6 +392,8 @@ class Daemon:
         if self.peers is not None:
             await self.peers.close()
         self.metrics.close()
+        if hasattr(self, "manager"):
+            self.manager.releases.close()  # no timed read of a ring after this
         for pool in self.cuda_pools:
             pool.close()  # header segments go before the arena's lock
         self.cuda_pools.clear()

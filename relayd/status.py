@@ -123,6 +123,7 @@ class NodeStatus:
             },
             "sessions": len(m.sessions) - len(self.roles.operators),
             "freed": {"ring": m.freed.by_ring, "frame": m.freed.by_frame},
+            "released": {"ring": m.releases.by_ring, "frame": m.releases.by_frame},
             "serving": 1 if self.state() is DaemonState.SERVING else 0,
             **(self.peers.snapshot() if self.peers is not None else {}),
         }

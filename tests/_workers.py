@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import os
 import sys
 import time
 from typing import Any
@@ -120,6 +121,16 @@ async def cmd_read(a: argparse.Namespace) -> None:
             else:
                 await one(line)
         await asyncio.gather(*tasks)
+
+
+async def cmd_read_exit(a: argparse.Namespace) -> None:
+    """Read each DataRef on stdin, then end the process at once: no close, nothing flushed."""
+    c = RelayClient(a.stage, a.socket)
+    await c.open()
+    loop = asyncio.get_running_loop()
+    while line := (await loop.run_in_executor(None, sys.stdin.readline)).strip():
+        out(digest(await c.get(DataRef.from_bytes(bytes.fromhex(line.split()[0])))))
+    os._exit(0)
 
 
 async def cmd_local(a: argparse.Namespace) -> None:
@@ -234,7 +245,7 @@ def main() -> None:
         "cmd",
         choices=[
             "write", "read", "hold-reserved", "hold-claimed", "stream-write", "stream-read",
-            "ref-write", "forward", "local",
+            "ref-write", "forward", "local", "read-exit",
         ],
     )  # fmt: skip
     p.add_argument("--socket", required=True)
@@ -255,7 +266,8 @@ def main() -> None:
     p.add_argument("--trace-id", default=None, help="write: the trace id each put carries")
     a = p.parse_args()
     if a.stage is None:
-        a.stage = "talker" if a.cmd in ("read", "hold-claimed", "stream-read") else "thinker"
+        readers = ("read", "hold-claimed", "stream-read", "read-exit")
+        a.stage = "talker" if a.cmd in readers else "thinker"
     fn = {
         "write": cmd_write,
         "read": cmd_read,
@@ -266,6 +278,7 @@ def main() -> None:
         "ref-write": cmd_ref_write,
         "forward": cmd_forward,
         "local": cmd_local,
+        "read-exit": cmd_read_exit,
     }[a.cmd]
     asyncio.run(fn(a))
 

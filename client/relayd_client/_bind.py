@@ -1,8 +1,8 @@
 """Binding a session socket: the first frame each way, read so that descriptors survive.
 
-The daemon's answer to ``Bind`` may carry a descriptor (the Freed ring,
-:mod:`relayd_client.wire.freed_ring`) by ``SCM_RIGHTS``. A plain read of those
-bytes, as a stream reader does, makes the kernel close it, so the answer is
+The daemon's answer to ``Bind`` may carry descriptors (the Freed and Release
+rings, :mod:`relayd_client.wire.rings`) by ``SCM_RIGHTS``. A plain read of those
+bytes, as a stream reader does, makes the kernel close them, so the answer is
 read here with ``recvmsg`` before the socket becomes a stream.
 """
 
@@ -18,12 +18,12 @@ from google.protobuf.message import DecodeError
 
 from .wire.errors import DaemonUnavailableError, error_from_code
 from .wire.framing import LENGTH_BYTES, MAX_FRAME, decode_frame, encode_frame, frame_length
-from .wire.freed_ring import FreedRing
 from .wire.proto import relay_pb2 as pb
+from .wire.rings import IdRing
 
 log = logging.getLogger(__name__)
 
-# Room for the descriptors a bind's answer may carry (one: the Freed ring).
+# Room for the descriptors a bind's answer may carry (two: the Freed and Release rings).
 _ANCILLARY_SPACE = socket.CMSG_SPACE(4 * array.array("i").itemsize)
 
 
@@ -109,15 +109,17 @@ async def _readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> Non
         loop.remove_reader(sock)
 
 
-def map_ring(fds: list[int]) -> FreedRing | None:
-    """The Freed ring among ``fds`` (the first), or None; closes every fd."""
-    ring = None
+def map_rings(fds: list[int]) -> tuple[IdRing | None, IdRing | None]:
+    """The Freed ring (the first of ``fds``) and the Release ring (the second), each
+    None if absent or unusable; closes every fd."""
+    rings: list[IdRing | None] = [None, None]
     try:
-        if fds:
-            ring = FreedRing.map(fds[0])
-    except (OSError, ValueError) as exc:
-        log.warning("relayd sent an unusable Freed ring (%s); Freed goes by frames", exc)
+        for i, (fd, name) in enumerate(zip(fds, ("Freed", "Release"), strict=False)):
+            try:
+                rings[i] = IdRing.map(fd)
+            except (OSError, ValueError) as exc:
+                log.warning("relayd sent an unusable %s ring (%s); frames instead", name, exc)
     finally:
         for fd in fds:
             os.close(fd)
-    return ring
+    return rings[0], rings[1]

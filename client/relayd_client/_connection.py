@@ -205,7 +205,7 @@ class Connection:
                 self.timeout,
                 shm_nonce=nonce,
                 trusted=self._trusted,
-                freed_ring=bool(nonce),
+                rings=bool(nonce),
             )
         except grpc.RpcError as exc:
             await self._teardown()

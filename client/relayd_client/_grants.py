@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 from typing import Protocol
 
 from .wire.errors import RelayError, ResourceExhaustedError
-from .wire.freed_ring import FreedRing
+from .wire.rings import IdRing
 from .wire.shm import SHM_POOL
 from .wire.slots import SlotAllocator
 
@@ -236,7 +236,7 @@ class Grants:
         self.slot_size = 1
         self.idle_budget = 0  # idle slots kept per pool; 0 until attached
         self.wake: Callable[[], None] = self.space.set
-        self.ring: FreedRing | None = None  # the daemon's Freed ring, while attached
+        self.ring: IdRing | None = None  # the daemon's Freed ring, while attached
 
     def configure(self, slot_size: int, default_grant_bytes: int) -> None:
         """The session's slot size and default grant size (at every attach)."""

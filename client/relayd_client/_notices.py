@@ -4,6 +4,11 @@ Reserve, Cancel, Publish, Claim, Release and ReturnGrant join the session's
 pending frame under the lease table's lock and go out in batches. Nobody waits
 for them: readers go by the slot header, and a writer short of space flushes
 its own and has the daemon ask every session for theirs (a RECLAIM event).
+
+A Release goes into the session's Release ring instead where it can
+(:mod:`relayd_client.wire.rings`): no frame, no wake-up of the daemon, which
+reads the ring when it is awake anyway. Not a Release of a lease this client
+claimed: its Claim went by frame, and the Release must not overtake it.
 """
 
 from __future__ import annotations
@@ -13,6 +18,9 @@ from typing import TYPE_CHECKING
 
 from .wire.framing import NOTICE_LINGER_S
 from .wire.proto import relay_pb2 as pb
+
+# Claimed lease ids remembered (see Notices._claimed).
+_CLAIMED_MEMORY = 1024
 
 if TYPE_CHECKING:
     from ._checks import ReadChecks
@@ -30,6 +38,9 @@ class Notices:
         self._lock = lock
         self._from_stage = from_stage
         self._checks = checks
+        # Lease ids claimed by frame, until released. Bounded: a read that failed
+        # may never release; by then its Claim is long handled.
+        self._claimed: set[int] = set()
 
     def reserve(self, lease: Lease, msg: pb.DataRef, trace_id: str = "") -> None:
         # Built in place (.add): building one and appending it copies it.
@@ -81,6 +92,9 @@ class Notices:
 
     def claim(self, m: pb.DataRef, flush: bool = True) -> None:
         with self._lock:
+            if len(self._claimed) >= _CLAIMED_MEMORY:
+                self._claimed.clear()
+            self._claimed.add(m.lease.lease_id)
             self._conn.session.pending.claim.add(
                 lease_id=m.lease.lease_id, generation=m.lease.generation
             )
@@ -88,9 +102,19 @@ class Notices:
 
     def release(self, m: pb.DataRef) -> None:
         """A read is done with ``m``'s lease; remembered, so this process cannot read it again."""
+        lease = m.lease
+        lease_id = lease.lease_id
         with self._lock:
-            self._checks.remember_released(m.lease.lease_id)
-            self._conn.session.pending.release.add(
-                lease_id=m.lease.lease_id, generation=m.lease.generation
-            )
-            self._conn.session.mark(linger=NOTICE_LINGER_S, holds=m.lease.length)
+            self._checks.remember_released(lease_id)
+            session = self._conn.session
+            ring = session.release_ring
+            if (
+                ring is not None
+                and lease.generation == lease_id  # a ring word is one id: both must agree
+                and lease_id not in self._claimed
+                and ring.push(lease_id)
+            ):
+                return
+            self._claimed.discard(lease_id)
+            session.pending.release.add(lease_id=lease_id, generation=lease.generation)
+            session.mark(linger=NOTICE_LINGER_S, holds=lease.length)

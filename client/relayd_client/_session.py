@@ -30,7 +30,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ._bind import bind_session, map_ring
+from ._bind import bind_session, map_rings
 from .wire import peercred
 from .wire.errors import DaemonUnavailableError, RelayError, RelayTimeoutError, error_from_code
 from .wire.framing import (
@@ -41,8 +41,8 @@ from .wire.framing import (
     encode_frame,
     frame_length,
 )
-from .wire.freed_ring import FreedRing
 from .wire.proto import relay_pb2 as pb
+from .wire.rings import IdRing
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -84,7 +84,9 @@ class SessionChannel:
         self._sent_at = -math.inf  # loop time of the last frame out
         self._lingered = self._lingered_bytes = 0
         self._task: asyncio.Task[None] | None = None
-        self.freed_ring: FreedRing | None = None  # see connect()
+        # See connect(): the daemon's Freed to this session, this session's Releases.
+        self.freed_ring: IdRing | None = None
+        self.release_ring: IdRing | None = None
         self._calls: dict[int, asyncio.Future[pb.FetchResponse]] = {}
         self._keyed: dict[int, asyncio.Future[bytes]] = {}
         self._call_ids = itertools.count(1)
@@ -99,12 +101,13 @@ class SessionChannel:
         shm_nonce: bytes = b"",
         *,
         trusted: frozenset[int] | None = None,
-        freed_ring: bool = False,
+        rings: bool = False,
     ) -> None:
         """Connect and bind; with ``trusted``, only to a daemon running as one of those uids.
 
-        With ``freed_ring``, ask for the daemon's Freed ring; :attr:`freed_ring`
-        is then the ring, or None if the daemon sent none.
+        With ``rings``, ask for the daemon's Freed and Release rings
+        (:mod:`relayd_client.wire.rings`); :attr:`freed_ring` and
+        :attr:`release_ring` are then the rings, or None where the daemon sent none.
         """
         loop = self._loop = asyncio.get_running_loop()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -122,7 +125,8 @@ class SessionChannel:
                 session_id=session_id,
                 session_token=token,
                 shm_nonce=shm_nonce,
-                freed_ring=freed_ring,
+                freed_ring=rings,
+                release_ring=rings,
             )
             try:
                 frame, fds = await asyncio.wait_for(bind_session(loop, sock, bind), timeout)
@@ -130,7 +134,7 @@ class SessionChannel:
                 raise DaemonUnavailableError("daemon did not confirm the session in time") from None
             except (ConnectionError, OSError) as exc:
                 raise DaemonUnavailableError(f"daemon closed the session: {exc}") from None
-            self.freed_ring = map_ring(fds)
+            self.freed_ring, self.release_ring = map_rings(fds)
             self._reader, self._writer = await asyncio.open_unix_connection(sock=sock)
         except BaseException:
             sock.close()
@@ -407,9 +411,11 @@ class SessionChannel:
         self._writer = None
 
     def _drop_ring(self) -> None:
-        ring, self.freed_ring = self.freed_ring, None
-        if ring is not None:
-            ring.close()
+        rings = (self.freed_ring, self.release_ring)
+        self.freed_ring = self.release_ring = None
+        for ring in rings:
+            if ring is not None:
+                ring.close()
 
     async def _hang_up(self) -> None:
         """Half-close, then wait (bounded) until the daemon has read all and hung up.

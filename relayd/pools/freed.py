@@ -23,7 +23,7 @@ import asyncio
 from collections.abc import Callable, Iterable
 
 from relayd_client.wire.framing import FREED_LINGER_MAX_BYTES
-from relayd_client.wire.freed_ring import FreedRing
+from relayd_client.wire.rings import IdRing
 
 from .events import Freed
 
@@ -43,13 +43,13 @@ class FreedBatcher:
         self.space_short = space_short  # whether some grant waits for space
         self._ids: dict[str, list[int]] = {}
         self._bytes: dict[str, int] = {}  # the slot bytes they give back, by session
-        self._rings: dict[str, FreedRing] = {}
+        self._rings: dict[str, IdRing] = {}
         self._timer: asyncio.TimerHandle | None = None
         # Lease ids told to writers, by the way they went (metrics read them).
         self.by_ring = 0
         self.by_frame = 0
 
-    def attach_ring(self, session_id: str, ring: FreedRing) -> None:
+    def attach_ring(self, session_id: str, ring: IdRing) -> None:
         """``session_id`` reads its arena leases' Freed from ``ring`` from now on."""
         old = self._rings.pop(session_id, None)
         if old is not None:

@@ -76,6 +76,8 @@ class GrantQueue:
         self.draining = False
         self._next_grant = 1
         self._waiters: collections.deque[_Waiter] = collections.deque()
+        # Judges what readers left in their Release rings (set by the lease manager).
+        self.take_releases: Callable[[], object] = lambda: None
 
     def new_id(self) -> int:
         gid = self._next_grant
@@ -93,6 +95,9 @@ class GrantQueue:
             raise DrainingError("daemon is draining; no new reservations")
         if min_bytes < 0:
             raise InvalidArgumentError("min_bytes must be >= 0")
+        # Releases in readers' rings free space the writer may need: judge them
+        # first, so what they free is told below rather than waited for.
+        self.take_releases()
         if self.freed.pending(session.id):
             # A writer asks for space only when its grants are full: what
             # readers freed in them (batched, see relayd.pools.freed) may be enough.

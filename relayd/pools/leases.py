@@ -40,6 +40,7 @@ from relayd_client.wire.errors import (
     PermissionDeniedError,
     StaleRefError,
 )
+from relayd_client.wire.framing import NOTICE_LINGER_S
 from relayd_client.wire.transport import Transport
 
 from .arena import Arena
@@ -61,6 +62,7 @@ from .records import (
     is_id_of,
     slots_for,
 )
+from .released import ReleaseRings
 from .requests import RequestInfo, Requests
 from .returns import RunReturns
 from .sessions import BIND_DEADLINE, Session, Sessions
@@ -146,6 +148,15 @@ class LeaseManager:
             hooks=self.hooks,
             clock=clock,
         )
+        # Release rings are read with the timer of the Freed notices they cause.
+        self.releases = ReleaseRings(
+            self.session_table,
+            self.table.release,
+            outstanding=lambda: bool(self.table.leases),
+            after=self.table.flush,
+            linger=freed_linger or NOTICE_LINGER_S,
+        )
+        self.queue.take_releases = self.releases.take_all
         self.orphans = Orphans(self.table)
         self.crossnode = CrossNodeLeases(self.table, self.quota_slots)
         self.reclaim = Reclaimer(self.table, lease_ttl)
@@ -180,6 +191,8 @@ class LeaseManager:
 
     def close_session(self, session_id: str) -> None:
         """The session's connection is gone: reclaim what only it could finish."""
+        self.releases.take(session_id)  # what it released before it went is released
+        self.releases.detach(session_id)
         session = self.session_table.close(session_id)
         if session is None:
             return

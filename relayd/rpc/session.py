@@ -31,9 +31,9 @@ from relayd_client.wire.framing import (
     encode_frame,
     frame_length,
 )
-from relayd_client.wire.freed_ring import FreedRing
 from relayd_client.wire.peercred import peer_credentials
 from relayd_client.wire.proto import relay_pb2 as pb
+from relayd_client.wire.rings import IdRing
 from relayd_client.wire.transport import Transport
 
 from ..edges import log_trace
@@ -198,6 +198,7 @@ class SessionProtocol(asyncio.Protocol):
         finally:
             del buf[:pos]
             self._count()
+        self._take_releases()
         self._flush()
 
     def _count(self) -> None:
@@ -205,6 +206,15 @@ class SessionProtocol(asyncio.Protocol):
             self.manager.count_now()
         except Exception:  # counting is the daemon's own: log, never end the loop
             log.exception("counting transfers failed")
+
+    def _take_releases(self) -> None:
+        """Readers' Release rings, now that the daemon is awake (and its frame's
+        Publishes are in): what they free goes out with this turn's Freed."""
+        try:
+            self.manager.releases.take_all()
+            self.manager.releases.schedule()
+        except Exception:  # another session's ring must not end this one: log it
+            log.exception("taking Release rings failed")
 
     def _flush(self) -> None:
         try:
@@ -243,8 +253,9 @@ class SessionProtocol(asyncio.Protocol):
         if self.transport is not None and not self.transport.is_closing():
             self.transport.write(encode_frame(frame))
 
-    def _send_with_ring(self, frame: pb.SessionFrame, session: Session) -> None:
-        """Send ``frame`` with a new Freed ring's descriptor, and use the ring if it went.
+    def _send_with_rings(self, frame: pb.SessionFrame, session: Session, release: bool) -> None:
+        """Send ``frame`` with new rings' descriptors (the Freed ring, and with
+        ``release`` the Release ring), and use the rings if they went.
 
         Straight into the socket, by ``sendmsg``, which the transport cannot
         do: only while nothing the transport holds is unsent, so frames stay
@@ -256,22 +267,27 @@ class SessionProtocol(asyncio.Protocol):
             return
         sent = 0
         if not transport.get_write_buffer_size():
+            rings: list[tuple[IdRing, int]] = []
             try:
-                ring, fd = FreedRing.create()
+                for name in ("relayd-freed", "relayd-release")[: 1 + release]:
+                    rings.append(IdRing.create(name))
             except OSError as exc:
-                log.warning("cannot create a Freed ring (%s); Freed goes by frames", exc)
-            else:
+                log.warning("cannot create a ring (%s); frames instead", exc)
+            if len(rings) == 1 + release:
                 try:
                     sock = socket.socket(fileno=os.dup(transport.get_extra_info("socket").fileno()))
                     with sock:
-                        sent = sock.sendmsg([data], [_rights(fd)])
+                        sent = sock.sendmsg([data], [_rights([fd for _, fd in rings])])
                 except OSError:
                     sent = 0  # the socket buffer is full: the frame goes by the transport
-                finally:
-                    os.close(fd)
-                if sent:
-                    self.manager.freed.attach_ring(session.id, ring)
-                else:
+            for _, fd in rings:
+                os.close(fd)
+            if sent:
+                self.manager.freed.attach_ring(session.id, rings[0][0])
+                if release:
+                    self.manager.releases.attach(session.id, rings[1][0])
+            else:
+                for ring, _ in rings:
                     ring.close()
         if sent < len(data):
             transport.write(data[sent:])
@@ -336,7 +352,7 @@ class SessionProtocol(asyncio.Protocol):
                 event=[pb.Event(kind=pb.EVENT_KIND_BOUND, message=path, registry_version=version)]
             )
             if f.bind.freed_ring and path == Transport.SHM.value:
-                self._send_with_ring(bound, session)
+                self._send_with_rings(bound, session, f.bind.release_ring)
             else:
                 self.send(bound)
         # Only the fields the frame carries: reading an absent repeated field
@@ -360,8 +376,10 @@ class SessionProtocol(asyncio.Protocol):
                 self.hooks.ref(p.nbytes)
         for c in present.get(_CLAIM, ()):
             m.on_claim(session, c)
-        for rel in present.get(_RELEASE, ()):
+        releases = present.get(_RELEASE, ())
+        for rel in releases:
             m.on_release(session, rel)
+        m.releases.by_frame += len(releases)
         for x in cancels:
             m.on_cancel(session, x)
         for g in present.get(_RETURN_GRANT, ()):
@@ -491,6 +509,6 @@ class SessionProtocol(asyncio.Protocol):
         self.send(pb.SessionFrame(keyed_result=[result]))
 
 
-def _rights(fd: int) -> tuple[int, int, bytes]:
-    """The ancillary item that passes ``fd`` over a Unix socket."""
-    return socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]).tobytes()
+def _rights(fds: list[int]) -> tuple[int, int, bytes]:
+    """The ancillary item that passes ``fds`` over a Unix socket, in order."""
+    return socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes()

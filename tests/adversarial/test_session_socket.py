@@ -15,7 +15,7 @@ from relayd_client import DataRef, PeerUnavailableError, PermissionDeniedError, 
 from relayd_client.wire.framing import encode_frame
 from relayd_client.wire.proto import relay_pb2 as pb
 
-from tests._daemon import Daemon
+from tests._daemon import Daemon, metric, wait_until
 from tests._figures import count, record
 from tests._workers import digest, make_payload
 from tests.adversarial._raw import RawSession, events, read_frames, stub
@@ -226,5 +226,49 @@ def test_fetch_calls_on_the_session_are_answered_with_exact_codes(daemon: Daemon
                 await r.get(DataRef(foreign))
             # ... and the session still serves the local original.
             assert digest(await r.get(ref)) == digest(payload)
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+def test_ids_scribbled_into_a_release_ring_free_nothing_of_another_stage(daemon: Daemon) -> None:
+    """The Release ring is the client's memory: whatever it holds is judged like notices."""
+
+    async def scenario() -> None:
+        async with (
+            RelayClient("thinker", daemon.socket) as w,
+            RelayClient("talker", daemon.socket) as r,
+            RelayClient("bystander", daemon.socket) as b,
+        ):
+            payload = make_payload(3, MiB)
+            ref = await w.put(payload, to_stage="talker", request_id="req")
+            lease = ref.proto.lease
+            ring = b._conn.session.release_ring
+            assert ring is not None
+            rng = random.Random(int.from_bytes(os.urandom(4), "little"))
+            grant = lease.lease_id >> 32
+            scribbled = [lease.lease_id]  # the talker's lease
+            scribbled += [(grant << 32) | n for n in range(2, 40)]  # its grant's next ids
+            scribbled += [rng.getrandbits(64) | 1 for _ in range(60)]  # anything at all
+            for lease_id in scribbled:
+                assert ring.push(lease_id)
+            taken = len(scribbled)
+            # The daemon takes rings on its timer while a lease is out, at the latest.
+            await asyncio.to_thread(
+                wait_until,
+                lambda: (
+                    metric(daemon.scrape(), "relayd_released_leases_total", via="ring") >= taken
+                ),
+                10,
+                "the bystander's ring taken",
+            )
+            assert daemon.status()["leases_by_state"]["published"] == "1"
+            # The real reader still gets every byte, and its Release frees the lease.
+            assert digest(await r.get(ref)) == digest(payload)
+            await asyncio.to_thread(
+                wait_until,
+                lambda: daemon.pool().get("used_bytes", 0) == 0,
+                10,
+                "the talker's release taken",
+            )
 
     asyncio.run(asyncio.wait_for(scenario(), 60))

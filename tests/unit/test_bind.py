@@ -9,11 +9,11 @@ import socket
 from collections.abc import Callable
 
 import pytest
-from relayd_client._bind import bind_session, map_ring
+from relayd_client._bind import bind_session, map_rings
 from relayd_client.wire.errors import DaemonUnavailableError, PermissionDeniedError
 from relayd_client.wire.framing import FRAME_LENGTH, encode_frame
-from relayd_client.wire.freed_ring import FreedRing
 from relayd_client.wire.proto import relay_pb2 as pb
+from relayd_client.wire.rings import IdRing
 
 BOUND = pb.SessionFrame(event=[pb.Event(kind=pb.EVENT_KIND_BOUND, message="shm")])
 
@@ -38,30 +38,46 @@ def _answered(answer: Callable[[socket.socket], None]) -> tuple[pb.SessionFrame,
     return asyncio.run(main())
 
 
-def test_the_ring_descriptor_survives_and_maps() -> None:
-    ring, fd = FreedRing.create()
-
+def _answered_with(fds: list[int]) -> list[int]:
     def answer(daemon: socket.socket) -> None:
         data = encode_frame(BOUND) + encode_frame(pb.SessionFrame())  # and a frame after it
         daemon.sendmsg(
-            [data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]).tobytes())]
+            [data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())]
         )
 
     try:
-        frame, fds = _answered(answer)
+        frame, got = _answered(answer)
     finally:
-        os.close(fd)
-    assert frame.event[0].kind == pb.EVENT_KIND_BOUND and len(fds) == 1
-    writer = map_ring(fds)
-    assert writer is not None
-    assert ring.push(42) and writer.take() == [42]
+        for fd in fds:
+            os.close(fd)
+    assert frame.event[0].kind == pb.EVENT_KIND_BOUND and len(got) == len(fds)
+    return got
+
+
+def test_the_ring_descriptors_survive_and_map_in_order() -> None:
+    freed, freed_fd = IdRing.create("relayd-freed")
+    released, released_fd = IdRing.create("relayd-release")
+    writer, reader = map_rings(_answered_with([freed_fd, released_fd]))
+    assert writer is not None and reader is not None
+    # The first is the daemon's Freed ring, the second the client's Release ring.
+    assert freed.push(42) and writer.take() == [42]
+    assert reader.push(7) and released.take() == [7]
+    for ring in (writer, reader, freed, released):
+        ring.close()
+
+
+def test_a_daemon_that_sends_one_ring_gets_releases_by_frame() -> None:
+    freed, fd = IdRing.create("relayd-freed")
+    writer, reader = map_rings(_answered_with([fd]))
+    assert writer is not None and reader is None
+    assert freed.push(42) and writer.take() == [42]
     writer.close()
-    ring.close()
+    freed.close()
 
 
 def test_an_answer_without_a_descriptor_means_frames() -> None:
     _, fds = _answered(lambda daemon: daemon.sendall(encode_frame(BOUND)))
-    assert fds == [] and map_ring(fds) is None
+    assert fds == [] and map_rings(fds) == (None, None)
 
 
 def test_a_refusal_is_the_daemons_error() -> None:

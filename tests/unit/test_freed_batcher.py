@@ -6,7 +6,7 @@ import asyncio
 import os
 
 import pytest
-from relayd_client.wire.freed_ring import RING_SLOTS, FreedRing
+from relayd_client.wire.rings import RING_SLOTS, IdRing
 
 from relayd.pools import freed
 from relayd.pools.events import Freed
@@ -98,11 +98,11 @@ def test_a_grant_request_takes_its_own_notices_and_a_closed_writer_gets_none() -
     asyncio.run(scenario())
 
 
-def _ringed(space_short: list[bool]) -> tuple[FreedBatcher, list[tuple[str, Freed]], FreedRing]:
+def _ringed(space_short: list[bool]) -> tuple[FreedBatcher, list[tuple[str, Freed]], IdRing]:
     sent: list[tuple[str, Freed]] = []
     b = FreedBatcher(60.0, lambda sid, ev: sent.append((sid, ev)), lambda: space_short[0])
-    ring, fd = FreedRing.create()
-    writer = FreedRing.map(fd)
+    ring, fd = IdRing.create("relayd-freed")
+    writer = IdRing.map(fd)
     os.close(fd)
     b.attach_ring("w", ring)
     return b, sent, writer

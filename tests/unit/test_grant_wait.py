@@ -20,7 +20,7 @@ from relayd_client.wire.errors import (
     RelayError,
     ResourceExhaustedError,
 )
-from relayd_client.wire.freed_ring import FreedRing
+from relayd_client.wire.rings import IdRing
 
 SLOT = 4096
 DEFAULT_GRANT = 16 * SLOT  # the daemon's default grant: 16 slots
@@ -262,10 +262,10 @@ def test_cancel_calls_ends_a_grant_call_in_flight() -> None:
     _run(main())
 
 
-def _ring(g: Grants) -> FreedRing:
+def _ring(g: Grants) -> IdRing:
     """Give ``g`` a Freed ring; returns the daemon's end."""
-    daemon, fd = FreedRing.create()
-    g.ring = FreedRing.map(fd)
+    daemon, fd = IdRing.create("relayd-freed")
+    g.ring = IdRing.map(fd)
     os.close(fd)
     return daemon
 

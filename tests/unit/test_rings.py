@@ -8,20 +8,20 @@ import os
 from collections.abc import Iterator
 
 import pytest
-from relayd_client.wire.freed_ring import RING_BYTES, RING_SLOTS, FreedRing
+from relayd_client.wire.rings import RING_BYTES, RING_SLOTS, IdRing
 
 
 @pytest.fixture
-def ends() -> Iterator[tuple[FreedRing, FreedRing, int]]:
-    daemon, fd = FreedRing.create()
-    writer = FreedRing.map(fd)
+def ends() -> Iterator[tuple[IdRing, IdRing, int]]:
+    daemon, fd = IdRing.create("relayd-freed")
+    writer = IdRing.map(fd)
     yield daemon, writer, fd
     os.close(fd)
     daemon.close()
     writer.close()
 
 
-def test_ids_arrive_once_in_order_across_the_wrap(ends: tuple[FreedRing, FreedRing, int]) -> None:
+def test_ids_arrive_once_in_order_across_the_wrap(ends: tuple[IdRing, IdRing, int]) -> None:
     daemon, writer, _ = ends
     sent: list[int] = []
     got: list[int] = []
@@ -37,7 +37,7 @@ def test_ids_arrive_once_in_order_across_the_wrap(ends: tuple[FreedRing, FreedRi
     assert got == sent
 
 
-def test_a_full_ring_refuses_until_the_writer_takes(ends: tuple[FreedRing, FreedRing, int]) -> None:
+def test_a_full_ring_refuses_until_the_writer_takes(ends: tuple[IdRing, IdRing, int]) -> None:
     daemon, writer, _ = ends
     assert all(daemon.push(i) for i in range(1, RING_SLOTS + 1))
     assert not daemon.push(RING_SLOTS + 1)  # this one goes by frame
@@ -45,14 +45,14 @@ def test_a_full_ring_refuses_until_the_writer_takes(ends: tuple[FreedRing, Freed
     assert daemon.push(RING_SLOTS + 1) and writer.take() == [RING_SLOTS + 1]
 
 
-def test_zero_is_never_written_it_means_empty(ends: tuple[FreedRing, FreedRing, int]) -> None:
+def test_zero_is_never_written_it_means_empty(ends: tuple[IdRing, IdRing, int]) -> None:
     daemon, writer, _ = ends
     assert not daemon.push(0)
     assert not writer.ready()
 
 
 def test_whatever_the_writer_scribbles_the_daemon_only_falls_back(
-    ends: tuple[FreedRing, FreedRing, int],
+    ends: tuple[IdRing, IdRing, int],
 ) -> None:
     daemon, _, fd = ends
     scribble = mmap.mmap(fd, RING_BYTES)
@@ -63,7 +63,7 @@ def test_whatever_the_writer_scribbles_the_daemon_only_falls_back(
 
 
 def test_the_ring_cannot_be_resized_under_the_daemons_mapping(
-    ends: tuple[FreedRing, FreedRing, int],
+    ends: tuple[IdRing, IdRing, int],
 ) -> None:
     """A writer that shrank it would make the daemon's next push fault (SIGBUS)."""
     daemon, _, fd = ends
@@ -80,9 +80,9 @@ def test_the_writer_maps_only_a_sealed_ring_of_the_right_size() -> None:
     try:
         os.ftruncate(fd, RING_BYTES)
         with pytest.raises(ValueError, match="not sealed"):
-            FreedRing.map(fd)
+            IdRing.map(fd)
         os.ftruncate(fd, RING_BYTES * 2)
         with pytest.raises(ValueError, match="wrong size"):
-            FreedRing.map(fd)
+            IdRing.map(fd)
     finally:
         os.close(fd)

@@ -1,7 +1,8 @@
-"""The Freed ring against a real daemon: writers hear what is free without a frame.
+"""The Freed and Release rings against a real daemon: news that wakes nobody.
 
-Each test counts the lease ids that reach the writer in Freed frames, which
-the ring exists to replace, and checks the bytes and the arena as always.
+Writers hear what is free without a Freed frame; readers' Releases reach the
+daemon without a frame of theirs. Each test counts what still went by frame,
+which the rings exist to replace, and checks the bytes and the arena as always.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ from typing import Any
 
 import pytest
 from relayd_client import DataRef, RelayClient, SyncRelayClient
-from relayd_client.wire.freed_ring import RING_SLOTS
+from relayd_client.wire.rings import RING_SLOTS
 
-from tests._daemon import Daemon, drained, metric, running_daemon, wait_until
+from tests._daemon import Daemon, drained, metric, run_worker, running_daemon, wait_until
 from tests._workers import digest, make_payload
 
 pytestmark = pytest.mark.timeout(120)
@@ -47,6 +48,10 @@ def _freed_by_frame(client: RelayClient) -> list[int]:
 
 def _freed(d: Daemon, via: str) -> float:
     return metric(d.scrape(), "relayd_freed_leases_total", via=via)
+
+
+def _released(d: Daemon, via: str) -> float:
+    return metric(d.scrape(), "relayd_released_leases_total", via=via)
 
 
 def _slot(ref: DataRef) -> tuple[int, int]:
@@ -121,15 +126,16 @@ def test_a_writer_that_never_reads_its_ring_gets_frames(tmp_path: object) -> Non
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="/proc/self/map_files needs root")
 def test_a_writer_cannot_truncate_the_ring_under_the_daemon(tmp_path: object) -> None:
-    """The daemon maps the ring too: a shrunk ring would fault it (SIGBUS) at its next write."""
+    """The daemon maps the rings too: a shrunk one would fault it (SIGBUS) where it reads or
+    writes."""
     with running_daemon(str(tmp_path), pool="64MiB") as d:
         with (
             SyncRelayClient("thinker", d.socket) as w,
             SyncRelayClient("talker", d.socket) as r,
         ):
             with open("/proc/self/maps") as maps:
-                rings = [ln.split()[0] for ln in maps if "memfd:relayd-freed" in ln]
-            assert len(rings) == 2  # the writer's and the reader's sessions
+                rings = [ln.split()[0] for ln in maps if "memfd:relayd-" in ln]
+            assert len(rings) == 4  # a Freed and a Release ring for each of the two sessions
             for span in rings:
                 fd = os.open(f"/proc/self/map_files/{span}", os.O_RDWR)
                 try:
@@ -142,4 +148,62 @@ def test_a_writer_cannot_truncate_the_ring_under_the_daemon(tmp_path: object) ->
                 ref = w.put(payload, to_stage="talker", request_id=f"t{i}", timeout=30)
                 assert digest(r.get(ref)) == digest(payload)
             assert d.status()["sessions"]
+        wait_until(lambda: drained(d), 10, "arena back to zero")
+
+
+def test_a_readers_releases_reach_the_daemon_without_a_frame(tmp_path: object) -> None:
+    with running_daemon(str(tmp_path), pool="64MiB", metrics=True) as d:
+        with (
+            SyncRelayClient("thinker", d.socket) as w,
+            SyncRelayClient("talker", d.socket) as r,
+        ):
+            assert r._client._conn.session.release_ring is not None
+            for i in range(40):
+                payload = make_payload(i, MiB)
+                ref = w.put(payload, to_stage="talker", request_id=f"r{i}", timeout=30)
+                assert digest(r.get(ref)) == digest(payload)
+            assert not r._client._conn.session.pending.release  # none waits for a frame
+            # Taken after the writer's frames, or on the daemon's timer: the
+            # arena's leases are all back while both sessions stay open.
+            wait_until(lambda: d.pool().get("used_bytes", 0) == 0, 10, "every lease freed")
+            assert _released(d, "ring") == 40 and _released(d, "frame") == 0
+        wait_until(lambda: drained(d), 10, "arena back to zero")
+
+
+def test_a_lease_claimed_by_frame_is_released_by_frame(tmp_path: object) -> None:
+    """A copy of 8 MiB and up claims its lease first, by frame: its Release must not
+    overtake that Claim through the ring."""
+    with running_daemon(str(tmp_path), pool="128MiB", metrics=True) as d:
+        with (
+            SyncRelayClient("thinker", d.socket) as w,
+            SyncRelayClient("talker", d.socket) as r,
+        ):
+            for i, size in enumerate((MiB, 9 * MiB, MiB)):
+                payload = make_payload(i, size)
+                ref = w.put(payload, to_stage="talker", request_id=f"c{i}", timeout=30)
+                assert digest(r.get(ref)) == digest(payload)
+            wait_until(lambda: d.pool().get("used_bytes", 0) == 0, 10, "every lease freed")
+            assert _released(d, "ring") == 2 and _released(d, "frame") == 1
+        wait_until(lambda: drained(d), 10, "arena back to zero")
+
+
+def test_what_a_reader_released_before_it_died_is_freed_at_once(tmp_path: object) -> None:
+    """A reader that ends without closing leaves its last Releases in its ring (a frame
+    would still have lingered): the daemon frees them when the session goes, not at
+    the lease TTL."""
+    with running_daemon(str(tmp_path), "--lease-ttl", "600", pool="64MiB", metrics=True) as d:
+        with SyncRelayClient("thinker", d.socket) as w:
+            payloads = [make_payload(i, MiB) for i in range(5)]
+            refs = [
+                w.put(p, to_stage="talker", request_id=f"d{i}", timeout=30)
+                for i, p in enumerate(payloads)
+            ]
+            lines = "".join(f"{ref.to_bytes().hex()}\n" for ref in refs) + "\n"
+            cp = run_worker(["read-exit", "--socket", d.socket], input=lines.encode())
+            assert cp.stdout.decode().split() == [digest(p) for p in payloads]
+            wait_until(lambda: d.pool().get("used_bytes", 0) == 0, 10, "the reads' leases freed")
+            assert _released(d, "ring") == 5
+            scrape = d.scrape()
+            for reason in ("reader_died", "ttl"):
+                assert metric(scrape, "relayd_leases_reclaimed_total", reason=reason) == 0
         wait_until(lambda: drained(d), 10, "arena back to zero")

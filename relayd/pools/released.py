@@ -1,0 +1,127 @@
+"""Release rings: the Releases readers write into memory, taken when the daemon is awake anyway.
+
+A Release frame wakes the daemon, and a wake-up, cache-cold, costs it more CPU
+than the notices it carries; at 4 MiB a reader's Releases alone wake it every
+other transfer. Nobody waits for a Release, though: only a writer short of
+space needs the slots back. So a session that took a Release ring
+(:mod:`relayd_client.wire.rings`) writes its Releases there, and the daemon
+takes them:
+
+- after each session frame it handles (the writer's Publish frames come at
+  least as often as a reader's Release frames would), after that frame's own
+  notices, so a Release finds the Publish it follows;
+- before a grant request decides whether the writer must wait for space;
+- when the session closes, before what it leaves is reclaimed: a Release it
+  wrote before it died is a Release, not a death;
+- on a timer while any lease is out, so a lease read last in a burst does not
+  stay in the books: every :data:`~relayd_client.wire.framing.NOTICE_LINGER_S`
+  while rings hold Releases, backing off to :data:`IDLE_TICK_S` while they stay
+  empty (a lease nobody reads yet must not keep the daemon waking 40 times a
+  second until its TTL).
+
+Each id is judged exactly as a Release notice of that session would be (the
+same :meth:`LeaseTable.release`); the ring is the client's to write, so an id
+in it is as hostile as a notice. One that breaks a rule of the lease table
+ends that session's ring (the session is told; its later Releases are lost to
+it, as a session's frames are when it sends a bad one), and never reaches the
+frame being handled for another session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from relayd_client.wire.errors import RelayError
+from relayd_client.wire.rings import IdRing
+
+from .sessions import Session, Sessions
+
+log = logging.getLogger(__name__)
+
+# The longest the timer waits while the rings stay empty.
+IDLE_TICK_S = 1.0
+
+
+class ReleaseRings:
+    """Every session's Release ring, and when they are read."""
+
+    def __init__(
+        self,
+        sessions: Sessions,
+        release: Callable[[Session, int, int], None],
+        *,
+        outstanding: Callable[[], bool],
+        after: Callable[[], None],
+        linger: float,
+    ) -> None:
+        self._sessions = sessions
+        self._release = release  # (reader session, lease id, generation): a Release notice
+        self._outstanding = outstanding  # whether any lease is out (the timer runs only then)
+        self._after = after  # what follows a timed read: sending the Freed it caused
+        self._linger = linger
+        self._interval = linger  # the timer's next wait: doubles while rings stay empty
+        self._rings: dict[str, IdRing] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        # Releases taken, by the way they came (metrics read them).
+        self.by_ring = 0
+        self.by_frame = 0
+
+    def attach(self, session_id: str, ring: IdRing) -> None:
+        """``session_id`` writes its Releases into ``ring`` from now on."""
+        self.detach(session_id)
+        self._rings[session_id] = ring
+
+    def detach(self, session_id: str) -> None:
+        ring = self._rings.pop(session_id, None)
+        if ring is not None:
+            ring.close()
+
+    def take_all(self) -> int:
+        """Judge what every ring holds; how many ids that was."""
+        return sum(self.take(session_id) for session_id in list(self._rings))
+
+    def take(self, session_id: str) -> int:
+        """Judge what ``session_id``'s ring holds (a turn's worth at most); how many ids."""
+        ring = self._rings.get(session_id)
+        session = self._sessions.get(session_id)
+        if ring is None or session is None or not ring.ready():
+            return 0
+        ids = ring.take()
+        self._interval = self._linger  # Releases flow: the timer keeps up again
+        for lease_id in ids:
+            self.by_ring += 1
+            try:
+                self._release(session, lease_id, lease_id)
+            except RelayError as err:  # a rule of the lease table: this session's ring ends
+                session.refuse(err.code, f"Release ring closed: {err}")
+                self.detach(session_id)
+                break
+            except Exception:  # a bug: it ends this ring, never the caller's turn
+                log.exception("a Release from a ring failed", extra={"session_id": session_id})
+                self.detach(session_id)
+                break
+        return len(ids)
+
+    def schedule(self) -> None:
+        """Arm the timer if rings are attached and some lease may still be released."""
+        if self._timer is None and self._rings and self._outstanding():
+            self._timer = asyncio.get_running_loop().call_later(self._interval, self._tick)
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        for session_id in list(self._rings):
+            self.detach(session_id)
+
+    def _tick(self) -> None:
+        self._timer = None
+        try:
+            if not self.take_all():
+                self._interval = min(self._interval * 2, IDLE_TICK_S)
+            self._after()
+        except Exception:  # the daemon's own bookkeeping: log, never end the loop
+            log.exception("taking Release rings failed")
+        self.schedule()

@@ -1,0 +1,132 @@
+"""Release rings on their own: each id judged as its session's Release, one ring's
+trouble kept to that ring, and a timer that backs off while the rings stay empty."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import time
+from collections.abc import Iterator
+
+import pytest
+from relayd_client.wire.errors import InvalidArgumentError
+from relayd_client.wire.rings import RING_SLOTS, IdRing
+
+from relayd.pools import released
+from relayd.pools.events import SessionError, SessionEvent
+from relayd.pools.released import ReleaseRings
+from relayd.pools.sessions import Session, Sessions
+
+LINGER = 0.01
+
+
+class _Judge:
+    """Records every Release judged; raises for the ids it is told to."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, int, int]] = []
+        self.refuse: set[int] = set()
+        self.crash: set[int] = set()
+
+    def __call__(self, session: Session, lease_id: int, generation: int) -> None:
+        self.seen.append((session.id, lease_id, generation))
+        if lease_id in self.refuse:
+            raise InvalidArgumentError(f"lease {lease_id} breaks a rule")
+        if lease_id in self.crash:
+            raise RuntimeError("a bug")
+
+
+@dataclasses.dataclass
+class World:
+    rings: ReleaseRings
+    judge: _Judge
+    client: dict[str, IdRing]  # each stage's end of its Release ring
+    ids: dict[str, str]  # each stage's session id
+    told: dict[str, list[SessionEvent]]  # what each session was told
+
+
+@pytest.fixture
+def world() -> Iterator[World]:
+    sessions = Sessions(8, time.monotonic)
+    judge = _Judge()
+    rings = ReleaseRings(
+        sessions, judge, outstanding=lambda: True, after=lambda: None, linger=LINGER
+    )
+    w = World(rings, judge, {}, {}, {})
+    fds = []
+    for stage in ("a", "b"):
+        s = sessions.open(pid=os.getpid(), stages=[stage])
+        w.told[stage] = []
+        sessions.bind(s.id, s.token, w.told[stage].append, pid=1, uid=0, gid=0)
+        daemon_side, fd = IdRing.create("relayd-release")
+        fds.append(fd)
+        rings.attach(s.id, daemon_side)
+        w.client[stage] = IdRing.map(fd)
+        w.ids[stage] = s.id
+    yield w
+    rings.close()
+    for fd in fds:
+        os.close(fd)
+    for ring in w.client.values():
+        ring.close()
+
+
+def test_each_id_is_judged_as_its_own_sessions_release_in_order(world: World) -> None:
+    for lease_id in (5, 6, 7):
+        assert world.client["a"].push(lease_id)
+    assert world.client["b"].push(9)
+    assert world.rings.take_all() == 4
+    a, b = world.ids["a"], world.ids["b"]
+    assert world.judge.seen == [(a, 5, 5), (a, 6, 6), (a, 7, 7), (b, 9, 9)]
+    assert world.rings.take_all() == 0 and world.rings.by_ring == 4
+
+
+def test_a_full_ring_is_taken_in_one_turn_of_at_most_its_slots(world: World) -> None:
+    for lease_id in range(1, RING_SLOTS + 1):
+        assert world.client["a"].push(lease_id)
+    assert world.rings.take("x") == 0  # no such session
+    assert world.rings.take(world.ids["a"]) == RING_SLOTS
+    assert [lid for _, lid, _ in world.judge.seen] == list(range(1, RING_SLOTS + 1))
+
+
+def test_a_rule_broken_ends_that_sessions_ring_only(world: World) -> None:
+    world.judge.refuse.add(6)
+    for lease_id in (5, 6, 7):
+        assert world.client["a"].push(lease_id)
+    assert world.client["b"].push(9)
+    world.rings.take_all()
+    # a's ring ends at the bad id (7 is never judged), a is told why; b is untouched.
+    assert [lid for _, lid, _ in world.judge.seen] == [5, 6, 9]
+    assert [type(e) for e in world.told["a"]] == [SessionError] and world.told["b"] == []
+    assert world.client["a"].push(8) and world.rings.take_all() == 0  # a's ring is not read
+    assert world.client["b"].push(10) and world.rings.take_all() == 1
+
+
+def test_a_bug_on_one_ring_never_reaches_the_caller(world: World) -> None:
+    world.judge.crash.add(5)
+    assert world.client["a"].push(5) and world.client["b"].push(9)
+    world.rings.take_all()  # does not raise
+    assert [lid for _, lid, _ in world.judge.seen] == [5, 9]
+
+
+def test_the_timer_backs_off_while_the_rings_stay_empty_and_keeps_up_when_they_fill(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(released, "IDLE_TICK_S", 4 * LINGER)
+    rings = world.rings
+
+    async def scenario() -> list[float]:
+        intervals = []
+        for _ in range(4):  # empty ticks: LINGER, 2x, 4x, then capped at 4x
+            rings._tick()
+            intervals.append(rings._interval)
+        assert world.client["a"].push(3)
+        rings._tick()
+        intervals.append(rings._interval)
+        rings.close()
+        return intervals
+
+    got = asyncio.run(scenario())
+    assert got == [2 * LINGER, 4 * LINGER, 4 * LINGER, 4 * LINGER, LINGER]
+    assert [lid for _, lid, _ in world.judge.seen] == [3]
