@@ -15,8 +15,8 @@ class ProcSample:
 
     ``wakeups`` counts the times its main thread (the daemon's event loop) went
     to sleep, so each is one wake-up by whatever came next: a session frame, a
-    peer's notice, a timer. A daemon's CPU per transfer is mostly those wake-ups,
-    cache-cold, so the bench shows both.
+    peer's notice, a timer. Beside the CPU it tells whether a daemon works more
+    often or more each time.
     """
 
     cpu_ns: int

@@ -109,8 +109,8 @@ def render_table(
         out += _render_streams(streams, width)
     cpus = [r.cpu for r in results] + [s.cpu for s in streams]
     if any(c.daemons_wakeups is not None for c in cpus):
-        out.append("d wk: times the daemon's event loop was woken, per transfer (each costs it")
-        out.append("tens of µs of CPU, cache-cold: most of CPU µs d at 1 MiB and up)")
+        out.append("d wk: times the daemon's event loop was woken, per transfer: beside CPU µs d,")
+        out.append("whether the daemon works more often or more each time")
     if any(c.reader_daemon_ns is not None for c in cpus):
         out.append(
             "CPU µs d, d wk: the writer's daemon + the reader's, where the reader has its own"
