@@ -9,7 +9,7 @@ back :data:`FREED_LINGER_MAX_BYTES`, though: a writer that cannot reuse the
 slots it just wrote takes cache-cold ones, and copying into cold memory makes
 4 MiB transfers about 12% slower. And not while a grant waits for space.
 
-A session that took a Freed ring (:mod:`relayd_client.wire.freed_ring`) gets
+A session that took a Freed ring (:mod:`relayd_client.wire.rings`) gets
 its arena leases' ids written there instead, at once and with no frame: it
 reads them when it next cuts a lease, so nothing wakes it. Frames remain for
 the rest: leases of other pools, a full ring, and any lease freed while a
