@@ -205,6 +205,47 @@ def test_attached_bytes_reach_the_handler_with_their_batch_however_they_are_cut(
     run(body)
 
 
+def test_a_large_push_is_read_in_large_reads_and_its_tail_and_the_next_batch_still_come(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """While attached bytes arrive the listener asks the kernel for no wake-up before
+    ATTACHED_READ_MIN of them are in, never for more than remain, and for every
+    byte again once the batch is in: else a 5-byte tail, or the small batch after
+    it, would never wake it."""
+    asked: list[int] = []
+    wake_at = peer_channel._Inbound.wake_at
+
+    def recorded(self: peer_channel._Inbound, nbytes: int) -> None:
+        asked.append(nbytes)
+        wake_at(self, nbytes)
+
+    monkeypatch.setattr(peer_channel._Inbound, "wake_at", recorded)
+    sizes = (3 * peer_channel.ATTACHED_READ_MIN, 5)
+    blobs = [bytes([k + 7]) * n for k, n in enumerate(sizes)]
+
+    async def body(h: Harness) -> None:
+        reader, writer, nonce = await h.raw()
+        writer.write(frame(answer(TOKEN, nonce, _hello())))
+        assert await reader.readexactly(LENGTH_BYTES) == frame(ACCEPTED)
+        wire = frame(_batch(1, attached=sizes).SerializeToString()) + b"".join(blobs)
+        for at in range(0, len(wire), 300_000):  # trickling in, as a busy link delivers
+            writer.write(wire[at : at + 300_000])
+            await writer.drain()
+        await h.until(lambda: len(h.handled) == 1, "the large batch")
+        writer.write(frame(_batch(9).SerializeToString()))
+        await h.until(lambda: len(h.handled) == 2, "the small batch after it")
+        assert h.attached[0] == blobs and h.attached[1] == []
+        inbound = h.listener.by_node[NODE]
+        assert inbound.transport is not None
+        sock = inbound.transport.get_extra_info("socket")
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == 1
+
+    run(body)
+    assert max(asked) == peer_channel.ATTACHED_READ_MIN
+    assert 1 < min(a for a in asked if a > 1) < peer_channel.ATTACHED_READ_MIN  # the tail
+    assert asked[-1] == 1
+
+
 def test_attached_bytes_may_be_reused_once_send_returns() -> None:
     """A sender hands over views of memory it overwrites at once (a writer's
     run, reused as soon as its lease goes): each batch still brings the bytes
