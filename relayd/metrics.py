@@ -76,22 +76,22 @@ class StateCollector(Collector):
         yield GaugeMetricFamily(
             "relayd_up", "1 while serving, 0 while starting or draining", value=snap["serving"]
         )
-        freed = CounterMetricFamily(
-            "relayd_freed_leases",
-            "Freed leases told to their writers, by the way: their Freed ring or a frame",
-            labels=["via"],
-        )
-        for via, n in sorted(snap.get("freed", {}).items()):
-            freed.add_metric([via], n)
-        yield freed
-        released = CounterMetricFamily(
-            "relayd_released_leases",
-            "Releases readers sent, by the way: their Release ring or a frame",
-            labels=["via"],
-        )
-        for via, n in sorted(snap.get("released", {}).items()):
-            released.add_metric([via], n)
-        yield released
+        for name, help_, key in (
+            (
+                "relayd_freed_leases",
+                "Freed leases told to their writers, by the way: their Freed ring or a frame",
+                "freed",
+            ),
+            (
+                "relayd_released_leases",
+                "Releases readers sent, by the way: their Release ring or a frame",
+                "released",
+            ),
+        ):
+            by_way = CounterMetricFamily(name, help_, labels=["via"])
+            for via, n in sorted(snap.get(key, {}).items()):
+                by_way.add_metric([via], n)
+            yield by_way
         for name, help_, key in (
             ("relayd_mooncake_credits_in_use", "Mooncake pulls in flight", "credits_in_use"),
             ("relayd_mooncake_credits_capacity", "Mooncake pull credits", "credits_capacity"),

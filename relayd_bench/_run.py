@@ -31,9 +31,8 @@ import time
 from pathlib import Path
 
 from relayd_bench import _daemon, _netns
-from relayd_bench._api import BenchContext, JobSpec, Pace, SizePlan, Step
+from relayd_bench._api import BenchContext, JobSpec, Pace, SizePlan, Step, WriterReport
 from relayd_bench._harness import JobOutcome, run_jobs
-from relayd_bench._procstat import ProcSample
 from relayd_bench._progress import Progress
 from relayd_bench._registry import ENTRIES, STREAM, Entry
 from relayd_bench._rounds import median_cells
@@ -446,12 +445,13 @@ def _per(value: float | None, n: int) -> float | None:
     return None if value is None or n <= 0 else value / n
 
 
-def _cpu(sample: ProcSample | None) -> int | None:
-    return None if sample is None else sample.cpu_ns
-
-
-def _wakeups(sample: ProcSample | None) -> int | None:
-    return None if sample is None else sample.wakeups
+def _daemons(w: WriterReport, n: int) -> dict[str, float | None]:
+    """The :class:`Cpu` fields of the daemons ``w`` sampled: CPU and wake-ups per transfer."""
+    fields: dict[str, float | None] = {}
+    for side, sample in (("daemon", w.daemon), ("reader_daemon", w.reader_daemon)):
+        fields[f"{side}_ns"] = None if sample is None else _per(sample.cpu_ns, n)
+        fields[f"{side}_wakeups"] = None if sample is None else _per(sample.wakeups, n)
+    return fields
 
 
 def _result(entry: Entry, plan: SizePlan, o: JobOutcome) -> Result:
@@ -460,12 +460,9 @@ def _result(entry: Entry, plan: SizePlan, o: JobOutcome) -> Result:
     cpu = Cpu(
         writer_ns=_per(w.usage.cpu_ns, n),
         reader_ns=None if entry.local else _per(r.usage.cpu_ns, n),
-        daemon_ns=_per(_cpu(w.daemon), n),
-        reader_daemon_ns=_per(_cpu(w.reader_daemon), n),
-        daemon_wakeups=_per(_wakeups(w.daemon), n),
-        reader_daemon_wakeups=_per(_wakeups(w.reader_daemon), n),
         writer_minflt=_per(w.usage.minflt, n),
         reader_minflt=None if entry.local else _per(r.usage.minflt, n),
+        **_daemons(w, n),
     )
     return Result(
         entry.name,
@@ -500,10 +497,7 @@ def _stream_result(base: StreamResult, plan: SizePlan, outcomes: list[JobOutcome
             writer_ns=_per(sum(w.usage.cpu_ns for w in writers), chunks),
             reader_ns=_per(sum(r.usage.cpu_ns for r in readers), chunks),
             # stream 0 samples the daemon(s) over (about) everyone's window
-            daemon_ns=_per(_cpu(writers[0].daemon), chunks),
-            reader_daemon_ns=_per(_cpu(writers[0].reader_daemon), chunks),
-            daemon_wakeups=_per(_wakeups(writers[0].daemon), chunks),
-            reader_daemon_wakeups=_per(_wakeups(writers[0].reader_daemon), chunks),
+            **_daemons(writers[0], chunks),
         ),
         extra=dict(writers[0].extra),
     )

@@ -77,15 +77,15 @@ class Cpu:
     @property
     def daemons_ns(self) -> float | None:
         """Every daemon involved: the writer's, plus the reader's if it has its own."""
-        return _either(self.daemon_ns, self.reader_daemon_ns)
+        return _measured_sum(self.daemon_ns, self.reader_daemon_ns)
 
     @property
     def daemons_wakeups(self) -> float | None:
         """Wake-ups of every daemon involved, as :attr:`daemons_ns` adds their CPU."""
-        return _either(self.daemon_wakeups, self.reader_daemon_wakeups)
+        return _measured_sum(self.daemon_wakeups, self.reader_daemon_wakeups)
 
 
-def _either(writer_side: float | None, reader_side: float | None) -> float | None:
+def _measured_sum(writer_side: float | None, reader_side: float | None) -> float | None:
     """The sum of the sides measured; None if neither was."""
     parts = [v for v in (writer_side, reader_side) if v is not None]
     return sum(parts) if parts else None

@@ -54,6 +54,16 @@ def _released(d: Daemon, via: str) -> float:
     return metric(d.scrape(), "relayd_released_leases_total", via=via)
 
 
+def _relayed(
+    w: SyncRelayClient, r: SyncRelayClient, seed: int, size: int, request_id: str
+) -> DataRef:
+    """Put a payload from ``w``, get it at ``r`` with the same bytes; its DataRef."""
+    payload = make_payload(seed, size)
+    ref = w.put(payload, to_stage="talker", request_id=request_id, timeout=30)
+    assert digest(r.get(ref)) == digest(payload)
+    return ref
+
+
 def _slot(ref: DataRef) -> tuple[int, int]:
     return ref.proto.lease.segment, ref.proto.lease.slot
 
@@ -68,10 +78,8 @@ def test_a_blocking_writer_reuses_its_slots_with_no_freed_frame(tmp_path: object
             by_frame = _freed_by_frame(w._client)
             slots = set()
             for i in range(40):
-                payload = make_payload(i, MiB)
-                ref = w.put(payload, to_stage="talker", request_id=f"r{i}", timeout=30)
+                ref = _relayed(w, r, i, MiB, f"r{i}")
                 slots.add(_slot(ref))
-                assert digest(r.get(ref)) == digest(payload)
             assert by_frame == []
             # Told nothing, the writer would take new slots for every put.
             assert len(slots) < 20
@@ -114,10 +122,8 @@ def test_a_writer_that_never_reads_its_ring_gets_frames(tmp_path: object) -> Non
             by_frame = _freed_by_frame(w._client)
             refs = []
             for i in range(20):
-                payload = make_payload(i, MiB)
-                ref = w.put(payload, to_stage="talker", request_id=f"g{i}", timeout=30)
+                ref = _relayed(w, r, i, MiB, f"g{i}")
                 refs.append(ref.proto.lease.lease_id)
-                assert digest(r.get(ref)) == digest(payload)
             wait_until(lambda: set(refs) <= set(by_frame), 10, "every lease freed by frame")
             assert _freed(d, "frame") >= len(refs) and _freed(d, "ring") == 0
             assert d.pool().get("used_bytes", 0) == 0
@@ -144,9 +150,7 @@ def test_a_writer_cannot_truncate_the_ring_under_the_daemon(tmp_path: object) ->
                 finally:
                     os.close(fd)
             for i in range(3):
-                payload = make_payload(i, MiB)
-                ref = w.put(payload, to_stage="talker", request_id=f"t{i}", timeout=30)
-                assert digest(r.get(ref)) == digest(payload)
+                _relayed(w, r, i, MiB, f"t{i}")
             assert d.status()["sessions"]
         wait_until(lambda: drained(d), 10, "arena back to zero")
 
@@ -159,9 +163,7 @@ def test_a_readers_releases_reach_the_daemon_without_a_frame(tmp_path: object) -
         ):
             assert r._client._conn.session.release_ring is not None
             for i in range(40):
-                payload = make_payload(i, MiB)
-                ref = w.put(payload, to_stage="talker", request_id=f"r{i}", timeout=30)
-                assert digest(r.get(ref)) == digest(payload)
+                _relayed(w, r, i, MiB, f"r{i}")
             assert not r._client._conn.session.pending.release  # none waits for a frame
             # Taken after the writer's frames, or on the daemon's timer: the
             # arena's leases are all back while both sessions stay open.
@@ -179,9 +181,7 @@ def test_a_lease_claimed_by_frame_is_released_by_frame(tmp_path: object) -> None
             SyncRelayClient("talker", d.socket) as r,
         ):
             for i, size in enumerate((MiB, 9 * MiB, MiB)):
-                payload = make_payload(i, size)
-                ref = w.put(payload, to_stage="talker", request_id=f"c{i}", timeout=30)
-                assert digest(r.get(ref)) == digest(payload)
+                _relayed(w, r, i, size, f"c{i}")
             wait_until(lambda: d.pool().get("used_bytes", 0) == 0, 10, "every lease freed")
             assert _released(d, "ring") == 2 and _released(d, "frame") == 1
         wait_until(lambda: drained(d), 10, "arena back to zero")
