@@ -197,6 +197,7 @@ class Connection:
                 timeout=self.timeout,
             )
             self.grants.configure(a.slot_size, a.default_grant_bytes)
+            self.session.reserve_publishes = a.reserve_publishes
             nonce = self._map_segments(a)
             await self.session.connect(
                 session_socket_path(self.socket),

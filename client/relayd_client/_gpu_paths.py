@@ -152,7 +152,7 @@ class GpuPaths:
             )
         )
         # The reader waits on the event, not on the daemon: no reason to linger.
-        self._notices.publish(lease.id, total, pb.TRANSPORT_CUDA_IPC_POOL, now=True)
+        self._notices.publish(lease, total, pb.TRANSPORT_CUDA_IPC_POOL, now=True)
         return DataRef(msg)
 
     async def get(self, m: pb.DataRef, transport: Transport, copy: bool) -> list[Any]:

@@ -27,12 +27,15 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from .wire.errors import RelayError, ResourceExhaustedError
 from .wire.rings import IdRing
 from .wire.shm import SHM_POOL
 from .wire.slots import SlotAllocator
+
+if TYPE_CHECKING:
+    from .wire.proto import relay_pb2 as pb
 
 # Freed runs remembered per grant for reuse; older ones are cut first-fit.
 LIFO_DEPTH = 64
@@ -85,13 +88,16 @@ class Grant:
 
 
 class Lease:
-    __slots__ = ("grant", "id", "local", "nslots")
+    __slots__ = ("grant", "id", "local", "nslots", "reserve")
 
     def __init__(self, grant: Grant, local: int, nslots: int, lease_id: int) -> None:
         self.grant = grant
         self.local = local
         self.nslots = nslots
         self.id = lease_id
+        # The lease's Reserve notice and the pending frame it waits in, for the
+        # Publish to ride in it (relayd_client._notices); None once it cannot.
+        self.reserve: tuple[pb.SessionFrame, pb.Reserve] | None = None
 
     @property
     def slot(self) -> int:

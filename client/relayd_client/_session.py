@@ -87,6 +87,9 @@ class SessionChannel:
         # See connect(): the daemon's Freed to this session, this session's Releases.
         self.freed_ring: IdRing | None = None
         self.release_ring: IdRing | None = None
+        # The daemon takes a Publish inside its lease's Reserve (its
+        # AttachResponse.reserve_publishes): see Notices.publish.
+        self.reserve_publishes = False
         self._calls: dict[int, asyncio.Future[pb.FetchResponse]] = {}
         self._keyed: dict[int, asyncio.Future[bytes]] = {}
         self._call_ids = itertools.count(1)

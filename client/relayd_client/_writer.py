@@ -486,7 +486,7 @@ class Writer:
         # when the notice arrives; a reader on the socket fallback reads through
         # the daemon, which serves it once the notice is in: neither may linger.
         now = push or transport == pb.TRANSPORT_SOCKET
-        self._notices.publish(lease.id, total, transport, ref=ref, push=push, now=now)
+        self._notices.publish(lease, total, transport, ref=ref, push=push, now=now)
         return DataRef(msg)
 
     async def publish_socket(self, plan: PutPlan, timeout: float | None) -> DataRef:

@@ -149,8 +149,8 @@ class LeaseTable:
 
     def on_reserve(
         self, session: Session, r: ReserveNotice, cancelled: Collection[int] = ()
-    ) -> None:
-        """Record a lease the writer cut from one of its grants.
+    ) -> Lease:
+        """Record a lease the writer cut from one of its grants; returns its record.
 
         Raises (the caller closes the session) unless the lease lies inside a
         grant this session holds, overlaps no live lease of it, and carries an
@@ -219,6 +219,7 @@ class LeaseTable:
             # A stage with no part in this lease cannot abort it ahead of time.
             req.aborted = False
             req.aborters = ()
+        return lease
 
     def _cancel_first(
         self, session: Session, grant: Grant, r: ReserveNotice, cancelled: Collection[int]
@@ -248,6 +249,21 @@ class LeaseTable:
         if lease is None or lease.writer != session.id or lease.state is not LeaseState.RESERVED:
             session.refuse(ErrorCode.INVALID_ARGUMENT, f"bad publish of lease {p.lease_id}")
             return
+        self._publish(session, lease, p)
+
+    def on_sealed(self, session: Session, lease: Lease, p: PublishNotice) -> None:
+        """The Publish a Reserve carried (``Reserve.publish``), for the lease
+        :meth:`on_reserve` just recorded: the same rules as a Publish of its own,
+        with the lookup already done."""
+        if p.lease_id != lease.id:
+            session.refuse(
+                ErrorCode.INVALID_ARGUMENT,
+                f"bad publish of lease {p.lease_id} in the Reserve of lease {lease.id}",
+            )
+            return
+        self._publish(session, lease, p)
+
+    def _publish(self, session: Session, lease: Lease, p: PublishNotice) -> None:
         try:
             transport = Transport.from_proto(p.transport)
         except ValueError:

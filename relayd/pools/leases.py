@@ -8,8 +8,10 @@ Who calls what, and when (all on the daemon's event loop, never from threads):
   closes at once, no timeout involved.
 * ``grant`` - from the gRPC ``Grant`` handler, a few times per session (a grant
   serves many leases); it may wait, fairly, for space.
-* ``on_reserve``/``on_publish``/``on_claim``/``on_release``/``on_cancel`` - per
-  transfer, from session frames; O(1) each, no allocation in the arena.
+* ``on_reserve``/``on_publish``/``on_sealed``/``on_claim``/``on_release``/``on_cancel``
+  - per transfer, from session frames; O(1) each, no allocation in the arena.
+  ``on_sealed`` is the Publish a Reserve carried (the lease was sealed while its
+  Reserve still waited in the client's frame).
 * ``abort`` - from the gRPC ``Abort`` handler.
 * ``reap`` - from the daemon's housekeeping loop, every ``HOUSEKEEPING_INTERVAL`` (TTL).
 
@@ -170,6 +172,7 @@ class LeaseManager:
         self.bind = self.session_table.bind
         self.on_reserve = self.table.on_reserve
         self.on_publish = self.table.on_publish
+        self.on_sealed = self.table.on_sealed
         self.count_later = self.table.count_later
         self.count_now = self.table.count_now
         self.on_claim = self.table.on_claim

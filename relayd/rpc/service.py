@@ -169,6 +169,7 @@ class RelayService(RoutingService, pb_grpc.RelayServicer):
             peer_address=facts.peer_address,
             probe_offset=self.topology.probe_offset,
             mooncake_session=self.peers.transport.session_id if self.peers is not None else "",
+            reserve_publishes=True,
         )
 
     @mapped

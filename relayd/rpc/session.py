@@ -367,9 +367,14 @@ class SessionProtocol(asyncio.Protocol):
         cancels = present.get(_CANCEL, ())
         cancelled = {x.lease_id for x in cancels}
         for r in present.get(_RESERVE, ()):
-            m.on_reserve(session, r, cancelled)
+            lease = m.on_reserve(session, r, cancelled)
             if r.trace_id:
                 log_trace(r.lease_id, r.trace_id, r.request_id)
+            if r.HasField("publish"):  # sealed before its Reserve went: one notice
+                p = r.publish
+                m.on_sealed(session, lease, p)
+                if p.ref:
+                    self.hooks.ref(p.nbytes)
         for p in present.get(_PUBLISH, ()):
             m.on_publish(session, p)
             if p.ref:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import os
 import signal
 import subprocess
@@ -103,6 +104,37 @@ def test_repeated_payload_structures_each_arrive_as_sent(tmp_path: object) -> No
 
     with running_daemon(str(tmp_path)) as d:
         assert len(asyncio.run(asyncio.wait_for(scenario(d.socket), 60))) == 3 * len(payloads)
+        wait_until(lambda: _drained(d), 10, "arena back to zero")
+
+
+def test_publishes_carried_in_reserves_and_sent_on_their_own_both_count(
+    tmp_path: object,
+) -> None:
+    # The daemon says at Attach that it takes a Publish inside its Reserve;
+    # a writer that sends Publishes on their own (as to an older daemon) works
+    # the same. A carried Publish the daemon dropped would leave its lease
+    # unpublished while the writer lives: not counted, its bytes not freed.
+    payload = {"h": torch.arange(100_000, dtype=torch.float32)}
+
+    def published_and_freed(d: Daemon, n: int) -> bool:
+        shm = d.status()["transfers_by_transport"].get("shm")
+        return shm == str(n) and d.pool().get("used_bytes", 0) == 0
+
+    async def scenario(d: Daemon) -> None:
+        async with RelayClient("thinker", d.socket) as w, RelayClient("talker", d.socket) as r:
+            assert w._conn.session.reserve_publishes
+            for n, carried in enumerate((True, False), 1):
+                w._conn.session.reserve_publishes = carried
+                for i in range(20):
+                    ref = await w.put(payload, to_stage="talker", request_id=f"{carried}-{i}")
+                    got = await r.get(DataRef.from_bytes(ref.to_bytes()))
+                    assert digest(got) == digest(payload)
+                w._conn.flush()  # the last Publishes linger otherwise
+                done = functools.partial(published_and_freed, d, 20 * n)
+                await asyncio.to_thread(wait_until, done, 10, f"{20 * n} counted")
+
+    with running_daemon(str(tmp_path)) as d:
+        asyncio.run(asyncio.wait_for(scenario(d), 60))
         wait_until(lambda: _drained(d), 10, "arena back to zero")
 
 

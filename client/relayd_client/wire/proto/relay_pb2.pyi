@@ -268,7 +268,7 @@ class Segment(_message.Message):
     def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., index: _Optional[int] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
-    __slots__ = ("protocol_version", "session_id", "session_token", "session_socket", "node_id", "daemon_epoch", "slot_size", "header_offset", "header_stride", "data_offset", "segments", "default_grant_bytes", "lease_ttl_seconds", "peer_address", "mooncake_session", "cuda_pools", "pin_host_memory", "probe_offset")
+    __slots__ = ("protocol_version", "session_id", "session_token", "session_socket", "node_id", "daemon_epoch", "slot_size", "header_offset", "header_stride", "data_offset", "segments", "default_grant_bytes", "lease_ttl_seconds", "peer_address", "mooncake_session", "cuda_pools", "pin_host_memory", "probe_offset", "reserve_publishes")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -287,6 +287,7 @@ class AttachResponse(_message.Message):
     CUDA_POOLS_FIELD_NUMBER: _ClassVar[int]
     PIN_HOST_MEMORY_FIELD_NUMBER: _ClassVar[int]
     PROBE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_PUBLISHES_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     session_id: str
     session_token: bytes
@@ -305,7 +306,8 @@ class AttachResponse(_message.Message):
     cuda_pools: _containers.RepeatedCompositeFieldContainer[CudaPool]
     pin_host_memory: str
     probe_offset: int
-    def __init__(self, protocol_version: _Optional[int] = ..., session_id: _Optional[str] = ..., session_token: _Optional[bytes] = ..., session_socket: _Optional[str] = ..., node_id: _Optional[str] = ..., daemon_epoch: _Optional[str] = ..., slot_size: _Optional[int] = ..., header_offset: _Optional[int] = ..., header_stride: _Optional[int] = ..., data_offset: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., default_grant_bytes: _Optional[int] = ..., lease_ttl_seconds: _Optional[float] = ..., peer_address: _Optional[str] = ..., mooncake_session: _Optional[str] = ..., cuda_pools: _Optional[_Iterable[_Union[CudaPool, _Mapping]]] = ..., pin_host_memory: _Optional[str] = ..., probe_offset: _Optional[int] = ...) -> None: ...
+    reserve_publishes: bool
+    def __init__(self, protocol_version: _Optional[int] = ..., session_id: _Optional[str] = ..., session_token: _Optional[bytes] = ..., session_socket: _Optional[str] = ..., node_id: _Optional[str] = ..., daemon_epoch: _Optional[str] = ..., slot_size: _Optional[int] = ..., header_offset: _Optional[int] = ..., header_stride: _Optional[int] = ..., data_offset: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., default_grant_bytes: _Optional[int] = ..., lease_ttl_seconds: _Optional[float] = ..., peer_address: _Optional[str] = ..., mooncake_session: _Optional[str] = ..., cuda_pools: _Optional[_Iterable[_Union[CudaPool, _Mapping]]] = ..., pin_host_memory: _Optional[str] = ..., probe_offset: _Optional[int] = ..., reserve_publishes: _Optional[bool] = ...) -> None: ...
 
 class CudaPool(_message.Message):
     __slots__ = ("name", "gpu_uuid", "nslots", "slot_size", "storage", "headers")
@@ -751,7 +753,7 @@ class Bind(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., session_token: _Optional[bytes] = ..., shm_nonce: _Optional[bytes] = ..., operator: _Optional[bool] = ..., freed_ring: _Optional[bool] = ..., release_ring: _Optional[bool] = ...) -> None: ...
 
 class Reserve(_message.Message):
-    __slots__ = ("lease_id", "grant_id", "slot", "nslots", "generation", "request_id", "to_stage", "from_stage", "trace_id")
+    __slots__ = ("lease_id", "grant_id", "slot", "nslots", "generation", "request_id", "to_stage", "from_stage", "trace_id", "publish")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     GRANT_ID_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
@@ -761,6 +763,7 @@ class Reserve(_message.Message):
     TO_STAGE_FIELD_NUMBER: _ClassVar[int]
     FROM_STAGE_FIELD_NUMBER: _ClassVar[int]
     TRACE_ID_FIELD_NUMBER: _ClassVar[int]
+    PUBLISH_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     grant_id: int
     slot: int
@@ -770,7 +773,8 @@ class Reserve(_message.Message):
     to_stage: str
     from_stage: str
     trace_id: str
-    def __init__(self, lease_id: _Optional[int] = ..., grant_id: _Optional[int] = ..., slot: _Optional[int] = ..., nslots: _Optional[int] = ..., generation: _Optional[int] = ..., request_id: _Optional[str] = ..., to_stage: _Optional[str] = ..., from_stage: _Optional[str] = ..., trace_id: _Optional[str] = ...) -> None: ...
+    publish: Publish
+    def __init__(self, lease_id: _Optional[int] = ..., grant_id: _Optional[int] = ..., slot: _Optional[int] = ..., nslots: _Optional[int] = ..., generation: _Optional[int] = ..., request_id: _Optional[str] = ..., to_stage: _Optional[str] = ..., from_stage: _Optional[str] = ..., trace_id: _Optional[str] = ..., publish: _Optional[_Union[Publish, _Mapping]] = ...) -> None: ...
 
 class Publish(_message.Message):
     __slots__ = ("lease_id", "nbytes", "transport", "ref", "push")
