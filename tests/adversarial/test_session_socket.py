@@ -158,6 +158,46 @@ def test_a_session_cannot_release_claim_or_abort_another_stages_lease(daemon: Da
     asyncio.run(asyncio.wait_for(scenario(), 60))
 
 
+def test_a_publish_carried_in_a_reserve_publishes_nothing_but_that_reserve(
+    daemon: Daemon,
+) -> None:
+    # A Reserve of the intruder's own grant carrying a Publish that names the
+    # thinker's lease, with push and an absurd length: refused, the intruder's
+    # lease stays unpublished, and the talker still reads every byte.
+    async def scenario() -> None:
+        async with (
+            RelayClient("thinker", daemon.socket) as w,
+            RelayClient("talker", daemon.socket) as r,
+        ):
+            payload = make_payload(3, MiB)
+            ref = await w.put(payload, to_stage="talker", request_id="req")
+            w._conn.flush()
+            intruder = await asyncio.to_thread(RawSession, daemon.socket, "intruder")
+            g = await asyncio.to_thread(intruder.grant, MiB)
+            gen = g.generation_base + 1
+            forged = pb.Reserve(lease_id=gen, grant_id=g.grant_id, slot=g.slot, nslots=1,
+                                generation=gen, request_id="req", to_stage="talker",
+                                from_stage="intruder")  # fmt: skip
+            forged.publish.lease_id = ref.proto.lease.lease_id
+            forged.publish.nbytes = 1 << 40
+            forged.publish.transport = pb.TRANSPORT_SHM
+            forged.publish.push = True
+            intruder.send(pb.SessionFrame(reserve=[forged]))
+            frames, closed = await asyncio.to_thread(read_frames, intruder.sock, 1)
+            count("forged session notices")
+            assert not closed
+            assert [ev.code for ev in events(frames) if ev.kind == pb.EVENT_KIND_ERROR] == [
+                pb.ERROR_CODE_INVALID_ARGUMENT
+            ]
+            st = await asyncio.to_thread(daemon.status)
+            assert st["leases_by_state"] == {"reserved": "1", "published": "1", "claimed": "0"}
+            assert digest(await r.get(ref)) == digest(payload)
+            intruder.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
+    assert daemon.status()["state"] == "DAEMON_STATE_SERVING"
+
+
 def test_abort_flood_does_not_grow_the_daemon(daemon: Daemon) -> None:
     sess = RawSession(daemon.socket, "flooder")
     rss_before = rss_bytes(daemon.pid)
