@@ -24,12 +24,9 @@ from relayd_client.wire.proto import relay_pb2 as pb
 from relayd.pools.arena import Arena
 from relayd.pools.leases import LeaseManager
 from relayd.pools.records import LeaseState
-from relayd.pools.sessions import Session
-from relayd.rpc.admission import Admission
-from relayd.rpc.frames import frame_sink
-from relayd.rpc.session import SessionHooks, SessionProtocol
-from tests.unit.test_frame_counts import _Socket
-from tests.unit.test_leases import SLOT, Clock, _manager, arena
+from relayd.rpc.session import SessionProtocol
+from tests.unit.test_frame_counts import _protocol
+from tests.unit.test_leases import SLOT, Clock, _manager, _session, arena
 
 __all__ = ["arena"]  # the fixture, shared with test_leases
 
@@ -118,11 +115,8 @@ def test_a_daemon_that_takes_no_carried_publish_gets_its_own(sent) -> None:  # t
 
 
 def _bound(m: LeaseManager, stage: str, frames: list[pb.SessionFrame]) -> SessionProtocol:
-    s = m.open_session(pid=1, stages=[stage])
-    session = m.bind(s.id, s.token, frame_sink(frames.append), pid=1, uid=0, gid=0)
-    p = SessionProtocol(m, Admission([0], [], daemon_uid=0), SessionHooks())
-    p.session, p.transport = session, _Socket()  # type: ignore[assignment]
-    return p
+    """The daemon's side of a session of ``stage`` that keeps the frames it is sent."""
+    return _protocol(m, _session(m, stage, frames))
 
 
 def _sealed(grant_id: int, slot: int, lease_id: int, carried_id: int | None = None) -> pb.Reserve:
@@ -141,12 +135,11 @@ def _errors(frames: list[pb.SessionFrame]) -> list[str]:
 
 
 def _setup(arena: Arena) -> tuple[LeaseManager, SessionProtocol, list[pb.SessionFrame], int]:
-    counted: list[str] = []
-    m = _manager(arena, Clock(), [], transfers=counted)
+    m = _manager(arena, Clock(), [])
     wf: list[pb.SessionFrame] = []
     w = _bound(m, "thinker", wf)
-    session: Session = w.session  # type: ignore[assignment]
-    grant = asyncio.run(m.grant(session, SLOT, 1.0))
+    assert w.session is not None
+    grant = asyncio.run(m.grant(w.session, SLOT, 1.0))
     return m, w, wf, grant.id
 
 
