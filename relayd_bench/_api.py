@@ -1,12 +1,15 @@
 """The contract between the harness and a benchmarked method.
 
 A method is one class. The harness builds an instance in each process that runs
-it (with the :class:`BenchContext`) and drives it through the hooks below over
-the planned sizes; which hooks run depends on the base class:
+it (with the :class:`BenchContext`; one per lane where a process carries several
+streams, see :class:`JobSpec`) and drives it through the hooks below over the
+planned sizes; which hooks run depends on the base class:
 
 ``PairMethod`` / ``AsyncPairMethod`` (a writer process and a reader process)
     writer: ``setup_writer(size, source) -> blob`` once per size; the harness hands
-            ``blob`` to the reader. Then per transfer ``send(i) -> notify`` inside the
+            ``blob`` to the reader. ``start_writer()`` once the reader is set up,
+            before the first transfer (untimed: wait there for what a steady state
+            has, such as a route). Then per transfer ``send(i) -> notify`` inside the
             timed region: copy ``source`` wherever the method moves data and return
             the small message the reader needs (for relayd: the DataRef bytes). The
             harness frames it over the Unix socketpair and waits for the ack before
@@ -31,7 +34,8 @@ while it waits on the socket, so a client's background tasks (notices, releases)
 progress as they would in an application. If a transfer fails, the teardown hook
 still runs (its own errors are ignored) before the process reports the failure.
 
-Put a method's own state on ``self``; use ``self.ctx.segment_name()`` for any
+Put a method's own state on ``self`` (lanes of one process may share what a
+real process would share, such as one client per stage); use ``self.ctx.segment_name()`` for any
 /dev/shm name so the harness can sweep leftovers; put what the method observed
 (e.g. the transport relayd picked) in ``self.extra``, it ends up in the results.
 """
@@ -63,7 +67,8 @@ class BenchContext:
     reader_socket: str | None = None
     daemon_pid: int | None = None
     reader_daemon_pid: int | None = None  # the reader's own daemon (relayd-mooncake), if known
-    stream_index: int = 0
+    stream_index: int = 0  # which process pair of the stream workload: its stages
+    lane: int = 0  # which of that pair's streams (see JobSpec.lanes)
     # --netns, for a cross-node method: the writer's and the reader's network namespace
     # and address; the harness joins them by TCP across the veth link instead of a
     # socketpair. Mooncake engines of the methods bind these addresses.
@@ -75,7 +80,7 @@ class BenchContext:
         return f"{self.shm_prefix}{tag}-{os.getpid()}-{next(_SEGMENT_COUNTER)}"
 
     def request_id(self, size: int, i: int) -> str:
-        return f"bench-{self.run_id}-{self.stream_index}-{size}-{i}"
+        return f"bench-{self.run_id}-{self.stream_index}-{self.lane}-{size}-{i}"
 
 
 class _Base:
@@ -89,6 +94,10 @@ class PairMethod(_Base, abc.ABC):
 
     def setup_writer(self, size: int, source: torch.Tensor) -> bytes:
         return b""
+
+    def start_writer(self) -> None:
+        """After the reader's setup, before the first transfer (untimed)."""
+        return None
 
     @abc.abstractmethod
     def send(self, i: int) -> bytes | bytearray | memoryview: ...
@@ -118,6 +127,10 @@ class AsyncPairMethod(_Base, abc.ABC):
 
     async def setup_writer(self, size: int, source: torch.Tensor) -> bytes:
         return b""
+
+    async def start_writer(self) -> None:
+        """After the reader's setup, before the first transfer (untimed)."""
+        return None
 
     @abc.abstractmethod
     async def send(self, i: int) -> bytes | bytearray | memoryview: ...
@@ -187,10 +200,15 @@ class SizePlan:
 
 @dataclasses.dataclass(frozen=True)
 class Pace:
-    """Open-loop schedule for the stream workload: transfer i is due at start+offset+i*period."""
+    """Open-loop schedule for the stream workload: lane j's transfer i is due at
+    start + offset + j * lane_step + i * period."""
 
     period_ns: int
     offset_ns: int
+    lane_step_ns: int = 0
+
+    def due_offset_ns(self, lane: int) -> int:
+        return self.offset_ns + lane * self.lane_step_ns
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,12 +227,19 @@ class JobSpec:
 
     A full run gives every (method, size) its own job; ``--quick`` puts many steps
     in one job, because each fresh process pays seconds of imports.
+
+    ``lanes`` > 1 (the stream workload): the pair carries that many streams at once,
+    as a thinker and a talker process carry many requests. Each lane has its own
+    method instance, channel and paced loop (tasks on the process's one event loop,
+    or threads for blocking methods); a process sends one report per size with every
+    lane's samples.
     """
 
     steps: tuple[Step, ...]
     ctx: BenchContext
     pace: Pace | None = None
     measure_daemon: bool = True
+    lanes: int = 1
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,6 +12,10 @@ the daemon's CPU and wake-ups from procfs, sampled by the writer (or local
 process), and for a step whose reader has its own daemon (relayd-mooncake) that
 daemon's as well.
 
+A process that carries several streams (``JobSpec.lanes``) runs these loops once
+per lane: tasks on one event loop for a coroutine method, threads for a blocking
+one (see ``_lanes``). Only lane 0 samples the daemons and shows progress.
+
 The parent imports this module only to name ``child_main``; torch is imported in
 the child, as it costs ~2 s of CPU per import here.
 """
@@ -21,12 +25,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import importlib
 import resource
 import signal
 import socket
 import time
 import traceback
+from collections.abc import Sequence
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +54,7 @@ from relayd_bench._api import (
     Usage,
     WriterReport,
 )
+from relayd_bench._lanes import Reports, Start, in_threads
 from relayd_bench._payload import MIN_SIZE, Stamp, check_tensor, make_source
 from relayd_bench._procstat import ProcSample, proc_sample
 from relayd_bench._wire import BenchFailure
@@ -56,9 +63,7 @@ if TYPE_CHECKING:
     from multiprocessing.connection import Connection
     from multiprocessing.synchronize import Barrier
 
-BARRIER_TIMEOUT_S = 120.0
 ROLE_NODE = {"writer": 0, "reader": 1}  # with --netns: which namespace each role runs in
-START_MARGIN_NS = 2_000_000  # after the barrier, time for every stream to reach its loop
 
 
 def load_target(target: str) -> type[AnyMethod]:
@@ -77,9 +82,10 @@ def _usage() -> tuple[int, int]:
 class _Meter:
     """Per-size bookkeeping, all outside the timed region."""
 
-    def __init__(self, spec: JobSpec, step: Step, plan: SizePlan, *, daemon: bool) -> None:
+    def __init__(self, run: _Run, plan: SizePlan, *, daemon: bool) -> None:
+        spec, step = run.spec, run.step
         self._step, self._plan = step, plan
-        measure = daemon and spec.measure_daemon
+        measure = daemon and spec.measure_daemon and run.lane == 0
         self._pid = spec.ctx.daemon_pid if measure else None
         self._reader_pid = spec.ctx.reader_daemon_pid if measure and step.reader_daemon else None
         self.samples: list[int] = []
@@ -134,14 +140,14 @@ def _since(start: ProcSample | None, end: ProcSample | None) -> ProcSample | Non
 
 
 class _Schedule:
-    def __init__(self, pace: Pace | None) -> None:
+    def __init__(self, pace: Pace | None, lane: int, base_ns: int) -> None:
         self._pace = pace
-        self._base = time.perf_counter_ns() + START_MARGIN_NS
+        self._base = base_ns + (pace.due_offset_ns(lane) if pace is not None else 0)
 
     def _due(self, i: int) -> int | None:
         if self._pace is None:
             return None
-        return self._base + self._pace.offset_ns + i * self._pace.period_ns
+        return self._base + i * self._pace.period_ns
 
     def wait(self, i: int) -> int | None:
         """Sleep until transfer i is due; the due time if already late (it becomes t0)."""
@@ -167,19 +173,25 @@ class _Run:
 
     spec: JobSpec
     step: Step
-    conn: Connection
+    reports: Reports
     progress: Any  # RawArray("q", 4): step index, size index, done, total
-    barrier: Barrier | None
+    begin: Start
     step_index: int = 0
+    lane: int = 0
     size: int | None = None  # for the error report
 
     def start(self, index: int, plan: SizePlan) -> None:
         self.size = plan.size
-        p = self.progress
-        p[0], p[1], p[2], p[3] = self.step_index, index, 0, plan.warmup + plan.iterations
+        if self.lane == 0:  # lane 0 speaks for the process's progress
+            p = self.progress
+            p[0], p[1], p[2], p[3] = self.step_index, index, 0, plan.warmup + plan.iterations
 
     def done(self, n: int) -> None:
-        self.progress[2] = n
+        if self.lane == 0:
+            self.progress[2] = n
+
+    def report(self, r: WriterReport | ReaderReport) -> None:
+        self.reports.send(self.lane, r)
 
 
 def _writer(m: PairMethod, run: _Run, sock: socket.socket) -> None:
@@ -189,9 +201,9 @@ def _writer(m: PairMethod, run: _Run, sock: socket.socket) -> None:
         stamp = Stamp(source)
         wire.send_frame(sock, 0, m.setup_writer(plan.size, source))
         wire.expect(sock, wire.READY)
-        if run.barrier is not None:
-            run.barrier.wait(BARRIER_TIMEOUT_S)
-        sched, meter = _Schedule(run.spec.pace), _Meter(run.spec, run.step, plan, daemon=True)
+        m.start_writer()
+        sched = _Schedule(run.spec.pace, run.lane, run.begin.wait())
+        meter = _Meter(run, plan, daemon=True)
         for i in range(plan.warmup + plan.iterations):
             meter.at(i)
             late = sched.wait(i)
@@ -204,7 +216,7 @@ def _writer(m: PairMethod, run: _Run, sock: socket.socket) -> None:
         m.finish_writer()
         report = meter.writer_report(m.extra)
         m.teardown_writer()
-        run.conn.send(report)
+        run.report(report)
     wire.send_end(sock)
 
 
@@ -214,7 +226,7 @@ def _reader(m: PairMethod, run: _Run, sock: socket.socket) -> None:
         run.size = plan.size
         m.setup_reader(plan.size, bytes(rx.frame()[2]))
         sock.sendall(wire.READY)
-        meter = _Meter(run.spec, run.step, plan, daemon=False)
+        meter = _Meter(run, plan, daemon=False)
         for i in range(plan.warmup + plan.iterations):
             meter.at(i)
             t0, _, notify = rx.frame()
@@ -226,7 +238,7 @@ def _reader(m: PairMethod, run: _Run, sock: socket.socket) -> None:
             sock.sendall(wire.ACK)
         report = meter.reader_report(extra=m.extra)
         m.teardown_reader()
-        run.conn.send(report)
+        run.report(report)
     rx.expect_end()
 
 
@@ -236,7 +248,7 @@ def _local(m: LocalMethod, run: _Run) -> None:
         source = make_source(plan.size)
         stamp = Stamp(source)
         m.setup(plan.size, source)
-        meter = _Meter(run.spec, run.step, plan, daemon=True)
+        meter = _Meter(run, plan, daemon=True)
         total = plan.warmup + plan.iterations
         for i in range(total):
             meter.at(i)
@@ -252,21 +264,19 @@ def _local(m: LocalMethod, run: _Run) -> None:
         reports = meter.writer_report(m.extra), meter.reader_report(local=True)
         m.teardown()
         for r in reports:
-            run.conn.send(r)
+            run.report(r)
 
 
 async def _awriter(m: AsyncPairMethod, run: _Run, sock: socket.socket) -> None:
-    loop = asyncio.get_running_loop()
     for index, plan in enumerate(run.step.sizes):
         run.start(index, plan)
         source = make_source(plan.size)
         stamp = Stamp(source)
         await wire.asend_frame(sock, 0, await m.setup_writer(plan.size, source))
         await wire.aexpect(sock, wire.READY)
-        if run.barrier is not None:
-            # in a thread, so the client's background tasks keep running meanwhile
-            await loop.run_in_executor(None, run.barrier.wait, BARRIER_TIMEOUT_S)
-        sched, meter = _Schedule(run.spec.pace), _Meter(run.spec, run.step, plan, daemon=True)
+        await m.start_writer()
+        sched = _Schedule(run.spec.pace, run.lane, await run.begin.await_())
+        meter = _Meter(run, plan, daemon=True)
         for i in range(plan.warmup + plan.iterations):
             meter.at(i)
             late = await sched.await_(i)
@@ -279,7 +289,7 @@ async def _awriter(m: AsyncPairMethod, run: _Run, sock: socket.socket) -> None:
         await m.finish_writer()
         report = meter.writer_report(m.extra)
         await m.teardown_writer()
-        run.conn.send(report)
+        run.report(report)
     await wire.asend_end(sock)
 
 
@@ -290,7 +300,7 @@ async def _areader(m: AsyncPairMethod, run: _Run, sock: socket.socket) -> None:
         run.size = plan.size
         await m.setup_reader(plan.size, bytes((await rx.aframe())[2]))
         await loop.sock_sendall(sock, wire.READY)
-        meter = _Meter(run.spec, run.step, plan, daemon=False)
+        meter = _Meter(run, plan, daemon=False)
         for i in range(plan.warmup + plan.iterations):
             meter.at(i)
             t0, _, notify = await rx.aframe()
@@ -302,7 +312,7 @@ async def _areader(m: AsyncPairMethod, run: _Run, sock: socket.socket) -> None:
             await loop.sock_sendall(sock, wire.ACK)
         report = meter.reader_report(extra=m.extra)
         await m.teardown_reader()
-        run.conn.send(report)
+        run.report(report)
     await rx.aexpect_end()
 
 
@@ -312,7 +322,7 @@ async def _alocal(m: AsyncLocalMethod, run: _Run) -> None:
         source = make_source(plan.size)
         stamp = Stamp(source)
         await m.setup(plan.size, source)
-        meter = _Meter(run.spec, run.step, plan, daemon=True)
+        meter = _Meter(run, plan, daemon=True)
         for i in range(plan.warmup + plan.iterations):
             meter.at(i)
             stamp(i)
@@ -326,26 +336,32 @@ async def _alocal(m: AsyncLocalMethod, run: _Run) -> None:
         reports = meter.writer_report(m.extra), meter.reader_report(local=True)
         await m.teardown()
         for r in reports:
-            run.conn.send(r)
+            run.report(r)
 
 
-def _dispatch(role: str, m: AnyMethod, run: _Run, sock: socket.socket | None) -> None:
+def _dispatch(
+    role: str, methods: Sequence[AnyMethod], runs: Sequence[_Run], socks: Sequence[socket.socket]
+) -> None:
+    m, run = methods[0], runs[0]
+    lanes = list(zip(methods, runs, socks, strict=True)) if socks else []
     if isinstance(m, LocalMethod) and role == "local":
         _local(m, run)
     elif isinstance(m, AsyncLocalMethod) and role == "local":
         asyncio.run(_alocal(m, run))
-    elif isinstance(m, PairMethod) and sock is not None:
-        sock.setblocking(True)
-        if role == "writer":
-            _writer(m, run, sock)
-        else:
-            _reader(m, run, sock)
-    elif isinstance(m, AsyncPairMethod) and sock is not None:
-        sock.setblocking(False)  # the event loop's sock_* calls need it
-        if role == "writer":
-            asyncio.run(_awriter(m, run, sock))
-        else:
-            asyncio.run(_areader(m, run, sock))
+    elif isinstance(m, PairMethod) and lanes:
+        loop = _writer if role == "writer" else _reader
+        for sock in socks:
+            sock.setblocking(True)
+        in_threads([functools.partial(loop, lm, lr, ls) for lm, lr, ls in lanes])  # type: ignore[arg-type]
+    elif isinstance(m, AsyncPairMethod) and lanes:
+        aloop = _awriter if role == "writer" else _areader
+        for sock in socks:
+            sock.setblocking(False)  # the event loop's sock_* calls need it
+
+        async def together() -> None:
+            await asyncio.gather(*(aloop(lm, lr, ls) for lm, lr, ls in lanes))  # type: ignore[arg-type]
+
+        asyncio.run(together())
     else:
         raise TypeError(f"{run.step.target} cannot run as {role}")
 
@@ -374,12 +390,15 @@ def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
 def child_main(
     role: str,
     spec: JobSpec,
-    sock: socket.socket | None,
+    socks: list[socket.socket],
     conn: Connection,
     progress: Any,
     barrier: Barrier | None,
 ) -> None:
-    """Entry point of every benchmark process (spawned: a clean interpreter each time)."""
+    """Entry point of every benchmark process (spawned: a clean interpreter each time).
+
+    ``socks``: one channel per lane for a writer or reader, none for a local process.
+    """
     # the parent ends a stuck job with SIGTERM: unwind, so teardown still runs
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     run: _Run | None = None
@@ -392,14 +411,20 @@ def child_main(
         for step in spec.steps:
             if any(p.size < MIN_SIZE or p.iterations < 1 for p in step.sizes):
                 raise BenchFailure(f"sizes must be >= {MIN_SIZE} with iterations >= 1: {step}")
+        lanes = max(1, len(socks))
+        reports = Reports(conn, lanes)
         for index, step in enumerate(spec.steps):
-            run = _Run(spec, step, conn, progress, barrier, index)
-            m = load_target(step.target)(spec.ctx)
+            begin = Start(lanes, barrier)
+            runs = [_Run(spec, step, reports, progress, begin, index, j) for j in range(lanes)]
+            run = runs[0]
+            cls = load_target(step.target)
+            methods = [cls(dataclasses.replace(spec.ctx, lane=j)) for j in range(lanes)]
             try:
-                _dispatch(role, m, run, sock)
+                _dispatch(role, methods, runs, socks)
             except BaseException:
-                with contextlib.suppress(Exception):
-                    _teardown(role, m)
+                for m in methods:
+                    with contextlib.suppress(Exception):
+                        _teardown(role, m)
                 raise
     except BaseException as exc:  # report everything, Ctrl-C included, to the parent
         message = f"{type(exc).__name__}: {exc}"
@@ -409,5 +434,5 @@ def child_main(
         raise SystemExit(1) from None
     finally:
         conn.close()
-        if sock is not None:
+        for sock in socks:
             sock.close()

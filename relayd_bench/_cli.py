@@ -105,6 +105,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="stream workload: concurrent streams (default 16, a thinker->talker fan-in)",
     )
     p.add_argument(
+        "--stream-pairs",
+        type=int,
+        default=1,
+        metavar="N",
+        help="stream workload: writer/reader process pairs that carry the streams "
+        "(default 1: one writer and one reader process, as a thinker and a talker, each "
+        "stream a task on its event loop or, for a blocking method, a thread; N = "
+        "--streams: a process pair per stream)",
+    )
+    p.add_argument(
         "--stream-rate",
         type=float,
         default=50.0,
@@ -182,8 +192,10 @@ def _options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Optio
     seconds = args.stream_seconds
     if seconds is None:
         seconds = QUICK_STREAM_SECONDS if args.quick else 5.0
-    if streams < 1 or args.stream_rate <= 0 or seconds <= 0:
-        parser.error("--streams, --stream-rate and --stream-seconds must be positive")
+    if streams < 1 or args.stream_pairs < 1 or args.stream_rate <= 0 or seconds <= 0:
+        parser.error(
+            "--streams, --stream-pairs, --stream-rate and --stream-seconds must be positive"
+        )
     if args.netns:
         if args.socket or args.reader_socket:
             parser.error("--netns starts its own daemons: not with --socket/--reader-socket")
@@ -204,6 +216,7 @@ def _options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Optio
         shm_pool_size=args.shm_pool_size,
         job_timeout_s=args.timeout,
         streams=streams,
+        stream_pairs=args.stream_pairs,
         stream_rate=args.stream_rate,
         stream_chunk=stream_chunk,
         stream_seconds=seconds,
@@ -292,6 +305,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "plan": [vars(plan_for(s, opts.scale)) for s in opts.sizes],
             "stream": {
                 "streams": opts.streams,
+                "process_pairs": opts.stream_pairs,
                 "rate_hz": opts.stream_rate,
                 "seconds": opts.stream_seconds,
                 "methods": list(opts.stream_methods),

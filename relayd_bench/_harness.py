@@ -2,7 +2,7 @@
 
 Every job gets fresh processes from the ``spawn`` context (a clean interpreter,
 nothing inherited from the parent's heap or threads), as the reference runs did.
-A pair job is a writer and a reader joined by a Unix socketpair (see ``_child``);
+A pair job is a writer and a reader joined by a Unix socketpair per lane (see ``_child``);
 a local job is one process. Several jobs can run at once (the stream workload):
 their writers meet at a barrier so the streams start together.
 
@@ -75,18 +75,20 @@ def run_jobs(
         for k, spec in enumerate(specs):
             counter = mp.RawArray("q", 4)
             counters.append(counter)
-            pair = _channel(spec, local)
-            roles: list[tuple[str, socket.socket | None]] = (
-                [("local", None)] if local else [("writer", pair[0]), ("reader", pair[1])]
+            pairs = [] if local else [_channel(spec) for _ in range(spec.lanes)]
+            roles: list[tuple[str, list[socket.socket]]] = (
+                [("local", [])]
+                if local
+                else [("writer", [w for w, _ in pairs]), ("reader", [r for _, r in pairs])]
             )
-            for role, sock in roles:
+            for role, socks in roles:
                 recv_end, send_end = mp.Pipe(duplex=False)
                 p: BaseProcess = mp.Process(
                     target=child_main,
                     args=(
                         role,
                         spec,
-                        sock,
+                        socks,
                         send_end,
                         counter,
                         barrier if role != "reader" else None,
@@ -98,8 +100,9 @@ def run_jobs(
                 send_end.close()  # so the pipe reports EOF when the child exits
                 procs.append((k, role, p))
                 conns[recv_end] = k
-            for s in pair:
-                s.close()  # the children hold their own copies now
+            for pair in pairs:
+                for s in pair:
+                    s.close()  # the children hold their own copies now
         _watch(outcomes, conns, counters, barrier, timeout_s, progress, describe)
     finally:
         _reap([p for _, _, p in procs])
@@ -111,14 +114,14 @@ def run_jobs(
     return outcomes
 
 
-def _channel(spec: JobSpec, local: bool) -> tuple[socket.socket, socket.socket]:
-    """Writer's and reader's ends of the channel that carries notifies (DataRefs).
+def _channel(spec: JobSpec) -> tuple[socket.socket, socket.socket]:
+    """Writer's and reader's ends of one lane's channel that carries notifies (DataRefs).
 
     With namespaces (``--netns``) it is a TCP connection across the veth link, as an
     application's channel between two hosts would be; otherwise a Unix socketpair.
     """
     ns = spec.ctx.netns
-    if ns is None or local:
+    if ns is None:
         return socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     return _netns.tcp_pair(ns, spec.ctx.hosts[0])
 

@@ -39,6 +39,8 @@ class Entry:
     size_note: str = ""
     needs_peer_daemon: bool = False  # the reader attaches to a second daemon (see above)
     cross_node: bool = False  # with --netns, writer and reader run on the two "nodes"
+    # the stream workload may run several streams in one process (see JobSpec.lanes)
+    shares_process: bool = True
 
     def unavailable(self, *, socket: str | None, reader_socket: str | None) -> str | None:
         """Why this method cannot run at all here, or None.
@@ -94,6 +96,9 @@ BASELINES: tuple[Entry, ...] = (
         "Mooncake TE transfer_sync_read on loopback TCP",
         requires=("mooncake.engine:TransferEngine",),
         cross_node=True,
+        # its sync read spins the calling thread until the bytes land: sixteen
+        # spinning threads in one process starve each other, so a pair per stream
+        shares_process=False,
     ),
 )
 

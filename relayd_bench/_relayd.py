@@ -3,17 +3,21 @@
 Imported only inside benchmark processes. If ``relayd_client`` does not import,
 the registry reports these methods as skipped before any process starts.
 
-Every method attaches one ``RelayClient`` per process at setup (not timed) and,
-per transfer, does exactly what an application does: the writer ``put``s and
-sends ``ref.to_bytes()`` as its notify; the reader rebuilds the ``DataRef`` and
-``get``s (a copy) or enters ``view`` (zero-copy, released in ``cleanup`` before
-the ack). The transport relayd picked is recorded in the results (``extra``).
+Every method attaches one client per process and stage at setup (not timed; the
+lanes of a stream-workload process share it, as a stage worker's requests share
+its one client) and, per transfer, does exactly what an application does: the
+writer ``put``s and sends ``ref.to_bytes()`` as its notify; the reader rebuilds the
+``DataRef`` and ``get``s (a copy) or enters ``view`` (zero-copy, released in
+``cleanup`` before the ack). The transport relayd picked is recorded in the
+results (``extra``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+from collections.abc import AsyncIterator
 from typing import Any
 
 import torch
@@ -26,10 +30,62 @@ from relayd_client.wire.proto import relay_pb2 as pb
 
 from relayd_bench import _daemon, _rtt
 from relayd_bench._api import AsyncLocalMethod, AsyncPairMethod, PairMethod
+from relayd_bench._lanes import shared
 
 WRITER_STAGE = "bench-writer"
 READER_STAGE = "bench-reader"
 ROUTE_WAIT_S = 10.0
+
+
+@dataclasses.dataclass
+class _Shared:
+    opened: asyncio.Future[RelayClient]
+    users: int = 0
+
+
+# per event loop, stage and daemon socket: the lanes of one process share one client
+_CLIENTS: dict[tuple[asyncio.AbstractEventLoop, str, str | None], _Shared] = {}
+
+
+async def _opened(stage: str, socket: str | None) -> RelayClient:
+    client = RelayClient(stage=stage, socket=socket)
+    await client.open()
+    return client
+
+
+@contextlib.asynccontextmanager
+async def shared_client(stage: str, socket: str | None) -> AsyncIterator[RelayClient]:
+    """This process's ``RelayClient`` of ``stage``; closed when its last user leaves."""
+    key = (asyncio.get_running_loop(), stage, socket)
+    shared = _CLIENTS.get(key)
+    if shared is None:
+        shared = _CLIENTS[key] = _Shared(asyncio.ensure_future(_opened(stage, socket)))
+    shared.users += 1
+    try:
+        yield await asyncio.shield(shared.opened)
+    finally:
+        shared.users -= 1
+        if not shared.users:
+            del _CLIENTS[key]
+            if not shared.opened.done():
+                shared.opened.cancel()
+            elif not shared.opened.cancelled() and shared.opened.exception() is None:
+                await shared.opened.result().close()
+
+
+def _open_sync(stage: str, socket: str | None) -> SyncRelayClient:
+    client = SyncRelayClient(stage=stage, socket=socket)
+    client.open()
+    return client
+
+
+def shared_sync_client(
+    stage: str, socket: str | None
+) -> contextlib.AbstractContextManager[SyncRelayClient]:
+    """This process's ``SyncRelayClient`` of ``stage`` (it is thread-safe)."""
+    return shared(
+        ("sync-client", stage, socket), lambda: _open_sync(stage, socket), SyncRelayClient.close
+    )
 
 
 def transport_name(ref: Any) -> str:
@@ -57,7 +113,7 @@ class RelaydShm(AsyncPairMethod):
         self.source = source
         self.stack = contextlib.AsyncExitStack()
         self.client = await self.stack.enter_async_context(
-            RelayClient(stage=self._stages()[0], socket=self.ctx.socket)
+            shared_client(self._stages()[0], self.ctx.socket)
         )
         return b""
 
@@ -83,7 +139,7 @@ class RelaydShm(AsyncPairMethod):
     async def setup_reader(self, size: int, blob: bytes) -> None:
         self.stack = contextlib.AsyncExitStack()
         self.client = await self.stack.enter_async_context(
-            RelayClient(stage=self._stages()[1], socket=self._reader_socket())
+            shared_client(self._stages()[1], self._reader_socket())
         )
         self.view: Any = None
 
@@ -152,9 +208,10 @@ class RelaydMooncake(RelaydShm):
             self.extra[_rtt.EXTRA_RT] = _rtt.fmt_rt(rt)
             self.extra[_rtt.EXTRA_RT_BOUND] = _rtt.fmt_rt(bound)
 
+    async def start_writer(self) -> None:
+        await self._until_routed_across()
+
     async def send(self, i: int) -> bytes:
-        if i == 0:
-            await self._until_routed_across()
         wire = await super().send(i)
         if i == 0:
             self.extra["push"] = "yes" if DataRef.from_bytes(wire).proto.push else "no"
@@ -184,8 +241,10 @@ class RelaydSync(PairMethod):
     def setup_writer(self, size: int, source: torch.Tensor) -> bytes:
         self.size = size
         self.source = source
-        self.client = SyncRelayClient(stage=self._stages()[0], socket=self.ctx.socket)
-        self.client.open()
+        self.stack = contextlib.ExitStack()
+        self.client = self.stack.enter_context(
+            shared_sync_client(self._stages()[0], self.ctx.socket)
+        )
         return b""
 
     def send(self, i: int) -> bytes:
@@ -200,11 +259,13 @@ class RelaydSync(PairMethod):
         return wire
 
     def teardown_writer(self) -> None:
-        self.client.close()
+        self.stack.close()
 
     def setup_reader(self, size: int, blob: bytes) -> None:
-        self.client = SyncRelayClient(stage=self._stages()[1], socket=self.ctx.socket)
-        self.client.open()
+        self.stack = contextlib.ExitStack()
+        self.client = self.stack.enter_context(
+            shared_sync_client(self._stages()[1], self.ctx.socket)
+        )
 
     def recv(self, notify: memoryview) -> torch.Tensor:
         obj = self.client.get(DataRef.from_bytes(bytes(notify)))
@@ -212,7 +273,7 @@ class RelaydSync(PairMethod):
         return tensor
 
     def teardown_reader(self) -> None:
-        self.client.close()
+        self.stack.close()
 
 
 class RelaydLocal(AsyncLocalMethod):

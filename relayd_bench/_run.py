@@ -75,6 +75,7 @@ class Options:
     daemon_timeout_s: float = 30.0
     job_timeout_s: float = 600.0
     streams: int = 4
+    stream_pairs: int = 1
     stream_rate: float = 50.0
     stream_chunk: int = STREAM_CHUNK
     stream_seconds: float = 5.0
@@ -181,8 +182,7 @@ class Bench:
 
     def _ctx(self, stream_index: int = 0, cross_node: bool = False) -> BenchContext:
         d, r, ns = self.daemon, self.reader_daemon, self.netns
-        where = {"netns": ns.names, "hosts": ns.addrs} if ns and cross_node else {}
-        return BenchContext(
+        ctx = BenchContext(
             run_id=self.run_id,
             shm_prefix=self.shm_prefix,
             socket=d.socket if d else self.opts.socket,
@@ -190,8 +190,10 @@ class Bench:
             daemon_pid=d.pid if d else None,
             reader_daemon_pid=r.pid if r else None,
             stream_index=stream_index,
-            **where,
         )
+        if ns and cross_node:
+            ctx = dataclasses.replace(ctx, netns=ns.names, hosts=ns.addrs)
+        return ctx
 
     def _unavailable(self, entry: Entry) -> str | None:
         return entry.unavailable(socket=self.opts.socket, reader_socket=self.opts.reader_socket)
@@ -375,7 +377,14 @@ class Bench:
         results: dict[str, StreamResult] = {}
         runnable: list[Entry] = []
         for entry in entries:
-            base = StreamResult(entry.name, o.streams, o.stream_chunk, o.stream_rate, Status.OK)
+            base = StreamResult(
+                entry.name,
+                o.streams,
+                o.stream_chunk,
+                o.stream_rate,
+                Status.OK,
+                pairs=len(self._stream_lanes(entry)),
+            )
             why = self._unavailable(entry) or (
                 "the stream workload needs a writer/reader pair" if entry.local else None
             )
@@ -389,12 +398,18 @@ class Bench:
             else:
                 results[entry.name] = base
                 runnable.append(entry)
-        together = o.reuse_processes and self.netns is None  # else cross-node ones apart
-        groups = [runnable] if together else [[e] for e in runnable]
+        if o.reuse_processes and self.netns is None:  # else cross-node ones apart
+            groups = [[e for e in runnable if e.shares_process == s] for s in (True, False)]
+        else:
+            groups = [[e] for e in runnable]
         for group in groups:
             if group:
                 self._stream_job(group, plan, results)
         self.streams += [results[e.name] for e in entries]
+
+    def _stream_lanes(self, entry: Entry) -> list[int]:
+        o = self.opts
+        return stream_lanes(o.streams, o.stream_pairs if entry.shares_process else o.streams)
 
     def _stream_job(
         self, group: list[Entry], plan: SizePlan, results: dict[str, StreamResult]
@@ -402,15 +417,13 @@ class Bench:
         o = self.opts
         period = round(1e9 / o.stream_rate)
         steps = tuple(Step(e.name, e.target, (plan,), e.needs_peer_daemon) for e in group)
-        specs = [
-            JobSpec(
-                steps,
-                self._ctx(stream_index=k, cross_node=group[0].cross_node),
-                pace=Pace(period, k * period // o.streams),  # spread the streams over a period
-                measure_daemon=(k == 0),
-            )
-            for k in range(o.streams)
-        ]
+        specs, first = [], 0
+        for k, lanes in enumerate(self._stream_lanes(group[0])):
+            # stream s (lane j of pair k) is due s / streams of a period after the start
+            pace = Pace(period, first * period // o.streams, period // o.streams)
+            ctx = self._ctx(stream_index=k, cross_node=group[0].cross_node)
+            specs.append(JobSpec(steps, ctx, pace, measure_daemon=(k == 0), lanes=lanes))
+            first += lanes
         outcomes = run_jobs(
             specs,
             local=False,
@@ -432,6 +445,12 @@ class Bench:
                 )
             else:
                 self.progress.line(f"stream {entry.name}: {r.status.value}: {r.reason}")
+
+
+def stream_lanes(streams: int, pairs: int) -> list[int]:
+    """How many streams each writer/reader process pair carries: as even as can be."""
+    pairs = max(1, min(pairs, streams))
+    return [streams // pairs + (k < streams % pairs) for k in range(pairs)]
 
 
 def _describe(spec: JobSpec, step: int, index: int, done: int, total: int) -> str:

@@ -130,6 +130,7 @@ class StreamResult:
     cpu: Cpu = dataclasses.field(default_factory=Cpu)
     extra: dict[str, str] = dataclasses.field(default_factory=dict)
     ratio_vs_floor: float | None = None
+    pairs: int = 1  # writer/reader process pairs that carried the streams
 
     @property
     def target_chunks_per_s(self) -> float:
@@ -317,6 +318,7 @@ def stream_json(r: StreamResult) -> dict[str, Any]:
         "status": r.status.value,
         "reason": r.reason,
         "streams": r.streams,
+        "process_pairs": r.pairs,
         "chunk_size": r.chunk_size,
         "rate_hz": r.rate_hz,
         "chunks": r.chunks,

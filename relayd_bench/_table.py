@@ -299,11 +299,21 @@ def _render_round_trips(results: Sequence[Result]) -> list[str]:
     return out
 
 
+def _pairs(streams: Sequence[StreamResult]) -> str:
+    """Which process pairs carried the streams, as the header's next words."""
+    counts = {r.pairs for r in streams}
+    if len(counts) > 1:
+        each = ", ".join(f"{r.method} {r.pairs}" for r in streams)
+        return f"; writer/reader process pairs: {each}"
+    n = counts.pop()
+    return " in one writer/reader process pair" if n == 1 else f" in {n} process pairs"
+
+
 def _render_streams(streams: Sequence[StreamResult], width: int) -> list[str]:
     s0 = streams[0]
     out = [
-        f"stream: {s0.streams} streams x {fmt_size(s0.chunk_size)} at {s0.rate_hz:g}/s each;"
-        " latency from each chunk's scheduled send time",
+        f"stream: {s0.streams} streams x {fmt_size(s0.chunk_size)} at {s0.rate_hz:g}/s each"
+        f"{_pairs(streams)}; latency from each chunk's scheduled send time",
         f"{'method':<17}{'chunks':>7}{'p50':>8}{'p99':>8}{'max':>8}{'rate/s (target)':>16}"
         f"{'GB/s':>6}{'xfloor':>7}  {'CPU µs w/r/d':<16}{'d wk':<6}via",
     ]

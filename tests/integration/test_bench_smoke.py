@@ -106,6 +106,36 @@ def test_rounds_run_every_cell_each_round_and_summarize_the_ratios(tmp_path: Pat
     assert "ratios per round (2 rounds" in stdout and "memcpy / floor: x" in stdout
 
 
+@pytest.mark.parametrize("pairs", [1, 3])
+def test_stream_workload_carries_every_stream_in_one_process_pair_or_one_each(
+    tmp_path: Path, pairs: int
+) -> None:
+    """Three streams of 100 chunks each: in one writer/reader pair (coroutine lanes for
+    the async client, threads sharing one client for the blocking one and the floor)
+    or in a pair each. Every chunk passed the harness's payload check, and each
+    process's lanes reported as one."""
+    methods = ["floor", "relayd-shm", "relayd-sync"]
+    more = ["--stream-methods", ",".join(methods), "--streams", "3", "--stream-rate", "100"]
+    before = _bench_segments()
+    doc, stdout = _bench(
+        tmp_path, ["stream"], ["4K"], [*more, "--stream-size", "64K", "--stream-pairs", str(pairs)]
+    )
+
+    assert doc["results"] == []
+    streams = {s["method"]: s for s in doc["streams"]}
+    assert list(streams) == methods
+    for s in streams.values():
+        assert s["status"] == "ok", s
+        assert s["process_pairs"] == pairs
+        assert s["chunks"] == s["latency_ns"]["n"] == 3 * 100  # every lane's samples
+        assert s["latency_ns"]["p99_ns"] >= s["latency_ns"]["median_ns"] > 0
+    assert doc["run"]["stream"]["process_pairs"] == pairs
+    shape = "in one writer/reader process pair" if pairs == 1 else "in 3 process pairs"
+    assert f"stream: 3 streams x 64KiB at 100/s each {shape}" in stdout
+    assert doc["run"]["leftover_segments"] == [] and doc["run"]["warnings"] == []
+    assert _bench_segments() <= before
+
+
 @pytest.mark.multinode
 @requires_mooncake
 def test_quick_relayd_mooncake_runs_on_two_daemons_beside_raw_mooncake(tmp_path: Path) -> None:
