@@ -36,7 +36,15 @@ from relayd_bench._harness import JobOutcome, run_jobs
 from relayd_bench._progress import Progress
 from relayd_bench._registry import ENTRIES, STREAM, Entry
 from relayd_bench._rounds import median_cells
-from relayd_bench._stats import Cpu, Result, Status, StreamResult, median, summarize
+from relayd_bench._stats import (
+    Cpu,
+    Result,
+    Status,
+    StreamResult,
+    median,
+    summarize,
+    worst_by_second,
+)
 from relayd_bench._table import fmt_ns, fmt_size
 
 # perf-baselines.md, "Iterations per payload size": (size, warm-up, measured)
@@ -506,12 +514,15 @@ def _stream_result(base: StreamResult, plan: SizePlan, outcomes: list[JobOutcome
     readers = [o.reader[key] for o in outcomes]
     samples = [s for r in readers for s in r.samples_ns]
     chunks = len(samples)
+    n = plan.iterations  # a report holds its process's streams one after another
+    streams = [r.samples_ns[j : j + n] for r in readers for j in range(0, len(r.samples_ns), n)]
     window_ns = max(w.end_ns for w in writers) - min(w.start_ns for w in writers)
     return dataclasses.replace(
         base,
         chunks=chunks,
         latency=summarize(samples),
         aggregate_chunks_per_s=chunks / (window_ns / 1e9) if window_ns > 0 else None,
+        worst_by_second_ns=worst_by_second(streams, base.rate_hz),
         cpu=Cpu(
             writer_ns=_per(sum(w.usage.cpu_ns for w in writers), chunks),
             reader_ns=_per(sum(r.usage.cpu_ns for r in readers), chunks),

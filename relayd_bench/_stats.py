@@ -131,6 +131,7 @@ class StreamResult:
     extra: dict[str, str] = dataclasses.field(default_factory=dict)
     ratio_vs_floor: float | None = None
     pairs: int = 1  # writer/reader process pairs that carried the streams
+    worst_by_second_ns: tuple[int, ...] = ()  # see worst_by_second
 
     @property
     def target_chunks_per_s(self) -> float:
@@ -217,6 +218,22 @@ def comparisons(results: Iterable[Result]) -> list[tuple[str, str, list[tuple[in
                 (method, baseline, [(s, by_cell[method, s] / by_cell[baseline, s]) for s in sizes])
             )
     return out
+
+
+def worst_by_second(streams: Iterable[Sequence[int]], rate_hz: float) -> tuple[int, ...]:
+    """The worst latency of the chunks due in each second of the measured window.
+
+    ``streams``: each stream's measured samples in order; its i-th is due i / rate
+    after its first. One stall shows as one high second, queueing as many.
+    """
+    per = max(1, round(rate_hz))
+    worst: list[int] = []
+    for samples in streams:
+        for i, ns in enumerate(samples):
+            k = i // per
+            worst.extend([0] * (k + 1 - len(worst)))
+            worst[k] = max(worst[k], ns)
+    return tuple(worst)
 
 
 def add_stream_ratios(results: Iterable[StreamResult], reference: str = REFERENCE_METHOD) -> None:
@@ -319,6 +336,7 @@ def stream_json(r: StreamResult) -> dict[str, Any]:
         "reason": r.reason,
         "streams": r.streams,
         "process_pairs": r.pairs,
+        "worst_latency_ns_by_second": list(r.worst_by_second_ns),
         "chunk_size": r.chunk_size,
         "rate_hz": r.rate_hz,
         "chunks": r.chunks,

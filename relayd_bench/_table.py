@@ -333,4 +333,10 @@ def _render_streams(streams: Sequence[StreamResult], width: int) -> list[str]:
                 width,
             )
         )
+    worst = [r for r in streams if r.worst_by_second_ns]
+    if worst:
+        out.append("worst latency per second (one stall: one high second; queueing: many)")
+        for r in worst:
+            seconds = " ".join(fmt_ns(ns) for ns in r.worst_by_second_ns)
+            out.append(_clip(f"  {r.method[:15]:<16}{seconds}", width))
     return out

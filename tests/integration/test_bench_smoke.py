@@ -129,6 +129,8 @@ def test_stream_workload_carries_every_stream_in_one_process_pair_or_one_each(
         assert s["process_pairs"] == pairs
         assert s["chunks"] == s["latency_ns"]["n"] == 3 * 100  # every lane's samples
         assert s["latency_ns"]["p99_ns"] >= s["latency_ns"]["median_ns"] > 0
+        # 100 chunks at 100/s: one second, whose worst is the run's
+        assert s["worst_latency_ns_by_second"] == [s["latency_ns"]["max_ns"]]
     assert doc["run"]["stream"]["process_pairs"] == pairs
     shape = "in one writer/reader process pair" if pairs == 1 else "in 3 process pairs"
     assert f"stream: 3 streams x 64KiB at 100/s each {shape}" in stdout

@@ -23,6 +23,7 @@ from relayd_bench._stats import (
     summarize,
     throughput_gbps,
     to_json,
+    worst_by_second,
 )
 from relayd_bench._table import TABLE_WIDTH, fmt_ns, fmt_size, render_table
 from tests.unit._bench_results import ok
@@ -111,6 +112,23 @@ def test_stream_ratios_match_on_streams_chunk_and_rate() -> None:
     assert rows[0].target_chunks_per_s == 200.0
 
 
+def test_worst_latency_per_second_spans_every_stream() -> None:
+    # two streams at 2 chunks/s: chunks 0-1 are due in second 0, 2-3 in second 1, 4 in 2
+    streams = [[10, 20, 30, 40, 50], [15, 5, 99, 1]]
+    assert worst_by_second(streams, 2.0) == (20, 99, 50)
+    assert worst_by_second([], 50.0) == ()
+
+
+def test_stream_table_shows_the_worst_latency_of_each_second() -> None:
+    row = StreamResult(
+        "relayd-mooncake", 16, MIB, 50.0, Status.OK, chunks=3, latency=summarize([1, 2, 3]),
+        worst_by_second_ns=(1_900_000, 160_300_000, 2_400_000),
+    )  # fmt: skip
+    lines = render_table([], [row]).splitlines()
+    at = lines.index("worst latency per second (one stall: one high second; queueing: many)")
+    assert lines[at + 1].split() == ["relayd-mooncake", "1.90", "ms", "160", "ms", "2.40", "ms"]
+
+
 @pytest.mark.parametrize(
     ("ns", "text"),
     [
@@ -171,6 +189,7 @@ def _busy_results() -> tuple[list[Result], list[StreamResult]]:
             latency=summarize([1_000, 9_000_000_000]),
             aggregate_chunks_per_s=15999.9,
             cpu=Cpu(1e6, 1e6, 1e6),
+            worst_by_second_ns=(9_000_000_000,) * 30,
         ),
         StreamResult("relayd-shm", 16, MIB, 1000.0, Status.FAILED, "q" * 300),
     ]
