@@ -9,11 +9,23 @@ from typing import Any, cast
 
 import pytest
 
-from relayd_bench._api import Pace, ReaderReport, Usage, WriterReport
+from relayd_bench._api import (
+    BenchContext,
+    JobSpec,
+    Pace,
+    ReaderReport,
+    SizePlan,
+    Step,
+    Usage,
+    WriterReport,
+)
 from relayd_bench._child import _Schedule
+from relayd_bench._harness import JobOutcome, run_jobs
 from relayd_bench._lanes import Reports, Start, in_threads, shared
 from relayd_bench._procstat import ProcSample
+from relayd_bench._progress import Progress
 from relayd_bench._run import stream_lanes
+from tests.unit._bench_methods import BREAKS_AT, BROKEN_LANE
 
 LANES = 3
 
@@ -154,3 +166,37 @@ def test_lanes_share_one_object_opened_by_the_first_and_closed_by_the_last() -> 
     assert closed == [c, a]  # once, when the last lane left
     with shared("k", open_, closed.append) as again:
         assert again is not a and len(opened) == 3  # a fresh one after the last closed
+
+
+def _job(target: str, lanes: int) -> JobOutcome:
+    plan = SizePlan(size=4096, warmup=2, iterations=20)
+    spec = JobSpec(
+        (Step("copy", f"tests.unit._bench_methods:{target}", (plan,)),),
+        BenchContext(run_id="t", shm_prefix="relayd-bench-t-"),
+        lanes=lanes,
+    )
+    [outcome] = run_jobs(
+        [spec],
+        local=False,
+        timeout_s=120,
+        progress=Progress(enabled=False),
+        describe=lambda *_: "",
+    )
+    return outcome
+
+
+@pytest.mark.parametrize("target", ["Copy", "AsyncCopy"])
+def test_a_process_pair_carries_its_lanes_and_reports_them_as_one(target: str) -> None:
+    outcome = _job(target, LANES)
+    assert outcome.errors == []
+    writer, reader = outcome.writer["copy", 4096], outcome.reader["copy", 4096]
+    assert len(writer.cycles_ns) == len(reader.samples_ns) == LANES * 20
+
+
+@pytest.mark.parametrize("target", ["BrokenCopy", "BrokenAsyncCopy"])
+def test_one_broken_lane_fails_the_job_with_its_own_error(target: str) -> None:
+    outcome = _job(target, LANES)
+    assert outcome.error is not None
+    assert outcome.error.role == "writer"
+    assert f"lane {BROKEN_LANE} broke at transfer {BREAKS_AT}" in outcome.error.message
+    assert ("copy", 4096) not in outcome.writer  # no report from a broken size
