@@ -41,8 +41,8 @@ def merged(reports: Sequence[WriterReport | ReaderReport]) -> WriterReport | Rea
     """
     first = reports[0]
     usage = Usage(max(r.usage.cpu_ns for r in reports), max(r.usage.minflt for r in reports))
-    readers = [r for r in reports if isinstance(r, ReaderReport)]
     if isinstance(first, ReaderReport):
+        readers = [r for r in reports if isinstance(r, ReaderReport)]
         samples = tuple(s for r in readers for s in r.samples_ns)
         return dataclasses.replace(first, usage=usage, samples_ns=samples)
     writers = [r for r in reports if isinstance(r, WriterReport)]
@@ -103,8 +103,11 @@ class Start:
         if self._tasks is None:
             self._tasks = asyncio.Barrier(self._lanes)
         if await asyncio.wait_for(self._tasks.wait(), BARRIER_TIMEOUT_S) == 0:
-            # in a thread, so the client's background tasks keep running meanwhile
-            await asyncio.get_running_loop().run_in_executor(None, self._go)
+            if self._barrier is None:
+                self._go()  # no other process to wait for: no executor thread either
+            else:
+                # in a thread, so the client's background tasks keep running meanwhile
+                await asyncio.get_running_loop().run_in_executor(None, self._go)
         await asyncio.wait_for(self._tasks.wait(), BARRIER_TIMEOUT_S)
         return self.base_ns
 
