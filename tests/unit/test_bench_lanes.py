@@ -108,12 +108,13 @@ def test_blocking_lanes_start_on_one_base_after_the_last_arrives() -> None:
 def test_coroutine_lanes_start_on_one_base_after_the_last_arrives() -> None:
     start = Start(LANES, None)
 
-    async def lane(delay: float) -> tuple[int, int]:
-        await asyncio.sleep(delay)  # arrive at different times
+    async def lane(turns: int) -> tuple[int, int]:
+        for _ in range(turns):  # arrive at different turns of the loop
+            await asyncio.sleep(0)
         return time.perf_counter_ns(), await start.await_()
 
     async def main() -> list[tuple[int, int]]:
-        return await asyncio.gather(*(lane(0.01 * j) for j in range(LANES)))
+        return await asyncio.gather(*(lane(10 * j) for j in range(LANES)))
 
     got = asyncio.run(main())
     assert len({base for _, base in got}) == 1
