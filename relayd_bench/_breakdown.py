@@ -14,6 +14,14 @@ Rows are medians over the measured transfers, in microseconds, for both
 clients (``RelayClient`` and ``SyncRelayClient``), next to a hot memcpy of
 the same size (the copy's own cost) and the number of distinct lease slots
 the writer used in steady state (LIFO reuse keeps it small: warm memory).
+
+Two tables: warm, the calls back to back; and cold, each put and each get
+after :data:`COLD_PAUSE_S` asleep. Cold is what a stage sees: a stream's
+chunks come 20 ms apart, and a stop-and-wait process sleeps a round trip
+between its calls. On a small VM a call made after an idle millisecond
+costs several times what it costs back to back, its caches and branch
+predictors cold; a step's cold cost follows how much code and data it
+touches more than its warm cost, so the cold table shows which steps to cut.
 """
 
 from __future__ import annotations
@@ -35,6 +43,10 @@ from relayd_bench._table import fmt_size
 WRITER, READER = "breakdown-writer", "breakdown-reader"
 WARMUP, MEASURED = 100, 400
 MIN_MEASURED = 40
+# The idle time before each put and each get in the cold table.
+COLD_PAUSE_S = 0.001
+# The cold table's transfers, as a share of the warm one's (its pauses dominate its time).
+COLD_SHARE = 0.5
 
 # (row label, where: "part:attr" for a method of one of the client's parts, else "module:attr")
 PUT_STEPS: tuple[tuple[str, str], ...] = (
@@ -165,18 +177,25 @@ class _Result:
         self.transport = str(last.transport.value)
 
 
-def _measure_sync(sock: str, size: int, warmup: int, measured: int) -> _Result:
+def _measure_sync(sock: str, size: int, warmup: int, measured: int, pause: float) -> _Result:
     from relayd_client import DataRef, SyncRelayClient  # type: ignore[import-not-found, unused-ignore]
 
     out = _Result()
     payload = _payload(size)
+
+    def sleep(seconds: float) -> None:
+        if seconds:
+            time.sleep(seconds)
+
     with SyncRelayClient(WRITER, sock) as w, SyncRelayClient(READER, sock) as r:
         clock = time.perf_counter_ns
         for i in range(warmup + measured):
+            sleep(pause)
             t0 = clock()
             ref = w.put(payload, to_stage=READER, request_id=f"b{i}")
             t1 = clock()
             wire = ref.to_bytes()
+            sleep(pause)
             t2 = clock()
             r.get(DataRef.from_bytes(wire))
             t3 = clock()
@@ -186,39 +205,49 @@ def _measure_sync(sock: str, size: int, warmup: int, measured: int) -> _Result:
         timers = _Timers()
         with _instrumented(timers, w._client, r._client):
             for i in range(measured):
+                sleep(pause)
                 ref = w.put(payload, to_stage=READER, request_id=f"s{i}")
-                r.get(DataRef.from_bytes(ref.to_bytes()))
+                wire = ref.to_bytes()
+                sleep(pause)
+                r.get(DataRef.from_bytes(wire))
                 timers.commit()
         out.steps = {where: timers.median_us(where) for _, where in PUT_STEPS + GET_STEPS}
     return out
 
 
-async def _measure_async(sock: str, size: int, warmup: int, measured: int) -> _Result:
+async def _measure_async(sock: str, size: int, warmup: int, measured: int, pause: float) -> _Result:
     from relayd_client import DataRef, RelayClient  # type: ignore[import-not-found, unused-ignore]
 
     out = _Result()
     payload = _payload(size)
+    # Pauses on the loop: it reads the daemon's frames meanwhile, as between transfers.
+    sleep = asyncio.sleep
     async with RelayClient(WRITER, sock) as w, RelayClient(READER, sock) as r:
         clock = time.perf_counter_ns
         for i in range(warmup + measured):
+            await sleep(pause)
             t0 = clock()
             ref = await w.put(payload, to_stage=READER, request_id=f"b{i}")
             t1 = clock()
             wire = ref.to_bytes()
+            if pause:
+                await sleep(pause)
             t2 = clock()
             await r.get(DataRef.from_bytes(wire))
             t3 = clock()
             if i >= warmup:
                 out.sample(t1 - t0, t3 - t2, ref)
-            await asyncio.sleep(0)  # the loop reads the daemon's frames, as between transfers
         out.totals(ref)
         timers = _Timers()
         with _instrumented(timers, w, r):
             for i in range(measured):
+                await sleep(pause)
                 ref = await w.put(payload, to_stage=READER, request_id=f"s{i}")
-                await r.get(DataRef.from_bytes(ref.to_bytes()))
+                wire = ref.to_bytes()
+                if pause:
+                    await sleep(pause)
+                await r.get(DataRef.from_bytes(wire))
                 timers.commit()
-                await asyncio.sleep(0)
         out.steps = {where: timers.median_us(where) for _, where in PUT_STEPS + GET_STEPS}
     return out
 
@@ -250,13 +279,18 @@ def run(sizes: tuple[int, ...], scale: float, socket: str | None, pool: str) -> 
             daemon = _daemon.start(tmp, pool, 30.0)
             stack.callback(daemon.stop)
             socket = daemon.socket
-        results: dict[tuple[str, int], _Result] = {}
-        for size in sizes:
-            n = max(MIN_MEASURED, measured * (256 << 10) // max(size, 256 << 10))
-            results["async", size] = asyncio.run(_measure_async(socket, size, warmup, n))
-            results["sync", size] = _measure_sync(socket, size, warmup, n)
+        tables = []
+        for pause, share in ((0.0, 1.0), (COLD_PAUSE_S, COLD_SHARE)):
+            results: dict[tuple[str, int], _Result] = {}
+            for size in sizes:
+                n = max(MIN_MEASURED, measured * (256 << 10) // max(size, 256 << 10))
+                n = max(MIN_MEASURED, int(n * share))
+                results["async", size] = asyncio.run(_measure_async(socket, size, warmup, n, pause))
+                results["sync", size] = _measure_sync(socket, size, warmup, n, pause)
+            tables.append(results)
         memcpy = {size: _memcpy_us(size, measured) for size in sizes}
-    return render(sizes, results, memcpy)
+    warm, cold = tables
+    return render(sizes, warm, memcpy) + "\n" + render(sizes, cold, memcpy, warm=warm)
 
 
 def _fmt(v: float | None) -> str:
@@ -264,10 +298,19 @@ def _fmt(v: float | None) -> str:
 
 
 def render(
-    sizes: tuple[int, ...], results: dict[tuple[str, int], _Result], memcpy: dict[int, float]
+    sizes: tuple[int, ...],
+    results: dict[tuple[str, int], _Result],
+    memcpy: dict[int, float],
+    warm: dict[tuple[str, int], _Result] | None = None,
 ) -> str:
+    """One table; with ``warm`` (the warm table's results), the cold one and its ratios."""
     cols = [(c, s) for s in sizes for c in ("async", "sync")]
-    head = ["step (median us, one process, warm)"] + [f"{c} {fmt_size(s)}" for c, s in cols]
+    title = (
+        "step (median us, one process, warm)"
+        if warm is None
+        else f"cold: each call after {COLD_PAUSE_S * 1e3:g} ms asleep"
+    )
+    head = [title] + [f"{c} {fmt_size(s)}" for c, s in cols]
     rows: list[list[str]] = []
 
     def add(label: str, values: list[float | None]) -> None:
@@ -281,11 +324,19 @@ def render(
     for label, where in GET_STEPS:
         add(f"  {label}", [results[k].steps.get(where) for k in cols])
     add("  other", [_other(results[k], GET_STEPS, results[k].get_us) for k in cols])
+    if warm is not None:
+        rows.append(
+            ["put + get, cold / warm"] + [f"x{_ratio(results[k], warm[k]):.2f}" for k in cols]
+        )
     add("memcpy, hot, same size", [memcpy[s] for _, s in cols])
     rows.append(["distinct lease slots in steady state"] + [str(results[k].slots) for k in cols])
     rows.append(["transport"] + [results[k].transport for k in cols])
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     return "".join(_line(r, widths) for r in [head, *rows])
+
+
+def _ratio(cold: _Result, warm: _Result) -> float:
+    return (cold.put_us + cold.get_us) / max(warm.put_us + warm.get_us, 1e-9)
 
 
 def _line(cells: list[str], widths: list[int]) -> str:

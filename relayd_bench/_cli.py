@@ -165,8 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--breakdown",
         action="store_true",
-        help="instead: time each step of a put and a get of both clients, in one process "
-        "(per --sizes; with --quick, fewer transfers)",
+        help="instead: time each step of a put and a get of both clients, in one process, "
+        "back to back and after 1 ms asleep (per --sizes; with --quick, fewer transfers)",
     )
     return p
 

@@ -187,7 +187,7 @@ def test_quick_relayd_sync_beside_the_async_client(tmp_path: Path) -> None:
     assert wakeups["relayd-sync", SIZES["1M"]] > 0
 
 
-def test_breakdown_prints_every_step_for_both_clients() -> None:
+def test_breakdown_prints_every_step_for_both_clients_warm_and_cold() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "relayd_bench", "--breakdown", "--quick", "--sizes", "4K,256K"],
         cwd=REPO,
@@ -196,20 +196,26 @@ def test_breakdown_prints_every_step_for_both_clients() -> None:
         timeout=110,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.splitlines()
-    assert "async 4KiB" in lines[0] and "sync 256KiB" in lines[0]
-    rows = {}
-    for line in lines[1:]:
-        label, *values = re.split(r"\s{2,}", line.strip())
-        rows[label] = values
+    warm_text, cold_text = proc.stdout.split("\n\n")  # two tables: back to back, then cold
     from relayd_bench._breakdown import GET_STEPS, PUT_STEPS
 
-    for label, _ in PUT_STEPS + GET_STEPS:
-        assert label in rows, label
-    # the shm cells of the copy steps hold numbers for both clients
-    assert all(float(v) > 0 for v in rows["copy in"][-2:])
-    assert all(float(v) > 0 for v in rows["allocate + copy out"][-2:])
-    assert rows["transport"] == ["inline", "inline", "shm", "shm"]
+    for text in (warm_text, cold_text):
+        lines = text.splitlines()
+        assert "async 4KiB" in lines[0] and "sync 256KiB" in lines[0]
+        rows = {}
+        for line in lines[1:]:
+            label, *values = re.split(r"\s{2,}", line.strip())
+            rows[label] = values
+        for label, _ in PUT_STEPS + GET_STEPS:
+            assert label in rows, label
+        # the shm cells of the copy steps hold numbers for both clients
+        assert all(float(v) > 0 for v in rows["copy in"][-2:])
+        assert all(float(v) > 0 for v in rows["allocate + copy out"][-2:])
+        assert rows["transport"] == ["inline", "inline", "shm", "shm"]
+    assert cold_text.startswith("cold: each call after 1 ms asleep")
+    ratios = rows["put + get, cold / warm"]
+    assert len(ratios) == 4 and all(float(v.removeprefix("x")) > 0 for v in ratios)
+    assert "put + get, cold / warm" not in warm_text
 
 
 def _netns_unavailable() -> str:
