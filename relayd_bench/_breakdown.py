@@ -7,12 +7,13 @@ the timed pass the client's own steps are wrapped with ``perf_counter_ns``
 (the wrappers are installed here, on the two client objects and the modules
 they call, and removed after: the clients carry no instrumentation of their
 own, so it costs nothing when not measuring). An untimed pass before it gives
-the real per-call totals; "other" is what the steps do not cover, wrapper
-overhead included (~0.2 us a step).
+the real per-call totals; "other" is the median, over the timed pass's
+transfers, of what each call spent outside its steps, wrapper overhead
+included (~0.2 us a step).
 
 Rows are medians over the measured transfers, in microseconds, for both
 clients (``RelayClient`` and ``SyncRelayClient``), next to a hot memcpy of
-the same size (the copy's own cost) and the number of distinct lease slots
+the same size (the copy's own cost, timed like the table's calls) and the number of distinct lease slots
 the writer used in steady state (LIFO reuse keeps it small: warm memory).
 
 Two tables: warm, the calls back to back; and cold, each put and each get
@@ -67,11 +68,16 @@ GET_STEPS: tuple[tuple[str, str], ...] = (
     ("header decode", "checks:decode_header"),
     ("lease checks + layout check", "reader:lease_region"),
     ("allocate + copy out", "reader:read_region"),
+    ("inline: layout check, allocate + copy out", "reader:_read_inline"),
     ("header re-check + release notice", "reader:end_read"),
     ("rebuild payload", "_flatten:rebuild"),
 )
 # Steps nested in another step: shown, but not subtracted twice from "other".
 NESTED = {"_flatten:flatten", "_codec:encode", "writer:shape"}
+# Not in "other"'s sum either: to_bytes runs after put returns.
+UNSUMMED = NESTED | {"dataref:to_bytes"}
+# What each call spent outside its steps, per transfer (wrappers included, ~0.2 us a step).
+OTHER_PUT, OTHER_GET = "other:put", "other:get"
 # The parts of a RelayClient whose methods are steps (its attributes `_<part>`).
 PARTS = ("writer", "routes", "grants", "notices", "reader", "checks")
 
@@ -105,10 +111,19 @@ class _Timers:
 
         return timed
 
-    def commit(self) -> None:
-        for key, ns in self.current.items():
+    def commit(self, put_ns: int, get_ns: int) -> None:
+        """End one timed transfer whose put and get took ``put_ns`` and ``get_ns``."""
+        current = self.current
+        for key, total, steps in ((OTHER_PUT, put_ns, PUT_STEPS), (OTHER_GET, get_ns, GET_STEPS)):
+            current[key] = total - sum(current.get(w, 0) for _, w in steps if w not in UNSUMMED)
+        for key, ns in current.items():
             self.samples.setdefault(key, []).append(ns)
         self.current.clear()
+
+    def medians(self) -> dict[str, float | None]:
+        """Each step's median, and each call's "other"."""
+        keys = [where for _, where in PUT_STEPS + GET_STEPS] + [OTHER_PUT, OTHER_GET]
+        return {key: self.median_us(key) for key in keys}
 
     def median_us(self, key: str) -> float | None:
         values = self.samples.get(key)
@@ -206,12 +221,15 @@ def _measure_sync(sock: str, size: int, warmup: int, measured: int, pause: float
         with _instrumented(timers, w._client, r._client):
             for i in range(measured):
                 sleep(pause)
+                t0 = clock()
                 ref = w.put(payload, to_stage=READER, request_id=f"s{i}")
+                t1 = clock()
                 wire = ref.to_bytes()
                 sleep(pause)
+                t2 = clock()
                 r.get(DataRef.from_bytes(wire))
-                timers.commit()
-        out.steps = {where: timers.median_us(where) for _, where in PUT_STEPS + GET_STEPS}
+                timers.commit(t1 - t0, clock() - t2)
+        out.steps = timers.medians()
     return out
 
 
@@ -242,21 +260,26 @@ async def _measure_async(sock: str, size: int, warmup: int, measured: int, pause
         with _instrumented(timers, w, r):
             for i in range(measured):
                 await sleep(pause)
+                t0 = clock()
                 ref = await w.put(payload, to_stage=READER, request_id=f"s{i}")
+                t1 = clock()
                 wire = ref.to_bytes()
                 if pause:
                     await sleep(pause)
+                t2 = clock()
                 await r.get(DataRef.from_bytes(wire))
-                timers.commit()
-        out.steps = {where: timers.median_us(where) for _, where in PUT_STEPS + GET_STEPS}
+                timers.commit(t1 - t0, clock() - t2)
+        out.steps = timers.medians()
     return out
 
 
-def _memcpy_us(size: int, n: int) -> float:
+def _memcpy_us(size: int, n: int, pause: float) -> float:
     src = _payload(size)["t"]
     dst = torch.empty_like(src)
     times = []
     for _ in range(n):
+        if pause:
+            time.sleep(pause)
         t0 = time.perf_counter_ns()
         dst.copy_(src)
         times.append(time.perf_counter_ns() - t0)
@@ -279,7 +302,7 @@ def run(sizes: tuple[int, ...], scale: float, socket: str | None, pool: str) -> 
             daemon = _daemon.start(tmp, pool, 30.0)
             stack.callback(daemon.stop)
             socket = daemon.socket
-        tables = []
+        tables, copies = [], []
         for pause, share in ((0.0, 1.0), (COLD_PAUSE_S, COLD_SHARE)):
             results: dict[tuple[str, int], _Result] = {}
             for size in sizes:
@@ -288,9 +311,9 @@ def run(sizes: tuple[int, ...], scale: float, socket: str | None, pool: str) -> 
                 results["async", size] = asyncio.run(_measure_async(socket, size, warmup, n, pause))
                 results["sync", size] = _measure_sync(socket, size, warmup, n, pause)
             tables.append(results)
-        memcpy = {size: _memcpy_us(size, measured) for size in sizes}
+            copies.append({size: _memcpy_us(size, int(measured * share), pause) for size in sizes})
     warm, cold = tables
-    return render(sizes, warm, memcpy) + "\n" + render(sizes, cold, memcpy, warm=warm)
+    return render(sizes, warm, copies[0]) + "\n" + render(sizes, cold, copies[1], warm=warm)
 
 
 def _fmt(v: float | None) -> str:
@@ -319,16 +342,16 @@ def render(
     add("put: total (uninstrumented)", [results[k].put_us for k in cols])
     for label, where in PUT_STEPS:
         add(f"  {label}", [results[k].steps.get(where) for k in cols])
-    add("  other", [_other(results[k], PUT_STEPS, results[k].put_us) for k in cols])
+    add("  other", [results[k].steps.get(OTHER_PUT) for k in cols])
     add("get: total (uninstrumented)", [results[k].get_us for k in cols])
     for label, where in GET_STEPS:
         add(f"  {label}", [results[k].steps.get(where) for k in cols])
-    add("  other", [_other(results[k], GET_STEPS, results[k].get_us) for k in cols])
+    add("  other", [results[k].steps.get(OTHER_GET) for k in cols])
     if warm is not None:
         rows.append(
             ["put + get, cold / warm"] + [f"x{_ratio(results[k], warm[k]):.2f}" for k in cols]
         )
-    add("memcpy, hot, same size", [memcpy[s] for _, s in cols])
+    add("memcpy, same size" + (", hot" if warm is None else ""), [memcpy[s] for _, s in cols])
     rows.append(["distinct lease slots in steady state"] + [str(results[k].slots) for k in cols])
     rows.append(["transport"] + [results[k].transport for k in cols])
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
@@ -343,14 +366,3 @@ def _line(cells: list[str], widths: list[int]) -> str:
     out = [cells[0].ljust(widths[0])]
     out += [c.rjust(w) for c, w in zip(cells[1:], widths[1:], strict=True)]
     return "  ".join(out).rstrip() + "\n"
-
-
-def _other(res: _Result, steps: tuple[tuple[str, str], ...], total: float) -> float | None:
-    covered = [
-        v
-        for _, w in steps
-        if w not in NESTED and w != "dataref:to_bytes" and (v := res.steps.get(w)) is not None
-    ]
-    if not covered:
-        return None
-    return total - float(sum(covered))

@@ -211,6 +211,9 @@ def test_breakdown_prints_every_step_for_both_clients_warm_and_cold() -> None:
         # the shm cells of the copy steps hold numbers for both clients
         assert all(float(v) > 0 for v in rows["copy in"][-2:])
         assert all(float(v) > 0 for v in rows["allocate + copy out"][-2:])
+        assert all(float(v) > 0 for v in rows["inline: layout check, allocate + copy out"][:2])
+        # what each call spent outside its steps, per transfer: a number in every cell
+        assert all(float(v) == float(v) for v in rows["other"]), rows["other"]
         assert rows["transport"] == ["inline", "inline", "shm", "shm"]
     assert cold_text.startswith("cold: each call after 1 ms asleep")
     ratios = rows["put + get, cold / warm"]
