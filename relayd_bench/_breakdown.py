@@ -39,13 +39,12 @@ from typing import Any
 import torch
 
 from relayd_bench import _daemon
+from relayd_bench._coldcall import COLD_PAUSE_S
 from relayd_bench._table import fmt_size
 
 WRITER, READER = "breakdown-writer", "breakdown-reader"
 WARMUP, MEASURED = 100, 400
 MIN_MEASURED = 40
-# The idle time before each put and each get in the cold table.
-COLD_PAUSE_S = 0.001
 # The cold table's transfers, as a share of the warm one's (its pauses dominate its time).
 COLD_SHARE = 0.5
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import signal
@@ -286,6 +287,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_ratios(bench.results)
     add_stream_ratios(bench.streams)
     machine = {**machine_info(), "loadavg_at_start": bench.loadavg_at_start}
+    if bench.cold_call is not None:
+        machine["cold_call"] = dataclasses.asdict(bench.cold_call)
     per_round = round_ratios(bench.rounds) if opts.rounds > 1 else []
     sys.stdout.write(render_table(bench.results, bench.streams, machine, rounds=per_round))
     network = bench.network_line()

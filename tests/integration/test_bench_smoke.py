@@ -85,6 +85,11 @@ def test_quick_baselines_produce_every_cell(tmp_path: Path) -> None:
     assert not any(n.startswith(doc["run"]["shm_prefix"]) for n in os.listdir(SHM))
     assert _bench_segments() <= before
     assert "floor" in stdout  # the table went to stdout
+    # the machine's cold-call probe, in the JSON and under the machine line
+    cold = doc["machine"]["cold_call"]
+    assert cold["calls"] == 20 and cold["pause_s"] == 0.001
+    assert cold["warm_us"] > 0 and cold["cold_us"] > 0
+    assert f"{cold['cold_us']:.1f} µs after 1 ms asleep" in stdout
 
 
 def test_rounds_run_every_cell_each_round_and_summarize_the_ratios(tmp_path: Path) -> None:
