@@ -12,9 +12,10 @@ transfers, of what each call spent outside its steps, wrapper overhead
 included (~0.2 us a step).
 
 Rows are medians over the measured transfers, in microseconds, for both
-clients (``RelayClient`` and ``SyncRelayClient``), next to a hot memcpy of
-the same size (the copy's own cost, timed like the table's calls) and the number of distinct lease slots
-the writer used in steady state (LIFO reuse keeps it small: warm memory).
+clients (``RelayClient`` and ``SyncRelayClient``), next to a memcpy of the
+same size (the copy's own cost, timed like the table's calls) and the number
+of distinct lease slots the writer used in steady state (LIFO reuse keeps it
+small: warm memory).
 
 Two tables: warm, the calls back to back; and cold, each put and each get
 after :data:`COLD_PAUSE_S` asleep. Cold is what a stage sees: a stream's
