@@ -23,6 +23,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 _PORTS_GIVEN: set[int] = set()
+# Where a Mooncake engine's RPC listener takes a random port (MC_MIN_RPC_PORT..
+# MC_MAX_RPC_PORT, by default; see relayd.transports.mooncake).
+MOONCAKE_RPC_PORTS = range(15000, 17001)
 
 
 def free_port() -> int:
@@ -33,7 +36,9 @@ def free_port() -> int:
     between the test picking it and the daemon binding it. Below that range
     only the listeners the tests start compete, and each port is handed out once
     per process: two picks before either is bound (the two nodes of one test)
-    would otherwise draw the same port now and then.
+    would otherwise draw the same port now and then. Not in
+    :data:`MOONCAKE_RPC_PORTS` either: a daemon's Mooncake engine took a port
+    picked there for the next daemon's metrics before that daemon bound it.
     """
     import random
     import socket
@@ -45,7 +50,7 @@ def free_port() -> int:
         ephemeral_low = 0
     for _ in range(200 if ephemeral_low > 11_000 else 0):
         port = random.randrange(10_000, ephemeral_low)
-        if port in _PORTS_GIVEN:
+        if port in _PORTS_GIVEN or port in MOONCAKE_RPC_PORTS:
             continue
         with socket.socket() as s:
             try:
