@@ -24,6 +24,9 @@ between its calls. On a small VM a call made after an idle millisecond
 costs several times what it costs back to back, its caches and branch
 predictors cold; a step's cold cost follows how much code and data it
 touches more than its warm cost, so the cold table shows which steps to cut.
+Cold steps do not add up like warm ones: the first steps after the pause
+also pay for code that later ones share (the interpreter's own paths, the
+timing wrappers), so read the totals as exact and the split as indicative.
 """
 
 from __future__ import annotations
