@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from relayd_bench import _daemon
-from relayd_bench._coldcall import COLD_PAUSE_S
+from relayd_bench._coldcall import COLD_PAUSE_S, median_us
 from relayd_bench._table import fmt_size
 
 WRITER, READER = "breakdown-writer", "breakdown-reader"
@@ -200,38 +200,36 @@ def _measure_sync(sock: str, size: int, warmup: int, measured: int, pause: float
 
     out = _Result()
     payload = _payload(size)
+    clock = time.perf_counter_ns
 
     def sleep(seconds: float) -> None:
         if seconds:
             time.sleep(seconds)
 
     with SyncRelayClient(WRITER, sock) as w, SyncRelayClient(READER, sock) as r:
-        clock = time.perf_counter_ns
-        for i in range(warmup + measured):
+
+        def transfer(request_id: str) -> tuple[int, int, Any]:
+            """One transfer: (put ns, from_bytes + get ns, its DataRef)."""
             sleep(pause)
             t0 = clock()
-            ref = w.put(payload, to_stage=READER, request_id=f"b{i}")
+            ref = w.put(payload, to_stage=READER, request_id=request_id)
             t1 = clock()
             wire = ref.to_bytes()
             sleep(pause)
             t2 = clock()
             r.get(DataRef.from_bytes(wire))
-            t3 = clock()
+            return t1 - t0, clock() - t2, ref
+
+        for i in range(warmup + measured):
+            put_ns, get_ns, ref = transfer(f"b{i}")
             if i >= warmup:
-                out.sample(t1 - t0, t3 - t2, ref)
+                out.sample(put_ns, get_ns, ref)
         out.totals(ref)
         timers = _Timers()
         with _instrumented(timers, w._client, r._client):
             for i in range(measured):
-                sleep(pause)
-                t0 = clock()
-                ref = w.put(payload, to_stage=READER, request_id=f"s{i}")
-                t1 = clock()
-                wire = ref.to_bytes()
-                sleep(pause)
-                t2 = clock()
-                r.get(DataRef.from_bytes(wire))
-                timers.commit(t1 - t0, clock() - t2)
+                put_ns, get_ns, _ = transfer(f"s{i}")
+                timers.commit(put_ns, get_ns)
         out.steps = timers.medians()
     return out
 
@@ -241,37 +239,34 @@ async def _measure_async(sock: str, size: int, warmup: int, measured: int, pause
 
     out = _Result()
     payload = _payload(size)
-    # Pauses on the loop: it reads the daemon's frames meanwhile, as between transfers.
-    sleep = asyncio.sleep
+    clock = time.perf_counter_ns
     async with RelayClient(WRITER, sock) as w, RelayClient(READER, sock) as r:
-        clock = time.perf_counter_ns
-        for i in range(warmup + measured):
-            await sleep(pause)
+
+        async def transfer(request_id: str) -> tuple[int, int, Any]:
+            """One transfer: (put ns, from_bytes + get ns, its DataRef)."""
+            # Pauses on the loop, and at least one turn of it per transfer: the
+            # loop reads the daemon's frames meanwhile, as between transfers.
+            await asyncio.sleep(pause)
             t0 = clock()
-            ref = await w.put(payload, to_stage=READER, request_id=f"b{i}")
+            ref = await w.put(payload, to_stage=READER, request_id=request_id)
             t1 = clock()
             wire = ref.to_bytes()
             if pause:
-                await sleep(pause)
+                await asyncio.sleep(pause)
             t2 = clock()
             await r.get(DataRef.from_bytes(wire))
-            t3 = clock()
+            return t1 - t0, clock() - t2, ref
+
+        for i in range(warmup + measured):
+            put_ns, get_ns, ref = await transfer(f"b{i}")
             if i >= warmup:
-                out.sample(t1 - t0, t3 - t2, ref)
+                out.sample(put_ns, get_ns, ref)
         out.totals(ref)
         timers = _Timers()
         with _instrumented(timers, w, r):
             for i in range(measured):
-                await sleep(pause)
-                t0 = clock()
-                ref = await w.put(payload, to_stage=READER, request_id=f"s{i}")
-                t1 = clock()
-                wire = ref.to_bytes()
-                if pause:
-                    await sleep(pause)
-                t2 = clock()
-                await r.get(DataRef.from_bytes(wire))
-                timers.commit(t1 - t0, clock() - t2)
+                put_ns, get_ns, _ = await transfer(f"s{i}")
+                timers.commit(put_ns, get_ns)
         out.steps = timers.medians()
     return out
 
@@ -279,14 +274,7 @@ async def _measure_async(sock: str, size: int, warmup: int, measured: int, pause
 def _memcpy_us(size: int, n: int, pause: float) -> float:
     src = _payload(size)["t"]
     dst = torch.empty_like(src)
-    times = []
-    for _ in range(n):
-        if pause:
-            time.sleep(pause)
-        t0 = time.perf_counter_ns()
-        dst.copy_(src)
-        times.append(time.perf_counter_ns() - t0)
-    return statistics.median(times) / 1000
+    return median_us(lambda: dst.copy_(src), n, pause)
 
 
 def run(sizes: tuple[int, ...], scale: float, socket: str | None, pool: str) -> str:

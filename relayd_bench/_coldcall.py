@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
+from collections.abc import Callable
 
 # The idle time before each cold call.
 COLD_PAUSE_S = 0.001
@@ -52,19 +53,21 @@ def _work() -> int:
     return x
 
 
-def _median_us(pause: float, samples: int) -> float:
+def median_us(fn: Callable[[], object], samples: int, pause: float) -> float:
+    """The median µs of ``samples`` calls of ``fn``, each after ``pause`` seconds asleep."""
     clock = time.perf_counter_ns
     times = []
-    _work()
     for _ in range(samples):
         if pause:
             time.sleep(pause)
         t0 = clock()
-        _work()
+        fn()
         times.append(clock() - t0)
     return statistics.median(times) / 1000
 
 
 def probe(samples: int = SAMPLES, pause: float = COLD_PAUSE_S) -> ColdCall:
     """Time the probe's work warm and cold (about ``samples`` x ``pause`` seconds)."""
-    return ColdCall(PROBE_CALLS, pause, _median_us(0.0, samples), _median_us(pause, samples))
+    _work()  # compiled and specialized before either is timed
+    warm, cold = median_us(_work, samples, 0.0), median_us(_work, samples, pause)
+    return ColdCall(PROBE_CALLS, pause, warm, cold)
