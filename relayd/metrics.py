@@ -34,6 +34,11 @@ _PUSH_COUNTERS = (
     ),
     ("relayd_peer_pushes_declined", "Pushes to the peer declined: read by pull", "pushes_declined"),
     ("relayd_peer_pushes_in", "Pushes from the peer published here", "pushes_in"),
+    (
+        "relayd_peer_pushes_announced",
+        "Pushes from the peer announced to the one session serving their stage",
+        "pushes_announced",
+    ),
 )
 # Reads here of the peer's DataRefs, by what they waited for on the network.
 _READ_WAITS = (
@@ -41,6 +46,7 @@ _READ_WAITS = (
     ("awaited", "reads_awaited"),
     ("pulled", "reads_pulled"),
     ("attached", "reads_attached"),
+    ("announced", "reads_announced"),
 )
 
 

@@ -35,7 +35,7 @@ from relayd_client.wire.errors import (
     StaleRefError,
 )
 from relayd_client.wire.proto import relay_pb2 as pb
-from relayd_client.wire.shm import HEADER_STRIDE, SHM_POOL, SLOT_HEADER
+from relayd_client.wire.shm import HEADER_STRIDE, SLOT_HEADER
 from relayd_client.wire.transport import Transport
 
 from .peer_context import PeerParts
@@ -43,6 +43,7 @@ from .peer_links import PeerState
 from .pools.records import Lease
 from .pools.sessions import Session, SessionState
 from .push_landing import PushLanding
+from .rpc.frames import lease_ref
 from .transports.base import PullError, PullOp, PullTimeoutError, split_ops
 
 log = logging.getLogger(__name__)
@@ -149,17 +150,7 @@ class Puller:
         return self._lease_ref(local, remote.length)
 
     def _lease_ref(self, local: Lease, length: int) -> pb.LeaseRef:
-        seg = self.arena.segments[local.run.segment]
-        return pb.LeaseRef(
-            pool=SHM_POOL,
-            segment=local.run.segment,
-            slot=local.run.slot,
-            nslots=local.run.nslots,
-            offset=seg.slot_offset(local.run.slot),
-            length=length,
-            generation=local.generation,
-            lease_id=local.id,
-        )
+        return lease_ref(self.leases.crossnode.where(local, length))
 
     async def _pull(
         self, peer: PeerState, body: list[PullOp], check: list[PullOp], deadline: float

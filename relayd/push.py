@@ -19,8 +19,11 @@ The message flow (writer W on node A, reader R on node B)::
     A -> B  Notify{landed: (lease id, generation, run, request, stages)}
     B       validates it and publishes a local lease over the run, keyed by
             (origin node, lease id, generation)
-    R -> B  FetchCall(DataRef) on the session socket: the landed lease, at once;
-            not landed yet: waits for the Landed (or Declined) notice
+    B -> R  LandedPush(key, local lease) on the session socket, when R's session
+            alone serves the stage and no fetch of it waits: R's get reads the
+            lease with no call (the slot header decides, as for any lease)
+    R -> B  otherwise FetchCall(DataRef) on the session socket: the landed lease,
+            at once; not landed yet: waits for the Landed (or Declined) notice
     R -> B  Release (session socket), as for any local lease
     B -> A  Notify{freed: the run} (lingering): A may write that run again
 
@@ -450,6 +453,8 @@ class PushManager:
             "pushes_attached": c.attached,
             "reads_attached": c.reads_attached,
             "pushes_unreceived": len(self._unreceived.get(address, ())),
+            "pushes_announced": c.announced,
+            "reads_announced": c.reads_announced,
         }
 
 

@@ -33,7 +33,9 @@ from relayd_client.wire.slots import SlotAllocator
 from .peer_context import PeerParts
 from .peer_links import PeerState
 from .pools.arena import Run
+from .pools.events import Landed
 from .pools.records import Lease, LeaseState
+from .pools.sessions import SessionState
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +71,8 @@ class PushCounts:
     pull_phases: int = 0
     attached: int = 0  # of ``out``: bytes attached to the Landed notice
     reads_attached: int = 0  # reads of such pushes (not in landed or awaited)
+    announced: int = 0  # of ``into``: leases announced to their one reader
+    reads_announced: int = 0  # of those, read and released with no fetch
 
 
 class PushLanding:
@@ -82,6 +86,8 @@ class PushLanding:
         self._next_grant = 1
         self._landed: dict[Key, Lease] = {}
         self._attached: set[Key] = set()  # of those, the ones whose bytes came attached
+        # Of those, the ones announced to their reader and not fetched: by peer address.
+        self._announced: dict[Key, str] = {}
         self._declined: collections.OrderedDict[Key, None] = collections.OrderedDict()
         self._waiters: dict[Key, list[asyncio.Future[None]]] = {}
         self._waiting_for: dict[Key, str] = {}  # request id of each awaited push
@@ -254,15 +260,40 @@ class PushLanding:
         self._landed[key] = lease
         if data is not None:
             self._attached.add(key)
+        awaited = key in self._waiters
         self._wake(key)
+        if not awaited:
+            self._announce(peer, key, lease, m)
         return True
 
-    def _returned(self, gin: GrantIn, key: Key, run: Run) -> None:
+    def _announce(self, peer: PeerState, key: Key, lease: Lease, m: pb.PushLanded) -> None:
+        """Tell the session serving ``m``'s stage where the push landed, so that its get
+        reads the lease with no FetchCall: a round trip to this daemon, after the
+        bytes are here, off the reader's path. Only when exactly one session serves
+        the stage: with several, any of them may hold the DataRef, and waking them
+        all for one read costs more than the fetch saves. A reader already waiting
+        has its fetch answered instead."""
+        readers = [
+            s
+            for s in self.parts.leases.sessions.values()
+            if s.state is SessionState.BOUND and m.to_stage in s.stages
+        ]
+        if len(readers) != 1:
+            return
+        where = self.parts.leases.crossnode.where(lease, lease.nbytes)
+        readers[0].tell(Landed(key, where, m.request_id, m.to_stage))
+        self._announced[key] = peer.address
+        self.counts[peer.address].announced += 1
+
+    def _returned(self, gin: GrantIn, key: Key, lease: Lease) -> None:
         """A landed lease was freed (read, TTL, abort, drain)."""
         self._landed.pop(key, None)
         self._attached.discard(key)
+        address = self._announced.pop(key, None)
+        if address is not None and lease.released:
+            self.counts[address].reads_announced += 1
         self._remember(key)
-        self._give_back(gin, run)
+        self._give_back(gin, lease.run)
 
     def _give_back(self, gin: GrantIn, run: Run) -> None:
         start = run.slot - gin.run.slot
@@ -356,6 +387,7 @@ class PushLanding:
             )
         if lease.state is not LeaseState.PUBLISHED:
             return None
+        self._announced.pop(key, None)  # read by this fetch: counted here
         peer = self.parts.links.by_node.get(key[0])
         if peer is not None:
             counts = self.counts[peer.address]

@@ -127,6 +127,7 @@ class RelayClient:
         """A re-attach dropped the old session: its zero-copy holds died with it, and
         the new daemon numbers its leases afresh (an old released id is a new lease)."""
         self._reader.held.clear()
+        self._reader.announced.clear()
         self._checks.released.clear()
 
     # -- facts ----------------------------------------------------------------------
@@ -498,6 +499,7 @@ class RelayClient:
         self._streams.abort(request_id)
         _local.abort(request_id, by=self if tell_others else None)
         self._aborts.remember(request_id)
+        self._reader.announced.drop_request(request_id)
 
     def _local_abort(self, request_id: str) -> None:
         """Another client of this process aborted ``request_id`` (see _local.abort)."""
@@ -515,6 +517,10 @@ class RelayClient:
             self._grants.collect()  # an empty Freed: a waiting put's ids are in the ring
         for ab in frame.aborted:
             self._remember_aborted(ab.request_id)
+        if frame.landed and self._conn.attach is not None:
+            epoch = self._conn.attach.daemon_epoch
+            for landed in frame.landed:
+                self._reader.announced.add(landed, epoch)
         for ev in frame.event:
             match ev.kind:
                 case pb.EVENT_KIND_BOUND:

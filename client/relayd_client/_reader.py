@@ -59,6 +59,7 @@ class Reader:
         self.held: set[int] = set()  # lease ids of zero-copy gets not released yet
         # cross-node: object id -> the local DataRef a zero-copy get fetched it into
         self._fetched: dict[str, pb.DataRef] = {}
+        self.announced = _remote.Announced()  # cross-node pushes landed for this client
 
     # -- checks before anything is read ------------------------------------------------
 
@@ -200,9 +201,9 @@ class Reader:
             if isinstance(got, InlineOnGpu):
                 return await got.restore()
             return got
-        # Cross-node: the local daemon pulls the lease into its arena first.
+        # Cross-node: where the push landed, or the local daemon fetches it first.
         if transport is Transport.SHM and _remote.is_foreign(ref, conn.node_id):
-            m = await _remote.fetch(conn.session, conn.require_open(), ref, conn.timeout)
+            m = self._announced(ref) or await self._fetch(ref)
             if not copy:
                 self._fetched[m.object_id] = m
         if transport in (Transport.CUDA_IPC_POOL, Transport.CUDA_IPC_DIRECT):
@@ -234,6 +235,43 @@ class Reader:
             tensors = await _cuda_staging.restore_on_device(tensors, specs, copy)
         self.end_read(m, seg, copy)
         return _flatten.rebuild(tree, tensors)
+
+    async def _fetch(self, ref: DataRef) -> pb.DataRef:
+        conn = self._conn
+        local = await _remote.fetch(conn.session, ref, conn.timeout)
+        self.announced.forget(ref.proto)
+        return local
+
+    def landed_ref(self, ref: DataRef) -> pb.DataRef | None:
+        """The local DataRef of a cross-node ``ref`` whose push the daemon announced
+        here, for :meth:`read_landed` on the calling thread; None: :meth:`get` it."""
+        if ref.transport is not Transport.SHM or ref.proto.refs or self._conn.socket_fallback:
+            return None
+        if not _remote.is_foreign(ref, self._conn.node_id):
+            return None
+        return self._announced(ref)
+
+    def _announced(self, ref: DataRef) -> pb.DataRef | None:
+        """The local DataRef of ``ref``'s push as the daemon announced it, while its
+        slot header still says so; None: fetch, and the daemon says what became of
+        it (read, reclaimed, aborted) or pulls it."""
+        local = self.announced.take(ref.proto, self._conn.require_open())
+        if local is None:
+            return None
+        lease = local.lease
+        segments = self._conn.segments
+        if lease.segment >= len(segments) or lease.slot >= segments[lease.segment].nslots:
+            return None
+        if segments[lease.segment].read_header(lease.slot) != (lease.generation, lease.length):
+            return None
+        return local
+
+    def read_landed(self, local: pb.DataRef, tree: Any, copy: bool) -> Any:
+        """:meth:`read_here` of an announced push's local DataRef (:meth:`landed_ref`)."""
+        got = self.read_here(local, tree, copy)
+        if not copy:
+            self._fetched[local.object_id] = local
+        return got
 
     def _read_inline(self, m: pb.DataRef) -> tuple[list[_packing.TensorSpec], list[Any]]:
         """An inline DataRef's tensors, once: the same rule as a lease's, kept by the

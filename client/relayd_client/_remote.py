@@ -1,19 +1,31 @@
-"""Cross-node reads: have the local daemon pull a foreign DataRef into its arena.
+"""Cross-node reads: a foreign DataRef read from this node's arena.
 
-A DataRef whose origin is another node cannot be mapped here. The client asks
-its own daemon (a ``FetchCall`` on the session socket, ``Relay.Fetch``'s work)
-to pull the bytes from the writer's daemon
-through Mooncake Transfer Engine; the answer is a local lease addressed to
-this session, and the returned DataRef is the original one with that lease
-and this node's origin, read and released exactly like a local SHM lease.
-One round trip on the session socket per cross-node get, next to the pull.
+A DataRef whose origin is another node cannot be mapped here. Its bytes reach
+this node's arena one of two ways, and the answer is always a local lease,
+read and released exactly like a local SHM lease:
+
+- **announced**: the writer's daemon pushed them here, and this node's daemon,
+  finding this client the only one serving the stage they are for, said where
+  they landed (a ``LandedPush`` on the session socket, kept in
+  :class:`Announced`). The get asks nothing: no round trip on its path.
+- **fetched**: otherwise the client asks its own daemon (a ``FetchCall`` on the
+  session socket, ``Relay.Fetch``'s work), which answers with the landed push
+  at once, waits for a push still on its way, or pulls the bytes from the
+  writer's daemon through Mooncake Transfer Engine. One round trip on the
+  session socket, next to whatever the daemon waits for.
 """
 
 from __future__ import annotations
 
 from ._session import SessionChannel
 from .wire.dataref import DataRef
+from .wire.errors import PermissionDeniedError
 from .wire.proto import relay_pb2 as pb
+
+ANNOUNCED_MAX = 4096
+"""Announcements remembered: past it the oldest goes, and a get of it fetches."""
+
+Key = tuple[str, str, int, int]  # (origin node, its epoch, lease id, generation)
 
 
 def is_foreign(ref: DataRef | pb.DataRef, node_id: str) -> bool:
@@ -22,15 +34,75 @@ def is_foreign(ref: DataRef | pb.DataRef, node_id: str) -> bool:
     return bool(origin.node_id) and origin.node_id != node_id
 
 
-async def fetch(
-    session: SessionChannel, attach: pb.AttachResponse, ref: DataRef, timeout: float
-) -> pb.DataRef:
-    """The local DataRef for ``ref`` once this node's daemon holds its bytes."""
-    resp = await session.fetch(ref.to_bytes(), timeout)
+def _key(m: pb.DataRef) -> Key:
+    return (m.origin.node_id, m.origin.daemon_epoch, m.lease.lease_id, m.lease.generation)
+
+
+def _local(m: pb.DataRef, lease: pb.LeaseRef, node_id: str, epoch: str) -> pb.DataRef:
+    """``m`` as lease ``lease`` of node ``node_id``'s daemon (epoch ``epoch``) holds it."""
     local = pb.DataRef()
-    local.CopyFrom(ref.proto)
-    local.lease.CopyFrom(resp.lease)
-    local.origin.node_id = resp.node_id
-    local.origin.daemon_epoch = resp.daemon_epoch
+    local.CopyFrom(m)
+    local.lease.CopyFrom(lease)
+    local.origin.node_id = node_id
+    local.origin.daemon_epoch = epoch
     local.transport = pb.TRANSPORT_SHM
     return local
+
+
+class Announced:
+    """The pushes this node's daemon said landed for this client, until a get takes one.
+
+    Filled by the session's frame handler (the loop thread), taken by gets on
+    any thread: single dict operations, atomic under the GIL. An entry is only
+    a hint - the lease stays published for any reader of its stage, and the
+    read checks the slot header as for any lease - and holds for the daemon
+    epoch it came from, so nothing from before a re-attach is read.
+    """
+
+    def __init__(self) -> None:
+        self._by_key: dict[Key, tuple[pb.LandedPush, str]] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_key)
+
+    def add(self, landed: pb.LandedPush, epoch: str) -> None:
+        key = (
+            landed.origin_node_id,
+            landed.origin_daemon_epoch,
+            landed.lease_id,
+            landed.generation,
+        )
+        self._by_key[key] = (landed, epoch)
+        while len(self._by_key) > ANNOUNCED_MAX:
+            self._by_key.pop(next(iter(self._by_key)), None)
+
+    def take(self, m: pb.DataRef, attach: pb.AttachResponse) -> pb.DataRef | None:
+        """The local DataRef of ``m``'s announced push; None: not announced (fetch)."""
+        got = self._by_key.pop(_key(m), None)
+        if got is None or got[1] != attach.daemon_epoch:
+            return None
+        landed = got[0]
+        if landed.request_id != m.request_id or landed.to_stage != m.to_stage:
+            raise PermissionDeniedError(
+                "the DataRef does not match the lease its writer's daemon pushed here"
+            )
+        return _local(m, landed.lease, attach.node_id, attach.daemon_epoch)
+
+    def forget(self, m: pb.DataRef) -> None:
+        """``m`` was fetched: an announcement that came meanwhile names the same lease."""
+        self._by_key.pop(_key(m), None)
+
+    def drop_request(self, request_id: str) -> None:
+        """``request_id`` was aborted: its landed leases are freed, forget them."""
+        for key, (landed, _) in list(self._by_key.items()):  # one call: a get may pop
+            if landed.request_id == request_id:
+                self._by_key.pop(key, None)
+
+    def clear(self) -> None:
+        self._by_key.clear()
+
+
+async def fetch(session: SessionChannel, ref: DataRef, timeout: float) -> pb.DataRef:
+    """The local DataRef for ``ref`` once this node's daemon holds its bytes."""
+    resp = await session.fetch(ref.to_bytes(), timeout)
+    return _local(ref.proto, resp.lease, resp.node_id, resp.daemon_epoch)

@@ -375,9 +375,13 @@ class SyncRelayClient:
         if ref.transport is Transport.LOCAL_OBJECT:
             return r.take_local(m)
         try:
-            if not r.here(ref):
-                return self._run(c._get(ref, copy))
-            got = r.read_here(m, r.checked_ref(m), copy)  # checked before any claim
+            if r.here(ref):
+                got = r.read_here(m, r.checked_ref(m), copy)  # checked before any claim
+            else:
+                local = r.landed_ref(ref)  # a cross-node push already here: no loop hop
+                if local is None:
+                    return self._run(c._get(ref, copy))
+                got = r.read_landed(local, r.checked_ref(m), copy)
             if got is None:  # CUDA leaves: restored on the loop
                 return self._run(c._get(ref, copy))
             if isinstance(got, InlineOnGpu):

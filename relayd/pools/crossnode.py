@@ -24,6 +24,7 @@ from relayd_client.wire.transport import Transport
 
 from .arena import Run
 from .early import Early, EarlyKind
+from .events import LocalLease
 from .lease_table import LeaseTable
 from .records import NAME_KEEP, Grant, Lease, LeaseState, ReclaimReason, slots_for
 from .sessions import Session
@@ -134,6 +135,12 @@ class CrossNodeLeases:
             t.flush()
         return live
 
+    def where(self, lease: Lease, length: int) -> LocalLease:
+        """Where a daemon's lease of ``length`` bytes lies, as its reader maps it."""
+        run = lease.run
+        offset = self.table.arena.segments[run.segment].slot_offset(run.slot)
+        return LocalLease(lease.id, run.segment, run.slot, run.nslots, offset, length)
+
     def adopt_push(
         self,
         run: Run,
@@ -142,7 +149,7 @@ class CrossNodeLeases:
         request_id: str,
         from_stage: str,
         to_stage: str,
-        returns: Callable[[Run], None],
+        returns: Callable[[Lease], None],
     ) -> Lease:
         """A PUBLISHED lease over ``run``, a part of a push grant whose bytes a peer
         has written: read, expired and aborted like any lease; its run then goes

@@ -53,5 +53,29 @@ class RegistryChanged:
     version: int
 
 
-SessionEvent = Freed | Aborted | SessionError | Draining | Reclaim | RegistryChanged
+@dataclasses.dataclass(frozen=True, slots=True)
+class LocalLease:
+    """Where a lease the daemon owns lies, as a reader maps it (a pull's or a push's)."""
+
+    lease_id: int  # also its generation: the one lease of a daemon's grant
+    segment: int
+    slot: int
+    nslots: int
+    offset: int
+    length: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Landed:
+    """A push from another node landed as a local lease for a stage this session
+    alone serves: its get may read the lease without asking (a hint; the slot
+    header decides)."""
+
+    origin: tuple[str, str, int, int]  # (node, epoch, writer's lease id, generation)
+    lease: LocalLease
+    request_id: str
+    to_stage: str
+
+
+SessionEvent = Freed | Aborted | SessionError | Draining | Reclaim | RegistryChanged | Landed
 Sink = Callable[[SessionEvent], None]

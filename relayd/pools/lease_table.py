@@ -455,7 +455,7 @@ class LeaseTable:
         grant.mark(lease.run, 0)
         if grant.returns is not None:
             self.grants.pop(grant.id, None)
-            grant.returns(lease.run)
+            grant.returns(lease)
         elif grant.orphan:
             self.returns.from_orphan(lease.run, grant.writer_pid)
             if not grant.leases:
@@ -471,6 +471,7 @@ class LeaseTable:
 
     def free(self, lease: Lease, reason: ReclaimReason | None) -> None:
         """Free ``lease``; with a ``reason``, it was reclaimed (counted and logged)."""
+        lease.released = reason is None
         self.forget(lease)
         if reason is not None:
             self.hooks.reclaimed(reason, 1)

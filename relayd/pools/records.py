@@ -75,7 +75,7 @@ class Grant:
     last_lease: int = 0
     # Where a freed lease's run goes instead of back to the pool: a landed push
     # lives in a peer's standing push grant, which gets the run back.
-    returns: Callable[[Run], None] | None = None
+    returns: Callable[[Lease], None] | None = None
     # One byte per slot of the run, set while a lease record covers it: no two
     # live leases of a grant may share a slot, or freeing both frees it twice.
     busy: bytearray = dataclasses.field(init=False, repr=False)
@@ -115,6 +115,7 @@ class Lease:
     # (see Orphans.adopt_sealed): its request and stages are unknown, so any
     # reader that names its lease id and generation may read and release it.
     adopted: bool = False
+    released: bool = False  # freed by a reader's release, not reclaimed (set as it is freed)
 
 
 @dataclasses.dataclass

@@ -6,11 +6,14 @@ from collections.abc import Callable
 from typing import cast
 
 from relayd_client.wire.proto import relay_pb2 as pb
+from relayd_client.wire.shm import SHM_POOL
 
 from ..pools.events import (
     Aborted,
     Draining,
     Freed,
+    Landed,
+    LocalLease,
     Reclaim,
     RegistryChanged,
     SessionError,
@@ -26,6 +29,17 @@ def session_frame(event: SessionEvent) -> pb.SessionFrame:
             return pb.SessionFrame(freed=pb.Freed(lease_ids=lease_ids))
         case Aborted(request_id):
             return pb.SessionFrame(aborted=[pb.Aborted(request_id=request_id)])
+        case Landed((node, epoch, origin_id, origin_gen), lease, request_id, to_stage):
+            landed = pb.LandedPush(
+                origin_node_id=node,
+                origin_daemon_epoch=epoch,
+                lease_id=origin_id,
+                generation=origin_gen,
+                lease=lease_ref(lease),
+                request_id=request_id,
+                to_stage=to_stage,
+            )
+            return pb.SessionFrame(landed=[landed])
         case SessionError(code, message):
             ev = pb.Event(
                 kind=pb.EVENT_KIND_ERROR, code=cast(pb.ErrorCode, int(code)), message=message
@@ -41,6 +55,20 @@ def session_frame(event: SessionEvent) -> pb.SessionFrame:
         case RegistryChanged(version):
             ev = pb.Event(kind=pb.EVENT_KIND_REGISTRY, registry_version=version)
     return pb.SessionFrame(event=[ev])
+
+
+def lease_ref(lease: LocalLease) -> pb.LeaseRef:
+    """The wire form of a daemon's lease, as a FetchResult or a LandedPush names it."""
+    return pb.LeaseRef(
+        pool=SHM_POOL,
+        segment=lease.segment,
+        slot=lease.slot,
+        nslots=lease.nslots,
+        offset=lease.offset,
+        length=lease.length,
+        generation=lease.lease_id,
+        lease_id=lease.lease_id,
+    )
 
 
 def frame_sink(send: Callable[[pb.SessionFrame], None]) -> Sink:

@@ -103,10 +103,11 @@ class World:
         self.retired = False
         self.double_frees: list[str] = []  # what the pool refused to free (logged)
 
-    def landed_returned(self, run: Run) -> None:
+    def landed_returned(self, lease: Lease) -> None:
         """A landed lease was freed: its run goes back to the grant, or to the
         arena once the grant is retired (as PushLanding._give_back does)."""
         assert self.given is not None
+        run = lease.run
         if self.retired:
             self.arena.free(run)
         else:

@@ -13,6 +13,8 @@ from relayd.pools.events import (
     Aborted,
     Draining,
     Freed,
+    Landed,
+    LocalLease,
     Reclaim,
     RegistryChanged,
     SessionError,
@@ -70,6 +72,36 @@ def test_no_lease_table_module_imports_the_wire_protobufs() -> None:
         (
             RegistryChanged(7),
             pb.SessionFrame(event=[pb.Event(kind=pb.EVENT_KIND_REGISTRY, registry_version=7)]),
+        ),
+        (
+            Landed(
+                ("node-a", "e1", 9 << 32 | 1, 9 << 32 | 1),
+                LocalLease(77, 0, 4, 2, 4096, 300),
+                "r1",
+                "talker",
+            ),
+            pb.SessionFrame(
+                landed=[
+                    pb.LandedPush(
+                        origin_node_id="node-a",
+                        origin_daemon_epoch="e1",
+                        lease_id=9 << 32 | 1,
+                        generation=9 << 32 | 1,
+                        lease=pb.LeaseRef(
+                            pool="shm",
+                            segment=0,
+                            slot=4,
+                            nslots=2,
+                            offset=4096,
+                            length=300,
+                            generation=77,
+                            lease_id=77,
+                        ),
+                        request_id="r1",
+                        to_stage="talker",
+                    )
+                ]
+            ),
         ),
     ],
 )

@@ -449,6 +449,47 @@ def test_a_read_whose_push_landed_is_answered_at_once_others_wait_or_pull(
     run(main())
 
 
+def test_a_landed_push_is_announced_to_its_one_reader_who_reads_it_unasked(
+    tmp_path: pathlib.Path,
+) -> None:
+    """B tells the one session serving the stage where the push landed (a LandedPush
+    frame naming the lease a fetch would have); read and released with no fetch,
+    it counts as an announced read. With two sessions on the stage, nobody is told."""
+
+    async def main() -> None:
+        async with pushing_nodes(tmp_path) as (a, b, reader):
+            writer = a.session(WRITER)
+            data = os.urandom(2 * SLOT + 5)
+            ref = await a.put(writer, data, push=True)
+            await until(lambda: b.peers.push.counts[a.address].into == 1, "the push to land")
+            landed = [m for f in b.frames for m in f.landed]
+            assert len(landed) == 1
+            assert landed[0].request_id == "r1" and landed[0].to_stage == READER
+            assert (landed[0].origin_node_id, landed[0].origin_daemon_epoch) == (
+                a.settings.node_id,
+                a.epoch,
+            )
+            lease = landed[0].lease
+            assert _sha(b.read(lease)) == _sha(data)
+            b.release(reader, lease)
+            counts = b.peers.push.counts[a.address]
+            assert (counts.announced, counts.reads_announced) == (1, 1)
+            assert counts.reads_landed == counts.reads_attached == counts.reads_awaited == 0
+
+            b.session(READER)  # a second session serving the stage
+            b.frames.clear()
+            ref = await a.put(writer, data, push=True, request_id="r2")
+            await until(lambda: b.peers.push.counts[a.address].into == 2, "the second push")
+            assert not [m for f in b.frames for m in f.landed]
+            local = await b.peers.fetch(reader, ref, BOUND)  # fetched, as before
+            b.release(reader, local)
+            assert b.peers.push.counts[a.address].announced == 1
+            assert b.peers.push.counts[a.address].reads_landed == 1
+            await until(lambda: not a.leases.leases and not b.leases.leases, "leases freed")
+
+    run(main())
+
+
 def test_a_small_push_rides_its_landed_notice_and_no_mooncake_write(
     tmp_path: pathlib.Path,
 ) -> None:

@@ -647,7 +647,7 @@ class GetBytesResponse(_message.Message):
     def __init__(self, data: _Optional[bytes] = ...) -> None: ...
 
 class PeerStatus(_message.Message):
-    __slots__ = ("address", "node_id", "up", "daemon_epoch", "mooncake_session", "credits_in_use", "credits_capacity", "pulls_in_flight_max", "last_error", "stages", "pushes_out", "pushes_declined", "pushes_in", "push_grant_bytes", "reads_landed", "reads_awaited", "reads_pulled", "pull_phases", "notice_channel", "notice_batches", "pushes_attached", "reads_attached", "pushes_unreceived")
+    __slots__ = ("address", "node_id", "up", "daemon_epoch", "mooncake_session", "credits_in_use", "credits_capacity", "pulls_in_flight_max", "last_error", "stages", "pushes_out", "pushes_declined", "pushes_in", "push_grant_bytes", "reads_landed", "reads_awaited", "reads_pulled", "pull_phases", "notice_channel", "notice_batches", "pushes_attached", "reads_attached", "pushes_unreceived", "pushes_announced", "reads_announced")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     UP_FIELD_NUMBER: _ClassVar[int]
@@ -671,6 +671,8 @@ class PeerStatus(_message.Message):
     PUSHES_ATTACHED_FIELD_NUMBER: _ClassVar[int]
     READS_ATTACHED_FIELD_NUMBER: _ClassVar[int]
     PUSHES_UNRECEIVED_FIELD_NUMBER: _ClassVar[int]
+    PUSHES_ANNOUNCED_FIELD_NUMBER: _ClassVar[int]
+    READS_ANNOUNCED_FIELD_NUMBER: _ClassVar[int]
     address: str
     node_id: str
     up: bool
@@ -694,7 +696,9 @@ class PeerStatus(_message.Message):
     pushes_attached: int
     reads_attached: int
     pushes_unreceived: int
-    def __init__(self, address: _Optional[str] = ..., node_id: _Optional[str] = ..., up: _Optional[bool] = ..., daemon_epoch: _Optional[str] = ..., mooncake_session: _Optional[str] = ..., credits_in_use: _Optional[int] = ..., credits_capacity: _Optional[int] = ..., pulls_in_flight_max: _Optional[int] = ..., last_error: _Optional[str] = ..., stages: _Optional[_Iterable[str]] = ..., pushes_out: _Optional[int] = ..., pushes_declined: _Optional[int] = ..., pushes_in: _Optional[int] = ..., push_grant_bytes: _Optional[int] = ..., reads_landed: _Optional[int] = ..., reads_awaited: _Optional[int] = ..., reads_pulled: _Optional[int] = ..., pull_phases: _Optional[int] = ..., notice_channel: _Optional[bool] = ..., notice_batches: _Optional[int] = ..., pushes_attached: _Optional[int] = ..., reads_attached: _Optional[int] = ..., pushes_unreceived: _Optional[int] = ...) -> None: ...
+    pushes_announced: int
+    reads_announced: int
+    def __init__(self, address: _Optional[str] = ..., node_id: _Optional[str] = ..., up: _Optional[bool] = ..., daemon_epoch: _Optional[str] = ..., mooncake_session: _Optional[str] = ..., credits_in_use: _Optional[int] = ..., credits_capacity: _Optional[int] = ..., pulls_in_flight_max: _Optional[int] = ..., last_error: _Optional[str] = ..., stages: _Optional[_Iterable[str]] = ..., pushes_out: _Optional[int] = ..., pushes_declined: _Optional[int] = ..., pushes_in: _Optional[int] = ..., push_grant_bytes: _Optional[int] = ..., reads_landed: _Optional[int] = ..., reads_awaited: _Optional[int] = ..., reads_pulled: _Optional[int] = ..., pull_phases: _Optional[int] = ..., notice_channel: _Optional[bool] = ..., notice_batches: _Optional[int] = ..., pushes_attached: _Optional[int] = ..., reads_attached: _Optional[int] = ..., pushes_unreceived: _Optional[int] = ..., pushes_announced: _Optional[int] = ..., reads_announced: _Optional[int] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
     __slots__ = ("session_id", "session_token", "data_ref", "timeout_seconds")
@@ -896,6 +900,24 @@ class FetchResult(_message.Message):
     message: str
     def __init__(self, call_id: _Optional[int] = ..., response: _Optional[_Union[FetchResponse, _Mapping]] = ..., code: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ...) -> None: ...
 
+class LandedPush(_message.Message):
+    __slots__ = ("origin_node_id", "origin_daemon_epoch", "lease_id", "generation", "lease", "request_id", "to_stage")
+    ORIGIN_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ORIGIN_DAEMON_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TO_STAGE_FIELD_NUMBER: _ClassVar[int]
+    origin_node_id: str
+    origin_daemon_epoch: str
+    lease_id: int
+    generation: int
+    lease: LeaseRef
+    request_id: str
+    to_stage: str
+    def __init__(self, origin_node_id: _Optional[str] = ..., origin_daemon_epoch: _Optional[str] = ..., lease_id: _Optional[int] = ..., generation: _Optional[int] = ..., lease: _Optional[_Union[LeaseRef, _Mapping]] = ..., request_id: _Optional[str] = ..., to_stage: _Optional[str] = ...) -> None: ...
+
 class KeyedPut(_message.Message):
     __slots__ = ("call_id", "key", "data_ref")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -941,7 +963,7 @@ class KeyedResult(_message.Message):
     def __init__(self, call_id: _Optional[int] = ..., code: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ..., data_ref: _Optional[bytes] = ...) -> None: ...
 
 class SessionFrame(_message.Message):
-    __slots__ = ("bind", "reserve", "publish", "claim", "release", "cancel", "return_grant", "report", "fetch", "latency", "freed", "aborted", "event", "fetched", "keyed_put", "keyed_take", "discard", "keyed_result")
+    __slots__ = ("bind", "reserve", "publish", "claim", "release", "cancel", "return_grant", "report", "fetch", "latency", "freed", "aborted", "event", "fetched", "landed", "keyed_put", "keyed_take", "discard", "keyed_result")
     BIND_FIELD_NUMBER: _ClassVar[int]
     RESERVE_FIELD_NUMBER: _ClassVar[int]
     PUBLISH_FIELD_NUMBER: _ClassVar[int]
@@ -956,6 +978,7 @@ class SessionFrame(_message.Message):
     ABORTED_FIELD_NUMBER: _ClassVar[int]
     EVENT_FIELD_NUMBER: _ClassVar[int]
     FETCHED_FIELD_NUMBER: _ClassVar[int]
+    LANDED_FIELD_NUMBER: _ClassVar[int]
     KEYED_PUT_FIELD_NUMBER: _ClassVar[int]
     KEYED_TAKE_FIELD_NUMBER: _ClassVar[int]
     DISCARD_FIELD_NUMBER: _ClassVar[int]
@@ -974,11 +997,12 @@ class SessionFrame(_message.Message):
     aborted: _containers.RepeatedCompositeFieldContainer[Aborted]
     event: _containers.RepeatedCompositeFieldContainer[Event]
     fetched: _containers.RepeatedCompositeFieldContainer[FetchResult]
+    landed: _containers.RepeatedCompositeFieldContainer[LandedPush]
     keyed_put: _containers.RepeatedCompositeFieldContainer[KeyedPut]
     keyed_take: _containers.RepeatedCompositeFieldContainer[KeyedTake]
     discard: _containers.RepeatedCompositeFieldContainer[DiscardCall]
     keyed_result: _containers.RepeatedCompositeFieldContainer[KeyedResult]
-    def __init__(self, bind: _Optional[_Union[Bind, _Mapping]] = ..., reserve: _Optional[_Iterable[_Union[Reserve, _Mapping]]] = ..., publish: _Optional[_Iterable[_Union[Publish, _Mapping]]] = ..., claim: _Optional[_Iterable[_Union[Claim, _Mapping]]] = ..., release: _Optional[_Iterable[_Union[Release, _Mapping]]] = ..., cancel: _Optional[_Iterable[_Union[Cancel, _Mapping]]] = ..., return_grant: _Optional[_Iterable[_Union[ReturnGrant, _Mapping]]] = ..., report: _Optional[_Iterable[_Union[TransferReport, _Mapping]]] = ..., fetch: _Optional[_Iterable[_Union[FetchCall, _Mapping]]] = ..., latency: _Optional[_Iterable[_Union[EdgeLatencyReport, _Mapping]]] = ..., freed: _Optional[_Union[Freed, _Mapping]] = ..., aborted: _Optional[_Iterable[_Union[Aborted, _Mapping]]] = ..., event: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., fetched: _Optional[_Iterable[_Union[FetchResult, _Mapping]]] = ..., keyed_put: _Optional[_Iterable[_Union[KeyedPut, _Mapping]]] = ..., keyed_take: _Optional[_Iterable[_Union[KeyedTake, _Mapping]]] = ..., discard: _Optional[_Iterable[_Union[DiscardCall, _Mapping]]] = ..., keyed_result: _Optional[_Iterable[_Union[KeyedResult, _Mapping]]] = ...) -> None: ...
+    def __init__(self, bind: _Optional[_Union[Bind, _Mapping]] = ..., reserve: _Optional[_Iterable[_Union[Reserve, _Mapping]]] = ..., publish: _Optional[_Iterable[_Union[Publish, _Mapping]]] = ..., claim: _Optional[_Iterable[_Union[Claim, _Mapping]]] = ..., release: _Optional[_Iterable[_Union[Release, _Mapping]]] = ..., cancel: _Optional[_Iterable[_Union[Cancel, _Mapping]]] = ..., return_grant: _Optional[_Iterable[_Union[ReturnGrant, _Mapping]]] = ..., report: _Optional[_Iterable[_Union[TransferReport, _Mapping]]] = ..., fetch: _Optional[_Iterable[_Union[FetchCall, _Mapping]]] = ..., latency: _Optional[_Iterable[_Union[EdgeLatencyReport, _Mapping]]] = ..., freed: _Optional[_Union[Freed, _Mapping]] = ..., aborted: _Optional[_Iterable[_Union[Aborted, _Mapping]]] = ..., event: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., fetched: _Optional[_Iterable[_Union[FetchResult, _Mapping]]] = ..., landed: _Optional[_Iterable[_Union[LandedPush, _Mapping]]] = ..., keyed_put: _Optional[_Iterable[_Union[KeyedPut, _Mapping]]] = ..., keyed_take: _Optional[_Iterable[_Union[KeyedTake, _Mapping]]] = ..., discard: _Optional[_Iterable[_Union[DiscardCall, _Mapping]]] = ..., keyed_result: _Optional[_Iterable[_Union[KeyedResult, _Mapping]]] = ...) -> None: ...
 
 class ArenaSegment(_message.Message):
     __slots__ = ("index", "base", "size", "data_offset", "nslots")

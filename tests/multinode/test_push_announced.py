@@ -1,0 +1,161 @@
+"""Landed pushes announced to their reader: two real daemons, real Mooncake, real clients.
+
+When a push lands on node B and one session alone serves its stage, B tells
+that session where (a ``LandedPush`` frame); a get of the DataRef then reads the
+local lease and asks B nothing. Each test waits until the client holds the
+announcement, so what it checks is the read that follows, not the race.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pathlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from relayd_client import AbortedError, RelayClient, SyncRelayClient
+
+from tests._daemon import wait_until
+from tests._mooncake import requires_mooncake
+from tests._workers import digest, make_payload
+from tests.multinode.test_push import _count, _free_but_grant, _ready_to_push
+from tests.multinode.test_two_daemons import Node, running_pair
+
+pytestmark = [
+    pytest.mark.multinode,
+    pytest.mark.timeout(120),
+    requires_mooncake,
+]
+
+SIZES = (300_000, 1 << 20, 5 << 20)  # every one attached to its Landed notice by default
+DEADLINE = 10.0
+
+
+@pytest.fixture
+def nodes(tmp_path: pathlib.Path) -> Any:
+    with running_pair(tmp_path, {"metrics": True}, {"metrics": True}) as pair:
+        yield pair
+
+
+def _announced(client: RelayClient) -> int:
+    """Announcements the client holds and no get has taken yet."""
+    return len(client._reader.announced)
+
+
+async def _until(cond: Callable[[], bool], what: str) -> None:
+    """Poll ``cond`` while the loop runs the session's frame handler; bounded."""
+    deadline = time.monotonic() + DEADLINE
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.002)
+
+
+def _no_fetch_counted(a: Node, b: Node) -> bool:
+    return all(
+        _count(b, a, field) == 0
+        for field in ("reads_landed", "reads_awaited", "reads_attached", "reads_pulled")
+    )
+
+
+def test_an_announced_push_is_read_with_no_fetch(nodes: tuple[Node, Node]) -> None:
+    a, b = nodes
+    payloads = [make_payload(i, n) for i, n in enumerate(SIZES)]
+
+    async def scenario() -> None:
+        async with RelayClient("talker", b.daemon.socket) as r:
+            _ready_to_push(a, b)
+            async with RelayClient("thinker", a.daemon.socket) as w:
+                for i, payload in enumerate(payloads):
+                    ref = await w.put(payload, to_stage="talker", request_id=f"p{i}")
+                    await _until(lambda: _announced(r) == 1, "the announcement")
+                    assert digest(await r.get(ref.to_bytes())) == digest(payload)
+                    assert _announced(r) == 0  # taken by the get
+                # A zero-copy get of an announced push holds the lease until released.
+                payload = make_payload(9, 1 << 20)
+                ref = await w.put(payload, to_stage="talker", request_id="view")
+                await _until(lambda: _announced(r) == 1, "the announcement")
+                async with r.view(ref.to_bytes()) as got:
+                    assert digest(got) == digest(payload)
+                    assert b.used() > 0
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
+    assert _count(b, a, "pushes_announced") == len(SIZES) + 1
+    wait_until(
+        lambda: _count(b, a, "reads_announced") == len(SIZES) + 1, DEADLINE, "the reads counted"
+    )
+    assert _no_fetch_counted(a, b)
+    wait_until(lambda: _free_but_grant(a, b), DEADLINE, "both arenas back to the push grants")
+
+
+def test_the_blocking_client_reads_an_announced_push_on_its_own_thread(
+    nodes: tuple[Node, Node],
+) -> None:
+    a, b = nodes
+    with SyncRelayClient("talker", b.daemon.socket) as r:
+        _ready_to_push(a, b)
+        with SyncRelayClient("thinker", a.daemon.socket) as w:
+            for i, n in enumerate(SIZES):
+                payload = make_payload(i, n)
+                ref = w.put(payload, to_stage="talker", request_id=f"s{i}")
+                wait_until(lambda: _announced(r._client) == 1, DEADLINE, "the announcement")
+                assert digest(r.get(ref.to_bytes())) == digest(payload)
+    wait_until(lambda: _count(b, a, "reads_announced") == len(SIZES), DEADLINE, "the reads counted")
+    assert _no_fetch_counted(a, b)
+    wait_until(lambda: _free_but_grant(a, b), DEADLINE, "both arenas back to the push grants")
+
+
+def test_a_stage_served_twice_is_not_announced(nodes: tuple[Node, Node]) -> None:
+    """Either session may hold the DataRef, so neither is told: both fetch as before."""
+    a, b = nodes
+    payload = make_payload(1, 1 << 20)
+
+    async def scenario() -> None:
+        async with (
+            RelayClient("talker", b.daemon.socket) as r,
+            RelayClient("talker", b.daemon.socket) as other,
+        ):
+            _ready_to_push(a, b)
+            async with RelayClient("thinker", a.daemon.socket) as w:
+                ref = await w.put(payload, to_stage="talker", request_id="twice")
+                await asyncio.to_thread(
+                    wait_until, lambda: _count(b, a, "pushes_in") == 1, DEADLINE, "the landing"
+                )
+                assert digest(await r.get(ref.to_bytes())) == digest(payload)
+            assert _announced(r) == _announced(other) == 0
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
+    assert _count(b, a, "pushes_announced") == 0
+    assert _count(b, a, "reads_attached") == 1  # read by a fetch that found it landed
+    wait_until(lambda: _free_but_grant(a, b), DEADLINE, "both arenas back to the push grants")
+
+
+def test_an_announced_push_aborted_before_its_get_is_not_read(nodes: tuple[Node, Node]) -> None:
+    """The abort frees the landed lease; the announcement the reader still holds
+    names memory that is no longer that lease's, so the get asks the daemon,
+    which says why."""
+    a, b = nodes
+
+    async def scenario() -> None:
+        async with RelayClient("talker", b.daemon.socket) as r:
+            _ready_to_push(a, b)
+            async with RelayClient("thinker", a.daemon.socket) as w:
+                ref = await w.put(make_payload(2, 1 << 20), to_stage="talker", request_id="gone")
+                await _until(lambda: _announced(r) == 1, "the announcement")
+                await w.abort("gone")
+                await asyncio.to_thread(wait_until, lambda: b.used() == 0, DEADLINE, "B to free it")
+                with pytest.raises(AbortedError):
+                    await r.get(ref.to_bytes())
+                assert _announced(r) == 0  # the abort's announcement forgotten
+                # The node still works: the next push is announced and read.
+                payload = make_payload(3, 1 << 20)
+                ref = await w.put(payload, to_stage="talker", request_id="next")
+                await _until(lambda: _announced(r) == 1, "the next announcement")
+                assert digest(await r.get(ref.to_bytes())) == digest(payload)
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
+    wait_until(lambda: _free_but_grant(a, b), DEADLINE, "both arenas back to the push grants")
+    assert _count(b, a, "pushes_announced") == 2
+    assert _count(b, a, "reads_announced") == 1  # the aborted one was reclaimed, not read

@@ -1,0 +1,93 @@
+"""The client's memory of landed pushes its daemon announced (``_remote.Announced``)."""
+
+from __future__ import annotations
+
+import pytest
+from relayd_client import _remote
+from relayd_client.wire.errors import PermissionDeniedError
+from relayd_client.wire.proto import relay_pb2 as pb
+
+ATTACH = pb.AttachResponse(node_id="node-b", daemon_epoch="eb")
+LOCAL = pb.LeaseRef(pool="shm", segment=0, slot=8, nslots=2, offset=8192, length=300)
+
+
+def _ref(lease_id: int, request_id: str = "r1", to_stage: str = "talker") -> pb.DataRef:
+    m = pb.DataRef(request_id=request_id, to_stage=to_stage, transport=pb.TRANSPORT_SHM)
+    m.origin.node_id, m.origin.daemon_epoch = "node-a", "ea"
+    m.lease.lease_id = m.lease.generation = lease_id
+    m.lease.slot, m.lease.length = 3, 300
+    return m
+
+
+def _landed(lease_id: int, request_id: str = "r1", to_stage: str = "talker") -> pb.LandedPush:
+    return pb.LandedPush(
+        origin_node_id="node-a",
+        origin_daemon_epoch="ea",
+        lease_id=lease_id,
+        generation=lease_id,
+        lease=LOCAL,
+        request_id=request_id,
+        to_stage=to_stage,
+    )
+
+
+def test_a_get_takes_the_local_lease_once() -> None:
+    announced = _remote.Announced()
+    announced.add(_landed(7), ATTACH.daemon_epoch)
+    local = announced.take(_ref(7), ATTACH)
+    assert local is not None
+    assert local.lease == LOCAL
+    assert (local.origin.node_id, local.origin.daemon_epoch) == ("node-b", "eb")
+    assert local.transport == pb.TRANSPORT_SHM
+    assert (local.request_id, local.to_stage) == ("r1", "talker")
+    assert announced.take(_ref(7), ATTACH) is None  # a second get fetches
+    assert len(announced) == 0
+
+
+def test_another_lease_or_generation_is_not_announced() -> None:
+    announced = _remote.Announced()
+    announced.add(_landed(7), ATTACH.daemon_epoch)
+    other = _ref(7)
+    other.lease.generation = 8
+    assert announced.take(other, ATTACH) is None
+    other = _ref(7)
+    other.origin.daemon_epoch = "a restarted writer's daemon"
+    assert announced.take(other, ATTACH) is None
+    assert announced.take(_ref(7), ATTACH) is not None
+
+
+def test_an_announcement_from_another_daemon_epoch_is_not_read() -> None:
+    """Leases are numbered afresh after a restart: an old one could match a new header."""
+    announced = _remote.Announced()
+    announced.add(_landed(7), "the daemon before its restart")
+    assert announced.take(_ref(7), ATTACH) is None
+    assert len(announced) == 0
+
+
+@pytest.mark.parametrize(("request_id", "to_stage"), [("r2", "talker"), ("r1", "vocoder")])
+def test_a_dataref_that_does_not_match_its_push_is_refused(request_id: str, to_stage: str) -> None:
+    announced = _remote.Announced()
+    announced.add(_landed(7), ATTACH.daemon_epoch)
+    with pytest.raises(PermissionDeniedError, match="does not match"):
+        announced.take(_ref(7, request_id, to_stage), ATTACH)
+
+
+def test_memory_is_bounded_oldest_first() -> None:
+    announced = _remote.Announced()
+    for n in range(1, _remote.ANNOUNCED_MAX + 6):
+        announced.add(_landed(n), ATTACH.daemon_epoch)
+    assert len(announced) == _remote.ANNOUNCED_MAX
+    assert all(announced.take(_ref(n), ATTACH) is None for n in range(1, 6))
+    assert announced.take(_ref(_remote.ANNOUNCED_MAX + 5), ATTACH) is not None
+
+
+def test_forget_drop_request_and_clear() -> None:
+    announced = _remote.Announced()
+    for n, rid in ((1, "r1"), (2, "r2"), (3, "r2"), (4, "r3")):
+        announced.add(_landed(n, rid), ATTACH.daemon_epoch)
+    announced.forget(_ref(1))
+    assert announced.take(_ref(1), ATTACH) is None
+    announced.drop_request("r2")
+    assert len(announced) == 1
+    announced.clear()
+    assert len(announced) == 0
