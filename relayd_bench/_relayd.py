@@ -201,7 +201,7 @@ class RelaydMooncake(RelaydShm):
         if after is None or before is None:
             return
         d = after - before
-        self.extra["reads"] = f"{d.landed}/{d.awaited}/{d.pulled}/{d.attached}"
+        self.extra["reads"] = f"{d.landed}/{d.awaited}/{d.pulled}/{d.attached}/{d.announced}"
         rt = _rtt.relayd_round_trips(d)
         bound = _rtt.relayd_round_trips(d, landed_as_awaited=True)
         if rt is not None and bound is not None:

@@ -19,6 +19,8 @@ Counted per read, in units of one RTT, the DataRef's own one-way trip included:
   is not waited for. ``reads_attached``: a push whose bytes rode its Landed
   notice (no WRITE to acknowledge), which left with the put as the DataRef did:
   its one-way trip overlaps the DataRef's (0.5), landed or awaited.
+  ``reads_announced``: the push had landed and the reader's daemon had said
+  where, so the get asked nothing at all (0.5).
 
 Whether a push had landed depends on the link: on this one (an RTT of tens of µs)
 many have landed before the reader asks; at a real network's RTT the Landed
@@ -39,7 +41,14 @@ WRITE_ACK = 1.0  # a Mooncake WRITE and its acknowledgement
 NOTICE_TRIP = 0.5  # a one-way notice between daemons (Landed)
 MOONCAKE_READ = 1.0  # a Mooncake read: request out, data back
 PULL_PHASES = 2  # data, then slot header: for a daemon that does not count pull_phases
-READ_COUNTERS = ("reads_landed", "reads_awaited", "reads_pulled", "pull_phases", "reads_attached")
+READ_COUNTERS = (
+    "reads_landed",
+    "reads_awaited",
+    "reads_pulled",
+    "pull_phases",
+    "reads_attached",
+    "reads_announced",
+)
 EXTRA_RT = "rt"  # Result.extra key: round trips per read, formatted by fmt_rt
 EXTRA_RT_BOUND = "rt+"  # the same with every pushed read counted as awaited (see above)
 
@@ -51,10 +60,11 @@ class ReadCounts:
     pulled: int = 0
     pull_phases: int = 0  # Mooncake phases the pulls waited for, in all
     attached: int = 0  # reads of pushes whose bytes rode the Landed notice
+    announced: int = 0  # reads of landed pushes whose lease the daemon announced
 
     @property
     def total(self) -> int:
-        return self.landed + self.awaited + self.pulled + self.attached
+        return self.landed + self.awaited + self.pulled + self.attached + self.announced
 
     def __sub__(self, other: ReadCounts) -> ReadCounts:
         return ReadCounts(
@@ -63,6 +73,7 @@ class ReadCounts:
             self.pulled - other.pulled,
             self.pull_phases - other.pull_phases,
             self.attached - other.attached,
+            self.announced - other.announced,
         )
 
 
@@ -83,8 +94,8 @@ def relayd_round_trips(c: ReadCounts, *, landed_as_awaited: bool = False) -> flo
     landed = awaited if landed_as_awaited else DATAREF_TRIP
     phases = c.pull_phases if c.pull_phases or not c.pulled else c.pulled * PULL_PHASES
     pulled = c.pulled * DATAREF_TRIP + phases * MOONCAKE_READ
-    attached = c.attached * DATAREF_TRIP
-    return (c.landed * landed + c.awaited * awaited + pulled + attached) / c.total
+    asked_nothing = (c.attached + c.announced) * DATAREF_TRIP
+    return (c.landed * landed + c.awaited * awaited + pulled + asked_nothing) / c.total
 
 
 def bare_read_round_trips(reads: int, transfers: int) -> float | None:

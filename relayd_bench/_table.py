@@ -269,7 +269,8 @@ def _render_round_trips(results: Sequence[Result]) -> list[str]:
     out = [
         "",
         "RT: round trips a read waits for, put returned -> get returned (the DataRef's trip",
-        "included); modelled latency = median + RT x RTT; reads: landed/awaited/pulled/attached;",
+        "included); modelled latency = median + RT x RTT;",
+        "reads: landed/awaited/pulled/attached/announced (see relayd_bench._rtt);",
         "RT+: every push awaited, as at an RTT above the slack a landed read had here",
         f"{'size':<7}{'method':<17}{'median':>9}{'RT':>6}{'RT+':>6}{rtts}  reads",
     ]

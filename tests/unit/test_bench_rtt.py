@@ -32,6 +32,8 @@ KIB = 1 << 10
         (ReadCounts(landed=1, awaited=2, pulled=1, pull_phases=2), (0.5 + 3.0 + 2.5) / 4),
         (ReadCounts(attached=4), 0.5),  # bytes and Landed in one trip, beside the DataRef
         (ReadCounts(awaited=1, attached=3), (1.5 + 3 * 0.5) / 4),
+        (ReadCounts(announced=4), 0.5),  # landed and announced: the get asked nothing
+        (ReadCounts(awaited=1, announced=1), (1.5 + 0.5) / 2),
     ],
 )
 def test_relayd_round_trips_weight_each_kind_of_read(counts: ReadCounts, want: float) -> None:
@@ -64,10 +66,13 @@ def test_read_counts_sum_over_peers_and_subtract() -> None:
             "peers": [
                 {"reads_landed": "3", "reads_awaited": "5"},
                 {"reads_pulled": "3", "pull_phases": "2", "reads_attached": "4"},
+                {"reads_announced": "6"},
             ]
         }
     )
-    assert after - before == ReadCounts(landed=2, awaited=5, pulled=1, pull_phases=2, attached=4)
+    assert after - before == ReadCounts(
+        landed=2, awaited=5, pulled=1, pull_phases=2, attached=4, announced=6
+    )
     assert read_counts({}) == ReadCounts()
 
 
