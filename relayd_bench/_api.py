@@ -55,6 +55,9 @@ if TYPE_CHECKING:
 
 _SEGMENT_COUNTER = itertools.count()
 LOOPBACK = "127.0.0.1"
+LATE_HANDOFF_S = 0.005
+"""How long after its put a ``-late`` method hands the DataRef over: a hop through a
+scheduler or a queue, long enough for a push to land first."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +87,11 @@ class BenchContext:
 
 
 class _Base:
+    handoff_delay_s = 0.0
+    """A pair method's writer hands each DataRef over this long after ``send``
+    returned, and the sample starts at the hand-off: what a read costs when its
+    DataRef comes after its bytes (0: at once, the sample starts before ``send``)."""
+
     def __init__(self, ctx: BenchContext) -> None:
         self.ctx = ctx
         self.extra: dict[str, str] = {}

@@ -2,7 +2,9 @@
 
 Timed region: the writer stamps ``t0 = perf_counter_ns()`` before ``send(i)``; the
 reader stamps ``t1`` when ``recv`` returns; ``t1 - t0`` is the one-way sample
-(CLOCK_MONOTONIC is the same clock in every process). A local method is timed
+(CLOCK_MONOTONIC is the same clock in every process). A method with a
+``handoff_delay_s`` sends the DataRef that long after ``send(i)`` and stamps
+``t0`` then: the sample is the read of a DataRef that came after its bytes. A local method is timed
 around ``transfer(i)``. In a paced job (the stream workload) the writer sleeps
 until each transfer is due and stamps the real start, so sleep overshoot does not
 count; if it is already behind, ``t0`` is the due time, so queueing delay does.
@@ -209,7 +211,11 @@ def _writer(m: PairMethod, run: _Run, sock: socket.socket) -> None:
             late = sched.wait(i)
             stamp(i)
             t0 = time.perf_counter_ns()
-            wire.send_frame(sock, t0 if late is None else late, m.send(i))
+            payload = m.send(i)
+            if m.handoff_delay_s:
+                time.sleep(m.handoff_delay_s)
+                t0 = time.perf_counter_ns()
+            wire.send_frame(sock, t0 if late is None else late, payload)
             wire.expect(sock, wire.ACK)
             meter.record(i, time.perf_counter_ns() - t0, t0 if late is None else late)
             run.done(i + 1)
@@ -282,7 +288,11 @@ async def _awriter(m: AsyncPairMethod, run: _Run, sock: socket.socket) -> None:
             late = await sched.await_(i)
             stamp(i)
             t0 = time.perf_counter_ns()
-            await wire.asend_frame(sock, t0 if late is None else late, await m.send(i))
+            payload = await m.send(i)
+            if m.handoff_delay_s:
+                await asyncio.sleep(m.handoff_delay_s)
+                t0 = time.perf_counter_ns()
+            await wire.asend_frame(sock, t0 if late is None else late, payload)
             await wire.aexpect(sock, wire.ACK)
             meter.record(i, time.perf_counter_ns() - t0, t0 if late is None else late)
             run.done(i + 1)

@@ -43,7 +43,7 @@ import torch
 from relayd.config import Settings
 from relayd.transports.mooncake import mooncake_environment
 from relayd_bench import _rtt
-from relayd_bench._api import PairMethod
+from relayd_bench._api import LATE_HANDOFF_S, PairMethod
 from relayd_bench._baselines import FLOOR_SLOTS, PAGE
 from relayd_bench._lanes import shared
 
@@ -200,3 +200,9 @@ class MooncakeRaw(PairMethod):
         rt = _rtt.bare_read_round_trips(self.reads, self.transfers)
         if rt is not None:
             self.extra[_rtt.EXTRA_RT] = _rtt.fmt_rt(rt)
+
+
+class MooncakeRawLate(MooncakeRaw):
+    """The same read, its DataRef handed over ``LATE_HANDOFF_S`` after the write."""
+
+    handoff_delay_s = LATE_HANDOFF_S

@@ -23,6 +23,8 @@ import importlib
 
 from relayd_client.wire.transport import INLINE_LIMIT
 
+from relayd_bench._api import LATE_HANDOFF_S
+
 STREAM = "stream"  # the workload name; runs the methods in --stream-methods
 
 
@@ -100,6 +102,15 @@ BASELINES: tuple[Entry, ...] = (
         # spinning threads in one process starve each other, so a pair per stream
         shares_process=False,
     ),
+    Entry(
+        "mooncake-raw-late",
+        "relayd_bench._mooncake:MooncakeRawLate",
+        f"mooncake-raw, its DataRef handed over {LATE_HANDOFF_S * 1e3:g} ms after the write "
+        "and timed from there",
+        requires=("mooncake.engine:TransferEngine",),
+        cross_node=True,
+        shares_process=False,
+    ),
 )
 
 # One Entry per way relayd moves a payload; classes in relayd_bench._relayd.
@@ -152,6 +163,18 @@ RELAYD: tuple[Entry, ...] = (
         "relayd-mooncake",
         "relayd_bench._relayd:RelaydMooncake",
         "reader on a peer daemon, which pulls over Mooncake TE",
+        needs_daemon=True,
+        requires=_CLIENT,
+        min_size=INLINE_LIMIT + 1,
+        size_note=_SHM_NOTE,
+        needs_peer_daemon=True,
+        cross_node=True,
+    ),
+    Entry(
+        "relayd-mooncake-late",
+        "relayd_bench._relayd:RelaydMooncakeLate",
+        f"relayd-mooncake, its DataRef handed over {LATE_HANDOFF_S * 1e3:g} ms after the put "
+        "(as through a scheduler) and timed from there: the push has landed",
         needs_daemon=True,
         requires=_CLIENT,
         min_size=INLINE_LIMIT + 1,

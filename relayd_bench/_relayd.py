@@ -29,7 +29,7 @@ from relayd_client import (  # type: ignore[import-not-found, unused-ignore]
 from relayd_client.wire.proto import relay_pb2 as pb
 
 from relayd_bench import _daemon, _rtt
-from relayd_bench._api import AsyncLocalMethod, AsyncPairMethod, PairMethod
+from relayd_bench._api import LATE_HANDOFF_S, AsyncLocalMethod, AsyncPairMethod, PairMethod
 from relayd_bench._lanes import shared
 
 WRITER_STAGE = "bench-writer"
@@ -229,6 +229,14 @@ class RelaydMooncake(RelaydShm):
             if await self.client._routes.ask(key, 1 << 20, False, False) == pb.TRANSPORT_MOONCAKE:
                 return
             await asyncio.sleep(0.05)  # polling the daemon's registry, bounded above
+
+
+class RelaydMooncakeLate(RelaydMooncake):
+    """relayd-mooncake with the DataRef handed over ``LATE_HANDOFF_S`` after the put,
+    as through a scheduler: the push has landed, and the get reads it where its
+    daemon announced it landed."""
+
+    handoff_delay_s = LATE_HANDOFF_S
 
 
 class RelaydSync(PairMethod):

@@ -175,6 +175,27 @@ def test_quick_relayd_mooncake_runs_on_two_daemons_beside_raw_mooncake(tmp_path:
     assert _bench_segments() <= before
 
 
+def test_quick_late_pair_reads_announced_pushes_beside_a_late_raw_read(tmp_path: Path) -> None:
+    """The ``-late`` methods hand the DataRef over after the put: relayd's pushes have
+    landed by then and its reads ask nothing (announced); raw Mooncake still reads."""
+    methods = ["mooncake-raw-late", "relayd-mooncake-late"]
+    doc, stdout = _bench(tmp_path, methods, ["256K"])
+
+    cells = {r["method"]: r for r in doc["results"]}
+    assert set(cells) == set(methods)
+    for r in cells.values():
+        _assert_ok(r)
+    [cmp] = doc["comparisons"]
+    assert (cmp["method"], cmp["baseline"]) == ("relayd-mooncake-late", "mooncake-raw-late")
+    assert "relayd-mooncake-late / mooncake-raw-late:" in stdout
+    assert cells["mooncake-raw-late"]["extra"]["rt"] == "1.50"  # still one read each
+    late = cells["relayd-mooncake-late"]
+    moved = late["warmup"] + late["iterations"]
+    landed, awaited, pulled, attached, announced = map(int, late["extra"]["reads"].split("/"))
+    assert landed + awaited + pulled + attached + announced == moved
+    assert announced > 0  # the push had landed and the reader was told where
+
+
 def test_quick_relayd_sync_beside_the_async_client(tmp_path: Path) -> None:
     methods = ["floor", "relayd-shm", "relayd-sync"]
     doc, _ = _bench(tmp_path, methods, list(SIZES))
