@@ -121,19 +121,24 @@ class Notices:
             )
             self._conn.session.mark(flush=flush, linger=NOTICE_LINGER_S)
 
-    def release(self, m: pb.DataRef) -> None:
-        """A read is done with ``m``'s lease; remembered, so this process cannot read it again."""
+    def release(self, m: pb.DataRef, *, ring: bool = True) -> None:
+        """A read is done with ``m``'s lease; remembered, so this process cannot read it again.
+
+        ``ring=False`` for a lease landed from another node: on a reader's node no
+        writer's frames come that would take the Release ring, and the run must go
+        back to the peer's push grant, so the Release rides a (lingering) frame.
+        """
         lease = m.lease
         lease_id = lease.lease_id
         with self._lock:
             self._checks.remember_released(lease_id)
             session = self._conn.session
-            ring = session.release_ring
+            release_ring = session.release_ring if ring else None
             if (
-                ring is not None
+                release_ring is not None
                 and lease.generation == lease_id  # a ring word is one id: both must agree
                 and lease_id not in self._claimed
-                and ring.push(lease_id)
+                and release_ring.push(lease_id)
             ):
                 return
             self._claimed.discard(lease_id)

@@ -168,7 +168,7 @@ class Reader:
             transport is Transport.SHM and not _remote.is_foreign(ref, self._conn.node_id)
         )
 
-    def read_here(self, m: pb.DataRef, tree: Any, copy: bool) -> Any:
+    def read_here(self, m: pb.DataRef, tree: Any, copy: bool, *, landed: bool = False) -> Any:
         """An inline or same-node lease's payload, read on this thread.
 
         Returns None when a lease's tensors go to a GPU (the caller awaits
@@ -188,7 +188,7 @@ class Reader:
             self._notices.claim(m)
         view = self._conn.views[m.lease.segment]
         tensors = self.read_region(m, view, start, specs, copy)
-        self.end_read(m, seg, copy)
+        self.end_read(m, seg, copy, landed=landed)
         return _flatten.rebuild(tree, tensors)
 
     async def _read(self, ref: DataRef, tree: Any, copy: bool) -> Any:
@@ -202,7 +202,8 @@ class Reader:
                 return await got.restore()
             return got
         # Cross-node: where the push landed, or the local daemon fetches it first.
-        if transport is Transport.SHM and _remote.is_foreign(ref, conn.node_id):
+        landed = transport is Transport.SHM and _remote.is_foreign(ref, conn.node_id)
+        if landed:
             m = self._announced(ref) or await self._fetch(ref)
             if not copy:
                 self._fetched[m.object_id] = m
@@ -233,7 +234,7 @@ class Reader:
             tensors = self.read_region(m, view, start, specs, host_copy)
         if on_gpu:
             tensors = await _cuda_staging.restore_on_device(tensors, specs, copy)
-        self.end_read(m, seg, copy)
+        self.end_read(m, seg, copy, landed=landed)
         return _flatten.rebuild(tree, tensors)
 
     async def _fetch(self, ref: DataRef) -> pb.DataRef:
@@ -268,7 +269,7 @@ class Reader:
 
     def read_landed(self, local: pb.DataRef, tree: Any, copy: bool) -> Any:
         """:meth:`read_here` of an announced push's local DataRef (:meth:`landed_ref`)."""
-        got = self.read_here(local, tree, copy)
+        got = self.read_here(local, tree, copy, landed=True)
         if not copy:
             self._fetched[local.object_id] = local
         return got
@@ -307,22 +308,26 @@ class Reader:
         region = view[start : start + m.lease.length]
         return _copies.unpack(region, specs, copy=False, validated=True)
 
-    def end_read(self, m: pb.DataRef, seg: MappedSegment, copy: bool) -> None:
-        """The seqlock's second check, then release a copy or hold a view's lease."""
+    def end_read(
+        self, m: pb.DataRef, seg: MappedSegment, copy: bool, *, landed: bool = False
+    ) -> None:
+        """The seqlock's second check, then release a copy or hold a view's lease
+        (``landed``: a lease landed from another node, see :meth:`Notices.release`)."""
         lease = m.lease
         if seg.read_header(lease.slot)[0] != lease.generation:
             raise StaleRefError("the lease was reclaimed while it was being read; data discarded")
         if copy:
-            self._notices.release(m)
+            self._notices.release(m, ring=not landed)
         else:
             self.held.add(lease.lease_id)
 
     def release(self, ref: DataRef) -> None:
-        m = self._fetched.pop(ref.proto.object_id, ref.proto)  # cross-node: the local lease
+        fetched = self._fetched.pop(ref.proto.object_id, None)  # cross-node: the local lease
+        m = fetched if fetched is not None else ref.proto
         if m.lease.lease_id not in self.held:
             raise StaleRefError("this DataRef is not held by a zero-copy get (released twice?)")
         self.held.discard(m.lease.lease_id)
-        self._notices.release(m)
+        self._notices.release(m, ring=fetched is None)
 
     def holds_views(self, ref: DataRef) -> bool:
         """Whether a zero-copy get of ``ref`` holds a lease that view() must release."""

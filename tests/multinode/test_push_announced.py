@@ -21,7 +21,7 @@ from tests._daemon import wait_until
 from tests._mooncake import requires_mooncake
 from tests._workers import digest, make_payload
 from tests.multinode.test_push import _count, _free_but_grant, _ready_to_push
-from tests.multinode.test_two_daemons import Node, running_pair
+from tests.multinode.test_two_daemons import Node, _metric, running_pair
 
 pytestmark = [
     pytest.mark.multinode,
@@ -51,6 +51,10 @@ async def _until(cond: Callable[[], bool], what: str) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out waiting for {what}")
         await asyncio.sleep(0.002)
+
+
+def _released(node: Node, via: str) -> float:
+    return _metric(node.daemon.scrape(), "relayd_released_leases_total", via=via) or 0.0
 
 
 def _no_fetch_counted(a: Node, b: Node) -> bool:
@@ -87,6 +91,9 @@ def test_an_announced_push_is_read_with_no_fetch(nodes: tuple[Node, Node]) -> No
         lambda: _count(b, a, "reads_announced") == len(SIZES) + 1, DEADLINE, "the reads counted"
     )
     assert _no_fetch_counted(a, b)
+    # On a node with no writer no frame would take the Release ring: the run has
+    # to go back to the peer's push grant, so each Release rode a frame.
+    assert (_released(b, "frame"), _released(b, "ring")) == (len(SIZES) + 1, 0)
     wait_until(lambda: _free_but_grant(a, b), DEADLINE, "both arenas back to the push grants")
 
 
@@ -104,6 +111,7 @@ def test_the_blocking_client_reads_an_announced_push_on_its_own_thread(
                 assert digest(r.get(ref.to_bytes())) == digest(payload)
     wait_until(lambda: _count(b, a, "reads_announced") == len(SIZES), DEADLINE, "the reads counted")
     assert _no_fetch_counted(a, b)
+    assert (_released(b, "frame"), _released(b, "ring")) == (len(SIZES), 0)
     wait_until(lambda: _free_but_grant(a, b), DEADLINE, "both arenas back to the push grants")
 
 
