@@ -35,6 +35,9 @@ from relayd_bench._lanes import shared
 WRITER_STAGE = "bench-writer"
 READER_STAGE = "bench-reader"
 ROUTE_WAIT_S = 10.0
+# How long the writer's report waits for the reader's daemon to count the last
+# reads: an announced read is counted when its lingering Release arrives.
+COUNTED_WAIT_S = 2.0
 
 
 @dataclasses.dataclass
@@ -194,10 +197,19 @@ class RelaydMooncake(RelaydShm):
     async def setup_writer(self, size: int, source: torch.Tensor) -> bytes:
         blob = await super().setup_writer(size, source)
         self.reads_before = await self._reads()
+        self.sent = 0
         return blob
 
     async def finish_writer(self) -> None:
-        after, before = await self._reads(), self.reads_before
+        before = self.reads_before
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + COUNTED_WAIT_S
+        after = await self._reads()
+        while after is not None and before is not None and (after - before).total < self.sent:
+            if loop.time() > deadline:
+                break
+            await asyncio.sleep(0.01)  # polling the daemon's counters, bounded above
+            after = await self._reads()
         if after is None or before is None:
             return
         d = after - before
@@ -213,6 +225,7 @@ class RelaydMooncake(RelaydShm):
 
     async def send(self, i: int) -> bytes:
         wire = await super().send(i)
+        self.sent = i + 1
         if i == 0:
             self.extra["push"] = "yes" if DataRef.from_bytes(wire).proto.push else "no"
         return wire

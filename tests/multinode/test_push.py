@@ -136,6 +136,9 @@ def test_puts_to_a_remote_consumer_are_pushed_and_read_locally(nodes: tuple[Node
     # A read whose push had landed and been announced before its get asked
     # nothing, so it is counted as announced, not as landed or attached.
     assert _count(a, b, "pushes_attached") == attached
+    reads = ("reads_attached", "reads_landed", "reads_awaited", "reads_announced")
+    # An announced read is counted once its (lingering) Release reached B.
+    wait_until(lambda: sum(_count(b, a, f) for f in reads) == len(sizes), 10, "every read counted")
     fetched_attached = _count(b, a, "reads_attached")
     fetched_other = _count(b, a, "reads_landed") + _count(b, a, "reads_awaited")
     announced = _count(b, a, "reads_announced")
