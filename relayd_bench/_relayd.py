@@ -202,15 +202,15 @@ class RelaydMooncake(RelaydShm):
 
     async def finish_writer(self) -> None:
         before = self.reads_before
+        if before is None:
+            return
         loop = asyncio.get_running_loop()
         deadline = loop.time() + COUNTED_WAIT_S
         after = await self._reads()
-        while after is not None and before is not None and (after - before).total < self.sent:
-            if loop.time() > deadline:
-                break
+        while after is not None and (after - before).total < self.sent and loop.time() < deadline:
             await asyncio.sleep(0.01)  # polling the daemon's counters, bounded above
             after = await self._reads()
-        if after is None or before is None:
+        if after is None:
             return
         d = after - before
         self.extra["reads"] = f"{d.landed}/{d.awaited}/{d.pulled}/{d.attached}/{d.announced}"

@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import pathlib
-import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 from relayd_client import AbortedError, RelayClient, SyncRelayClient
 
-from tests._daemon import wait_until
+from tests._daemon import async_wait_until, wait_until
 from tests._mooncake import requires_mooncake
 from tests._workers import digest, make_payload
 from tests.multinode.test_push import _count, _free_but_grant, _ready_to_push
@@ -44,15 +42,6 @@ def _announced(client: RelayClient) -> int:
     return len(client._reader.announced)
 
 
-async def _until(cond: Callable[[], bool], what: str) -> None:
-    """Poll ``cond`` while the loop runs the session's frame handler; bounded."""
-    deadline = time.monotonic() + DEADLINE
-    while not cond():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.002)
-
-
 def _released(node: Node, via: str) -> float:
     return _metric(node.daemon.scrape(), "relayd_released_leases_total", via=via) or 0.0
 
@@ -74,13 +63,13 @@ def test_an_announced_push_is_read_with_no_fetch(nodes: tuple[Node, Node]) -> No
             async with RelayClient("thinker", a.daemon.socket) as w:
                 for i, payload in enumerate(payloads):
                     ref = await w.put(payload, to_stage="talker", request_id=f"p{i}")
-                    await _until(lambda: _announced(r) == 1, "the announcement")
+                    await async_wait_until(lambda: _announced(r) == 1, DEADLINE, "the announcement")
                     assert digest(await r.get(ref.to_bytes())) == digest(payload)
                     assert _announced(r) == 0  # taken by the get
                 # A zero-copy get of an announced push holds the lease until released.
                 payload = make_payload(9, 1 << 20)
                 ref = await w.put(payload, to_stage="talker", request_id="view")
-                await _until(lambda: _announced(r) == 1, "the announcement")
+                await async_wait_until(lambda: _announced(r) == 1, DEADLINE, "the announcement")
                 async with r.view(ref.to_bytes()) as got:
                     assert digest(got) == digest(payload)
                     assert b.used() > 0
@@ -151,7 +140,7 @@ def test_an_announced_push_aborted_before_its_get_is_not_read(nodes: tuple[Node,
             _ready_to_push(a, b)
             async with RelayClient("thinker", a.daemon.socket) as w:
                 ref = await w.put(make_payload(2, 1 << 20), to_stage="talker", request_id="gone")
-                await _until(lambda: _announced(r) == 1, "the announcement")
+                await async_wait_until(lambda: _announced(r) == 1, DEADLINE, "the announcement")
                 await w.abort("gone")
                 await asyncio.to_thread(wait_until, lambda: b.used() == 0, DEADLINE, "B to free it")
                 with pytest.raises(AbortedError):
@@ -160,7 +149,9 @@ def test_an_announced_push_aborted_before_its_get_is_not_read(nodes: tuple[Node,
                 # The node still works: the next push is announced and read.
                 payload = make_payload(3, 1 << 20)
                 ref = await w.put(payload, to_stage="talker", request_id="next")
-                await _until(lambda: _announced(r) == 1, "the next announcement")
+                await async_wait_until(
+                    lambda: _announced(r) == 1, DEADLINE, "the next announcement"
+                )
                 assert digest(await r.get(ref.to_bytes())) == digest(payload)
 
     asyncio.run(asyncio.wait_for(scenario(), 60))
