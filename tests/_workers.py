@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 from relayd_client import DataRef, RelayClient, RelayError
-from relayd_client.wire.proto import relay_pb2 as pb
 
 
 def make_payload(seed: int, nbytes: int) -> dict[str, Any]:
@@ -146,7 +145,7 @@ async def cmd_hold_reserved(a: argparse.Namespace) -> None:
     """Reserve a lease and never publish it (killed by the test)."""
     async with RelayClient(a.stage, a.socket) as c:
         lease = await c._grants.reserve(a.sizes[0], time.monotonic() + 10)
-        c._notices.reserve(lease, pb.DataRef(request_id=a.request, to_stage=a.to))
+        c._notices.reserve(lease, a.request, a.to)
         c._conn.session.mark(flush=True)
         out("RESERVED")
         await asyncio.sleep(3600)

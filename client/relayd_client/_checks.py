@@ -16,6 +16,7 @@ from typing import Any
 
 from . import _codec_decode, _header_tree, _packing
 from ._gpu_order import ReadOnce
+from .wire.compact import RefFields, RefView
 from .wire.errors import StaleRefError
 from .wire.proto import relay_pb2 as pb
 
@@ -27,7 +28,7 @@ _RELEASED_MEMORY = 4096
 SHAPE_HEADER_BYTES = 4096
 
 
-def layout_specs(m: pb.DataRef) -> list[_packing.TensorSpec]:
+def layout_specs(m: RefFields) -> list[_packing.TensorSpec]:
     """``m``'s layout entries as specs (unchecked)."""
     return [
         _packing.TensorSpec(
@@ -54,7 +55,7 @@ class ReadChecks:
         self.released: collections.OrderedDict[int, None] = collections.OrderedDict()
         self.inline_reads = ReadOnce()  # (epoch, object id) of inline DataRefs read
 
-    def checked_specs(self, m: pb.DataRef, region_len: int) -> list[_packing.TensorSpec]:
+    def checked_specs(self, m: RefFields, region_len: int) -> list[_packing.TensorSpec]:
         """The layout of ``m``, validated against a region of ``region_len`` bytes.
 
         Remembered by the raw layout entries, together with the specs built
@@ -62,8 +63,12 @@ class ReadChecks:
         every get would be most of a get's checking time.
         """
         # Each entry's wire bytes: equal bytes, equal fields (one C call per
-        # tensor instead of six attribute reads).
-        key = (tuple([t.SerializeToString() for t in m.tensors]), region_len)
+        # tensor instead of six attribute reads); a compact DataRef's shape
+        # part made them once.
+        if isinstance(m, RefView):
+            key = (m.layout_key, region_len)
+        else:
+            key = (tuple([t.SerializeToString() for t in m.tensors]), region_len)
         specs = self.valid_layouts.get(key)
         if specs is None:
             specs = layout_specs(m)
@@ -73,7 +78,7 @@ class ReadChecks:
             self.valid_layouts[key] = specs
         return specs
 
-    def decode_header(self, m: pb.DataRef) -> Any:
+    def decode_header(self, m: RefFields) -> Any:
         """The header's tree; a safe header seen before is not decoded again.
 
         Only trees that :func:`_flatten.rebuild` returns fresh are remembered
@@ -92,7 +97,7 @@ class ReadChecks:
                 self.headers[header] = tree
         return tree
 
-    def slot_bounds(self, m: pb.DataRef, tree: Any) -> tuple[int, int]:
+    def slot_bounds(self, m: RefFields, tree: Any) -> tuple[int, int]:
         """:func:`_header_tree.slot_bounds` of ``tree``, remembered per safe header."""
         if m.header_codec == pb.HEADER_CODEC_PICKLE:
             return _header_tree.slot_bounds(tree)
@@ -105,10 +110,10 @@ class ReadChecks:
                 self.header_bounds[m.header] = bounds
         return bounds
 
-    def was_released(self, m: pb.DataRef, epoch: str) -> bool:
+    def was_released(self, m: RefFields, epoch: str) -> bool:
         return m.lease.lease_id in self.released and m.origin.daemon_epoch == epoch
 
-    def check_not_released(self, m: pb.DataRef, epoch: str) -> None:
+    def check_not_released(self, m: RefFields, epoch: str) -> None:
         # Until the daemon clears the header the bytes are still there: a second
         # read by this process must fail all the same, not depend on timing.
         if self.was_released(m, epoch):
@@ -120,7 +125,7 @@ class ReadChecks:
             while len(self.released) > _RELEASED_MEMORY:
                 self.released.popitem(last=False)
 
-    def claim_inline(self, m: pb.DataRef, what: str) -> tuple[str, str]:
+    def claim_inline(self, m: RefFields, what: str) -> tuple[str, str]:
         """Mark a DataRef with no lease read in this process; a second mark fails."""
         key = (m.origin.daemon_epoch, m.object_id)
         with self.lock:  # two threads of a blocking client may race for it

@@ -213,12 +213,12 @@ class RelayClient:
 
     def _put_finished(self, ref: DataRef, started_ns: int) -> DataRef:
         """Where every put of either client ends (both clients' put() call it once)."""
-        self._reports.observe(latency.PUT, ref.proto, started_ns)
+        self._reports.observe(latency.PUT, ref.fields, started_ns)
         return ref
 
     def _get_finished(self, ref: DataRef, obj: Any, started_ns: int) -> Any:
         """Where every get of either client ends (both clients' get() call it once)."""
-        self._reports.observe(latency.GET, ref.proto, started_ns)
+        self._reports.observe(latency.GET, ref.fields, started_ns)
         return obj
 
     async def _put(
@@ -282,7 +282,7 @@ class RelayClient:
             w.cancel_lease(lease)
             raise
         out.payload = None
-        out.ref = w.seal(plan.msg, lease, plan.total, ref=False)
+        out.ref = w.seal(plan, lease)
 
     async def ref(
         self,
@@ -368,7 +368,7 @@ class RelayClient:
         Chunks may be fed in any order; :meth:`stream` yields them in order.
         """
         ref = ref if isinstance(ref, DataRef) else DataRef.from_bytes(ref)
-        self._reader.check_addressed(ref.proto)
+        self._reader.check_addressed(ref.fields)
         self._streams.feed(ref)
 
     def stream(

@@ -124,7 +124,7 @@ class GpuPaths:
         source = _cuda_facts.leaf_gpu(next(s.device for s in specs if s.nbytes))
         desc = gpu.pools[source or ""]
         lease = await self._conn.grants.reserve(total, deadline, desc.name)
-        self._notices.reserve(lease, msg)
+        self._notices.reserve(lease, msg.request_id, msg.to_stage)
         try:
             region = gpu.pool_region(desc.name, lease.slot, total)
             event, handle = _cuda_pool.write_pool(region, tensors, specs, streams)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING
 
+from .wire.compact import RefFields
 from .wire.framing import NOTICE_LINGER_S
 from .wire.proto import relay_pb2 as pb
 
@@ -42,7 +43,7 @@ class Notices:
         # may never release; by then its Claim is long handled.
         self._claimed: set[int] = set()
 
-    def reserve(self, lease: Lease, msg: pb.DataRef, trace_id: str = "") -> None:
+    def reserve(self, lease: Lease, request_id: str, to_stage: str, trace_id: str = "") -> None:
         # Built in place (.add): building one and appending it copies it.
         with self._lock:
             session = self._conn.session
@@ -53,8 +54,8 @@ class Notices:
                 slot=lease.slot,
                 nslots=lease.nslots,
                 generation=lease.id,
-                request_id=msg.request_id,
-                to_stage=msg.to_stage,
+                request_id=request_id,
+                to_stage=to_stage,
                 from_stage=self._from_stage,
             )
             if trace_id:
@@ -111,7 +112,7 @@ class Notices:
                 # what the header says was sealed.
                 session.mark(linger=NOTICE_LINGER_S, holds=nbytes)
 
-    def claim(self, m: pb.DataRef, flush: bool = True) -> None:
+    def claim(self, m: RefFields, flush: bool = True) -> None:
         with self._lock:
             if len(self._claimed) >= _CLAIMED_MEMORY:
                 self._claimed.clear()
@@ -121,7 +122,7 @@ class Notices:
             )
             self._conn.session.mark(flush=flush, linger=NOTICE_LINGER_S)
 
-    def release(self, m: pb.DataRef, *, ring: bool = True) -> None:
+    def release(self, m: RefFields, *, ring: bool = True) -> None:
         """A read is done with ``m``'s lease; remembered, so this process cannot read it again.
 
         ``ring=False`` for a lease landed from another node: on a reader's node no

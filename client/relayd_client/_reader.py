@@ -21,6 +21,7 @@ from ._checks import ReadChecks
 from ._notices import Notices
 from ._refs import TensorRef, substitute
 from ._writer import OFFLOAD_BYTES
+from .wire.compact import RefFields
 from .wire.dataref import KIND_DATA, DataRef
 from .wire.errors import (
     CorruptRefError,
@@ -63,13 +64,13 @@ class Reader:
 
     # -- checks before anything is read ------------------------------------------------
 
-    def check_addressed(self, m: pb.DataRef) -> None:
+    def check_addressed(self, m: RefFields) -> None:
         if m.to_stage not in self._stages:
             raise PermissionDeniedError(
                 f"DataRef is addressed to stage {m.to_stage!r}; this client serves {self._stages}"
             )
 
-    def check_readable(self, m: pb.DataRef) -> None:
+    def check_readable(self, m: RefFields) -> None:
         self.check_addressed(m)
         if m.kind != KIND_DATA:
             raise InvalidArgumentError(
@@ -79,7 +80,7 @@ class Reader:
         # still be on the way), an aborted request's data is not read here.
         self._aborts.check(m.request_id)
 
-    def checked_ref(self, m: pb.DataRef) -> Any:
+    def checked_ref(self, m: RefFields) -> Any:
         """``m``'s decoded header, once it names only tensors and refs ``m`` carries,
         and the forwarded refs addressed to this client are sound too.
 
@@ -102,7 +103,7 @@ class Reader:
                 self.checked_ref(r)
         return tree
 
-    def lease_region(self, m: pb.DataRef) -> tuple[MappedSegment, int, list[_packing.TensorSpec]]:
+    def lease_region(self, m: RefFields) -> tuple[MappedSegment, int, list[_packing.TensorSpec]]:
         """The lease's segment, where its data starts there, and its validated layout."""
         conn = self._conn
         a = conn.require_open()
@@ -139,16 +140,16 @@ class Reader:
     # -- get --------------------------------------------------------------------------
 
     async def get(self, ref: DataRef, copy: bool) -> Any:
-        m = ref.proto
+        m = ref.fields
         self.check_readable(m)
         if ref.transport is Transport.LOCAL_OBJECT:
             return self.take_local(m)
         tree = self.checked_ref(m)
         if m.refs:
-            return await self._get_forwarded(m, tree, copy)
+            return await self._get_forwarded(ref.proto, tree, copy)
         return await self._read(ref, tree, copy)
 
-    def take_local(self, m: pb.DataRef) -> Any:
+    def take_local(self, m: RefFields) -> Any:
         try:  # a try, not contextlib.suppress: a context manager per get costs ~1.5 us
             return _local.take(m.object_id)
         except KeyError:
@@ -162,13 +163,13 @@ class Reader:
     def here(self, ref: DataRef) -> bool:
         """Whether :meth:`read_here` can read ``ref`` on the calling thread (no await)."""
         transport = ref.transport
-        if ref.proto.refs or self._conn.socket_fallback:
+        if ref.fields.refs or self._conn.socket_fallback:
             return False
         return transport is Transport.INLINE or (
             transport is Transport.SHM and not _remote.is_foreign(ref, self._conn.node_id)
         )
 
-    def read_here(self, m: pb.DataRef, tree: Any, copy: bool, *, landed: bool = False) -> Any:
+    def read_here(self, m: RefFields, tree: Any, copy: bool, *, landed: bool = False) -> Any:
         """An inline or same-node lease's payload, read on this thread.
 
         Returns None when a lease's tensors go to a GPU (the caller awaits
@@ -193,7 +194,7 @@ class Reader:
 
     async def _read(self, ref: DataRef, tree: Any, copy: bool) -> Any:
         """The payload of a DataRef without forwarded refs, checked by :meth:`checked_ref`."""
-        m = ref.proto
+        m: RefFields = ref.fields
         transport = ref.transport
         conn = self._conn
         if transport is Transport.INLINE:
@@ -204,11 +205,12 @@ class Reader:
         # Cross-node: where the push landed, or the local daemon fetches it first.
         landed = transport is Transport.SHM and _remote.is_foreign(ref, conn.node_id)
         if landed:
-            m = self._announced(ref) or await self._fetch(ref)
+            local = self._announced(ref) or await self._fetch(ref)
             if not copy:
-                self._fetched[m.object_id] = m
+                self._fetched[local.object_id] = local
+            m = local
         if transport in (Transport.CUDA_IPC_POOL, Transport.CUDA_IPC_DIRECT):
-            return _flatten.rebuild(tree, await self._gpu.get(m, transport, copy))
+            return _flatten.rebuild(tree, await self._gpu.get(ref.proto, transport, copy))
         if transport not in (Transport.SHM, Transport.SOCKET):
             raise PeerUnavailableError(
                 f"{transport.value} DataRefs are not served by this client yet"
@@ -246,7 +248,7 @@ class Reader:
     def landed_ref(self, ref: DataRef) -> pb.DataRef | None:
         """The local DataRef of a cross-node ``ref`` whose push the daemon announced
         here, for :meth:`read_landed` on the calling thread; None: :meth:`get` it."""
-        if ref.transport is not Transport.SHM or ref.proto.refs or self._conn.socket_fallback:
+        if ref.transport is not Transport.SHM or ref.fields.refs or self._conn.socket_fallback:
             return None
         if not _remote.is_foreign(ref, self._conn.node_id):
             return None
@@ -274,7 +276,7 @@ class Reader:
             self._fetched[local.object_id] = local
         return got
 
-    def _read_inline(self, m: pb.DataRef) -> tuple[list[_packing.TensorSpec], list[Any]]:
+    def _read_inline(self, m: RefFields) -> tuple[list[_packing.TensorSpec], list[Any]]:
         """An inline DataRef's tensors, once: the same rule as a lease's, kept by the
         reader because inline bytes never reach the daemon."""
         key = self.checks.claim_inline(m, "this inline DataRef")
@@ -289,7 +291,7 @@ class Reader:
 
     def read_region(
         self,
-        m: pb.DataRef,
+        m: RefFields,
         view: Any,
         start: int,
         specs: list[_packing.TensorSpec],
@@ -309,7 +311,7 @@ class Reader:
         return _copies.unpack(region, specs, copy=False, validated=True)
 
     def end_read(
-        self, m: pb.DataRef, seg: MappedSegment, copy: bool, *, landed: bool = False
+        self, m: RefFields, seg: MappedSegment, copy: bool, *, landed: bool = False
     ) -> None:
         """The seqlock's second check, then release a copy or hold a view's lease
         (``landed``: a lease landed from another node, see :meth:`Notices.release`)."""
@@ -322,8 +324,8 @@ class Reader:
             self.held.add(lease.lease_id)
 
     def release(self, ref: DataRef) -> None:
-        fetched = self._fetched.pop(ref.proto.object_id, None)  # cross-node: the local lease
-        m = fetched if fetched is not None else ref.proto
+        fetched = self._fetched.pop(ref.fields.object_id, None)  # cross-node: the local lease
+        m = fetched if fetched is not None else ref.fields
         if m.lease.lease_id not in self.held:
             raise StaleRefError("this DataRef is not held by a zero-copy get (released twice?)")
         self.held.discard(m.lease.lease_id)
@@ -347,7 +349,7 @@ class Reader:
                 values.append(TensorRef(r))
         return substitute(obj, values)
 
-    async def _get_socket(self, m: pb.DataRef) -> list[Any]:
+    async def _get_socket(self, m: RefFields) -> list[Any]:
         """Socket fallback: the daemon copies the lease out to us and frees it."""
         import torch
 
@@ -361,7 +363,10 @@ class Reader:
         try:
             resp = await conn.call(
                 "GetBytes",
-                pb.GetBytesRequest(lease=m.lease, request_id=m.request_id),
+                pb.GetBytesRequest(
+                    lease=m.lease if isinstance(m, pb.DataRef) else m.lease.to_proto(),
+                    request_id=m.request_id,
+                ),
                 conn.timeout,
             )
         except StaleRefError:

@@ -18,6 +18,7 @@ read and released exactly like a local SHM lease:
 from __future__ import annotations
 
 from ._session import SessionChannel
+from .wire.compact import RefFields
 from .wire.dataref import DataRef
 from .wire.errors import PermissionDeniedError
 from .wire.proto import relay_pb2 as pb
@@ -28,9 +29,9 @@ ANNOUNCED_MAX = 4096
 Key = tuple[str, str, int, int]  # (origin node, its epoch, lease id, generation)
 
 
-def is_foreign(ref: DataRef | pb.DataRef, node_id: str) -> bool:
-    """The DataRef's lease lives in another node's arena (a message: no wrapper to build)."""
-    origin = (ref.proto if isinstance(ref, DataRef) else ref).origin
+def is_foreign(ref: DataRef | RefFields, node_id: str) -> bool:
+    """The DataRef's lease lives in another node's arena (its fields: no wrapper to build)."""
+    origin = (ref.fields if isinstance(ref, DataRef) else ref).origin
     return bool(origin.node_id) and origin.node_id != node_id
 
 

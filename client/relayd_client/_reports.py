@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from .wire import latency
+from .wire.compact import RefFields
 from .wire.proto import relay_pb2 as pb
 
 if TYPE_CHECKING:
@@ -53,7 +54,7 @@ class Reports:
             entry[1] += nbytes
             self._soon()
 
-    def observe(self, op: int, m: pb.DataRef, start_ns: int) -> None:
+    def observe(self, op: int, m: RefFields, start_ns: int) -> None:
         """Count one put or get (of ``m``) of ``start_ns`` ago in its edge's latency buckets."""
         ns = time.perf_counter_ns() - start_ns
         with self._lock:

@@ -55,7 +55,7 @@ class Streams:
 
     def feed(self, ref: DataRef) -> None:
         """Buffer a chunk, or note a done or error signal (addressed to this client)."""
-        m = ref.proto
+        m = ref.fields
         st = self.state(m.request_id, m.origin.stage)
         if m.kind == KIND_DONE:
             st.end = m.chunk_id

@@ -312,7 +312,7 @@ class SyncRelayClient:
     def _publish(self, plan: PutPlan, timeout: float | None) -> DataRef:
         """The writer's publish with the copy on this thread; only a grant wait goes to the loop."""
         w = self._client._writer
-        w.check_publishable(plan.msg)
+        w.check_publishable(plan.request_id)
         if self._client.socket_fallback:
             return self._run(w.publish_socket(plan, timeout))
         cut = w.lease_now(plan)
@@ -370,7 +370,7 @@ class SyncRelayClient:
         if c._conn.lost:
             return self._run(c._get(ref, copy))
         r = c._reader
-        m = ref.proto
+        m = ref.fields
         r.check_readable(m)
         if ref.transport is Transport.LOCAL_OBJECT:
             return r.take_local(m)

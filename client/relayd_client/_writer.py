@@ -28,7 +28,8 @@ from ._notices import Notices
 from ._refs import TensorRef
 from ._reports import Reports
 from ._routes import RouteKey, Routes
-from .wire.dataref import KIND_DATA, VERSION, DataRef
+from .wire.compact import Shape as CompactShape
+from .wire.dataref import KIND_DATA, VERSION, DataRef, compact_put
 from .wire.errors import DrainingError, InvalidArgumentError
 from .wire.names import check_request_id, check_stage
 from .wire.proto import relay_pb2 as pb
@@ -96,9 +97,13 @@ class Shape:
     facts take microseconds to derive and nothing to look up.
     """
 
-    __slots__ = ("cuda_uuids", "encoded_bytes", "route_keys", "specs", "template", "total")
+    __slots__ = (
+        "compact", "cuda_uuids", "encoded_bytes", "route_keys", "specs", "template", "total",
+    )  # fmt: skip
 
-    def __init__(self, template: pb.DataRef, key: ShapeKey, tensors: Sequence[Any]) -> None:
+    def __init__(
+        self, template: pb.DataRef, key: ShapeKey, tensors: Sequence[Any], compact: bool
+    ) -> None:
         to_stage, codec, header, _ = key
         specs, self.total = _packing.plan_layout(tensors, alignment=ALIGNMENT)
         self.specs = _cuda_facts.name_gpus(specs)
@@ -119,9 +124,17 @@ class Shape:
         self.template = template
         self.template.ClearField("object_id")
         self.template.ClearField("request_id")
+        self.template.ClearField("chunk_id")
         self.template.header_codec = codec
         self.template.header = header
         add_layout(self.template, self.specs)
+        # The compact DataRef's shape part (wire.compact): these same fields,
+        # encoded once; None where the daemon reads only version 1.
+        self.compact = (
+            CompactShape(template, template.SerializeToString(deterministic=True))
+            if compact
+            else None
+        )
 
 
 # ref() and buffer() take a lease without asking the router.
@@ -133,13 +146,21 @@ ShapeKey = tuple[str, "pb.HeaderCodec", bytes, tuple[tuple[Any, ...], ...]]
 
 @dataclass(slots=True, eq=False)
 class PutPlan:
-    """A put past its shared, synchronous part: what remains is to route and write it."""
+    """A put past its shared, synchronous part: what remains is to route and write it.
+
+    Its DataRef message (:attr:`msg`) is built only when a path needs one: a
+    plain put to a lease or inline, where its daemon reads compact DataRefs,
+    never does (:attr:`compact`).
+    """
 
     obj: Any
-    msg: pb.DataRef
     tensors: list[Any]
     specs: list[_packing.TensorSpec]
     total: int
+    to_stage: str
+    request_id: str
+    object_id: str
+    chunk_id: int
     refs: Sequence[TensorRef] = ()
     cuda_uuids: tuple[str, ...] = ()
     # How the router is asked (see Shape.route_keys).
@@ -152,6 +173,39 @@ class PutPlan:
     is_ref: bool = False
     transport: pb.Transport = pb.TRANSPORT_SHM
     trace_id: str = ""
+    # The shape part of its compact DataRef (None: it is written as a message)
+    # and the message, once built.
+    shape: CompactShape | None = None
+    built: pb.DataRef | None = None
+
+    @classmethod
+    def of(
+        cls, obj: Any, msg: pb.DataRef, tensors: list[Any], specs: list[_packing.TensorSpec],
+        total: int, **kw: Any,
+    ) -> PutPlan:  # fmt: skip
+        """A plan of a put whose message is built already."""
+        return cls(
+            obj, tensors, specs, total, msg.to_stage, msg.request_id, msg.object_id,
+            msg.chunk_id, built=msg, **kw,
+        )  # fmt: skip
+
+    @property
+    def msg(self) -> pb.DataRef:
+        """The put as a ``relayd.v1.DataRef`` message, built on first use. Once
+        built, it is what the put publishes (a path may have added to it)."""
+        if self.built is None:
+            assert self.shape is not None
+            m = self.built = pb.DataRef()
+            m.CopyFrom(self.shape.msg)
+            m.object_id = self.object_id
+            m.request_id = self.request_id
+            m.chunk_id = self.chunk_id
+        return self.built
+
+    @property
+    def compact(self) -> CompactShape | None:
+        """The shape part to write this put's DataRef compact with; None: a message."""
+        return self.shape if self.built is None else None
 
     @property
     def fits_inline(self) -> bool:
@@ -163,7 +217,7 @@ class PutPlan:
         return (
             self.route_key,
             self.encoded_bytes,
-            self.msg.chunk_id >= 0,
+            self.chunk_id >= 0,
             self.chunk_carries_tensors,
         )
 
@@ -219,18 +273,23 @@ class Writer:
         else:
             header, codec = _codec.encode(tree), pb.HEADER_CODEC_SAFE
         shape = self.shape(a, to_stage, codec, header, tensors)
-        msg = pb.DataRef()
-        msg.CopyFrom(shape.template)
-        msg.object_id = self._object_id()
-        msg.request_id = request_id
-        msg.chunk_id = -1 if chunk_id is None else chunk_id
-        if refs:
-            msg.refs.extend(r.proto for r in refs)
         carries = chunk_id is not None and bool(tensors)
-        return PutPlan(
-            obj, msg, tensors, shape.specs, shape.total, refs, shape.cuda_uuids,
+        plan = PutPlan(
+            obj, tensors, shape.specs, shape.total, to_stage, request_id, self._object_id(),
+            -1 if chunk_id is None else chunk_id, refs, shape.cuda_uuids,
             shape.route_keys[carries], shape.encoded_bytes, carries,
         )  # fmt: skip
+        if shape.compact is not None and not refs:
+            plan.shape = shape.compact
+            return plan
+        msg = plan.built = pb.DataRef()
+        msg.CopyFrom(shape.template)
+        msg.object_id = plan.object_id
+        msg.request_id = request_id
+        msg.chunk_id = plan.chunk_id
+        if refs:
+            msg.refs.extend(r.proto for r in refs)
+        return plan
 
     def shape(
         self,
@@ -248,13 +307,13 @@ class Writer:
             tuple((t.dtype, t.shape, t.device, t.layout, t.is_nested) for t in tensors),
         )
         if len(header) > SHAPE_HEADER_BYTES:  # not worth hashing and keeping
-            return Shape(self.new_msg(a, "", to_stage, -1), key, tensors)
+            return Shape(self.new_msg(a, "", to_stage, -1), key, tensors, a.compact_refs)
         if self._shapes_for is not a:  # a new session: new origin in every template
             self._shapes.clear()
             self._shapes_for = a
         shape = self._shapes.get(key)
         if shape is None:
-            shape = Shape(self.new_msg(a, "", to_stage, -1), key, tensors)
+            shape = Shape(self.new_msg(a, "", to_stage, -1), key, tensors, a.compact_refs)
             if len(self._shapes) >= _SHAPE_MEMORY:
                 self._shapes.clear()
             self._shapes[key] = shape
@@ -302,7 +361,7 @@ class Writer:
         add_layout(msg, specs)
         # Always leased, even when tiny: the point is that forwarding stages
         # carry a fixed-size reference, never the bytes.
-        return PutPlan(tensor, msg, [tensor], specs, total, is_ref=True)
+        return PutPlan.of(tensor, msg, [tensor], specs, total, is_ref=True)
 
     def plan_buffer(
         self, a: pb.AttachResponse, to_stage: str, request_id: str, like: Any, chunk_id: int | None
@@ -325,7 +384,7 @@ class Writer:
         msg.header_codec = pb.HEADER_CODEC_SAFE
         msg.header = _codec.encode(tree)
         add_layout(msg, specs)
-        return PutPlan(None, msg, [], specs, total), tree
+        return PutPlan.of(None, msg, [], specs, total), tree
 
     def signal(
         self, a: pb.AttachResponse, to_stage: str, request_id: str, kind: int, chunks: int | None
@@ -344,34 +403,42 @@ class Writer:
 
     def put_here(self, plan: PutPlan, route: int) -> DataRef | None:
         """The put when it needs no lease (by reference in this process, or inline); else None."""
-        msg = plan.msg
-        if route == pb.TRANSPORT_LOCAL_OBJECT and (plan.refs or not _local.serves(msg.to_stage)):
+        to_stage = plan.to_stage
+        if route == pb.TRANSPORT_LOCAL_OBJECT and (plan.refs or not _local.serves(to_stage)):
             # Not by reference after all: a payload with forwarded refs goes the
             # normal way so that get() at the consumer materializes them, and
             # the stage may have closed since. The router's answer for another
             # process of this node follows: inline when it fits, else a lease.
             route = pb.TRANSPORT_INLINE if plan.fits_inline else pb.TRANSPORT_SHM
         if route == pb.TRANSPORT_INLINE:
+            data = _copies.pack_bytes(plan.tensors, plan.specs, plan.total)
+            self._reports.transfer(pb.TRANSPORT_INLINE, plan.total, to_stage)
+            shape = plan.compact
+            if shape is not None:
+                return compact_put(
+                    shape, plan.chunk_id, plan.request_id, plan.object_id, inline_data=data
+                )
+            msg = plan.msg
             msg.transport = pb.TRANSPORT_INLINE
-            msg.inline_data = _copies.pack_bytes(plan.tensors, plan.specs, plan.total)
-            self._reports.transfer(pb.TRANSPORT_INLINE, plan.total, msg.to_stage)
+            msg.inline_data = data
             return DataRef(msg)
         # Inline bytes never reach the daemon: an abort is the reader's to see.
         # Everything else of an aborted request stops here.
-        self._aborts.check(msg.request_id)
+        self._aborts.check(plan.request_id)
         if route != pb.TRANSPORT_LOCAL_OBJECT:
             return None
+        msg = plan.msg
         msg.transport = pb.TRANSPORT_LOCAL_OBJECT
         msg.object_id = f"{_local.process_tag()}-{msg.object_id}"
-        _local.put(plan.obj, msg.to_stage, msg.request_id, msg.object_id)
+        _local.put(plan.obj, to_stage, msg.request_id, msg.object_id)
         self._reports.transfer(
-            pb.TRANSPORT_LOCAL_OBJECT, _packing.payload_nbytes(plan.specs), msg.to_stage
+            pb.TRANSPORT_LOCAL_OBJECT, _packing.payload_nbytes(plan.specs), to_stage
         )
         return DataRef(msg)
 
-    def check_publishable(self, m: pb.DataRef) -> None:
+    def check_publishable(self, request_id: str) -> None:
         """Before a put takes a lease: its request is not aborted, the daemon not draining."""
-        self._aborts.check(m.request_id)
+        self._aborts.check(request_id)
         if self._conn.draining:
             raise DrainingError("relayd is draining; no new transfers")
 
@@ -380,14 +447,14 @@ class Writer:
         short copy (no coroutine entered, the common case). Else None."""
         if plan.total >= OFFLOAD_BYTES or self._conn.socket_fallback:
             return None
-        self.check_publishable(plan.msg)
+        self.check_publishable(plan.request_id)
         cut = self.lease_now(plan)
         return None if cut is None else self.fill_and_seal(plan, *cut)
 
     async def publish(self, plan: PutPlan, timeout: float | None) -> DataRef:
         """Write the packed tensors into a lease (or hand them to the daemon) and publish."""
-        msg, total = plan.msg, plan.total
-        self.check_publishable(msg)
+        total = plan.total
+        self.check_publishable(plan.request_id)
         if self._conn.socket_fallback:
             return await self.publish_socket(plan, timeout)
         cut = self.lease_now(plan)  # room in a grant held: no coroutine to enter
@@ -417,7 +484,7 @@ class Writer:
         except BaseException:
             self.cancel_lease(lease)
             raise
-        return self.seal(msg, lease, total, ref=plan.is_ref, transport=plan.transport)
+        return self.seal(plan, lease)
 
     def fill_and_seal(self, plan: PutPlan, lease: Lease, start: int) -> DataRef:
         """Copy into the lease on this thread, then seal it; a failed copy cancels it."""
@@ -428,13 +495,13 @@ class Writer:
         except BaseException:
             self.cancel_lease(lease)
             raise
-        return self.seal(plan.msg, lease, plan.total, ref=plan.is_ref, transport=plan.transport)
+        return self.seal(plan, lease)
 
     async def open_lease(self, plan: PutPlan, timeout: float | None) -> tuple[Lease, int]:
         """Reserve an arena lease for ``plan``; returns it and where its data starts in its segment."""
         deadline = time.monotonic() + self._conn.rpc_timeout(timeout)
         lease = await self._grants.reserve(plan.total, deadline)
-        self._notices.reserve(lease, plan.msg, plan.trace_id)
+        self._notices.reserve(lease, plan.request_id, plan.to_stage, plan.trace_id)
         return lease, self._conn.segments[lease.grant.segment].slot_offset(lease.slot)
 
     def lease_now(self, plan: PutPlan) -> tuple[Lease, int] | None:
@@ -444,49 +511,52 @@ class Writer:
             lease = self._grants.cut(plan.total)
             if lease is None:
                 return None
-            self._notices.reserve(lease, plan.msg, plan.trace_id)
+            self._notices.reserve(lease, plan.request_id, plan.to_stage, plan.trace_id)
         return lease, self._conn.segments[lease.grant.segment].slot_offset(lease.slot)
 
     def cancel_lease(self, lease: Lease) -> None:
         self._notices.cancel(lease)
 
-    def seal(
-        self,
-        msg: pb.DataRef,
-        lease: Lease,
-        total: int,
-        *,
-        ref: bool,
-        transport: pb.Transport = pb.TRANSPORT_SHM,
-    ) -> DataRef:
+    def seal(self, plan: PutPlan, lease: Lease) -> DataRef:
         """Stamp the generation, fill in the DataRef and publish it."""
-        if msg.request_id in self._aborts:
+        total, transport = plan.total, plan.transport
+        if plan.request_id in self._aborts:
             self.cancel_lease(lease)
-            self._aborts.check(msg.request_id)
+            self._aborts.check(plan.request_id)
         grant = lease.grant
         seg = self._conn.segments[grant.segment]
         gen = lease.id
         seg.write_header(lease.slot, gen, total)
+        # Most clients route no stage to another node: no look-up then.
+        remote = self._routes.remote_stages
+        push = bool(remote) and (transport == pb.TRANSPORT_SHM and plan.to_stage in remote)
+        # With push, the daemon starts moving the bytes to the consumer's node
+        # when the notice arrives; a reader on the socket fallback reads through
+        # the daemon, which serves it once the notice is in: neither may linger.
+        now = push or transport == pb.TRANSPORT_SOCKET
+        self._notices.publish(lease, total, transport, ref=plan.is_ref, push=push, now=now)
+        offset = seg.slot_offset(lease.slot)
+        shape = plan.compact
+        # A push's DataRef is read by another node's daemon too: a message,
+        # which a peer of any version reads.
+        if shape is not None and not push and transport == pb.TRANSPORT_SHM:
+            return compact_put(
+                shape, plan.chunk_id, plan.request_id, plan.object_id,
+                (grant.segment, lease.slot, lease.nslots, offset, total, gen, lease.id),
+            )  # fmt: skip
+        msg = plan.msg
         msg.transport = transport
         out = msg.lease
         out.pool = SHM_POOL
         out.segment = grant.segment
         out.slot = lease.slot
         out.nslots = lease.nslots
-        out.offset = seg.slot_offset(lease.slot)
+        out.offset = offset
         out.length = total
         out.generation = gen
         out.lease_id = lease.id
-        # Most clients route no stage to another node: no field read or write then.
-        remote = self._routes.remote_stages
-        push = bool(remote) and (transport == pb.TRANSPORT_SHM and msg.to_stage in remote)
         if push:  # a fresh message's push is False already
             msg.push = True
-        # With push, the daemon starts moving the bytes to the consumer's node
-        # when the notice arrives; a reader on the socket fallback reads through
-        # the daemon, which serves it once the notice is in: neither may linger.
-        now = push or transport == pb.TRANSPORT_SOCKET
-        self._notices.publish(lease, total, transport, ref=ref, push=push, now=now)
         return DataRef(msg)
 
     async def publish_socket(self, plan: PutPlan, timeout: float | None) -> DataRef:

@@ -121,7 +121,7 @@ class KeyedCalls:
             self.keys.add(ref, key)  # its reader may attach here later
             return
         try:
-            await peers.keyed_put(peer, key, ref.to_bytes())
+            await peers.keyed_put(peer, key, ref.to_v1_bytes())
         except NotFoundError:
             # It stopped serving the stage since its last heartbeat.
             self.keys.add(ref, key)

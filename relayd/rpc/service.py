@@ -170,6 +170,7 @@ class RelayService(RoutingService, pb_grpc.RelayServicer):
             probe_offset=self.topology.probe_offset,
             mooncake_session=self.peers.transport.session_id if self.peers is not None else "",
             reserve_publishes=True,
+            compact_refs=True,
         )
 
     @mapped

@@ -51,7 +51,7 @@ def test_round_trip_preserves_every_field() -> None:
         (b"", CorruptRefError),
         (b"RD\x01", CorruptRefError),
         (b"XX" + _wire(_msg())[2:], CorruptRefError),
-        (_wire(_msg(), version=2), VersionMismatchError),
+        (_wire(_msg(), version=3), VersionMismatchError),
         (_wire(_msg())[:-1], CorruptRefError),
         (_wire(_msg(transport=0)), CorruptRefError),
         (_wire(_msg(transport=99)), CorruptRefError),

@@ -60,7 +60,7 @@ def _lease(n: int) -> ClientLease:
 
 
 def _put(notices: Notices, lease: ClientLease, *, flush_between: bool = False) -> None:
-    notices.reserve(lease, pb.DataRef(request_id="r", to_stage="talker"))
+    notices.reserve(lease, "r", "talker")
     if flush_between:  # another notice made the frame go during the copy
         notices._conn.session.mark(flush=True)
     notices.publish(lease, 1000 + lease.local, pb.TRANSPORT_SHM, push=True)

@@ -83,7 +83,7 @@ def _own_stage(config: dict[str, Any]) -> Any:
 
 def _payload_size(ref: DataRef) -> int:
     """What the payload weighs: tensor bytes plus the encoded rest (same on both ends)."""
-    return ref.nbytes + len(ref.proto.header)
+    return ref.nbytes + len(ref.fields.header)
 
 
 class RelaydConnector(OmniConnectorBase):  # type: ignore[misc]  # vllm-omni is untyped
