@@ -173,8 +173,10 @@ class PutPlan:
     is_ref: bool = False
     transport: pb.Transport = pb.TRANSPORT_SHM
     trace_id: str = ""
-    # The shape part of its compact DataRef (None: it is written as a message)
-    # and the message, once built.
+    # The fields its structure fixes (Shape.template), the shape part of its
+    # compact DataRef (None: it is written as a message), and the message,
+    # once built.
+    template: pb.DataRef | None = None
     shape: CompactShape | None = None
     built: pb.DataRef | None = None
 
@@ -194,9 +196,9 @@ class PutPlan:
         """The put as a ``relayd.v1.DataRef`` message, built on first use. Once
         built, it is what the put publishes (a path may have added to it)."""
         if self.built is None:
-            assert self.shape is not None
+            assert self.template is not None
             m = self.built = pb.DataRef()
-            m.CopyFrom(self.shape.msg)
+            m.CopyFrom(self.template)
             m.object_id = self.object_id
             m.request_id = self.request_id
             m.chunk_id = self.chunk_id
@@ -277,18 +279,12 @@ class Writer:
         plan = PutPlan(
             obj, tensors, shape.specs, shape.total, to_stage, request_id, self._object_id(),
             -1 if chunk_id is None else chunk_id, refs, shape.cuda_uuids,
-            shape.route_keys[carries], shape.encoded_bytes, carries,
+            shape.route_keys[carries], shape.encoded_bytes, carries, template=shape.template,
         )  # fmt: skip
-        if shape.compact is not None and not refs:
-            plan.shape = shape.compact
-            return plan
-        msg = plan.built = pb.DataRef()
-        msg.CopyFrom(shape.template)
-        msg.object_id = plan.object_id
-        msg.request_id = request_id
-        msg.chunk_id = plan.chunk_id
         if refs:
-            msg.refs.extend(r.proto for r in refs)
+            plan.msg.refs.extend(r.proto for r in refs)
+        else:
+            plan.shape = shape.compact
         return plan
 
     def shape(
