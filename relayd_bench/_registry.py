@@ -116,6 +116,23 @@ BASELINES: tuple[Entry, ...] = (
 # One Entry per way relayd moves a payload; classes in relayd_bench._relayd.
 _CLIENT = ("relayd_client:RelayClient", "relayd_client:DataRef")
 _SHM_NOTE = f"puts <= {INLINE_LIMIT // 1024} KiB go inline (see relayd-inline)"
+
+
+def _cross_node(name: str, cls: str, what: str) -> Entry:
+    """A relayd method whose reader is attached to a peer daemon (another node)."""
+    return Entry(
+        name,
+        f"relayd_bench._relayd:{cls}",
+        what,
+        needs_daemon=True,
+        requires=_CLIENT,
+        min_size=INLINE_LIMIT + 1,
+        size_note=_SHM_NOTE,
+        needs_peer_daemon=True,
+        cross_node=True,
+    )
+
+
 RELAYD: tuple[Entry, ...] = (
     Entry(
         "relayd-local",
@@ -159,28 +176,21 @@ RELAYD: tuple[Entry, ...] = (
         min_size=INLINE_LIMIT + 1,
         size_note=_SHM_NOTE,
     ),
-    Entry(
+    _cross_node(
         "relayd-mooncake",
-        "relayd_bench._relayd:RelaydMooncake",
+        "RelaydMooncake",
         "reader on a peer daemon, which pulls over Mooncake TE",
-        needs_daemon=True,
-        requires=_CLIENT,
-        min_size=INLINE_LIMIT + 1,
-        size_note=_SHM_NOTE,
-        needs_peer_daemon=True,
-        cross_node=True,
     ),
-    Entry(
+    _cross_node(
+        "relayd-mooncake-view",
+        "RelaydMooncakeView",
+        "relayd-mooncake, reader view() zero-copy (mooncake-raw reads in place too)",
+    ),
+    _cross_node(
         "relayd-mooncake-late",
-        "relayd_bench._relayd:RelaydMooncakeLate",
+        "RelaydMooncakeLate",
         f"relayd-mooncake, its DataRef handed over {LATE_HANDOFF_S * 1e3:g} ms after the put "
         "(as through a scheduler) and timed from there: the push has landed",
-        needs_daemon=True,
-        requires=_CLIENT,
-        min_size=INLINE_LIMIT + 1,
-        size_note=_SHM_NOTE,
-        needs_peer_daemon=True,
-        cross_node=True,
     ),
 )
 

@@ -244,6 +244,13 @@ class RelaydMooncake(RelaydShm):
             await asyncio.sleep(0.05)  # polling the daemon's registry, bounded above
 
 
+class RelaydMooncakeView(RelaydMooncake):
+    """relayd-mooncake with the reader in a zero-copy view of the landed bytes, as
+    mooncake-raw's reader uses its registered buffer in place (one copy in all)."""
+
+    reader_copy = False
+
+
 class RelaydMooncakeLate(RelaydMooncake):
     """relayd-mooncake with the DataRef handed over ``LATE_HANDOFF_S`` after the put,
     as through a scheduler: the push has landed, and the get reads it where its

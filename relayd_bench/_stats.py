@@ -35,6 +35,7 @@ REFERENCE_METHOD = "floor"
 # or the same driving (an event loop on both sides)
 COMPARISONS: tuple[tuple[str, str], ...] = (
     ("relayd-mooncake", "mooncake-raw"),
+    ("relayd-mooncake-view", "mooncake-raw"),
     ("relayd-mooncake-late", "mooncake-raw-late"),
     ("relayd-shm", "floor-async"),
 )

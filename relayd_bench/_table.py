@@ -212,14 +212,21 @@ def _render_rounds(rounds: Sequence[RoundRatios], width: int) -> list[str]:
     return out
 
 
-_DETAIL_HEAD = (
-    f"{'size':<7}{'method':<17}{'median':>9}{'p99':>9}{'GB/s':>7}{'xfloor':>7}"
-    f"  {'CPU µs w/r/d':<17}{'d wk':<6}{'flt w/r':<10}via"
-)
+# The method column of the detail tables: wide enough for every name that ran,
+# so two names with one prefix (relayd-mooncake-late, -view) stay apart.
+NAME_W, NAME_W_MAX = 17, 22
+
+
+def _name_width(methods: Iterable[str]) -> int:
+    return min(max([NAME_W - 1, *map(len, methods)]) + 1, NAME_W_MAX)
 
 
 def _render_details(results: Sequence[Result], width: int) -> list[str]:
-    out = [_DETAIL_HEAD]
+    w = _name_width(r.method for r in results)
+    out = [
+        f"{'size':<7}{'method':<{w}}{'median':>9}{'p99':>9}{'GB/s':>7}{'xfloor':>7}"
+        f"  {'CPU µs w/r/d':<17}{'d wk':<6}{'flt w/r':<10}via"
+    ]
     # a method that did not run at any size, for one reason, gets one line instead of one per size
     whole: dict[str, Result] = {}
     for m in _ordered(r.method for r in results):
@@ -231,7 +238,7 @@ def _render_details(results: Sequence[Result], width: int) -> list[str]:
         for r in results:
             if r.size != size or r.method in whole:
                 continue
-            lead = f"{fmt_size(size) if first else '':<7}{r.method[:16]:<17}"
+            lead = f"{fmt_size(size) if first else '':<7}{r.method[: w - 1]:<{w}}"
             first = False
             if r.status is not Status.OK or r.latency is None:
                 out.append(_clip(f"{lead}{r.status.value}: {r.reason}", width))
@@ -246,7 +253,7 @@ def _render_details(results: Sequence[Result], width: int) -> list[str]:
                 )
             )
     for m, r in whole.items():
-        out.append(_clip(f"{'all':<7}{m[:16]:<17}{r.status.value}: {r.reason}", width))
+        out.append(_clip(f"{'all':<7}{m[: w - 1]:<{w}}{r.status.value}: {r.reason}", width))
     return out
 
 
@@ -266,13 +273,14 @@ def _render_round_trips(results: Sequence[Result]) -> list[str]:
         if (b := _rtt.parse_rt(r.extra, _rtt.EXTRA_RT_BOUND)) is not None
     }
     rtts = "".join(f"{_rtt.rtt_label(x):>11}" for x in _rtt.MODEL_RTTS_NS)
+    w = _name_width(method for method, *_ in rows)
     out = [
         "",
         "RT: round trips a read waits for, put returned -> get returned (the DataRef's trip",
         "included); modelled latency = median + RT x RTT;",
         "reads: landed/awaited/pulled/attached/announced (see relayd_bench._rtt);",
         "RT+: every push awaited, as at an RTT above the slack a landed read had here",
-        f"{'size':<7}{'method':<17}{'median':>9}{'RT':>6}{'RT+':>6}{rtts}  reads",
+        f"{'size':<7}{'method':<{w}}{'median':>9}{'RT':>6}{'RT+':>6}{rtts}  reads",
     ]
     modelled_at: dict[tuple[str, int], list[float]] = {}
     medians: dict[tuple[str, int], float] = {}
@@ -281,7 +289,7 @@ def _render_round_trips(results: Sequence[Result]) -> list[str]:
         medians[method, size] = med
         cells = "".join(f"{fmt_ns(v):>11}" for v in modelled)
         bound = bounds.get((method, size), rt)
-        head = f"{fmt_size(size):<7}{method:<17}{fmt_ns(med):>9}{rt:>6.2f}{bound:>6.2f}"
+        head = f"{fmt_size(size):<7}{method[: w - 1]:<{w}}{fmt_ns(med):>9}{rt:>6.2f}{bound:>6.2f}"
         out.append(f"{head}{cells}  {reads[method, size]}")
     for method, baseline in COMPARISONS:
         for size in sorted(s for m, s in modelled_at if m == method):

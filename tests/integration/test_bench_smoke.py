@@ -146,27 +146,33 @@ def test_stream_workload_carries_every_stream_in_one_process_pair_or_one_each(
 @pytest.mark.multinode
 @requires_mooncake
 def test_quick_relayd_mooncake_runs_on_two_daemons_beside_raw_mooncake(tmp_path: Path) -> None:
+    """relayd-mooncake reads a copy, relayd-mooncake-view reads in place (as raw
+    Mooncake's reader uses its buffer); both are held against raw Mooncake."""
     before = _bench_segments()
-    doc, stdout = _bench(tmp_path, ["mooncake-raw", "relayd-mooncake"], ["1M"])
+    relayd = ["relayd-mooncake", "relayd-mooncake-view"]
+    doc, stdout = _bench(tmp_path, ["mooncake-raw", *relayd], ["1M"])
 
     cells = {r["method"]: r for r in doc["results"]}
-    assert set(cells) == {"mooncake-raw", "relayd-mooncake"}
+    assert set(cells) == {"mooncake-raw", *relayd}
     for r in cells.values():
         _assert_ok(r)
-    [cmp] = doc["comparisons"]
-    assert (cmp["method"], cmp["baseline"]) == ("relayd-mooncake", "mooncake-raw")
-    assert [c["size"] for c in cmp["ratio_of_medians"]] == [1 << 20]
-    assert "relayd-mooncake / mooncake-raw:" in stdout
-    sides = cells["relayd-mooncake"]["daemon_cpu_ns_per_transfer"]
-    assert sides["writer_side"] is not None and sides["reader_side"] is not None
+    pairs = [(c["method"], c["baseline"]) for c in doc["comparisons"]]
+    assert pairs == [(m, "mooncake-raw") for m in relayd]
+    for cmp in doc["comparisons"]:
+        assert [c["size"] for c in cmp["ratio_of_medians"]] == [1 << 20]
+    for m in relayd:
+        assert f"{m} / mooncake-raw:" in stdout
+        assert f"1MiB   {m} " in stdout or f"       {m} " in stdout  # the whole name
+        sides = cells[m]["daemon_cpu_ns_per_transfer"]
+        assert sides["writer_side"] is not None and sides["reader_side"] is not None
 
     run = doc["run"]
     writer, reader = run["daemon"], run["reader_daemon"]
     for d in (writer, reader):
         assert d["started_by_bench"] and d["exit_code"] == 0, d
         assert d["leftover_segments"] == [], d
-    # every transfer (warm-up included) was a Mooncake pull by the reader's daemon
-    moved = cells["relayd-mooncake"]["warmup"] + cells["relayd-mooncake"]["iterations"]
+    # every transfer (warm-up included) crossed over Mooncake
+    moved = sum(cells[m]["warmup"] + cells[m]["iterations"] for m in relayd)
     assert reader["transfers_by_transport"].get("mooncake") == moved, reader
     # neither daemon's arena nor anything of the methods is left in /dev/shm
     pair = f"bench-{run['run_id']}-"

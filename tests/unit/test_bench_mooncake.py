@@ -57,6 +57,34 @@ def _rows() -> list[Result]:
     return rows
 
 
+def test_the_in_place_read_is_held_against_raw_mooncake_like_the_copying_one() -> None:
+    view, copy = ENTRIES["relayd-mooncake-view"], ENTRIES["relayd-mooncake"]
+    assert (view.cross_node, view.needs_peer_daemon) == (True, True)
+    assert (view.min_size, view.requires) == (copy.min_size, copy.requires)
+    rows = [
+        ok("mooncake-raw", MIB, [1_000]),
+        ok("relayd-mooncake", MIB, [1_500]),
+        ok("relayd-mooncake-view", MIB, [1_200]),
+    ]
+    add_ratios(rows)
+    assert comparisons(rows) == [
+        ("relayd-mooncake", "mooncake-raw", [(MIB, 1.5)]),
+        ("relayd-mooncake-view", "mooncake-raw", [(MIB, 1.2)]),
+    ]
+
+
+def test_detail_tables_keep_names_that_share_a_prefix_apart() -> None:
+    names = ("mooncake-raw", "relayd-mooncake", "relayd-mooncake-view", "relayd-mooncake-late")
+    rows = [ok(m, MIB, [1_000], extra={"rt": "0.50"}) for m in names]
+    add_ratios(rows)
+    lines = render_table(rows).splitlines()
+    for table in ("p99", "RT+"):  # the per-cell details, the round-trip model
+        start = next(i for i, line in enumerate(lines) if table in line and "method" in line)
+        words = {word for line in lines[start + 1 :][:4] for word in line.split()}
+        assert words >= set(names), (table, lines[start:])
+    assert max(len(line) for line in lines) <= TABLE_WIDTH
+
+
 def test_comparison_is_the_ratio_of_medians_where_both_ran() -> None:
     assert comparisons(_rows()) == [("relayd-mooncake", "mooncake-raw", [(MIB, 1.5)])]
     assert comparisons([ok("mooncake-raw", MIB, [1])]) == []
