@@ -230,9 +230,11 @@ def _options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Optio
 
 
 def _list_methods() -> None:
-    for e in (*_registry.BASELINES, *_registry.RELAYD):
-        print(f"{e.name:<18}{e.summary}")
-    print(f"{_registry.STREAM:<18}N paced streams of --stream-size chunks (see --stream-*)")
+    entries = (*_registry.BASELINES, *_registry.RELAYD)
+    w = max(len(e.name) for e in entries) + 2
+    for e in entries:
+        print(f"{e.name:<{w}}{e.summary}")
+    print(f"{_registry.STREAM:<{w}}N paced streams of --stream-size chunks (see --stream-*)")
 
 
 def _run_gpu(args: argparse.Namespace) -> int:

@@ -370,7 +370,7 @@ class Bench:
         return rest
 
     def _report(self, r: Result) -> None:
-        head = f"{r.method:<18}{fmt_size(r.size):>8}  "
+        head = f"{r.method:<21}{fmt_size(r.size):>8}  "
         if r.latency is None:
             self.progress.line(f"{head}{r.status.value}: {r.reason}")
         else:

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from relayd_bench import _cli
 from relayd_bench._cli import parse_size, parse_sizes
 from relayd_bench._registry import ENTRIES, STREAM, select
 from relayd_bench._run import REFERENCE_PLAN, plan_for
@@ -301,3 +302,13 @@ def test_machine_line_reports_the_load_at_start_and_end() -> None:
     m = {"cpu_model": "X", "cores": 2, "loadavg": [16.3, 7.9, 3.0], "loadavg_at_start": [0.26]}
     assert _machine_line(m).endswith("\nload (1-min average) 0.3 at start, 16.3 at end")
     assert _machine_line({"loadavg": [1.0, 2.0, 3.0]}).endswith("· load 1.0/2.0")
+
+
+def test_list_names_every_method_whole_with_its_summary_in_one_column(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert _cli.main(["--list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines] == [*ENTRIES, STREAM]
+    columns = {len(line) - len(line[len(line.split()[0]) :].lstrip()) for line in lines}
+    assert len(columns) == 1, lines
