@@ -179,7 +179,7 @@ RELAYD: tuple[Entry, ...] = (
     _cross_node(
         "relayd-mooncake",
         "RelaydMooncake",
-        "reader on a peer daemon, which pulls over Mooncake TE",
+        "reader on a peer daemon; the writer's daemon pushes there (or the reader's pulls)",
     ),
     _cross_node(
         "relayd-mooncake-view",
