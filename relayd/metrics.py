@@ -1,11 +1,12 @@
-"""Prometheus metrics: counters on events, occupancy read at scrape time.
+"""Prometheus metrics: counters on rare events, occupancy and transfers read at scrape time.
 
 Everything lives in the daemon's own ``CollectorRegistry`` (never the global
 one), so tests build a fresh registry per daemon and read it with
-``get_sample_value``. Pool occupancy, lease counts and sessions are computed
-by :class:`StateCollector` when Prometheus scrapes, not maintained on the hot
-path. Base units, no id labels (lease, request and session ids would explode
-cardinality; they go in logs and ``relayd status``).
+``get_sample_value``. Pool occupancy, lease counts, sessions and transfers
+by transport are computed by :class:`StateCollector` when Prometheus
+scrapes, not maintained on the hot path. Base units, no id labels (lease,
+request and session ids would explode cardinality; they go in logs and
+``relayd status``).
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ class StateCollector(Collector):
         for (pool, state), n in sorted(snap["leases"].items()):
             leases.add_metric([pool, state], n)
         yield leases
+        yield from _transfer_families(snap)
         yield GaugeMetricFamily(
             "relayd_sessions", "Attached client sessions", value=snap["sessions"]
         )
@@ -115,6 +117,25 @@ class StateCollector(Collector):
         yield from _push_families(snap.get("pushes", {}))
 
 
+def _transfer_families(snap: dict[str, Any]) -> Iterator[Metric]:
+    """Transfers and their bytes by transport (every transport, zero until used),
+    and the bytes that rode inline: the daemon's tallies (:mod:`relayd.counts`)."""
+    for name, help_, key in (
+        ("relayd_transfers", "Transfers by transport", "transfers"),
+        ("relayd_transfer_bytes", "Tensor bytes moved by transport", "transfer_bytes"),
+    ):
+        tally = snap.get(key, {})
+        fam = CounterMetricFamily(name, help_, labels=["transport"])
+        for t in Transport:
+            fam.add_metric([t.value], tally.get(t.value, 0))
+        yield fam
+    yield CounterMetricFamily(
+        "relayd_inline_tensor_bytes",
+        "Tensor bytes that rode inline in DataRefs",
+        value=snap.get("inline_tensor_bytes", 0),
+    )
+
+
 def _push_families(pushes: dict[str, dict[str, int]]) -> Iterator[Metric]:
     """Each peer's push counters, the attached pushes it has not received yet, and
     the reads here of its DataRefs by what they waited for."""
@@ -146,12 +167,6 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.transfers = Counter(
-            "relayd_transfers", "Transfers by transport", ["transport"], registry=r
-        )
-        self.transfer_bytes = Counter(
-            "relayd_transfer_bytes", "Tensor bytes moved by transport", ["transport"], registry=r
-        )
         self.reclaimed = Counter(
             "relayd_leases_reclaimed",
             "Leases freed by the daemon, not by their reader",
@@ -180,14 +195,6 @@ class Metrics:
         self.ref_bytes = Counter(
             "relayd_ref_bytes", "Tensor bytes published as forwarded references", registry=r
         )
-        self.inline_tensor_bytes = Counter(
-            "relayd_inline_tensor_bytes",
-            "Tensor bytes that rode inline in DataRefs",
-            registry=r,
-        )
-        for t in Transport:
-            self.transfers.labels(t.value)
-            self.transfer_bytes.labels(t.value)
         self.gc_pauses = GcPauses()
         r.register(self.gc_pauses)
         self._server: Any = None

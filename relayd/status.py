@@ -125,6 +125,7 @@ class NodeStatus:
             "freed": {"ring": m.freed.by_ring, "frame": m.freed.by_frame},
             "released": {"ring": m.releases.by_ring, "frame": m.releases.by_frame},
             "serving": 1 if self.state() is DaemonState.SERVING else 0,
+            **self.transfers.snapshot(),
             **(self.peers.snapshot() if self.peers is not None else {}),
         }
 

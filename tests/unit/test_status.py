@@ -51,6 +51,7 @@ class Node:
             reclaims=self.reclaims,
             roles=self.roles,
         )
+        self.metrics.attach_state(self.status.snapshot)
 
     def sample(self, name: str, **labels: str) -> float | None:
         return self.metrics.registry.get_sample_value(name, labels)
@@ -83,9 +84,12 @@ def test_status_is_built_from_the_lease_table_and_the_tallies(arena: Arena) -> N
     assert st.leases[0].state == pb.LEASE_STATE_PUBLISHED
     assert {s.session_id for s in st.sessions} == {w.id, r.id}  # the operator is left out
     assert st.pools[0].name == "shm" and st.pools[0].used_bytes == 2 * SLOT
-    # The metrics count the same events into their own counters.
+    # A scrape reads the same tallies (transfers) or counters of their own (reclaims).
     assert node.sample("relayd_transfers_total", transport="shm") == 2
     assert node.sample("relayd_transfers_total", transport="inline") == 3
+    assert node.sample("relayd_transfers_total", transport="mooncake") == 0  # listed at zero
+    assert node.sample("relayd_transfer_bytes_total", transport="inline") == 300
+    assert node.sample("relayd_inline_tensor_bytes_total") == 300
     assert node.sample("relayd_leases_reclaimed_total", reason="abort") == 1
     assert node.sample("relayd_leases_reclaimed_total", reason="ttl") == 0
 
