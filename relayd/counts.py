@@ -33,9 +33,10 @@ class TransferCounts:
     def __init__(self, metrics: Metrics, edges: EdgeStats) -> None:
         self._metrics = metrics
         self._edges = edges
-        # Plain tallies, not Prometheus counters: a daemon turn after a wait
-        # counted its frame's transfers in ~28 us through two counters' locks
-        # and children; the collector reads these at scrape time instead.
+        # Plain tallies, not Prometheus counters, on this once-a-frame path:
+        # each counter's inc takes a lock, and in a daemon turn after a wait
+        # the two cost ~28 us a frame against 13-17 for the tallies (measured).
+        # The collector reads these at scrape time.
         self.by_transport: Tally[str] = Tally()
         """Transfers since start, by transport label."""
         self.bytes_by_transport: Tally[str] = Tally()

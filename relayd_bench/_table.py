@@ -324,14 +324,15 @@ def _pairs(streams: Sequence[StreamResult]) -> str:
 
 def _render_streams(streams: Sequence[StreamResult], width: int) -> list[str]:
     s0 = streams[0]
+    w = _name_width(r.method for r in streams)
     out = [
         f"stream: {s0.streams} streams x {fmt_size(s0.chunk_size)} at {s0.rate_hz:g}/s each"
         f"{_pairs(streams)}; latency from each chunk's scheduled send time",
-        f"{'method':<17}{'chunks':>7}{'p50':>8}{'p99':>8}{'max':>8}{'rate/s (target)':>16}"
+        f"{'method':<{w}}{'chunks':>7}{'p50':>8}{'p99':>8}{'max':>8}{'rate/s (target)':>16}"
         f"{'GB/s':>6}{'xfloor':>7}  {'CPU µs w/r/d':<16}{'d wk':<6}via",
     ]
     for r in streams:
-        lead = f"{r.method[:16]:<17}"
+        lead = f"{r.method[: w - 1]:<{w}}"
         if r.status is not Status.OK or r.latency is None:
             out.append(_clip(f"{lead}{r.status.value}: {r.reason}", width))
             continue

@@ -312,3 +312,22 @@ def test_list_names_every_method_whole_with_its_summary_in_one_column(
     assert [line.split()[0] for line in lines] == [*ENTRIES, STREAM]
     columns = {len(line) - len(line[len(line.split()[0]) :].lstrip()) for line in lines}
     assert len(columns) == 1, lines
+
+
+def test_stream_table_keeps_names_that_share_a_prefix_apart() -> None:
+    streams = [
+        StreamResult(
+            name,
+            16,
+            256 * KIB,
+            50.0,
+            Status.OK,
+            chunks=100,
+            latency=summarize([1_000, 2_000]),
+            aggregate_chunks_per_s=800.0,
+        )
+        for name in ("relayd-mooncake", "relayd-mooncake-view")
+    ]
+    lines = render_table([ok("floor", MIB, [10])], streams).splitlines()
+    words = {line.split()[0] for line in lines if line.startswith("relayd-")}
+    assert words == {"relayd-mooncake", "relayd-mooncake-view"}, lines
