@@ -17,6 +17,11 @@ same size (the copy's own cost, timed like the table's calls) and the number
 of distinct lease slots the writer used in steady state (LIFO reuse keeps it
 small: warm memory).
 
+The daemon's side comes from the daemon the breakdown starts (not one named
+by ``--socket``), run through :mod:`relayd_bench._turns`: per transfer, how
+many turns it took on the clients' session frames and their CPU, and the
+median turn step by step (thread CPU, in the untimed pass).
+
 Two tables: warm, the calls back to back; and cold, each put and each get
 after :data:`COLD_PAUSE_S` asleep. Cold is what a stage sees: a stream's
 chunks come 20 ms apart, and a stop-and-wait process sleeps a round trip
@@ -34,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -42,7 +48,7 @@ from typing import Any
 
 import torch
 
-from relayd_bench import _daemon
+from relayd_bench import _daemon, _turns
 from relayd_bench._coldcall import COLD_PAUSE_S, median_us
 from relayd_bench._table import fmt_size
 
@@ -175,11 +181,18 @@ class _Result:
         self.put_us: float = 0.0
         self.get_us: float = 0.0
         self.steps: dict[str, float | None] = {}
+        self.daemon: dict[str, float | None] = {}  # its turns in the window (see _turns)
+        self.window: _turns.Window | None = None  # the untimed pass's measured transfers
         self.slots = 0
         self.transport = ""
         self._puts: list[int] = []
         self._gets: list[int] = []
         self._slots: set[int] = set()
+        self._start_ns = 0
+
+    def begin(self) -> None:
+        """The measured transfers start: the daemon's turns count from here."""
+        self._start_ns = time.monotonic_ns()
 
     def sample(self, put_ns: int, get_ns: int, ref: Any) -> None:
         """One measured transfer: its put and get times, and the lease slot it used."""
@@ -189,6 +202,7 @@ class _Result:
 
     def totals(self, last: Any) -> None:
         """Medians of the samples; ``last``: the last DataRef put (its transport)."""
+        self.window = _turns.Window(self._start_ns, time.monotonic_ns(), len(self._puts))
         self.put_us = statistics.median(self._puts) / 1000
         self.get_us = statistics.median(self._gets) / 1000
         self.slots = len(self._slots) if last.proto.HasField("lease") else 0
@@ -221,6 +235,8 @@ def _measure_sync(sock: str, size: int, warmup: int, measured: int, pause: float
             return t1 - t0, clock() - t2, ref
 
         for i in range(warmup + measured):
+            if i == warmup:
+                out.begin()
             put_ns, get_ns, ref = transfer(f"b{i}")
             if i >= warmup:
                 out.sample(put_ns, get_ns, ref)
@@ -258,6 +274,8 @@ async def _measure_async(sock: str, size: int, warmup: int, measured: int, pause
             return t1 - t0, clock() - t2, ref
 
         for i in range(warmup + measured):
+            if i == warmup:
+                out.begin()
             put_ns, get_ns, ref = await transfer(f"b{i}")
             if i >= warmup:
                 out.sample(put_ns, get_ns, ref)
@@ -288,9 +306,13 @@ def run(sizes: tuple[int, ...], scale: float, socket: str | None, pool: str) -> 
     warmup = max(MIN_MEASURED // 2, int(WARMUP * scale))
     measured = max(MIN_MEASURED, int(MEASURED * scale))
     with contextlib.ExitStack() as stack:
+        daemon, turns_file = None, None
         if socket is None:
             tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="relayd-bd-")))
-            daemon = _daemon.start(tmp, pool, 30.0)
+            # Through the turn timers: the daemon's side of the table (see _turns).
+            turns_file = tmp / "turns.jsonl"
+            wrapper = [sys.executable, "-m", "relayd_bench._turns", str(turns_file)]
+            daemon = _daemon.start(tmp, pool, 30.0, prefix=wrapper)
             stack.callback(daemon.stop)
             socket = daemon.socket
         tables, copies = [], []
@@ -303,12 +325,19 @@ def run(sizes: tuple[int, ...], scale: float, socket: str | None, pool: str) -> 
                 results["sync", size] = _measure_sync(socket, size, warmup, n, pause)
             tables.append(results)
             copies.append({size: _memcpy_us(size, int(measured * share), pause) for size in sizes})
+        if daemon is not None and turns_file is not None:
+            daemon.stop()  # it writes its turns as it exits
+            turns = _turns.read(turns_file)
+            for results in tables:
+                for r in results.values():
+                    if r.window is not None:
+                        r.daemon = r.window.summary(turns)
     warm, cold = tables
     return render(sizes, warm, copies[0]) + "\n" + render(sizes, cold, copies[1], warm=warm)
 
 
-def _fmt(v: float | None) -> str:
-    return "-" if v is None else f"{v:.1f}"
+def _fmt(v: float | None, digits: int = 1) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
 
 
 def render(
@@ -327,8 +356,8 @@ def render(
     head = [title] + [f"{c} {fmt_size(s)}" for c, s in cols]
     rows: list[list[str]] = []
 
-    def add(label: str, values: list[float | None]) -> None:
-        rows.append([label] + [_fmt(v) for v in values])
+    def add(label: str, values: list[float | None], digits: int = 1) -> None:
+        rows.append([label] + [_fmt(v, digits) for v in values])
 
     add("put: total (uninstrumented)", [results[k].put_us for k in cols])
     for label, where in PUT_STEPS:
@@ -342,6 +371,15 @@ def render(
         rows.append(
             ["put + get, cold / warm"] + [f"x{_ratio(results[k], warm[k]):.2f}" for k in cols]
         )
+    add(
+        "daemon: turns on session frames per transfer",
+        [results[k].daemon.get("per_transfer") for k in cols],
+        digits=3,
+    )
+    add("  a turn (median)", [results[k].daemon.get(_turns.TURN) for k in cols])
+    for label, where in _turns.STEPS:
+        add(f"    {label}", [results[k].daemon.get(where) for k in cols])
+    add("  turns' CPU per transfer", [results[k].daemon.get("cpu_per_transfer") for k in cols])
     add("memcpy, same size" + (", hot" if warm is None else ""), [memcpy[s] for _, s in cols])
     rows.append(["distinct lease slots in steady state"] + [str(results[k].slots) for k in cols])
     rows.append(["transport"] + [results[k].transport for k in cols])

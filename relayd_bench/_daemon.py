@@ -155,9 +155,14 @@ def _spawn(
 
 
 def start(
-    tmpdir: Path, pool_size: str, timeout_s: float, settings: dict[str, object] | None = None
+    tmpdir: Path,
+    pool_size: str,
+    timeout_s: float,
+    settings: dict[str, object] | None = None,
+    prefix: Sequence[str] = (),
 ) -> Daemon:
-    d = _spawn(tmpdir, pool_size, "relayd", settings=settings)
+    """One daemon; ``prefix`` runs it through a wrapper (``relayd_bench._turns``)."""
+    d = _spawn(tmpdir, pool_size, "relayd", settings=settings, prefix=prefix)
     d._await_ready(timeout_s)
     return d
 

@@ -229,6 +229,7 @@ def test_breakdown_prints_every_step_for_both_clients_warm_and_cold() -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     warm_text, cold_text = proc.stdout.split("\n\n")  # two tables: back to back, then cold
+    from relayd_bench import _turns
     from relayd_bench._breakdown import GET_STEPS, PUT_STEPS
 
     for text in (warm_text, cold_text):
@@ -247,6 +248,16 @@ def test_breakdown_prints_every_step_for_both_clients_warm_and_cold() -> None:
         # what each call spent outside its steps, per transfer: a number in every cell
         assert all(float(v) == float(v) for v in rows["other"]), rows["other"]
         assert rows["transport"] == ["inline", "inline", "shm", "shm"]
+        # The daemon's side, timed inside the daemon the bench started: inline
+        # puts give it no turn at all; leases give turns with every step timed.
+        per_transfer = [float(v) for v in rows["daemon: turns on session frames per transfer"]]
+        assert per_transfer[:2] == [0.0, 0.0] and all(0 < v <= 4 for v in per_transfer[2:])
+        assert all(float(v) > 0 for v in rows["turns' CPU per transfer"][2:])
+        for label, _ in _turns.STEPS:
+            assert all(float(v) >= 0 for v in rows[label][2:]), label
+        assert float(rows["a turn (median)"][-1]) >= float(
+            rows["notices: reserve, publish, claim, release, ..."][-1]
+        )
     assert cold_text.startswith("cold: each call after 1 ms asleep")
     ratios = rows["put + get, cold / warm"]
     assert len(ratios) == 4 and all(float(v.removeprefix("x")) > 0 for v in ratios)
