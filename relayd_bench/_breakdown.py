@@ -373,13 +373,13 @@ def render(
         )
     add(
         "daemon: turns on session frames per transfer",
-        [results[k].daemon.get("per_transfer") for k in cols],
+        [results[k].daemon.get(_turns.PER_TRANSFER) for k in cols],
         digits=3,
     )
     add("  a turn (median)", [results[k].daemon.get(_turns.TURN) for k in cols])
     for label, where in _turns.STEPS:
         add(f"    {label}", [results[k].daemon.get(where) for k in cols])
-    add("  turns' CPU per transfer", [results[k].daemon.get("cpu_per_transfer") for k in cols])
+    add("  turns' CPU per transfer", [results[k].daemon.get(_turns.CPU_PER_TRANSFER) for k in cols])
     add("memcpy, same size" + (", hot" if warm is None else ""), [memcpy[s] for _, s in cols])
     rows.append(["distinct lease slots in steady state"] + [str(results[k].slots) for k in cols])
     rows.append(["transport"] + [results[k].transport for k in cols])

@@ -230,9 +230,8 @@ def _options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Optio
 
 
 def _list_methods() -> None:
-    entries = (*_registry.BASELINES, *_registry.RELAYD)
-    w = max(len(e.name) for e in entries) + 2
-    for e in entries:
+    w = _registry.NAME_WIDTH
+    for e in (*_registry.BASELINES, *_registry.RELAYD):
         print(f"{e.name:<{w}}{e.summary}")
     print(f"{_registry.STREAM:<{w}}N paced streams of --stream-size chunks (see --stream-*)")
 

@@ -195,6 +195,8 @@ RELAYD: tuple[Entry, ...] = (
 )
 
 ENTRIES: dict[str, Entry] = {e.name: e for e in BASELINES + RELAYD}
+# A column as wide as the longest method name and a gap: --list, progress lines.
+NAME_WIDTH = max(len(name) for name in (*ENTRIES, STREAM)) + 2
 DEFAULT_STREAM_METHODS = ("floor", "relayd-shm")
 
 

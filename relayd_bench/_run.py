@@ -34,7 +34,7 @@ from relayd_bench import _coldcall, _daemon, _netns
 from relayd_bench._api import BenchContext, JobSpec, Pace, SizePlan, Step, WriterReport
 from relayd_bench._harness import JobOutcome, run_jobs
 from relayd_bench._progress import Progress
-from relayd_bench._registry import ENTRIES, STREAM, Entry
+from relayd_bench._registry import ENTRIES, NAME_WIDTH, STREAM, Entry
 from relayd_bench._rounds import median_cells
 from relayd_bench._stats import (
     Cpu,
@@ -370,7 +370,7 @@ class Bench:
         return rest
 
     def _report(self, r: Result) -> None:
-        head = f"{r.method:<21}{fmt_size(r.size):>8}  "
+        head = f"{r.method:<{NAME_WIDTH}}{fmt_size(r.size):>8}  "
         if r.latency is None:
             self.progress.line(f"{head}{r.status.value}: {r.reason}")
         else:

@@ -33,6 +33,9 @@ STEPS: tuple[tuple[str, str], ...] = (
 )
 TURN = "turn"  # the whole of data_received
 END = "end"  # monotonic ns when the turn ended
+# What Window.summary adds to the steps' medians.
+PER_TRANSFER = "per_transfer"  # turns per transfer
+CPU_PER_TRANSFER = "cpu_per_transfer"  # the turns' CPU per transfer, µs
 
 
 def install(record: list[dict[str, int]]) -> None:
@@ -113,8 +116,8 @@ class Window:
             values = [t.get(key, 0) for t in mine]
             out[key] = statistics.median(values) / 1000 if values else None
         n = max(self.transfers, 1)
-        out["per_transfer"] = len(mine) / n
-        out["cpu_per_transfer"] = sum(t[TURN] for t in mine) / n / 1000
+        out[PER_TRANSFER] = len(mine) / n
+        out[CPU_PER_TRANSFER] = sum(t[TURN] for t in mine) / n / 1000
         return out
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from relayd_bench import _turns
-from relayd_bench._turns import END, STEPS, TURN, Window
+from relayd_bench._turns import CPU_PER_TRANSFER, END, PER_TRANSFER, STEPS, TURN, Window
 
 
 def _turn(end: int, turn: int, **steps: int) -> dict[str, int]:
@@ -32,15 +32,15 @@ def test_a_window_summarizes_the_turns_that_ended_in_it() -> None:
     assert got["_handle"] == 4.0
     assert got["_count"] == 0.5  # a step a turn skipped counts as 0 there
     assert got["decode_frame"] == 0.0
-    assert got["per_transfer"] == 0.5  # 3 turns over 6 transfers
-    assert got["cpu_per_transfer"] == 2.5  # (3 + 5 + 7) µs over 6 transfers
+    assert got[PER_TRANSFER] == 0.5  # 3 turns over 6 transfers
+    assert got[CPU_PER_TRANSFER] == 2.5  # (3 + 5 + 7) µs over 6 transfers
     assert {where for _, where in STEPS} <= set(got)
 
 
 def test_a_window_with_no_turns_has_no_medians_and_costs_nothing() -> None:
     got = Window(10, 40, transfers=6).summary([_turn(50, 1_000)])
     assert got[TURN] is None and all(got[where] is None for _, where in STEPS)
-    assert (got["per_transfer"], got["cpu_per_transfer"]) == (0.0, 0.0)
+    assert (got[PER_TRANSFER], got[CPU_PER_TRANSFER]) == (0.0, 0.0)
 
 
 def test_turns_are_read_back_as_written_and_none_when_the_daemon_wrote_none(
