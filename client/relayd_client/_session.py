@@ -192,9 +192,10 @@ class SessionChannel:
     def _mark_from_thread(self, flush: bool, linger: float, holds: int) -> None:
         """:meth:`mark` for a caller off the loop (it holds :attr:`lock`).
 
-        Same batching, but the loop sends: a frame due now costs the caller
-        one self-pipe write, a lingering one nothing once the loop has armed
-        its timer.
+        Same batching. A frame due now is written by the caller itself
+        (:meth:`_send_from_thread`): handed to the loop instead, its send
+        contended for the GIL with the caller's next copy. A lingering one
+        costs the caller nothing once the loop has armed its timer.
         """
         loop = self._loop
         with self.lock:
