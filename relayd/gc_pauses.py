@@ -6,6 +6,14 @@ the daemon holds, a stall every session sees at once (tens of milliseconds
 over 65,536 request records, measured). The operator sees them as
 ``relayd_gc_pause_seconds``.
 
+Once serving, the daemon freezes what it built at startup (:meth:`GcPauses.freeze`):
+the ~34,000 objects of its modules, protobuf descriptors and parts move to
+the permanent generation, which no collection walks again. Before, each full
+collection walked them all: 12-16 ms, a stall a 50/s stream saw as a 21 ms
+chunk; after ~5,000 transfers the rest is ~3,000 objects, 0.4 ms (measured).
+Frozen objects are still freed by reference counting; only a cycle among them
+would stay, and startup's cycles are collected first.
+
 The callback only counts into plain lists (no lock, no allocation the
 collector tracks); the histogram is built from them at scrape time, like the
 other collectors in :mod:`relayd.metrics`.
@@ -18,7 +26,7 @@ import gc
 import time
 from collections.abc import Iterator
 
-from prometheus_client.core import HistogramMetricFamily, Metric
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
@@ -36,6 +44,21 @@ class GcPauses(Collector):
         self._counts = [[0] * (len(PAUSE_BUCKETS) + 1) for _ in range(GENERATIONS)]
         self._sums = [0.0] * GENERATIONS
         self._started = 0.0
+        self.frozen = 0
+
+    def freeze(self) -> int:
+        """Collect, then move every object alive into the permanent generation;
+        returns how many are frozen. Call once the process has built what it
+        keeps for life, before it serves: that collection is not counted, as
+        nobody waited for it."""
+        watching = self._on_gc in gc.callbacks
+        self.stop()
+        gc.collect()
+        gc.freeze()
+        if watching:
+            self.watch()
+        self.frozen = gc.get_freeze_count()
+        return self.frozen
 
     def watch(self) -> None:
         if self._on_gc not in gc.callbacks:
@@ -70,3 +93,8 @@ class GcPauses(Collector):
                 buckets.append((le, cumulative))
             family.add_metric([str(generation)], buckets, self._sums[generation])
         yield family
+        yield GaugeMetricFamily(
+            "relayd_gc_frozen_objects",
+            "Objects built at startup that no garbage collection walks",
+            value=self.frozen,
+        )

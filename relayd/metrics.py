@@ -211,6 +211,10 @@ class Metrics:
         """Time this process's garbage collections from now on (until :meth:`close`)."""
         self.gc_pauses.watch()
 
+    def freeze_gc(self) -> int:
+        """Keep what the process holds now out of every later collection (see :mod:`.gc_pauses`)."""
+        return self.gc_pauses.freeze()
+
     def serve(self, address: str) -> int:
         """Start the HTTP endpoint (its own thread, off the event loop); returns the port."""
         host, _, port = address.rpartition(":")

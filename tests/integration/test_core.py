@@ -429,6 +429,8 @@ def test_metrics_endpoint_reports_pools_sessions_and_transfers(tmp_path: object)
             top = _metric(text, "relayd_gc_pause_seconds_bucket", generation=generation, le="+Inf")
             assert f'relayd_gc_pause_seconds_count{{generation="{generation}"}}' in text
             assert count == top
+        # What the daemon built at startup is frozen: no full collection walks it.
+        assert _metric(text, "relayd_gc_frozen_objects") > 10_000
         run_worker(["read", "--socket", d.socket], input=refs[0].encode() + b"\n")
         wait_until(
             lambda: _metric(d.scrape(), "relayd_pool_used_bytes", pool="shm") == 0,

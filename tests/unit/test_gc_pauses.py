@@ -55,3 +55,24 @@ def test_a_young_collection_lands_under_its_own_generation() -> None:
     assert [_count(r, g) for g in range(GENERATIONS)] == [1, 0, 0]
     top = r.get_sample_value("relayd_gc_pause_seconds_bucket", {"generation": "0", "le": "+Inf"})
     assert top == 1
+
+
+def test_freeze_keeps_what_lives_now_out_of_every_later_collection() -> None:
+    pauses = GcPauses()
+    r = CollectorRegistry()
+    r.register(pauses)
+    assert r.get_sample_value("relayd_gc_frozen_objects") == 0
+    kept: list[list[int]] = [[] for _ in range(1000)]  # tracked containers alive at the freeze
+    pauses.watch()
+    try:
+        frozen = pauses.freeze()
+        assert frozen == gc.get_freeze_count() >= len(kept)
+        assert r.get_sample_value("relayd_gc_frozen_objects") == frozen
+        assert not any(obj is kept[0] for obj in gc.get_objects())  # no generation holds it
+        # Its own collection came before anyone waited: not a pause; later ones are.
+        assert _count(r, 2) == 0
+        gc.collect()
+        assert _count(r, 2) == 1
+    finally:
+        pauses.stop()
+        gc.unfreeze()  # the test process's objects go back to being collected
