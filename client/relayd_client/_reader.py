@@ -13,6 +13,7 @@ methods (:meth:`Reader.read_here`).
 from __future__ import annotations
 
 import asyncio
+import functools
 from typing import TYPE_CHECKING, Any
 
 from . import _copies, _cuda_facts, _cuda_staging, _flatten, _local, _packing, _remote
@@ -28,6 +29,7 @@ from .wire.errors import (
     InvalidArgumentError,
     PeerUnavailableError,
     PermissionDeniedError,
+    RelayError,
     StaleEpochError,
     StaleRefError,
 )
@@ -240,10 +242,39 @@ class Reader:
         return _flatten.rebuild(tree, tensors)
 
     async def _fetch(self, ref: DataRef) -> pb.DataRef:
+        """The local DataRef of a cross-node ``ref``, from this node's daemon; or
+        from its announcement of the same push, if that comes first."""
         conn = self._conn
-        local = await _remote.fetch(conn.session, ref, conn.timeout)
-        self.announced.forget(ref.proto)
+        m = ref.proto
+        answer: asyncio.Future[pb.FetchResponse] = asyncio.get_running_loop().create_future()
+        early = functools.partial(self._answer_from_announcement, ref, answer)
+        key = self.announced.when_added(m, early)
+        try:
+            local = await _remote.fetch(conn.session, ref, conn.timeout, answer)
+        finally:
+            self.announced.stop_waiting(key, early)
+        self.announced.forget(m)
         return local
+
+    def _answer_from_announcement(
+        self, ref: DataRef, answer: asyncio.Future[pb.FetchResponse]
+    ) -> None:
+        """Answer a fetch in flight from the announcement that just came, as the
+        daemon would (its own answer follows, once it reads the FetchCall):
+        the announced lease, while its slot header says so; else wait for it."""
+        if answer.done():
+            return
+        try:
+            local = self._announced(ref)
+        except RelayError:  # the daemon's answer says what is wrong
+            return
+        if local is not None:
+            origin = local.origin
+            answer.set_result(
+                pb.FetchResponse(
+                    lease=local.lease, node_id=origin.node_id, daemon_epoch=origin.daemon_epoch
+                )
+            )
 
     def landed_ref(self, ref: DataRef) -> pb.DataRef | None:
         """The local DataRef of a cross-node ``ref`` whose push the daemon announced

@@ -13,9 +13,20 @@ read and released exactly like a local SHM lease:
   at once, waits for a push still on its way, or pulls the bytes from the
   writer's daemon through Mooncake Transfer Engine. One round trip on the
   session socket, next to whatever the daemon waits for.
+
+The two cross when the push lands as the FetchCall is on its way: the daemon,
+no fetch waiting yet, announces it, then reads the FetchCall and answers it
+too. The announcement comes first and answers the fetch in flight
+(:meth:`Announced.when_added`); the daemon's answer is dropped. In a
+stop-and-wait cross-node read on loopback that was most reads, and the get
+then skips the daemon's turn on the FetchCall (measured: 1 MiB reads 9-11%
+faster, 256 KiB 1-4%).
 """
 
 from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
 
 from ._session import SessionChannel
 from .wire.compact import RefFields
@@ -62,6 +73,8 @@ class Announced:
 
     def __init__(self) -> None:
         self._by_key: dict[Key, tuple[pb.LandedPush, str]] = {}
+        # Fetches in flight, by the push they wait for: told when it is announced.
+        self._fetching: dict[Key, Callable[[], None]] = {}
 
     def __len__(self) -> int:
         return len(self._by_key)
@@ -76,6 +89,22 @@ class Announced:
         self._by_key[key] = (landed, epoch)
         while len(self._by_key) > ANNOUNCED_MAX:
             self._by_key.pop(next(iter(self._by_key)), None)
+        fetch = self._fetching.pop(key, None)
+        if fetch is not None:
+            fetch()
+
+    def when_added(self, m: pb.DataRef, fetch: Callable[[], None]) -> Key:
+        """Call ``fetch`` when ``m``'s push is announced, while a fetch of it is in
+        flight: the push landed as the FetchCall was on its way, and the
+        announcement is here first (the daemon answers both; nothing is lost by
+        reading either). Until :meth:`stop_waiting`."""
+        key = _key(m)
+        self._fetching[key] = fetch
+        return key
+
+    def stop_waiting(self, key: Key, fetch: Callable[[], None]) -> None:
+        if self._fetching.get(key) is fetch:  # a later fetch of the same push keeps its own
+            del self._fetching[key]
 
     def take(self, m: pb.DataRef, attach: pb.AttachResponse) -> pb.DataRef | None:
         """The local DataRef of ``m``'s announced push; None: not announced (fetch)."""
@@ -101,9 +130,16 @@ class Announced:
 
     def clear(self) -> None:
         self._by_key.clear()
+        self._fetching.clear()
 
 
-async def fetch(session: SessionChannel, ref: DataRef, timeout: float) -> pb.DataRef:
-    """The local DataRef for ``ref`` once this node's daemon holds its bytes."""
-    resp = await session.fetch(ref.to_bytes(), timeout)
+async def fetch(
+    session: SessionChannel,
+    ref: DataRef,
+    timeout: float,
+    answer: asyncio.Future[pb.FetchResponse] | None = None,
+) -> pb.DataRef:
+    """The local DataRef for ``ref`` once this node's daemon holds its bytes
+    (``answer``: see :meth:`SessionChannel.fetch`)."""
+    resp = await session.fetch(ref.to_bytes(), timeout, answer)
     return _local(ref.proto, resp.lease, resp.node_id, resp.daemon_epoch)

@@ -297,12 +297,23 @@ class SessionChannel:
         except (ConnectionError, RuntimeError) as exc:
             log.debug("session write failed: %s", exc)
 
-    async def fetch(self, data_ref: bytes, timeout: float) -> pb.FetchResponse:
-        """``Relay.Fetch`` on this socket: the daemon pulls a foreign DataRef."""
+    async def fetch(
+        self,
+        data_ref: bytes,
+        timeout: float,
+        answer: asyncio.Future[pb.FetchResponse] | None = None,
+    ) -> pb.FetchResponse:
+        """``Relay.Fetch`` on this socket: the daemon pulls a foreign DataRef.
+
+        ``answer``: the caller's future for the answer, which it may resolve
+        itself with what the daemon would answer, if it learns that first; the
+        daemon's answer then finds no call and is dropped.
+        """
         if self.closed or self._writer is None:
             raise DaemonUnavailableError("the session with the daemon is closed")
         call_id = next(self._call_ids)
-        answer: asyncio.Future[pb.FetchResponse] = asyncio.get_running_loop().create_future()
+        if answer is None:
+            answer = asyncio.get_running_loop().create_future()
         self._calls[call_id] = answer
         self._pending.fetch.append(
             pb.FetchCall(call_id=call_id, data_ref=data_ref, timeout_seconds=timeout)

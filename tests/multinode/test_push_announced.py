@@ -104,6 +104,47 @@ def test_the_blocking_client_reads_an_announced_push_on_its_own_thread(
     wait_until(lambda: _free_but_grant(a, b), DEADLINE, "both arenas back to the push grants")
 
 
+def test_an_announcement_that_crosses_the_fetch_answers_the_get(nodes: tuple[Node, Node]) -> None:
+    """The push lands while the reader's FetchCall is on its way: B announces it,
+    no fetch waiting yet, then answers the fetch too. The get reads where the
+    announcement said, without waiting for that answer."""
+    a, b = nodes
+    payload = make_payload(4, 1 << 20)
+    answered_early: list[bool] = []
+
+    async def scenario() -> None:
+        async with RelayClient("talker", b.daemon.socket) as r:
+            _ready_to_push(a, b)
+            session, reader = r._conn.session, r._reader
+            answer_from_announcement = reader._answer_from_announcement
+
+            def watched(ref: Any, answer: asyncio.Future[Any]) -> None:
+                answer_from_announcement(ref, answer)
+                answered_early.append(answer.done())
+
+            reader._answer_from_announcement = watched  # type: ignore[method-assign]
+            async with RelayClient("thinker", a.daemon.socket) as w:
+                assert session._writer is not None
+                transport = session._writer.transport
+                transport.pause_reading()  # the announcement waits in the socket
+                ref = await w.put(payload, to_stage="talker", request_id="crossed")
+                await asyncio.to_thread(
+                    wait_until,
+                    lambda: _count(b, a, "pushes_announced") == 1,
+                    DEADLINE,
+                    "B to announce the push",
+                )
+                get = asyncio.ensure_future(r.get(ref.to_bytes()))
+                await async_wait_until(lambda: bool(session._calls), DEADLINE, "the FetchCall")
+                transport.resume_reading()  # the announcement first, then the answer
+                assert digest(await get) == digest(payload)
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
+    assert answered_early == [True]
+    assert _count(b, a, "reads_attached") == 1  # B answered the fetch all the same
+    wait_until(lambda: _free_but_grant(a, b), DEADLINE, "both arenas back to the push grants")
+
+
 def test_a_stage_served_twice_is_not_announced(nodes: tuple[Node, Node]) -> None:
     """Either session may hold the DataRef, so neither is told: both fetch as before."""
     a, b = nodes

@@ -91,3 +91,46 @@ def test_forget_drop_request_and_clear() -> None:
     assert len(announced) == 1
     announced.clear()
     assert len(announced) == 0
+
+
+def test_a_fetch_in_flight_is_told_once_when_its_push_is_announced() -> None:
+    announced = _remote.Announced()
+    told: list[pb.DataRef | None] = []
+
+    def fetch() -> None:
+        told.append(announced.take(_ref(7), ATTACH))
+
+    key = announced.when_added(_ref(7), fetch)
+    announced.add(_landed(8), ATTACH.daemon_epoch)  # another push: not this fetch's
+    assert told == []
+    announced.add(_landed(7), ATTACH.daemon_epoch)
+    assert len(told) == 1 and told[0] is not None and told[0].lease == LOCAL
+    assert len(announced) == 1  # lease 8's, still there for its get; 7's was taken
+    announced.add(_landed(7), ATTACH.daemon_epoch)  # once told, no longer waiting
+    assert len(told) == 1
+    announced.stop_waiting(key, fetch)
+
+
+def test_a_fetch_that_ended_is_not_told_and_leaves_a_later_fetch_waiting() -> None:
+    announced = _remote.Announced()
+    first: list[int] = []
+    second: list[int] = []
+
+    def fetch_1() -> None:
+        first.append(1)
+
+    def fetch_2() -> None:
+        second.append(1)
+
+    key = announced.when_added(_ref(7), fetch_1)
+    announced.when_added(_ref(7), fetch_2)  # a second get of the same DataRef
+    announced.stop_waiting(key, fetch_1)  # the first one's end keeps the second's wait
+    announced.add(_landed(7), ATTACH.daemon_epoch)
+    assert (first, second) == ([], [1])
+    key = announced.when_added(_ref(9), fetch_1)
+    announced.stop_waiting(key, fetch_1)
+    announced.add(_landed(9), ATTACH.daemon_epoch)
+    announced.when_added(_ref(10), fetch_1)
+    announced.clear()  # a re-attach: the session's fetches failed with it
+    announced.add(_landed(10), ATTACH.daemon_epoch)
+    assert first == []

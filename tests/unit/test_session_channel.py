@@ -213,3 +213,25 @@ def test_a_lone_notice_on_an_idle_channel_goes_at_the_end_of_the_turn() -> None:
         assert daemon.ready() == []
 
     run(scenario)
+
+
+def test_a_fetch_its_caller_answered_returns_at_once_and_drops_the_daemons_answer() -> None:
+    """A reader told by an announcement where the push landed does not wait for
+    the daemon's answer to the FetchCall that crossed it."""
+
+    async def scenario(channel: SessionChannel, daemon: Daemon) -> None:
+        answer: asyncio.Future[pb.FetchResponse] = asyncio.get_running_loop().create_future()
+        fetch = asyncio.ensure_future(channel.fetch(b"the ref", 5.0, answer))
+        (call,) = (await daemon.next()).fetch
+        assert call.data_ref == b"the ref"
+        early = pb.FetchResponse(node_id="node-b", daemon_epoch="eb")
+        answer.set_result(early)
+        assert await fetch == early
+        assert not channel._calls  # the call is over: the daemon's answer finds nothing
+        late = pb.FetchResponse(node_id="the daemon's answer")
+        channel._answer(
+            pb.SessionFrame(fetched=[pb.FetchResult(call_id=call.call_id, response=late)])
+        )
+        assert answer.result() == early
+
+    run(scenario)
