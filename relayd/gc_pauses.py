@@ -7,7 +7,7 @@ over 65,536 request records, measured). The operator sees them as
 ``relayd_gc_pause_seconds``.
 
 Once serving, the daemon freezes what it built at startup (:meth:`GcPauses.freeze`):
-the ~34,000 objects of its modules, protobuf descriptors and parts move to
+the ~36,500 objects of its modules, protobuf descriptors and parts move to
 the permanent generation, which no collection walks again. Before, each full
 collection walked them all: 12-16 ms, a stall a 50/s stream saw as a 21 ms
 chunk; after ~5,000 transfers the rest is ~3,000 objects, 0.4 ms (measured).
