@@ -81,9 +81,12 @@ def make_payload(where: str, seed: int, nbytes: int, heavy: bool) -> dict[str, A
     half = torch.randn(64, 33, generator=g).to(torch.bfloat16)
     if where == "cpu":
         return {"seed": seed, "hidden": main, "extra": half}
-    gpu_main = heavy_source(nbytes, seed) if heavy else main.cuda()
     # .t(): a non-contiguous CUDA leaf (strides travel in direct handles).
-    out: dict[str, Any] = {"seed": seed, "hidden": gpu_main, "extra": half.cuda().t()}
+    # Moved before the heavy source: a copy from pageable host memory waits
+    # for everything queued on the stream, so after it nothing would be pending.
+    extra = half.cuda().t()
+    gpu_main = heavy_source(nbytes, seed) if heavy else main.cuda()
+    out: dict[str, Any] = {"seed": seed, "hidden": gpu_main, "extra": extra}
     if where == "mixed":
         out["cpu"] = torch.arange(1000, dtype=torch.int64)
     return out
@@ -193,6 +196,8 @@ async def main() -> None:
                     answer = {"freed": await client.abort(cmd["rid"])}
                 elif cmd["op"] == "mem":
                     answer = mem()
+                elif cmd["op"] == "status":  # waits for a re-attach in progress
+                    answer = {"epoch": (await client.status()).daemon_epoch}
                 elif cmd["op"] == "close":
                     await client.close()
                     answer = {"closed": True}

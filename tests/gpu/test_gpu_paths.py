@@ -471,6 +471,9 @@ def test_daemon_restart_gives_the_old_pools_gpu_memory_back(
         before = r.call(op="mem")["free"]
         assert d.stop() == 0
         d.start()  # a new epoch, a new pool
+        # The reader first, as at the start: a writer whose reader has not
+        # re-attached yet is routed to shm (its consumer is unknown).
+        assert r.call(op="status")["epoch"] == w.call(op="status")["epoch"]
         put, _ = _round_trip(w, r, 1 * MiB, seed=1301)  # re-attached, new pool imported
         assert put["transport"] == "cuda_ipc_pool"
         after = r.call(op="mem")["free"]
