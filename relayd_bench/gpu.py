@@ -97,7 +97,7 @@ async def _writer(
 
     out: dict[int, list[int]] = {}
     async with RelayClient("bench-writer", sock, timeout=30.0) as client:
-        gpu: Any = getattr(client, "_gpu", None)  # the client's private GPU state
+        gpu = gpu_side(client)
         if gpu is None:
             raise RuntimeError("the client has no GPU paths (arena not mapped?)")
         gpu.force = Transport(method)
@@ -117,6 +117,15 @@ async def _writer(
                     samples.append(int(done) - t0)
             out[size] = samples
     return out
+
+
+def gpu_side(client: Any) -> Any:
+    """The client's private GPU state (``None`` without GPU paths), to pin a transport.
+
+    Private on purpose: pinning is for this benchmark, not for users. A unit
+    test holds this path to the client's structure on machines without a GPU.
+    """
+    return client._conn.gpu
 
 
 def _answer(conn: Connection) -> Any:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing as mp
+from pathlib import Path
 
 import pytest
 
 from relayd_bench import gpu
 from relayd_bench._stats import Status, add_ratios, to_json
 from relayd_bench._table import render_table
+from tests._daemon import Daemon
 
 
 def test_the_arena_fits_a_small_dev_shm(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -48,3 +51,22 @@ def test_a_daemon_that_does_not_start_fails_both_methods_with_a_reason(
     assert "GB/s" in table and "cuda_ipc_pool" in table
     doc = to_json(results, (), {"gpu": "none"}, {"gpu": True})
     assert len(doc["results"]) == 3 * len(gpu.SIZES)
+
+
+def test_the_benchmark_reaches_the_clients_gpu_state(tmp_path: Path) -> None:
+    """The pool and direct methods pin the transport through the client's private
+    GPU state: the path to it is checked here, where no GPU can run them."""
+    from relayd_client import RelayClient
+
+    assert gpu.gpu_side(RelayClient("bench-writer", str(tmp_path / "none.sock"))) is None
+    d = Daemon(str(tmp_path)).start()
+    try:
+
+        async def attached() -> None:
+            async with RelayClient("bench-writer", d.socket, timeout=10.0) as client:
+                side = gpu.gpu_side(client)  # built where the arena is mapped, GPU or not
+                assert side is not None and side.force is None
+
+        asyncio.run(attached())
+    finally:
+        assert d.stop() == 0
