@@ -38,7 +38,10 @@ class FakeEvent:
 
 
 class FakeClock:
-    """A clock that advances only when the code under test sleeps."""
+    """A clock that advances only when the code under test sleeps; a turn of
+    the loop (``sleep(0)``) costs ``YIELD_S``."""
+
+    YIELD_S = 20e-6
 
     def __init__(self) -> None:
         self.now = 100.0
@@ -52,7 +55,7 @@ class FakeClock:
 
     def sleep_sync(self, seconds: float) -> None:
         self.slept.append(seconds)
-        self.now += seconds
+        self.now += seconds or self.YIELD_S
 
 
 # -- which stream, which thread ----------------------------------------------------------
@@ -186,11 +189,23 @@ def test_which_reads_leave_the_event_loop(
 # -- waiting ------------------------------------------------------------------------------
 
 
-def test_wait_event_returns_once_complete_without_a_thread() -> None:
+def test_wait_event_returns_once_complete_without_a_thread_or_a_timer() -> None:
+    # A copy done within the spin window costs turns of the loop, no timer:
+    # a loop's timer sleeps at least a millisecond, however short it is asked.
     clock, event = FakeClock(), FakeEvent(after=5)
     asyncio.run(_gpu_order.wait_event(event, clock() + 1.0, "x", clock=clock, sleep=clock.sleep))
-    assert event.queries == 6 and len(clock.slept) == 5
-    assert clock.slept[0] == _gpu_order.POLL_FIRST_S and max(clock.slept) <= _gpu_order.POLL_MAX_S
+    assert event.queries == 6 and clock.slept == [0] * 5
+
+
+def test_a_long_wait_polls_on_the_loops_tick_and_backs_off() -> None:
+    clock, event = FakeClock(), FakeEvent(after=80)
+    asyncio.run(_gpu_order.wait_event(event, clock() + 1.0, "x", clock=clock, sleep=clock.sleep))
+    timed = [s for s in clock.slept if s]
+    spins = len(clock.slept) - len(timed)
+    assert spins == pytest.approx(_gpu_order.POLL_SPIN_S / FakeClock.YIELD_S, abs=1)
+    assert clock.slept[:spins] == [0] * spins  # the spin comes first
+    assert timed[0] == _gpu_order.POLL_FIRST_S >= 1e-3  # never under the loop's tick
+    assert timed == sorted(timed) and max(timed) == _gpu_order.POLL_MAX_S
 
 
 def test_wait_event_on_an_event_that_never_fires_ends_at_the_deadline() -> None:
