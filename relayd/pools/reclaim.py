@@ -31,7 +31,9 @@ class Reclaimer:
         """``session`` aborts ``request_id``: (leases freed, their bytes)."""
         t = self.table
         req = t.requests.get(request_id)
-        if req is None:
+        if req is None or not (req.writers or req.readers):
+            # Nobody wrote or reads it yet: any stage may abort it ahead of time,
+            # again too, and one stage's tombstone must not lock out another's.
             t.requests.tombstone(request_id, session.stages, t.clock())
         elif not any(st in req.writers or st in req.readers for st in session.stages):
             raise PermissionDeniedError(

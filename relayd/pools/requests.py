@@ -106,13 +106,16 @@ class Requests:
                 req.leases = None
 
     def tombstone(self, request_id: str, stages: tuple[str, ...], now: float) -> None:
-        """Remember an abort of a request nobody wrote yet (by ``stages``)."""
-        if len(self.by_id) >= MAX_TOMBSTONES:
+        """Remember an abort of a request nobody wrote yet (by ``stages``, with
+        the stages of an earlier tombstone of it)."""
+        if request_id not in self.by_id and len(self.by_id) >= MAX_TOMBSTONES:
             # dicts keep insertion order: the oldest records go first.
             empty = [r for r, v in self.by_id.items() if v.leases is None]
             for rid in empty[: MAX_TOMBSTONES // 4]:
                 del self.by_id[rid]
-        req = self.by_id[request_id] = RequestInfo(touched=now)
+        req = self.touch(request_id, now)
+        if req.aborted and not req.aborters:
+            return  # aborted for every stage already (by a peer): nothing to narrow
         for stage in stages:
             req.aborters = _joined(req.aborters, stage)
 

@@ -249,6 +249,40 @@ def test_abort_frees_request_only_for_its_stages(tmp_path: object) -> None:
         wait_until(lambda: _drained(d), 10, "arena back to zero")
 
 
+def test_an_abort_ahead_of_the_writes_is_idempotent_and_no_bystander_locks_it(
+    tmp_path: object,
+) -> None:
+    """Aborting a request nobody wrote yet leaves a tombstone. Aborting it again
+    (a cleanup path after a timeout handler) is no error, and a bystander's
+    tombstone does not keep the request's own stages from aborting it."""
+
+    async def scenario(sock: str) -> None:
+        async with (
+            RelayClient("thinker", sock) as w,
+            RelayClient("talker", sock) as r,
+            RelayClient("bystander", sock) as b,
+        ):
+            assert await w.abort("early") == 0
+            assert await w.abort("early") == 0
+            assert await b.abort("taken") == 0
+            assert await r.abort("taken") == 0
+            # The tombstone now binds the talker's leases: a writer process that
+            # did not hear of the abort puts anyway, and the daemon frees it.
+            async with RelayClient("thinker", sock) as w2:
+                ref = await w2.put(make_payload(1, MiB), to_stage="talker", request_id="taken")
+                with pytest.raises((AbortedError, StaleRefError)):
+                    await r.get(ref)
+            # Once its own stages wrote it, a bystander still may not abort it.
+            await w.put(make_payload(2, MiB), to_stage="talker", request_id="mine")
+            with pytest.raises(PermissionDeniedError):
+                await b.abort("mine")
+            assert await w.abort("mine") == 1
+
+    with running_daemon(str(tmp_path)) as d:
+        asyncio.run(asyncio.wait_for(scenario(d.socket), 60))
+        wait_until(lambda: _drained(d), 10, "arena back to zero")
+
+
 def test_full_arena_gives_resource_exhausted_then_recovers(tmp_path: object) -> None:
     async def scenario(sock: str) -> None:
         async with RelayClient("thinker", sock) as w, RelayClient("talker", sock) as r:

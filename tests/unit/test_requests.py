@@ -65,3 +65,21 @@ def test_tombstones_bind_the_aborting_stages_once() -> None:
     reqs.tombstone("gone", ("talker", "talker", "thinker"), 5.0)
     req = reqs.by_id["gone"]
     assert req.aborted is False and tuple(req.aborters) == ("talker", "thinker")
+
+
+def test_a_second_tombstone_adds_its_stages_and_keeps_the_record_young() -> None:
+    reqs = Requests()
+    reqs.tombstone("gone", ("bystander",), 5.0)
+    reqs.tombstone("other", ("thinker",), 6.0)
+    reqs.tombstone("gone", ("talker",), 7.0)
+    req = reqs.by_id["gone"]
+    assert tuple(req.aborters) == ("bystander", "talker") and req.touched == 7.0
+    assert list(reqs.by_id) == ["other", "gone"]  # the sweep meets the oldest first
+
+
+def test_a_tombstone_does_not_narrow_an_abort_that_binds_every_stage() -> None:
+    reqs = Requests()
+    req = reqs.touch("from-peer", 5.0)
+    req.aborted = True  # a peer's abort: every later lease of it is freed
+    reqs.tombstone("from-peer", ("bystander",), 6.0)
+    assert req.aborted and req.aborters == ()
