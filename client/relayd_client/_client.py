@@ -25,7 +25,7 @@ from typing import Any
 from . import _copies, _flatten, _keyed, _local
 from ._aborts import AbortedRequests
 from ._checks import ReadChecks
-from ._connection import ClientState, Connection, default_socket
+from ._connection import ClientState, Connection, check_timeout, default_socket
 from ._gpu_paths import GpuPaths
 from ._grants import LeaseTable
 from ._notices import Notices
@@ -68,6 +68,7 @@ class RelayClient:
         daemon_uid: int | None = None,
         cuda_ipc_direct: bool = False,
     ) -> None:
+        check_timeout(timeout, positive=True)
         self.stages = (stage,) if isinstance(stage, str) else tuple(stage)
         if not self.stages:
             raise InvalidArgumentError("stage must be a non-empty name or list of names")
@@ -204,6 +205,8 @@ class RelayClient:
         """
         if key is not None:
             check_key(key)
+        if timeout is not None:
+            check_timeout(timeout)
         started = time.perf_counter_ns()
         trace = check_trace_id(trace_id)
         ref = await self._put(obj, to_stage, request_id, chunk_id, timeout, pickle, trace)
@@ -381,6 +384,8 @@ class RelayClient:
         and :class:`RelayTimeoutError` when no next chunk arrives within
         ``timeout`` seconds (None: wait as long as it takes).
         """
+        if timeout is not None:
+            check_timeout(timeout)
         return self._streams.chunks(request_id, from_stage, timeout, self.get)
 
     # -- keyed delivery and discard (see _keyed) ----------------------------------------

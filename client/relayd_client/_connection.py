@@ -15,6 +15,7 @@ import contextlib
 import enum
 import functools
 import logging
+import math
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -26,7 +27,12 @@ from . import _cuda, _cuda_facts
 from ._grants import Grant, Grants, Lease, LeaseTable
 from ._session import SessionChannel
 from .wire import peercred
-from .wire.errors import DaemonUnavailableError, RelayError, SessionClosedError
+from .wire.errors import (
+    DaemonUnavailableError,
+    InvalidArgumentError,
+    RelayError,
+    SessionClosedError,
+)
 from .wire.framing import session_socket_path
 from .wire.paths import default_socket_path
 from .wire.proto import relay_pb2 as pb
@@ -55,6 +61,22 @@ class ClientState(enum.Enum):
     UNOPENED = "unopened"
     OPENED = "opened"
     CLOSED = "closed"
+
+
+def check_timeout(value: object, *, positive: bool = False) -> None:
+    """A timeout is a finite number of seconds (``positive``: above zero).
+
+    NaN and infinity would reach timers and futures as a deadline that never
+    comes, or as an OverflowError from the blocking client's wait.
+    """
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or (positive and value <= 0)
+    ):
+        kind = "a positive finite" if positive else "a finite"
+        raise InvalidArgumentError(f"timeout must be {kind} number of seconds, not {value!r}")
 
 
 def default_socket() -> str:
@@ -372,7 +394,11 @@ class Connection:
         self.grants.slots_back(lease)
 
     def rpc_timeout(self, timeout: float | None) -> float:
-        return self.timeout if timeout is None else timeout
+        """A call's timeout: the caller's, checked, else the client's."""
+        if timeout is None:
+            return self.timeout
+        check_timeout(timeout)
+        return timeout
 
 
 def _namespaces() -> dict[str, str]:

@@ -27,7 +27,7 @@ from typing import Any, TypeVar, cast
 
 from . import _cuda_copy, _keyed
 from ._client import RelayClient
-from ._connection import ClientState
+from ._connection import ClientState, check_timeout
 from ._reader import InlineOnGpu
 from ._refs import TensorRef
 from ._writer import PutPlan, check_trace_id, leased
@@ -239,6 +239,12 @@ class SyncRelayClient:
             coro.close()
             self._client._conn.require_open()  # raises the async client's error
             raise SessionClosedError("SyncRelayClient is not open")
+        if timeout is not None:
+            try:
+                check_timeout(timeout)
+            except InvalidArgumentError:
+                coro.close()  # it never runs
+                raise
         wait = self._client.timeout if timeout is None else timeout
         return lt.run(coro, 2 * max(wait, 0.0) + LOOP_GRACE_S)
 
@@ -265,6 +271,8 @@ class SyncRelayClient:
         """Publish ``obj`` for ``to_stage``; see :meth:`RelayClient.put` (``key`` included)."""
         if key is not None:
             check_key(key)
+        if timeout is not None:
+            check_timeout(timeout)
         started = time.perf_counter_ns()
         trace = check_trace_id(trace_id)
         ref = self._put(obj, to_stage, request_id, chunk_id, timeout, pickle, trace)
@@ -481,6 +489,8 @@ class SyncRelayClient:
         self, request_id: str, *, from_stage: str, timeout: float | None = None
     ) -> Iterator[Any]:
         """``for chunk in client.stream(rid, from_stage=...)``; see :meth:`RelayClient.stream`."""
+        if timeout is not None:
+            check_timeout(timeout)
         agen = cast(
             "AsyncGenerator[Any, None]",
             self._client.stream(request_id, from_stage=from_stage, timeout=timeout),

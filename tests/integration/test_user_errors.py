@@ -20,7 +20,7 @@ from relayd_client import (
 
 from relayd import _logging
 from relayd.status_tables import render_leases
-from tests._daemon import running_daemon, wait_until
+from tests._daemon import drained, running_daemon, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -132,3 +132,41 @@ def test_hostile_request_ids_are_escaped_in_tables_and_logs(tmp_path: Path) -> N
     for fmt in ("text", "logfmt"):
         line = _logging.make_formatter(fmt).format(record)
         assert "\n" not in line and "\x1b" not in line, (fmt, line)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), "5", True])
+def test_a_timeout_that_is_no_finite_number_is_refused_where_it_is_given(
+    tmp_path: Path, bad: object
+) -> None:
+    """NaN and infinity reached timers and futures: an infinite put timeout
+    raised OverflowError from the blocking client, a NaN one a timeout "within
+    nan s". Both clients refuse them, and the client's own timeout, up front."""
+    from relayd_client import SyncRelayClient
+
+    for make in (RelayClient, SyncRelayClient):
+        with pytest.raises(InvalidArgumentError, match="timeout must be"):
+            make("w", str(tmp_path / "none.sock"), timeout=bad)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match="timeout must be a positive"):
+        RelayClient("w", str(tmp_path / "none.sock"), timeout=0)
+    with running_daemon(str(tmp_path)) as d:
+
+        async def main() -> None:
+            async with RelayClient("w", d.socket) as c:
+                with pytest.raises(InvalidArgumentError, match="timeout must be"):
+                    await c.put(torch.ones(MiB), to_stage="r", request_id="t", timeout=bad)  # type: ignore[arg-type]
+                with pytest.raises(InvalidArgumentError, match="timeout must be"):
+                    await c.take_key("k", from_stage="w", to_stage="w", timeout=bad)  # type: ignore[arg-type]
+                with pytest.raises(InvalidArgumentError, match="timeout must be"):
+                    async for _ in c.stream("s", from_stage="w", timeout=bad):  # type: ignore[arg-type]
+                        pass
+
+        _run(main())
+        with SyncRelayClient("w", d.socket) as s:
+            with pytest.raises(InvalidArgumentError, match="timeout must be"):
+                s.put(torch.ones(MiB), to_stage="r", request_id="t", timeout=bad)  # type: ignore[arg-type]
+            with pytest.raises(InvalidArgumentError, match="timeout must be"):
+                s.take_key("k", from_stage="w", to_stage="w", timeout=bad)  # type: ignore[arg-type]
+            with pytest.raises(InvalidArgumentError, match="timeout must be"):
+                next(s.stream("s", from_stage="w", timeout=bad))  # type: ignore[arg-type]
+        # Nothing was reserved by the refused calls.
+        wait_until(lambda: drained(d), 10, "arena back to zero")
