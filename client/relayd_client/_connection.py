@@ -147,7 +147,10 @@ class Connection:
     def require_open(self) -> pb.AttachResponse:
         """The attach answer of a usable session; raises when there is none right now."""
         if self.state is not ClientState.OPENED or self.attach is None:
-            raise SessionClosedError(f"RelayClient is {self.state.value}; use `async with`")
+            raise SessionClosedError(
+                f"the client is {self.state.value}; use it inside `async with RelayClient(...)` "
+                "or `with SyncRelayClient(...)` (or call open())"
+            )
         if self.lost:
             raise DaemonUnavailableError(
                 "the relayd daemon went away; re-attaching in the background"

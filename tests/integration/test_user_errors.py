@@ -170,3 +170,14 @@ def test_a_timeout_that_is_no_finite_number_is_refused_where_it_is_given(
                 next(s.stream("s", from_stage="w", timeout=bad))  # type: ignore[arg-type]
         # Nothing was reserved by the refused calls.
         wait_until(lambda: drained(d), 10, "arena back to zero")
+
+
+def test_a_call_before_open_says_how_to_open_either_client(tmp_path: Path) -> None:
+    from relayd_client import SessionClosedError, SyncRelayClient
+
+    with pytest.raises(SessionClosedError, match=r"with SyncRelayClient\(\.\.\.\)`"):
+        SyncRelayClient("w", str(tmp_path / "none.sock")).put(
+            torch.ones(4), to_stage="r", request_id="x"
+        )
+    with pytest.raises(SessionClosedError, match=r"async with RelayClient\(\.\.\.\)`"):
+        _run(RelayClient("w", str(tmp_path / "none.sock")).abort("x"))
