@@ -119,6 +119,9 @@ class RelayClient:
         conn = self._conn
         if conn.state is ClientState.CLOSED:
             return
+        if conn.forked:  # nothing may reach the parent's session from here
+            conn.forget()
+            return
         conn.state = ClientState.CLOSED
         _local.unserve(self.stages, self)
         self._reports.flush()

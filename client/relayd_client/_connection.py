@@ -63,6 +63,21 @@ class ClientState(enum.Enum):
     CLOSED = "closed"
 
 
+# Forks this process has been through (counted in the child): a session is
+# usable only in the process that opened it. A forked child shares the parent's
+# session socket, grants, arena mapping and event loop's epoll set; a put there
+# would cut a lease from slots the parent also hands out.
+_forks = 0
+
+
+def _count_fork() -> None:
+    global _forks
+    _forks += 1
+
+
+os.register_at_fork(after_in_child=_count_fork)
+
+
 def check_timeout(value: object, *, positive: bool = False) -> None:
     """A timeout is a finite number of seconds (``positive``: above zero).
 
@@ -120,6 +135,8 @@ class Connection:
         self.segments: list[MappedSegment] = []
         self.views: list[Any] = []
         self.gpu: _cuda.GpuSide | None = None
+        self._opened_in = _forks
+        self._opened_pid = os.getpid()
         self.draining = False
         self.lost = False
         # True when this process cannot map the arena: bytes go over gRPC.
@@ -144,8 +161,18 @@ class Connection:
 
     # -- the gate every call passes -------------------------------------------------
 
+    @property
+    def forked(self) -> bool:
+        """This process is a fork of the one that opened the session."""
+        return self._opened_in != _forks
+
     def require_open(self) -> pb.AttachResponse:
         """The attach answer of a usable session; raises when there is none right now."""
+        if self._opened_in != _forks:
+            raise SessionClosedError(
+                f"this client was opened in process {self._opened_pid}, before a fork: a "
+                "forked child cannot share its parent's session; open a new client in the child"
+            )
         if self.state is not ClientState.OPENED or self.attach is None:
             raise SessionClosedError(
                 f"the client is {self.state.value}; use it inside `async with RelayClient(...)` "
@@ -163,7 +190,7 @@ class Connection:
         Callers write ``conn.usable() or await conn.ready(timeout)``; an await
         that never suspends still costs about half a microsecond per put.
         """
-        return None if self.lost else self.require_open()
+        return None if self.lost and not self.forked else self.require_open()
 
     async def ready(self, timeout: float | None) -> pb.AttachResponse:
         """Wait, up to the call's deadline, for a re-attach in progress; then as usable()."""
@@ -190,16 +217,31 @@ class Connection:
             return
         if self.state is ClientState.CLOSED:
             raise SessionClosedError("a closed RelayClient cannot be reopened; make a new one")
+        self._opened_in, self._opened_pid = _forks, os.getpid()
         await self._connect()
         self.state = ClientState.OPENED
 
     async def close(self) -> None:
         """Stop re-attaching and end the session (the state is CLOSED already)."""
+        if self.forked:
+            self.forget()
+            return
         if self._reconnect_task is not None:
             self._reconnect_task.cancel()
             with contextlib.suppress(BaseException):
                 await self._reconnect_task
         await self._teardown()
+
+    def forget(self) -> None:
+        """A forked child's close: drop the parent's session without touching it.
+
+        Its socket, gRPC channel and loop are the parent's too (a close or an
+        unregistered descriptor here would reach them); the memory goes with
+        this process.
+        """
+        self.state = ClientState.CLOSED
+        self.attach = None
+        self._reconnect_task = None
 
     async def _connect(self) -> None:
         """Attach, map the arena, bind the session socket; undo everything on failure."""

@@ -218,6 +218,10 @@ class SyncRelayClient:
 
     def close(self) -> None:
         """Close the session; safe from any thread, and more than once."""
+        c = self._client
+        if c._conn.forked:  # the loop thread (and maybe the lock) is the parent's
+            c._conn.forget()
+            return
         with self._state_lock:
             c, lt = self._client, self._loop
             if c.state is ClientState.CLOSED:

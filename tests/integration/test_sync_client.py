@@ -340,3 +340,56 @@ def test_every_put_and_get_of_both_clients_ends_in_one_place(
         seen.clear()
         asyncio.run(asyncio.wait_for(async_side(), 60))
         assert seen == ["put", "get"] * 3
+
+
+def test_a_forked_child_cannot_use_its_parents_session_and_the_parent_is_unharmed(
+    tmp_path: object,
+) -> None:
+    """The child inherits the parent's session socket, grants and arena mapping:
+    a put there would cut a lease from slots the parent also hands out. The
+    child gets SessionClosedError at the first call and closes without I/O on
+    what it shares with the parent; the parent goes on."""
+    import os
+    import time
+
+    with running_daemon(str(tmp_path)) as d:
+        with SyncRelayClient("thinker", d.socket) as w, SyncRelayClient("talker", d.socket) as r:
+            payload = make_payload(1, MiB)  # made before the fork: torch's threads do not follow
+            assert digest(r.get(w.put(payload, to_stage="talker", request_id="pre"))) == digest(
+                payload
+            )
+            pid = os.fork()
+            if pid == 0:  # the child: report by exit code, never return into pytest
+                code = 1
+                try:
+                    try:
+                        w.put(payload, to_stage="talker", request_id="child")
+                    except SessionClosedError as exc:
+                        code = 0 if "fork" in str(exc) else 2
+                    started = time.monotonic()
+                    w.close()
+                    r.close()
+                    if time.monotonic() - started > 1.0:
+                        code = 3  # close waited on the parent's loop
+                finally:
+                    os._exit(code)
+            exit_code: list[int] = []
+
+            def reaped() -> bool:
+                child, status = os.waitpid(pid, os.WNOHANG)
+                if child:
+                    exit_code.append(os.waitstatus_to_exitcode(status))
+                return bool(child)
+
+            try:
+                wait_until(reaped, 30, "the forked child to finish")
+            finally:
+                if not exit_code:
+                    os.kill(pid, 9)
+                    os.waitpid(pid, 0)
+            assert exit_code == [0]
+            for i in range(20):  # the parent's session and grant are intact
+                more = make_payload(10 + i, MiB)
+                ref = w.put(more, to_stage="talker", request_id=f"after-{i}")
+                assert digest(r.get(ref)) == digest(more)
+        wait_until(lambda: _drained(d), 10, "arena back to zero")
