@@ -14,7 +14,9 @@ and direct runs use a daemon started here with ``--gpu-pool-size 512MiB``
 (a small SHM arena, not page-locked: neither method touches it); the
 transport is pinned on the writer's client, so the numbers do not depend on
 how the two benchmark processes happen to be placed. Output: the same table
-and JSON document as ``relayd bench``.
+and JSON document as ``relayd bench``. Under the table, each relayd cell's
+median is split into the writer's put, the DataRef's trip to the reader and
+the get (also in the JSON's ``run``), so a GPU run shows which side to look at.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import asyncio
 import contextlib
 import json
 import multiprocessing as mp
+import statistics
 import sys
 import tempfile
 import time
@@ -33,7 +36,7 @@ from typing import Any
 
 from relayd.launch import DaemonProcess, DaemonStartError
 from relayd_bench._stats import Result, Status, add_ratios, machine_info, summarize, to_json
-from relayd_bench._table import render_table
+from relayd_bench._table import fmt_size, render_table
 
 SIZES = (256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20)
 FLOOR = "copy_"
@@ -79,8 +82,9 @@ def _reader(sock: str, conn: Connection) -> None:
                 wire = conn.recv()
                 if wire is None:
                     return
+                started = time.perf_counter_ns()
                 await client.get(DataRef.from_bytes(wire))  # returns with the copy done
-                conn.send(time.perf_counter_ns())
+                conn.send((started, time.perf_counter_ns()))
                 # Let the loop send the release notice before blocking in recv():
                 # otherwise the lease stays held until the next get.
                 await asyncio.sleep(0)
@@ -90,12 +94,13 @@ def _reader(sock: str, conn: Connection) -> None:
 
 async def _writer(
     sock: str, conn: Connection, method: str, sizes: tuple[int, ...], warmup: int, n: int
-) -> dict[int, list[int]]:
+) -> dict[int, tuple[list[int], str]]:
+    """Per size: the one-way samples, and :func:`split_note` of where they went."""
     import torch
     from relayd_client import RelayClient
     from relayd_client.wire.transport import Transport
 
-    out: dict[int, list[int]] = {}
+    out: dict[int, tuple[list[int], str]] = {}
     async with RelayClient("bench-writer", sock, timeout=30.0) as client:
         gpu = gpu_side(client)
         if gpu is None:
@@ -104,18 +109,26 @@ async def _writer(
         for size in sizes:
             src = torch.randint(0, 256, (size,), dtype=torch.uint8, device="cuda")
             samples: list[int] = []
+            steps: tuple[list[int], list[int], list[int]] = ([], [], [])
             for i in range(warmup + n):
                 torch.cuda.synchronize()
                 t0 = time.perf_counter_ns()
                 ref = await client.put(src, to_stage="bench-reader", request_id=f"g{size}-{i}")
+                put_done = time.perf_counter_ns()
                 if ref.transport.value != method:
                     raise RuntimeError(f"{method} was asked for, {ref.transport.value} was taken")
                 conn.send(ref.to_bytes())
                 # Off the loop: the writer's session keeps taking Freed notices.
-                done = await asyncio.to_thread(_answer, conn)
+                get_started, done = await asyncio.to_thread(_answer, conn)
                 if i >= warmup:
                     samples.append(int(done) - t0)
-            out[size] = samples
+                    for step, ns in zip(
+                        steps,
+                        (put_done - t0, get_started - put_done, done - get_started),
+                        strict=True,
+                    ):
+                        step.append(int(ns))
+            out[size] = samples, split_note(*steps)
     return out
 
 
@@ -126,6 +139,32 @@ def gpu_side(client: Any) -> Any:
     test holds this path to the client's structure on machines without a GPU.
     """
     return client._conn.gpu
+
+
+def split_note(puts: list[int], hops: list[int], gets: list[int]) -> str:
+    """Medians of the writer's put, the DataRef's trip to the reader and its get, in µs.
+
+    One host, one clock (``perf_counter_ns`` is CLOCK_MONOTONIC): the three add
+    up to the one-way latency of the same transfer.
+    """
+    if not puts:
+        return "-"
+    put, hop, get = (statistics.median(v) / 1e3 for v in (puts, hops, gets))
+    return f"{put:.0f} / {hop:.0f} / {get:.0f}"
+
+
+def render_splits(splits: dict[tuple[str, int], str]) -> str:
+    """The lines under the table: each relayd cell's median, split (see :func:`split_note`)."""
+    rows = [
+        f"{fmt_size(size):<7}{method:<17}{split}"
+        for (method, size), split in sorted(splits.items(), key=lambda kv: (kv[0][1], kv[0][0]))
+    ]
+    if not rows:
+        return ""
+    head = (
+        "\nwhere each median went, µs: the writer's put / the DataRef's trip / the reader's get\n"
+    )
+    return head + "\n".join(rows) + "\n"
 
 
 def _answer(conn: Connection) -> Any:
@@ -164,7 +203,15 @@ def _start_daemon(tmp: Path) -> DaemonProcess:
         raise
 
 
-def _relayd_methods(sizes: tuple[int, ...], warmup: int, n: int, results: list[Result]) -> None:
+def _relayd_methods(
+    sizes: tuple[int, ...],
+    warmup: int,
+    n: int,
+    results: list[Result],
+    splits: dict[tuple[str, int], str] | None = None,
+) -> None:
+    """Run the relayd methods into ``results``; ``splits``: where each median went."""
+    splits = {} if splits is None else splits
     with tempfile.TemporaryDirectory(prefix="relayd-gpu-bench-") as tmp:
         try:
             daemon = _start_daemon(Path(tmp))
@@ -186,8 +233,9 @@ def _relayd_methods(sizes: tuple[int, ...], warmup: int, n: int, results: list[R
                     if not parent.poll(60) or parent.recv() != "ready":
                         raise RuntimeError("the reader process did not attach")
                     by_size = asyncio.run(_writer(sock, parent, method, sizes, warmup, n))
-                    for size, samples in by_size.items():
+                    for size, (samples, split) in by_size.items():
                         results.append(_ok(method, size, warmup, samples))
+                        splits[method, size] = split
                 except Exception as exc:  # one method failing must not hide the others
                     for size in sizes:
                         results.append(Result(method, size, Status.FAILED, reason=f"{exc}"[:200]))
@@ -219,15 +267,20 @@ def run(args: argparse.Namespace) -> int:
     torch.cuda.set_device(0)
     for size in SIZES:
         results.append(_floor_result(size, warmup, n))
-    _relayd_methods(SIZES, warmup, n, results)
+    splits: dict[tuple[str, int], str] = {}
+    _relayd_methods(SIZES, warmup, n, results, splits)
     add_ratios(results, reference=FLOOR)
     machine = machine_info()
     machine["gpu"] = torch.cuda.get_device_name(0)
     machine["gpus"] = torch.cuda.device_count()
     print(render_table(results, machine=machine), end="")
+    print(render_splits(splits), end="")
     path = getattr(args, "json", None)
     if path:
-        run_info = {"gpu": True, "warmup": warmup, "iterations": n, "reference": FLOOR}
+        run_info = {
+            "gpu": True, "warmup": warmup, "iterations": n, "reference": FLOOR,
+            "put_hop_get_us": {f"{m} {size}": split for (m, size), split in splits.items()},
+        }  # fmt: skip
         with open(path, "w", encoding="utf-8") as f:
             json.dump(to_json(results, (), machine, run_info), f, indent=2)
     return 0 if all(r.status is Status.OK for r in results) else 1

@@ -70,3 +70,19 @@ def test_the_benchmark_reaches_the_clients_gpu_state(tmp_path: Path) -> None:
         asyncio.run(attached())
     finally:
         assert d.stop() == 0
+
+
+def test_the_split_gives_the_median_of_each_step_under_the_table() -> None:
+    ns = 1000
+    puts, hops, gets = (
+        [300 * ns, 310 * ns, 290 * ns],
+        [88 * ns] * 3,
+        [545 * ns, 9000 * ns, 500 * ns],
+    )
+    assert gpu.split_note(puts, hops, gets) == "300 / 88 / 545"
+    assert gpu.split_note([], [], []) == "-"
+    splits = {("cuda_ipc_pool", 4 << 20): "1 / 2 / 3", ("cuda_ipc_direct", 1 << 20): "4 / 5 / 6"}
+    lines = gpu.render_splits(splits).splitlines()
+    assert lines[-2].split() == ["1MiB", "cuda_ipc_direct", "4", "/", "5", "/", "6"]
+    assert lines[-1].split() == ["4MiB", "cuda_ipc_pool", "1", "/", "2", "/", "3"]
+    assert gpu.render_splits({}) == ""
