@@ -168,7 +168,7 @@ class Connection:
 
     def require_open(self) -> pb.AttachResponse:
         """The attach answer of a usable session; raises when there is none right now."""
-        if self._opened_in != _forks:
+        if self._opened_in != _forks and self.state is not ClientState.UNOPENED:
             raise SessionClosedError(
                 f"this client was opened in process {self._opened_pid}, before a fork: a "
                 "forked child cannot share its parent's session; open a new client in the child"
