@@ -347,8 +347,9 @@ def test_a_forked_child_cannot_use_its_parents_session_and_the_parent_is_unharme
 ) -> None:
     """The child inherits the parent's session socket, grants and arena mapping:
     a put there would cut a lease from slots the parent also hands out. The
-    child gets SessionClosedError at the first call and closes without I/O on
-    what it shares with the parent; the parent goes on."""
+    child gets SessionClosedError at the first call, closes without I/O on
+    what it shares with the parent, and is told at once that it cannot open a
+    client of its own; the parent goes on."""
     import os
     import time
 
@@ -371,6 +372,17 @@ def test_a_forked_child_cannot_use_its_parents_session_and_the_parent_is_unharme
                     r.close()
                     if time.monotonic() - started > 1.0:
                         code = 3  # close waited on the parent's loop
+                    # Nor can it open its own: gRPC does not survive the fork (an
+                    # Attach there hung until its deadline). It is told at once.
+                    started = time.monotonic()
+                    try:
+                        SyncRelayClient("vocoder", d.socket, timeout=5).open()
+                        code = 4
+                    except SessionClosedError as exc:
+                        if "spawn" not in str(exc) or time.monotonic() - started > 1.0:
+                            code = 5
+                    except Exception:  # a timeout after the hang, say
+                        code = 6
                 finally:
                     os._exit(code)
             exit_code: list[int] = []
