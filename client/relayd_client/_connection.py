@@ -23,7 +23,7 @@ from typing import Any
 
 import grpc
 
-from . import _cuda, _cuda_facts
+from . import _cuda, _cuda_facts, _fork
 from ._grants import Grant, Grants, Lease, LeaseTable
 from ._session import SessionChannel
 from .wire import peercred
@@ -61,33 +61,6 @@ class ClientState(enum.Enum):
     UNOPENED = "unopened"
     OPENED = "opened"
     CLOSED = "closed"
-
-
-# Forks this process has been through (counted in the child): a session is
-# usable only in the process that opened it. A forked child shares the parent's
-# session socket, grants, arena mapping and event loop's epoll set; a put there
-# would cut a lease from slots the parent also hands out. Nor can a child open
-# a session of its own once its parent opened one: gRPC's asyncio stack does not
-# survive a fork (an Attach there hung until its deadline, with or without
-# GRPC_ENABLE_FORK_SUPPORT). A child forked before any session was opened is a
-# process like any other.
-_forks = 0
-_opened_here = False  # this process opened a session, so it started gRPC
-_opened_before_fork = False  # this process is a fork of one that had
-
-FORKED_HINT = (
-    "start stage processes with multiprocessing's 'spawn' method, or open clients "
-    "only in the processes that use them"
-)
-
-
-def _count_fork() -> None:
-    global _forks, _opened_before_fork
-    _forks += 1
-    _opened_before_fork = _opened_before_fork or _opened_here
-
-
-os.register_at_fork(after_in_child=_count_fork)
 
 
 def check_timeout(value: object, *, positive: bool = False) -> None:
@@ -147,7 +120,7 @@ class Connection:
         self.segments: list[MappedSegment] = []
         self.views: list[Any] = []
         self.gpu: _cuda.GpuSide | None = None
-        self._opened_in = _forks
+        self._opened_in = _fork.forks
         self._opened_pid = os.getpid()
         self.draining = False
         self.lost = False
@@ -176,15 +149,12 @@ class Connection:
     @property
     def forked(self) -> bool:
         """This process is a fork of the one that opened the session."""
-        return self._opened_in != _forks
+        return self._opened_in != _fork.forks
 
     def require_open(self) -> pb.AttachResponse:
         """The attach answer of a usable session; raises when there is none right now."""
-        if self._opened_in != _forks and self.state is not ClientState.UNOPENED:
-            raise SessionClosedError(
-                f"this client was opened in process {self._opened_pid}, before a fork: a "
-                f"forked child cannot use its parent's session; {FORKED_HINT}"
-            )
+        if self._opened_in != _fork.forks and self.state is not ClientState.UNOPENED:
+            raise _fork.refused(self._opened_pid)
         if self.state is not ClientState.OPENED or self.attach is None:
             raise SessionClosedError(
                 f"the client is {self.state.value}; use it inside `async with RelayClient(...)` "
@@ -229,14 +199,7 @@ class Connection:
             return
         if self.state is ClientState.CLOSED:
             raise SessionClosedError("a closed RelayClient cannot be reopened; make a new one")
-        if _opened_before_fork:
-            raise SessionClosedError(
-                "this process was forked from one that had opened a relayd client, and "
-                f"gRPC does not work in such a child; {FORKED_HINT}"
-            )
-        global _opened_here
-        _opened_here = True
-        self._opened_in, self._opened_pid = _forks, os.getpid()
+        self._opened_in, self._opened_pid = _fork.opening(), os.getpid()
         await self._connect()
         self.state = ClientState.OPENED
 
