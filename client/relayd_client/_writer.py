@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import operator
 import secrets
 import time
 from collections.abc import Sequence
@@ -54,6 +55,25 @@ def check_names(to_stage: str, request_id: str) -> None:
     """The rules attach applies to stage names, here, before anything is written."""
     check_stage(to_stage, "to_stage")
     check_request_id(request_id)
+
+
+# A chunk id or count travels as the DataRef's int64 chunk_id.
+MAX_CHUNK = (1 << 63) - 1
+
+
+def check_count(value: object, what: str) -> int:
+    """``value`` as an int from 0 to :data:`MAX_CHUNK` (numpy ints too), else
+    InvalidArgumentError: a float, a bool or a bigger number would fail later,
+    as TypeError or ValueError from the DataRef's fields."""
+    if not isinstance(value, bool):
+        try:
+            n = operator.index(value)  # type: ignore[arg-type]
+        except TypeError:
+            pass
+        else:
+            if 0 <= n <= MAX_CHUNK:
+                return n
+    raise InvalidArgumentError(f"{what} must be an integer from 0 to 2**63-1, not {value!r}"[:200])
 
 
 def check_trace_id(trace_id: str | None) -> str:
@@ -263,11 +283,7 @@ class Writer:
     ) -> PutPlan:
         """The part of a put both clients share, up to the facts the router needs."""
         check_names(to_stage, request_id)
-        if chunk_id is not None:
-            if chunk_id < 0:
-                raise InvalidArgumentError("chunk_id must be >= 0")
-            key = (to_stage, request_id)
-            self.chunks[key] = max(self.chunks.get(key, 0), chunk_id + 1)
+        chunk = self._chunk(to_stage, request_id, chunk_id)
         refs: list[TensorRef] = []
         tree, tensors = _flatten.flatten(obj, refs)
         if pickle:
@@ -278,7 +294,7 @@ class Writer:
         carries = chunk_id is not None and bool(tensors)
         plan = PutPlan(
             obj, tensors, shape.specs, shape.total, to_stage, request_id, self._object_id(),
-            -1 if chunk_id is None else chunk_id, refs, shape.cuda_uuids,
+            chunk, refs, shape.cuda_uuids,
             shape.route_keys[carries], shape.encoded_bytes, carries, template=shape.template,
         )  # fmt: skip
         if refs:
@@ -314,6 +330,16 @@ class Writer:
                 self._shapes.clear()
             self._shapes[key] = shape
         return shape
+
+    def _chunk(self, to_stage: str, request_id: str, chunk_id: int | None) -> int:
+        """The DataRef's chunk id (-1: not a chunk), counted for :meth:`signal`'s
+        default: put() and buffer() chunks alike."""
+        if chunk_id is None:
+            return -1
+        chunk = check_count(chunk_id, "chunk_id")
+        key = (to_stage, request_id)
+        self.chunks[key] = max(self.chunks.get(key, 0), chunk + 1)
+        return chunk
 
     def _object_id(self) -> str:
         return f"{self._object_prefix}{next(self._object_seq)}"
@@ -376,7 +402,7 @@ class Writer:
         # `like`'s tensors may hold no data at all (device="meta").
         stand_ins = [torch.empty((), dtype=t.dtype).expand(t.shape) for t in shapes]
         specs, total = _packing.plan_layout(stand_ins, alignment=ALIGNMENT)
-        msg = self.new_msg(a, request_id, to_stage, -1 if chunk_id is None else chunk_id)
+        msg = self.new_msg(a, request_id, to_stage, self._chunk(to_stage, request_id, chunk_id))
         msg.header_codec = pb.HEADER_CODEC_SAFE
         msg.header = _codec.encode(tree)
         add_layout(msg, specs)
@@ -387,9 +413,11 @@ class Writer:
     ) -> pb.DataRef:
         """A done or error signal: control only, inline, nothing to free."""
         check_names(to_stage, request_id)
-        n = self.chunks.pop((to_stage, request_id), 0) if chunks is None else chunks
-        if n < 0:
-            raise InvalidArgumentError("chunks must be >= 0")
+        n = (
+            self.chunks.pop((to_stage, request_id), 0)
+            if chunks is None
+            else check_count(chunks, "chunks")
+        )
         self.chunks.pop((to_stage, request_id), None)
         msg = self.new_msg(a, request_id, to_stage, n, kind)
         msg.transport = pb.TRANSPORT_INLINE

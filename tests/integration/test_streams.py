@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 import torch
-from relayd_client import AbortedError, RelayClient, StreamError
+from relayd_client import AbortedError, InvalidArgumentError, RelayClient, StreamError
 
 from tests._daemon import Daemon, running_daemon, spawn_worker, wait_until
 from tests._daemon import drained as _drained
@@ -256,3 +256,33 @@ def test_an_abort_by_another_client_of_the_process_wakes_a_waiting_reader(
 
     with running_daemon(str(tmp_path)) as d:
         asyncio.run(asyncio.wait_for(scenario(d.socket), 60))
+
+
+def test_chunks_written_with_buffer_count_towards_the_done_signal(tmp_path: object) -> None:
+    """put_done() without chunks= announces as many chunks as were put: those
+    written in place with buffer() too. It counted only put()'s, so a reader
+    following the done signal stopped before the buffer() chunks."""
+
+    async def scenario(sock: str) -> None:
+        async with RelayClient("thinker", sock) as w, RelayClient("talker", sock) as r:
+            like = torch.empty(1000)
+            for k in range(3):
+                async with w.buffer(
+                    to_stage="talker", request_id="b", like=like, chunk_id=k
+                ) as out:
+                    out.payload.fill_(k)
+                r.feed(out.ref)
+            done = w.put_done("talker", "b")
+            assert done.proto.chunk_id == 3
+            r.feed(done)
+            got = [c async for c in r.stream("b", from_stage="thinker", timeout=10)]
+            assert [int(c[0]) for c in got] == [0, 1, 2]
+            for bad in (-1, 1.5):
+                with pytest.raises(InvalidArgumentError, match="chunk_id must be"):
+                    async with w.buffer(to_stage="talker", request_id="x", like=like,
+                                        chunk_id=bad):  # type: ignore[arg-type]  # fmt: skip
+                        pass
+
+    with running_daemon(str(tmp_path)) as d:
+        asyncio.run(asyncio.wait_for(scenario(d.socket), 60))
+        wait_until(lambda: _drained(d), 10, "arena back to zero")

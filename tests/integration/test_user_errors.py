@@ -181,3 +181,24 @@ def test_a_call_before_open_says_how_to_open_either_client(tmp_path: Path) -> No
         )
     with pytest.raises(SessionClosedError, match=r"async with RelayClient\(\.\.\.\)`"):
         _run(RelayClient("w", str(tmp_path / "none.sock")).abort("x"))
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "3", 1 << 63, 1 << 64])
+def test_a_chunk_number_that_is_no_int64_count_is_refused_at_the_call(
+    tmp_path: Path, bad: object
+) -> None:
+    """A float, a bool or a number past int64 reached the DataRef's fields and
+    came back as TypeError or ValueError (or, in the compact form, at
+    to_bytes() far from the put)."""
+    from relayd_client import SyncRelayClient
+
+    with running_daemon(str(tmp_path)) as d:
+        with SyncRelayClient("w", d.socket) as w:
+            with pytest.raises(InvalidArgumentError, match="chunk_id must be"):
+                w.put(torch.ones(MiB), to_stage="r", request_id="c", chunk_id=bad)  # type: ignore[arg-type]
+            with pytest.raises(InvalidArgumentError, match="chunks must be"):
+                w.put_done("r", "c", chunks=bad)  # type: ignore[arg-type]
+            ref = w.put(torch.ones(MiB), to_stage="r", request_id="c", chunk_id=(1 << 63) - 1)
+            assert ref.chunk_id == (1 << 63) - 1
+            assert w.abort("c") == 1
+        wait_until(lambda: drained(d), 10, "arena back to zero")
