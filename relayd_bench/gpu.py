@@ -208,10 +208,9 @@ def _relayd_methods(
     warmup: int,
     n: int,
     results: list[Result],
-    splits: dict[tuple[str, int], str] | None = None,
+    splits: dict[tuple[str, int], str],
 ) -> None:
     """Run the relayd methods into ``results``; ``splits``: where each median went."""
-    splits = {} if splits is None else splits
     with tempfile.TemporaryDirectory(prefix="relayd-gpu-bench-") as tmp:
         try:
             daemon = _start_daemon(Path(tmp))

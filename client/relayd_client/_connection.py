@@ -153,7 +153,7 @@ class Connection:
 
     def require_open(self) -> pb.AttachResponse:
         """The attach answer of a usable session; raises when there is none right now."""
-        if self._opened_in != _fork.forks and self.state is not ClientState.UNOPENED:
+        if self.forked and self.state is not ClientState.UNOPENED:
             raise _fork.refused(self._opened_pid)
         if self.state is not ClientState.OPENED or self.attach is None:
             raise SessionClosedError(

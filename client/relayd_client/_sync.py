@@ -223,7 +223,7 @@ class SyncRelayClient:
             c._conn.forget()
             return
         with self._state_lock:
-            c, lt = self._client, self._loop
+            lt = self._loop
             if c.state is ClientState.CLOSED:
                 return
             if lt is None:

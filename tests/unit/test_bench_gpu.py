@@ -42,7 +42,7 @@ def test_a_daemon_that_does_not_start_fails_both_methods_with_a_reason(
 
     monkeypatch.setattr(gpu, "_start_daemon", no_daemon)
     results = [gpu._ok(gpu.FLOOR, size, 1, [1000 + size // 1000, 2000]) for size in gpu.SIZES]
-    gpu._relayd_methods(gpu.SIZES, 1, 2, results)
+    gpu._relayd_methods(gpu.SIZES, 1, 2, results, {})
     failed = [r for r in results if r.status is Status.FAILED]
     assert {r.method for r in failed} == set(gpu.METHODS[1:])
     assert len(failed) == 2 * len(gpu.SIZES) and all("RLIMIT_MEMLOCK" in r.reason for r in failed)
