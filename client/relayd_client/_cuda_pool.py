@@ -43,7 +43,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import _gpu_order
-from ._cuda_copy import ABANDONED, empty_like_spec, open_shared_storage, run_on_worker, tensor_over
+from ._cuda_copy import (
+    ABANDONED,
+    empty_like_spec,
+    on_stream,
+    open_shared_storage,
+    run_on_worker,
+    tensor_over,
+)
 from ._cuda_facts import local_ordinal, local_uuids, peer_access, reader_device, torch_cuda
 from .wire.cuda_ipc import own_export
 from .wire.errors import CorruptRefError, PeerUnavailableError, RelayTimeoutError
@@ -151,19 +158,17 @@ async def read_pool(
     they are not complete by ``deadline`` (a writer that died may leave an
     event that never fires).
     """
-    import torch
 
     dst = reader_device()
     copy_dev = dst if dst.type == "cuda" else region.device
-    with torch.cuda.device(copy_dev):
-        # Opened on the device whose stream runs the copy (see the module doc).
-        try:
-            ready = torch_cuda().Event.from_ipc_handle(copy_dev, event_handle)
-        except RuntimeError as exc:
-            raise PeerUnavailableError(
-                f"cannot open the writer's CUDA event ({exc}); a writer that died before "
-                "its copy was confirmed leaves nothing safe to read"
-            ) from exc
+    # Opened on the device whose stream runs the copy (see the module doc).
+    try:
+        ready = torch_cuda().Event.from_ipc_handle(copy_dev, event_handle)
+    except RuntimeError as exc:
+        raise PeerUnavailableError(
+            f"cannot open the writer's CUDA event ({exc}); a writer that died before "
+            "its copy was confirmed leaves nothing safe to read"
+        ) from exc
     src_index = region.device.index
     devices = [src_index] + ([dst.index] if dst.type == "cuda" and dst.index != src_index else [])
     streams = [_COPY_STREAMS.get(i) for i in devices]
@@ -177,10 +182,10 @@ async def read_pool(
     args = (region, specs, out, ready, streams, same_or_peer)
     if _gpu_order.copy_in_worker(dst.type == "cuda", same_or_peer):
         done = await asyncio.to_thread(
-            _gpu_order.run_on_streams, streams, torch.cuda.stream, _copy_out, *args
+            _gpu_order.run_on_streams, streams, on_stream, _copy_out, *args
         )
     else:
-        done = _gpu_order.run_on_streams(streams, torch.cuda.stream, _copy_out, *args)
+        done = _gpu_order.run_on_streams(streams, on_stream, _copy_out, *args)
     try:
         await _gpu_order.wait_event(done, deadline, "the copy out of the GPU pool")
     except RelayTimeoutError:

@@ -37,7 +37,7 @@ import collections
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Hashable, Iterable
+from collections.abc import Awaitable, Callable, Hashable, Iterable, Sequence
 from typing import Any, Protocol, TypeVar
 
 from .wire.errors import RelayTimeoutError, StaleRefError
@@ -79,12 +79,15 @@ def caller_streams(
 
 
 def run_on_streams(
-    streams: Iterable[Any],
+    streams: Sequence[Any],
     enter: Callable[[Any], contextlib.AbstractContextManager[Any]],
     fn: Callable[..., T],
     *args: Any,
 ) -> T:
     """``fn(*args)`` with each of ``streams`` made current in this thread."""
+    if len(streams) == 1:  # the usual read (one GPU): no ExitStack on its path
+        with enter(streams[0]):
+            return fn(*args)
     with contextlib.ExitStack() as stack:
         for s in streams:
             stack.enter_context(enter(s))

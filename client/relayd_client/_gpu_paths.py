@@ -151,7 +151,9 @@ class GpuPaths:
                 lease_id=lease.id,
             )
         )
-        # The reader waits on the event, not on the daemon: no reason to linger.
+        # Sent now, not lingering: the frame also has the daemon take the
+        # readers' Release rings, so the slots of the leases read since come
+        # back to this writer at its next put.
         self._notices.publish(lease, total, pb.TRANSPORT_CUDA_IPC_POOL, now=True)
         return DataRef(msg)
 
@@ -179,13 +181,17 @@ class GpuPaths:
         except StaleRefError:
             self._aborts.check(m.request_id)
             raise
-        self._notices.claim(m)
+        # No Claim: the copy is queued on the GPU and waited for within this
+        # call, a short read like an arena copy below OFFLOAD_BYTES, so its
+        # Release alone tells the daemon (through the Release ring: no frame,
+        # no wake-up on the reader's path). A lease the writer's death takes
+        # meanwhile fails the generation check below.
         try:
             deadline = time.monotonic() + self._conn.timeout
             tensors = await _cuda_pool.read_pool(region, specs, bytes(m.cuda_event), deadline)
         except BaseException:
-            # Nothing usable was read (e.g. the writer died before its event could
-            # be opened): release rather than hold the claim until this session ends.
+            # Nothing usable was read (e.g. the writer died before its event
+            # could be opened): the lease goes back now, not at its TTL.
             self._notices.release(m)
             raise
         if seg.read_header(m.lease.slot)[0] != m.lease.generation:

@@ -614,3 +614,71 @@ def test_gpu_preflight_refuses_allocators_without_ipc(
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", conf)
     why = preflight(Settings(gpu_pool_size=256 << 20))
     assert why is not None and "CUDA IPC" in why
+
+
+# ---------------------------------------------------------------- streams
+
+
+class _FakeCudaC:
+    """The three calls of ``torch._C`` that :class:`_cuda_copy.on_stream` makes."""
+
+    def __init__(self, device: int) -> None:
+        self.device = device
+        self.current = {0: (10, 0, 1), 1: (11, 1, 1)}  # device -> (stream id, device, type)
+        self.calls: list[tuple[int, int]] = []
+
+    def _cuda_getDevice(self) -> int:
+        return self.device
+
+    def _cuda_getCurrentStream(self, index: int) -> tuple[int, int, int]:
+        return self.current[index]
+
+    def _cuda_setStream(self, *, stream_id: int, device_index: int, device_type: int) -> None:
+        self.calls.append((stream_id, device_index))
+        self.current[device_index] = (stream_id, device_index, device_type)
+        self.device = device_index  # as PyTorch's does
+
+
+def test_on_stream_makes_a_stream_current_and_restores_the_one_before(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch
+    from relayd_client import _cuda_copy, _gpu_order
+
+    fake = _FakeCudaC(device=0)
+    for name in ("_cuda_getDevice", "_cuda_getCurrentStream", "_cuda_setStream"):
+        monkeypatch.setattr(torch._C, name, getattr(fake, name), raising=False)
+    copy_stream = SimpleNamespace(stream_id=77, device_index=0, device_type=1)
+
+    def copy() -> tuple[int, int, int]:
+        return fake.current[0]
+
+    seen = _gpu_order.run_on_streams([copy_stream], _cuda_copy.on_stream, copy)
+    assert seen == (77, 0, 1)  # the copy ran on the copy stream
+    assert fake.current[0] == (10, 0, 1) and fake.device == 0  # and it was put back
+    assert fake.calls == [(77, 0), (10, 0)]
+
+    # Restored on an error too.
+    with pytest.raises(ValueError), _cuda_copy.on_stream(copy_stream):
+        raise ValueError("copy failed")
+    assert fake.current[0] == (10, 0, 1)
+
+    # A stream of another device takes torch.cuda.stream, device and all.
+    entered: list[str] = []
+
+    class Ctx:
+        def __init__(self, s: Any) -> None:
+            entered.append(f"enter {s.stream_id}")
+
+        def __enter__(self) -> None:
+            pass
+
+        def __exit__(self, *exc: object) -> None:
+            entered.append("exit")
+
+    monkeypatch.setattr(torch.cuda, "stream", Ctx)
+    other = SimpleNamespace(stream_id=88, device_index=1, device_type=1)
+    fake.calls.clear()
+    with _cuda_copy.on_stream(other):
+        pass
+    assert entered == ["enter 88", "exit"] and fake.calls == []
