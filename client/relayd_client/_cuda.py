@@ -100,6 +100,8 @@ class GpuSide:
         self.pools: dict[str, pb.CudaPool] = {p.gpu_uuid: p for p in attach.cuda_pools}
         self.by_name: dict[str, pb.CudaPool] = {p.name: p for p in attach.cuda_pools}
         self.headers: dict[str, MappedSegment] = {}
+        # pool name -> (the pool imported into this process, its slot size)
+        self._imported: dict[str, tuple[Any, int]] = {}
         self.fences = _gpu_order.WriterFences()
         self.direct_reads = _gpu_order.ReadOnce()
         # A new epoch of this node's daemon: the old one's pools are gone.
@@ -132,29 +134,39 @@ class GpuSide:
     def pinned(self) -> bool:
         return bool(self._pinned)
 
-    def route(self, specs: Sequence[Any], header_bytes: int, daemon_route: Transport) -> Transport:
+    def facts(self, specs: Sequence[Any], header_bytes: int) -> PayloadGpuFacts | None:
+        """What a put's layout holds for the GPU paths; None without a CUDA leaf."""
         devices = [s.device for s in specs if s.nbytes]
         if not any(leaf_gpu(d) is not None for d in devices):
-            return Transport.SHM
+            return None
         self.ensure_pinned()  # CUDA is in use now, if it was not at attach
+        return payload_facts(devices, header_bytes)
+
+    def route(self, facts: PayloadGpuFacts | None, daemon_route: Transport) -> Transport:
+        if facts is None:
+            return Transport.SHM
         return carry_out_route(
-            payload_facts(devices, header_bytes),
-            pools=self.pools.keys(),
-            daemon_route=self.force or daemon_route,
+            facts, pools=self.pools.keys(), daemon_route=self.force or daemon_route
         )
 
-    def has_pool_for(self, specs: Sequence[Any]) -> bool:
-        gpus = payload_facts([s.device for s in specs if s.nbytes]).cuda_uuids
-        return one_pool_holds(gpus, self.pools)
+    def has_pool_for(self, facts: PayloadGpuFacts) -> bool:
+        return one_pool_holds(facts.cuda_uuids, self.pools)
 
     def fits(self, pool: str, slot: int, nslots: int) -> bool:
         desc = self.by_name.get(pool)
         return desc is not None and slot + nslots <= desc.nslots
 
     def pool_region(self, pool: str, slot: int, nbytes: int) -> Any:
-        desc = self.by_name[pool]
-        start = slot * desc.slot_size
-        return import_pool(desc, self.node_id, self.epoch)[start : start + nbytes]
+        imported = self._imported.get(pool)
+        if imported is None:  # a GpuSide lives for one daemon epoch: its pools do too
+            desc = self.by_name[pool]
+            imported = self._imported[pool] = (
+                import_pool(desc, self.node_id, self.epoch),
+                desc.slot_size,
+            )
+        tensor, slot_size = imported
+        start = slot * slot_size
+        return tensor[start : start + nbytes]
 
     def lease_region(self, m: pb.DataRef) -> tuple[Any, Any]:
         """(header segment, pool region) of a cuda_ipc_pool DataRef, checked."""
@@ -213,6 +225,7 @@ class GpuSide:
         for seg in self.headers.values():
             seg.close()
         self.headers.clear()
+        self._imported.clear()
         self.fences.cancel()
         _linger(list(self.fences.events.values()), time.monotonic())
         self.fences.events.clear()

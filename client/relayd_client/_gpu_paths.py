@@ -70,8 +70,9 @@ class GpuPaths:
         gpu = conn.gpu
         if gpu is None or conn.socket_fallback:
             return None
-        transport = gpu.route(specs, len(msg.header), Transport.from_proto(route))
-        if transport is Transport.SHM:
+        facts = gpu.facts(specs, len(msg.header))
+        transport = gpu.route(facts, Transport.from_proto(route))
+        if facts is None or transport is Transport.SHM:
             return None
         if conn.draining:
             raise DrainingError("relayd is draining; no new transfers")
@@ -80,7 +81,7 @@ class GpuPaths:
         ):
             self._reports.transfer(pb.TRANSPORT_CUDA_IPC_DIRECT, total, msg.to_stage)
             return DataRef(msg)
-        if not gpu.has_pool_for(specs):
+        if not gpu.has_pool_for(facts):
             return None
         deadline = time.monotonic() + conn.rpc_timeout(timeout)
         return await self._put_pool(msg, tensors, specs, total, deadline, streams)
