@@ -39,9 +39,10 @@ if TYPE_CHECKING:
 
 # Freed runs remembered per grant for reuse; older ones are cut first-fit.
 LIFO_DEPTH = 64
-# Idle grants a session keeps, in default grants' worth of slots: a Freed
-# notice can trail the reader's ack, and a new grant costs a gRPC round trip
-# (~1 ms, half a 16 MiB copy). The daemon asks for them back under pressure.
+# Idle grants a session keeps, in default grants' worth of slots (or one
+# larger grant): a Freed notice can trail the reader's ack, and a new grant
+# costs a gRPC round trip (~1 ms, half a 16 MiB copy). The daemon asks for
+# them back under pressure.
 IDLE_GRANTS = 4
 # A grant wait that ends this close to its deadline ran out of time; earlier,
 # the daemon refused it.
@@ -363,7 +364,13 @@ class Grants:
                 return False
             grant = lease.grant
             budget = self.idle_budget
-            if grant.live == 0 and budget and table.idle_slots(grant.pool) > budget:
+            # At least the grant itself: a writer of payloads beyond the budget
+            # keeps one grant that fits them, not a Grant call per put.
+            if (
+                grant.live == 0
+                and budget
+                and table.idle_slots(grant.pool) > max(budget, grant.nslots)
+            ):
                 self.give_back(grant)
         return True
 

@@ -248,6 +248,37 @@ def test_idle_grants_are_kept_up_to_the_budget_then_given_back() -> None:
     _run(main())
 
 
+def test_a_grant_larger_than_the_budget_is_kept_while_it_is_the_only_idle_one() -> None:
+    """Defect: a writer of payloads larger than the idle budget gave its grant
+    back at every read and paid a Grant call (~1 ms) at every put."""
+
+    async def main() -> None:
+        src = FakeSource()
+        g = _grants(src)
+        big = (IDLE_GRANTS + 2) * (DEFAULT_GRANT // SLOT)  # beyond the budget alone
+        first = src.grant(big)
+        g.add(first)
+        for _ in range(3):  # put, read, put again: the same grant, no call
+            lease = g.cut(big * SLOT)
+            assert lease is not None and lease.grant is first
+            g.slots_back(lease)
+        assert src.returned == [] and src.asked == []
+        # A second idle grant beyond the budget: one of them goes.
+        second = src.grant(big, base=big)
+        g.add(second)
+        lease = g.cut(big * SLOT)
+        assert lease is not None and g.cut(big * SLOT) is not None  # both in use
+        g.slots_back(lease)
+        assert src.returned == []  # one idle grant: kept
+        other = next(iter(g.table.leases.values()))
+        g.slots_back(other)
+        assert len(src.returned) == 1 and len(g.table.grants) == 1
+        g.return_idle()  # the daemon's RECLAIM event still takes it
+        assert not g.table.grants
+
+    _run(main())
+
+
 def test_cancel_calls_ends_a_grant_call_in_flight() -> None:
     async def main() -> None:
         src = FakeSource()
