@@ -164,6 +164,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--list", action="store_true", help="list the methods and exit")
     p.add_argument("--gpu", action="store_true", help="run the GPU benchmarks instead")
     p.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="with --gpu: after the measured transfers, profile a few more on each side "
+        "(cProfile) and write <method>-put.txt and <method>-get.txt to DIR",
+    )
+    p.add_argument(
         "--breakdown",
         action="store_true",
         help="instead: time each step of a put and a get of both clients, in one process, "

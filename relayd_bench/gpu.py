@@ -17,6 +17,12 @@ how the two benchmark processes happen to be placed. Output: the same table
 and JSON document as ``relayd bench``. Under the table, each relayd cell's
 median is split into the writer's put, the DataRef's trip to the reader and
 the get (also in the JSON's ``run``), so a GPU run shows which side to look at.
+
+``--profile DIR``: after each size's measured transfers, :data:`PROFILED`
+more run with :mod:`cProfile` on around the writer's ``put`` and around the
+reader's ``get`` (never in the table's samples), and each side of each
+method writes what they spent, by function, to ``DIR/<method>-put.txt`` and
+``DIR/<method>-get.txt`` (4 files: a device check brings few back).
 """
 
 from __future__ import annotations
@@ -24,12 +30,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import cProfile
+import io
 import json
 import multiprocessing as mp
+import pstats
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -45,6 +55,10 @@ METHODS = (FLOOR, "cuda_ipc_pool", "cuda_ipc_direct")
 ANSWER_TIMEOUT_S = 30.0
 GPU_POOL = "512MiB"  # the largest payload four times over: never the bottleneck
 DAEMON_READY_S, DAEMON_STOP_S = 60.0, 20.0
+# Transfers per size run under the profiler with --profile, after the measured ones.
+PROFILED = 30
+# Functions each profile lists, by own time and by cumulative time.
+PROFILE_ROWS = 30
 
 
 def _iterations(quick: bool) -> tuple[int, int]:
@@ -67,33 +81,81 @@ def _floor(size: int, warmup: int, iterations: int) -> list[int]:
     return samples
 
 
-def _reader(sock: str, conn: Connection) -> None:
+class SideProfile:
+    """One side's :mod:`cProfile` of the calls it is told to profile, written as text."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self._profile = cProfile.Profile() if path else None
+        self.calls = 0
+
+    @contextlib.contextmanager
+    def around(self, on: bool) -> Iterator[None]:
+        """Profile the ``with`` body when ``on`` (and a path was given)."""
+        profile = self._profile if on else None
+        if profile is None:
+            yield
+            return
+        profile.enable()
+        try:
+            yield
+        finally:
+            profile.disable()
+            self.calls += 1
+
+    def write(self, title: str) -> None:
+        if self._profile is None or self.path is None or not self.calls:
+            return
+        out = io.StringIO()
+        out.write(f"{title}: {self.calls} calls profiled\n")
+        stats = pstats.Stats(self._profile, stream=out)
+        stats.sort_stats("tottime").print_stats(PROFILE_ROWS)
+        stats.sort_stats("cumulative").print_stats(PROFILE_ROWS)
+        Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        Path(self.path).write_text(out.getvalue(), encoding="utf-8")
+
+
+def profile_path(directory: str | None, method: str, side: str) -> str | None:
+    return str(Path(directory) / f"{method}-{side}.txt") if directory else None
+
+
+def _reader(sock: str, conn: Connection, method: str = "", profile_dir: str | None = None) -> None:
     """The reader stage: get each DataRef it is sent, answer with the time it was done."""
     import torch
     from relayd_client import DataRef, RelayClient
 
     torch.cuda.set_device(0)
     torch.cuda.synchronize()  # initializes CUDA before attaching: the daemon learns the GPU
+    profile = SideProfile(profile_path(profile_dir, method, "get"))
 
     async def serve() -> None:
         async with RelayClient("bench-reader", sock, timeout=30.0) as client:
             conn.send("ready")
             while True:
-                wire = conn.recv()
-                if wire is None:
+                sent = conn.recv()
+                if sent is None:
                     return
+                wire, profiled = sent
                 started = time.perf_counter_ns()
-                await client.get(DataRef.from_bytes(wire))  # returns with the copy done
+                with profile.around(profiled):
+                    await client.get(DataRef.from_bytes(wire))  # returns with the copy done
                 conn.send((started, time.perf_counter_ns()))
                 # Let the loop send the release notice before blocking in recv():
                 # otherwise the lease stays held until the next get.
                 await asyncio.sleep(0)
 
     asyncio.run(serve())
+    profile.write(f"{method} get")
 
 
 async def _writer(
-    sock: str, conn: Connection, method: str, sizes: tuple[int, ...], warmup: int, n: int
+    sock: str,
+    conn: Connection,
+    method: str,
+    sizes: tuple[int, ...],
+    warmup: int,
+    n: int,
+    profile_dir: str | None = None,
 ) -> dict[int, tuple[list[int], str]]:
     """Per size: the one-way samples, and :func:`split_note` of where they went."""
     import torch
@@ -101,6 +163,8 @@ async def _writer(
     from relayd_client.wire.transport import Transport
 
     out: dict[int, tuple[list[int], str]] = {}
+    profile = SideProfile(profile_path(profile_dir, method, "put"))
+    extra = PROFILED if profile_dir else 0
     async with RelayClient("bench-writer", sock, timeout=30.0) as client:
         gpu = gpu_side(client)
         if gpu is None:
@@ -110,17 +174,19 @@ async def _writer(
             src = torch.randint(0, 256, (size,), dtype=torch.uint8, device="cuda")
             samples: list[int] = []
             steps: tuple[list[int], list[int], list[int]] = ([], [], [])
-            for i in range(warmup + n):
+            for i in range(warmup + n + extra):
+                profiled = i >= warmup + n
                 torch.cuda.synchronize()
                 t0 = time.perf_counter_ns()
-                ref = await client.put(src, to_stage="bench-reader", request_id=f"g{size}-{i}")
+                with profile.around(profiled):
+                    ref = await client.put(src, to_stage="bench-reader", request_id=f"g{size}-{i}")
                 put_done = time.perf_counter_ns()
                 if ref.transport.value != method:
                     raise RuntimeError(f"{method} was asked for, {ref.transport.value} was taken")
-                conn.send(ref.to_bytes())
+                conn.send((ref.to_bytes(), profiled))
                 # Off the loop: the writer's session keeps taking Freed notices.
                 get_started, done = await asyncio.to_thread(_answer, conn)
-                if i >= warmup:
+                if warmup <= i < warmup + n:
                     samples.append(int(done) - t0)
                     for step, ns in zip(
                         steps,
@@ -129,6 +195,7 @@ async def _writer(
                     ):
                         step.append(int(ns))
             out[size] = samples, split_note(*steps)
+    profile.write(f"{method} put")
     return out
 
 
@@ -209,6 +276,7 @@ def _relayd_methods(
     n: int,
     results: list[Result],
     splits: dict[tuple[str, int], str],
+    profile_dir: str | None = None,
 ) -> None:
     """Run the relayd methods into ``results``; ``splits``: where each median went."""
     with tempfile.TemporaryDirectory(prefix="relayd-gpu-bench-") as tmp:
@@ -226,12 +294,16 @@ def _relayd_methods(
         try:
             for method in METHODS[1:]:
                 parent, child = ctx.Pipe()
-                reader = ctx.Process(target=_reader, args=(sock, child), daemon=True)
+                reader = ctx.Process(
+                    target=_reader, args=(sock, child, method, profile_dir), daemon=True
+                )
                 reader.start()
                 try:
                     if not parent.poll(60) or parent.recv() != "ready":
                         raise RuntimeError("the reader process did not attach")
-                    by_size = asyncio.run(_writer(sock, parent, method, sizes, warmup, n))
+                    by_size = asyncio.run(
+                        _writer(sock, parent, method, sizes, warmup, n, profile_dir)
+                    )
                     for size, (samples, split) in by_size.items():
                         results.append(_ok(method, size, warmup, samples))
                         splits[method, size] = split
@@ -267,7 +339,7 @@ def run(args: argparse.Namespace) -> int:
     for size in SIZES:
         results.append(_floor_result(size, warmup, n))
     splits: dict[tuple[str, int], str] = {}
-    _relayd_methods(SIZES, warmup, n, results, splits)
+    _relayd_methods(SIZES, warmup, n, results, splits, getattr(args, "profile", None))
     add_ratios(results, reference=FLOOR)
     machine = machine_info()
     machine["gpu"] = torch.cuda.get_device_name(0)

@@ -86,3 +86,41 @@ def test_the_split_gives_the_median_of_each_step_under_the_table() -> None:
     assert lines[-2].split() == ["1MiB", "cuda_ipc_direct", "4", "/", "5", "/", "6"]
     assert lines[-1].split() == ["4MiB", "cuda_ipc_pool", "1", "/", "2", "/", "3"]
     assert gpu.render_splits({}) == ""
+
+
+def test_a_side_profile_lists_the_profiled_calls_only(tmp_path: Path) -> None:
+    def measured_put() -> int:
+        return sum(range(1000))
+
+    def warmup_put() -> int:
+        return sum(range(10))
+
+    path = gpu.profile_path(str(tmp_path / "prof"), "cuda_ipc_pool", "put")
+    assert path == str(tmp_path / "prof" / "cuda_ipc_pool-put.txt")
+    side = gpu.SideProfile(path)
+    with side.around(False):
+        warmup_put()
+    for _ in range(3):
+        with side.around(True):
+            measured_put()
+    side.write("cuda_ipc_pool put")
+    text = (tmp_path / "prof" / "cuda_ipc_pool-put.txt").read_text()
+    assert text.startswith("cuda_ipc_pool put: 3 calls profiled")
+    assert "measured_put" in text and "warmup_put" not in text
+
+    # Without --profile nothing is profiled and nothing written.
+    assert gpu.profile_path(None, "cuda_ipc_pool", "get") is None
+    off = gpu.SideProfile(None)
+    with off.around(True):
+        measured_put()
+    off.write("cuda_ipc_pool get")
+    assert off.calls == 0 and sorted(p.name for p in (tmp_path / "prof").iterdir()) == [
+        "cuda_ipc_pool-put.txt"
+    ]
+
+
+def test_the_cli_takes_a_profile_directory_for_the_gpu_benchmark() -> None:
+    from relayd_bench import _cli
+
+    args = _cli.build_parser().parse_args(["--gpu", "--quick", "--profile", "out/prof"])
+    assert args.gpu and args.profile == "out/prof"
