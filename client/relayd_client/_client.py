@@ -208,8 +208,7 @@ class RelayClient:
         """
         if key is not None:
             check_key(key)
-        if timeout is not None:
-            check_timeout(timeout)
+        check_timeout(timeout)
         started = time.perf_counter_ns()
         trace = check_trace_id(trace_id)
         ref = await self._put(obj, to_stage, request_id, chunk_id, timeout, pickle, trace)
@@ -387,8 +386,7 @@ class RelayClient:
         and :class:`RelayTimeoutError` when no next chunk arrives within
         ``timeout`` seconds (None: wait as long as it takes).
         """
-        if timeout is not None:
-            check_timeout(timeout)
+        check_timeout(timeout)
         return self._streams.chunks(request_id, from_stage, timeout, self.get)
 
     # -- keyed delivery and discard (see _keyed) ----------------------------------------

@@ -64,11 +64,14 @@ class ClientState(enum.Enum):
 
 
 def check_timeout(value: object, *, positive: bool = False) -> None:
-    """A timeout is a finite number of seconds (``positive``: above zero).
+    """A call's timeout is None (the client's) or a finite number of seconds;
+    the client's own (``positive``) is a number above zero.
 
     NaN and infinity would reach timers and futures as a deadline that never
     comes, or as an OverflowError from the blocking client's wait.
     """
+    if value is None and not positive:
+        return
     if (
         isinstance(value, bool)
         or not isinstance(value, (int, float))

@@ -243,12 +243,11 @@ class SyncRelayClient:
             coro.close()
             self._client._conn.require_open()  # raises the async client's error
             raise SessionClosedError("SyncRelayClient is not open")
-        if timeout is not None:
-            try:
-                check_timeout(timeout)
-            except InvalidArgumentError:
-                coro.close()  # it never runs
-                raise
+        try:
+            check_timeout(timeout)
+        except InvalidArgumentError:
+            coro.close()  # it never runs
+            raise
         wait = self._client.timeout if timeout is None else timeout
         return lt.run(coro, 2 * max(wait, 0.0) + LOOP_GRACE_S)
 
@@ -275,8 +274,7 @@ class SyncRelayClient:
         """Publish ``obj`` for ``to_stage``; see :meth:`RelayClient.put` (``key`` included)."""
         if key is not None:
             check_key(key)
-        if timeout is not None:
-            check_timeout(timeout)
+        check_timeout(timeout)
         started = time.perf_counter_ns()
         trace = check_trace_id(trace_id)
         ref = self._put(obj, to_stage, request_id, chunk_id, timeout, pickle, trace)
@@ -493,8 +491,6 @@ class SyncRelayClient:
         self, request_id: str, *, from_stage: str, timeout: float | None = None
     ) -> Iterator[Any]:
         """``for chunk in client.stream(rid, from_stage=...)``; see :meth:`RelayClient.stream`."""
-        if timeout is not None:
-            check_timeout(timeout)
         agen = cast(
             "AsyncGenerator[Any, None]",
             self._client.stream(request_id, from_stage=from_stage, timeout=timeout),
