@@ -413,13 +413,9 @@ class Writer:
     ) -> pb.DataRef:
         """A done or error signal: control only, inline, nothing to free."""
         check_names(to_stage, request_id)
-        n = (
-            self.chunks.pop((to_stage, request_id), 0)
-            if chunks is None
-            else check_count(chunks, "chunks")
-        )
-        self.chunks.pop((to_stage, request_id), None)
-        msg = self.new_msg(a, request_id, to_stage, n, kind)
+        given = None if chunks is None else check_count(chunks, "chunks")
+        counted = self.chunks.pop((to_stage, request_id), 0)  # checked first: kept on a bad count
+        msg = self.new_msg(a, request_id, to_stage, counted if given is None else given, kind)
         msg.transport = pb.TRANSPORT_INLINE
         return msg
 
