@@ -119,7 +119,7 @@ def profile_path(directory: str | None, method: str, side: str) -> str | None:
     return str(Path(directory) / f"{method}-{side}.txt") if directory else None
 
 
-def _reader(sock: str, conn: Connection, method: str = "", profile_dir: str | None = None) -> None:
+def _reader(sock: str, conn: Connection, method: str, profile_dir: str | None) -> None:
     """The reader stage: get each DataRef it is sent, answer with the time it was done."""
     import torch
     from relayd_client import DataRef, RelayClient
@@ -155,7 +155,7 @@ async def _writer(
     sizes: tuple[int, ...],
     warmup: int,
     n: int,
-    profile_dir: str | None = None,
+    profile_dir: str | None,
 ) -> dict[int, tuple[list[int], str]]:
     """Per size: the one-way samples, and :func:`split_note` of where they went."""
     import torch
