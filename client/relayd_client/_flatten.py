@@ -23,7 +23,7 @@ from relayd_client._header_tree import RefSlot, TensorSlot, fill
 from relayd_client._refs import TensorRef
 from relayd_client.wire.errors import UnsafePayloadError
 
-__all__ = ["flatten", "rebuild"]
+__all__ = ["flat_tensors", "flatten", "rebuild"]
 
 
 def flatten(obj: object, refs: list[Any] | None = None) -> tuple[object, list[torch.Tensor]]:
@@ -45,6 +45,32 @@ def flatten(obj: object, refs: list[Any] | None = None) -> tuple[object, list[to
     tensors: list[torch.Tensor] = []
     slots: dict[int, TensorSlot | RefSlot] = {}
     return _flatten(obj, tensors, slots, None, 0, refs), tensors
+
+
+def flat_tensors(obj: object) -> tuple[tuple[str, ...], list[torch.Tensor]] | None:
+    """``obj``'s keys and tensors when it is the common payload, a ``dict`` of
+    ``str`` keys to distinct plain tensors; None: anything else (walk it with
+    :func:`flatten`).
+
+    Such a payload's header tree is ``{key: TensorSlot(i)}`` in key order, so
+    its keys alone name its header. Keys must be ``str`` exactly: ``1``,
+    ``1.0`` and ``True`` are equal keys with different headers. A tensor
+    subclass, or one tensor under two keys (one slot, see :func:`flatten`),
+    takes the walk.
+    """
+    if type(obj) is not dict:
+        return None
+    tensors: list[Any] = list(obj.values())
+    for t in tensors:
+        if type(t) is not torch.Tensor:
+            return None
+    keys: tuple[Any, ...] = tuple(obj)
+    for k in keys:
+        if type(k) is not str:
+            return None
+    if len(tensors) > 1 and len({id(t) for t in tensors}) != len(tensors):
+        return None
+    return keys, tensors
 
 
 # A path is a chain of (parent, key) pairs, built as the walk descends and

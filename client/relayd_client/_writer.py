@@ -267,6 +267,8 @@ class Writer:
         self._object_prefix = secrets.token_hex(6) + "-"
         self._object_seq = itertools.count(1)
         self._shapes: dict[ShapeKey, Shape] = {}
+        # Headers of dicts of tensors, by their keys (see _flatten.flat_tensors).
+        self._flat_headers: dict[tuple[str, ...], bytes] = {}
         self._shapes_for: pb.AttachResponse | None = None
         self.chunks: dict[tuple[str, str], int] = {}  # one past the highest chunk id put
 
@@ -285,11 +287,18 @@ class Writer:
         check_names(to_stage, request_id)
         chunk = self._chunk(to_stage, request_id, chunk_id)
         refs: list[TensorRef] = []
-        tree, tensors = _flatten.flatten(obj, refs)
-        if pickle:
-            header, codec = _codec.encode_pickle(tree), pb.HEADER_CODEC_PICKLE
+        flat = None if pickle else _flatten.flat_tensors(obj)
+        if flat is not None:  # the common payload: its header is remembered by its keys
+            header, tensors = self._flat_headers.get(flat[0]), flat[1]
+            if header is None:
+                header = self._flat_header(obj, flat[0])
+            codec = pb.HEADER_CODEC_SAFE
         else:
-            header, codec = _codec.encode(tree), pb.HEADER_CODEC_SAFE
+            tree, tensors = _flatten.flatten(obj, refs)
+            if pickle:
+                header, codec = _codec.encode_pickle(tree), pb.HEADER_CODEC_PICKLE
+            else:
+                header, codec = _codec.encode(tree), pb.HEADER_CODEC_SAFE
         shape = self.shape(a, to_stage, codec, header, tensors)
         carries = chunk_id is not None and bool(tensors)
         plan = PutPlan(
@@ -302,6 +311,17 @@ class Writer:
         else:
             plan.shape = shape.compact
         return plan
+
+    def _flat_header(self, obj: Any, keys: tuple[str, ...]) -> bytes:
+        """The header of a dict of tensors under ``keys``: walked and encoded
+        once (any refusal raises as for every payload), then remembered."""
+        tree, _ = _flatten.flatten(obj)
+        header = _codec.encode(tree)
+        if len(header) <= SHAPE_HEADER_BYTES:
+            if len(self._flat_headers) >= _SHAPE_MEMORY:
+                self._flat_headers.clear()
+            self._flat_headers[keys] = header
+        return header
 
     def shape(
         self,

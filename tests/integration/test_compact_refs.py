@@ -86,3 +86,34 @@ def test_a_client_of_a_daemon_without_compact_refs_writes_version_1(
                 assert ref.to_bytes()[2] == VERSION
                 assert torch.equal(r.get(ref.to_bytes()), size)
         wait_until(lambda: drained(d), 10, "the arena back to zero")
+
+
+def test_payloads_of_one_shape_but_other_keys_come_back_with_their_own_keys(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer remembers a dict of tensors' header by its keys: payloads
+    alike in every tensor but not in their keys, their keys' types or order,
+    or in sharing a tensor, must each come back as they were put."""
+    import relayd_client._local
+
+    monkeypatch.setattr(relayd_client._local, "serves", lambda stage: False)
+    small, big = torch.arange(8.0), torch.arange(1 << 18, dtype=torch.float32)
+    with running_daemon(str(tmp_path)) as d:
+        with SyncRelayClient("w", d.socket) as w, SyncRelayClient("r", d.socket) as r:
+            for t in (small, big):
+                u = t + 1
+                payloads: list[dict[object, torch.Tensor]] = [
+                    {"a": t}, {"b": t}, {1: t}, {True: t}, {1.0: t},
+                    {"a": t, "b": u}, {"b": u, "a": t}, {"a": t, "b": t}, {"a": t, "b": u},
+                ]  # fmt: skip
+                for k, payload in enumerate(payloads):
+                    ref = w.put(payload, to_stage="r", request_id=f"q{k}")
+                    got = r.get(ref.to_bytes())
+                    assert [(type(key), key) for key in got] == [
+                        (type(key), key) for key in payload
+                    ]
+                    for key, value in payload.items():
+                        assert torch.equal(got[key], value)
+                    if len(payload) == 2:
+                        assert (got["a"] is got["b"]) == (payload["a"] is payload["b"])
+        wait_until(lambda: drained(d), 10, "the arena back to zero")

@@ -24,7 +24,7 @@ from relayd_client._copies import (
     unpack_bytes,
     unpack_from,
 )
-from relayd_client._flatten import flatten, rebuild
+from relayd_client._flatten import flat_tensors, flatten, rebuild
 from relayd_client._header_tree import RefSlot, TensorSlot
 from relayd_client._packing import (
     TensorSpec,
@@ -296,6 +296,42 @@ def test_flatten_replaces_tensors_in_depth_first_order() -> None:
     }
     assert tree["meta"] is payload["meta"]  # type: ignore[index]  # untouched subtrees are shared
     assert payload["z"] is c  # the input is not modified
+
+
+_T, _U = torch.zeros(2), torch.ones(3)
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [{"t": _T}, {"a": _T, "b": _U}, {"b": _U, "a": _T}, {}, {"": _T[1:]}],
+    ids=["one", "two", "two-reversed", "empty", "view"],
+)
+def test_a_dict_of_tensors_is_named_by_its_keys_as_the_walk_names_it(payload: object) -> None:
+    flat = flat_tensors(payload)
+    assert flat is not None
+    keys, tensors = flat
+    tree, walked = flatten(payload)
+    assert keys == tuple(payload)  # type: ignore[arg-type]
+    assert [id(t) for t in tensors] == [id(t) for t in walked]
+    assert encode({k: TensorSlot(i) for i, k in enumerate(keys)}) == encode(tree)
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        _T,
+        [_T],
+        {1: _T},  # 1 == 1.0 == True as keys, with three different headers
+        {True: _T},
+        {"a": _T, "b": _T},  # one tensor under two keys: one slot
+        {"a": torch.nn.Parameter(torch.zeros(1))},
+        {"a": _T, "meta": 1},
+        {"a": {"b": _T}},
+    ],
+    ids=["tensor", "list", "int-key", "bool-key", "shared", "subclass", "mixed", "nested"],
+)
+def test_anything_but_a_dict_of_distinct_plain_tensors_takes_the_walk(payload: object) -> None:
+    assert flat_tensors(payload) is None
 
 
 def test_flatten_without_tensors_returns_the_input_itself() -> None:
