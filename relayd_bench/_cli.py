@@ -296,6 +296,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     machine = {**machine_info(), "loadavg_at_start": bench.loadavg_at_start}
     if bench.cold_call is not None:
         machine["cold_call"] = dataclasses.asdict(bench.cold_call)
+    if bench.wake is not None:
+        machine["wake"] = dataclasses.asdict(bench.wake)
     per_round = round_ratios(bench.rounds) if opts.rounds > 1 else []
     sys.stdout.write(render_table(bench.results, bench.streams, machine, rounds=per_round))
     network = bench.network_line()

@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from relayd_bench import _coldcall, _daemon, _netns
+from relayd_bench import _coldcall, _daemon, _netns, _wake
 from relayd_bench._api import BenchContext, JobSpec, Pace, SizePlan, Step, WriterReport
 from relayd_bench._harness import JobOutcome, run_jobs
 from relayd_bench._progress import Progress
@@ -113,6 +113,7 @@ class Bench:
         self.started = time.monotonic()
         self.loadavg_at_start = [round(x, 2) for x in os.getloadavg()]
         self.cold_call: _coldcall.ColdCall | None = None
+        self.wake: _wake.Wake | None = None
         self.netns: _netns.Netns | None = None
         self._namespaces = contextlib.ExitStack()
         self.link_bytes: tuple[int, int] | None = None  # what each veth end sent, at close
@@ -120,6 +121,7 @@ class Bench:
     def run(self) -> None:
         """Raises ``_netns.NetnsUnavailable`` if ``netns`` is asked for and cannot be set up."""
         self.cold_call = _coldcall.probe()
+        self.wake = _wake.probe()
         if self.opts.netns:
             rate = self.opts.netns_rate
             self.progress.line(f"creating two network namespaces, veth at {rate or 'full speed'}")

@@ -13,6 +13,7 @@ from relayd_bench import _rtt
 from relayd_bench._coldcall import ColdCall
 from relayd_bench._rounds import RoundRatios
 from relayd_bench._stats import COMPARISONS, Cpu, Result, Status, StreamResult, comparisons
+from relayd_bench._wake import Wake
 
 TABLE_WIDTH = 100
 
@@ -129,12 +130,13 @@ def _machine_line(m: dict[str, Any]) -> str:
         load += f", {end[0]:.1f} at end" if end else ""
     elif len(end) >= 2:
         load = f" · load {end[0]:.1f}/{end[1]:.1f}"
-    cold = m.get("cold_call")
+    cold, wake = m.get("cold_call"), m.get("wake")
     return (
         f"{m.get('cpu_model', '?')} · {m.get('cores', '?')} cores · Linux {m.get('kernel', '?')}"
         f" · Python {m.get('python', '?')} · torch {m.get('torch', '?')}"
         + load
         + ("" if not cold else "\n" + ColdCall(**cold).line())
+        + ("" if not wake else "\n" + Wake(**wake).line())
     )
 
 

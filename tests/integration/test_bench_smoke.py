@@ -90,6 +90,14 @@ def test_quick_baselines_produce_every_cell(tmp_path: Path) -> None:
     assert cold["calls"] == 20 and cold["pause_s"] == 0.001
     assert cold["warm_us"] > 0 and cold["cold_us"] > 0
     assert f"{cold['cold_us']:.1f} µs after 1 ms asleep" in stdout
+    # and the wake probe, wherever the bench may use two cores
+    wake = doc["machine"].get("wake")
+    if len(os.sched_getaffinity(0)) >= 2:
+        assert wake is not None and wake["pause_s"] == 0.001
+        assert wake["busy_us"] > 0 and wake["idle_us"] > 0
+        assert f"{wake['idle_us']:.1f} µs after 1 ms idle" in stdout
+    else:
+        assert wake is None
 
 
 def test_rounds_run_every_cell_each_round_and_summarize_the_ratios(tmp_path: Path) -> None:

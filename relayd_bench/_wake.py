@@ -1,0 +1,115 @@
+"""How long a process on another core takes to wake here: the machine's wake probe.
+
+A relayd transfer is a chain of processes waking one another: a writer wakes
+its daemon, which wakes the reader (and, across nodes, the reader's daemon in
+between). Each link costs what the machine charges for waking a process on
+another core, and on a VM that charge grows with how long the woken core has
+been idle: a halted virtual CPU is woken through the host. Measured on a
+2-core VM: 10-34 us to a process that had just gone to sleep, 70-76 us after
+1 ms idle, ~91 us after 2 ms. A stop-and-wait transfer's daemons sit idle for most
+of each round, so every hop pays the idle price.
+
+The bench measures it once per run, as it does the cold-call probe, and prints
+it under the machine line: two runs on two machines compare knowing it, and a
+cross-node run's hops read against it. The probe pins a sender and a receiver
+process to two different cores; a single-core process skips it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import time
+
+from relayd_bench._coldcall import COLD_PAUSE_S
+
+SAMPLES = 200
+# How long the whole probe may take before it is given up (its samples take
+# about SAMPLES x COLD_PAUSE_S).
+PROBE_TIMEOUT_S = 30.0
+_STAMP = struct.Struct("<q")
+
+# The receiver: its own process, pinned to one core, answering each stamp with
+# how long after it the stamp was read (CLOCK_MONOTONIC is one clock for all
+# processes). Nothing to import but the standard library: it starts in ~30 ms.
+_RECEIVER = """
+import os, socket, struct, sys, time
+os.sched_setaffinity(0, {int(sys.argv[2])})
+s = socket.socket(fileno=int(sys.argv[1]))
+stamp = struct.Struct("<q")
+while True:
+    data = s.recv(stamp.size)
+    now = time.monotonic_ns()
+    if len(data) < stamp.size:
+        break
+    s.sendall(stamp.pack(now - stamp.unpack(data)[0]))
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class Wake:
+    pause_s: float
+    busy_us: float  # median, to a receiver that had just gone to sleep
+    idle_us: float  # median, to a receiver idle for pause_s
+
+    def line(self) -> str:
+        return (
+            f"wake-up on another core: {self.busy_us:.1f} µs, {self.idle_us:.1f} µs after "
+            f"{self.pause_s * 1e3:g} ms idle (a message's send to its read)"
+        )
+
+
+def _cores() -> tuple[int, int] | None:
+    cpus = sorted(os.sched_getaffinity(0))
+    return (cpus[0], cpus[1]) if len(cpus) >= 2 else None
+
+
+def _one_way_us(sock: socket.socket, samples: int, pause: float) -> float:
+    """The median µs from a send to the receiver's read, the receiver idle ``pause``
+    seconds before each. This process spins meanwhile, so that it, not the
+    receiver, holds its core and the receiver's core alone goes idle."""
+    clock = time.monotonic_ns
+    took = []
+    for _ in range(samples):
+        until = clock() + int(pause * 1e9)
+        while clock() < until:
+            pass
+        sock.sendall(_STAMP.pack(clock()))
+        (ns,) = _STAMP.unpack(sock.recv(_STAMP.size, socket.MSG_WAITALL))
+        took.append(ns)
+    return float(statistics.median(took)) / 1000
+
+
+def probe(samples: int = SAMPLES, pause: float = COLD_PAUSE_S) -> Wake | None:
+    """Time a wake-up of a process on another core, just asleep and ``pause`` s idle;
+    None where this process may run on one core only."""
+    cores = _cores()
+    if cores is None:
+        return None
+    mine, theirs = socket.socketpair()
+    restore = os.sched_getaffinity(0)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _RECEIVER, str(theirs.fileno()), str(cores[1])],
+        pass_fds=(theirs.fileno(),),
+    )
+    theirs.close()
+    try:
+        mine.settimeout(PROBE_TIMEOUT_S)
+        os.sched_setaffinity(0, {cores[0]})
+        _one_way_us(mine, 5, 0.0)  # the receiver is up and pinned once it answers
+        busy = _one_way_us(mine, samples, 0.0)
+        idle = _one_way_us(mine, samples, pause)
+        return Wake(pause, busy, idle)
+    finally:
+        os.sched_setaffinity(0, restore)
+        mine.close()  # the receiver reads end-of-file and exits
+        try:
+            child.wait(PROBE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()

@@ -1,0 +1,46 @@
+"""The machine's wake probe: what it measures and how the table shows it."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+
+from relayd_bench import _wake
+from relayd_bench._table import _machine_line
+from relayd_bench._wake import Wake
+
+TWO_CORES = len(os.sched_getaffinity(0)) >= 2
+
+
+@pytest.mark.skipif(not TWO_CORES, reason="the probe needs two cores")
+def test_probe_times_a_wake_up_on_another_core_and_gives_this_process_its_cores_back() -> None:
+    before = os.sched_getaffinity(0)
+    w = _wake.probe(samples=5, pause=0.0005)
+    assert w is not None and w.pause_s == 0.0005
+    assert w.busy_us > 0 and w.idle_us > 0
+    assert os.sched_getaffinity(0) == before  # pinned only while it measured
+
+
+def test_a_process_on_one_core_skips_the_probe() -> None:
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(before)})
+    try:
+        assert _wake.probe(samples=5, pause=0.0005) is None
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def test_the_line_names_both_wake_ups_and_the_idle_time() -> None:
+    w = Wake(pause_s=0.001, busy_us=12.3, idle_us=70.4)
+    assert w.line() == (
+        "wake-up on another core: 12.3 µs, 70.4 µs after 1 ms idle (a message's send to its read)"
+    )
+
+
+def test_the_machine_line_carries_it_only_when_measured() -> None:
+    m = {"cpu_model": "cpu", "cores": 2, "kernel": "k", "python": "3", "torch": "t"}
+    assert "wake-up" not in _machine_line(m)
+    w = Wake(pause_s=0.001, busy_us=10.0, idle_us=70.0)
+    assert _machine_line({**m, "wake": dataclasses.asdict(w)}).splitlines()[-1] == w.line()
