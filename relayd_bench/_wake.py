@@ -80,36 +80,51 @@ def _one_way_us(sock: socket.socket, samples: int, pause: float) -> float:
         while clock() < until:
             pass
         sock.sendall(_STAMP.pack(clock()))
-        (ns,) = _STAMP.unpack(sock.recv(_STAMP.size, socket.MSG_WAITALL))
-        took.append(ns)
+        answer = sock.recv(_STAMP.size, socket.MSG_WAITALL)
+        if len(answer) != _STAMP.size:
+            raise ConnectionError("the wake probe's receiver is gone")
+        took.append(_STAMP.unpack(answer)[0])
     return float(statistics.median(took)) / 1000
 
 
 def probe(samples: int = SAMPLES, pause: float = COLD_PAUSE_S) -> Wake | None:
     """Time a wake-up of a process on another core, just asleep and ``pause`` s idle;
-    None where this process may run on one core only."""
+    None where this process may run on one core only, or may not pin itself, or
+    the receiver did not answer: the run goes on without the line."""
     cores = _cores()
     if cores is None:
         return None
-    mine, theirs = socket.socketpair()
-    restore = os.sched_getaffinity(0)
-    child = subprocess.Popen(
-        [sys.executable, "-c", _RECEIVER, str(theirs.fileno()), str(cores[1])],
-        pass_fds=(theirs.fileno(),),
-    )
-    theirs.close()
     try:
-        mine.settimeout(PROBE_TIMEOUT_S)
-        os.sched_setaffinity(0, {cores[0]})
-        _one_way_us(mine, 5, 0.0)  # the receiver is up and pinned once it answers
-        busy = _one_way_us(mine, samples, 0.0)
-        idle = _one_way_us(mine, samples, pause)
+        mine, theirs = socket.socketpair()
+        with mine:
+            with theirs:
+                child = subprocess.Popen(
+                    [sys.executable, "-c", _RECEIVER, str(theirs.fileno()), str(cores[1])],
+                    pass_fds=(theirs.fileno(),),
+                    stderr=subprocess.DEVNULL,  # a receiver that fails is told by its silence
+                )
+            try:
+                return _measure(mine, cores[0], samples, pause)
+            finally:
+                mine.close()  # the receiver reads end-of-file and exits
+                try:
+                    child.wait(PROBE_TIMEOUT_S)
+                except subprocess.TimeoutExpired:
+                    child.kill()
+                    child.wait()
+    except OSError:  # socket.timeout included
+        return None
+
+
+def _measure(sock: socket.socket, core: int, samples: int, pause: float) -> Wake:
+    """The probe's samples, this process pinned to ``core`` meanwhile."""
+    restore = os.sched_getaffinity(0)
+    sock.settimeout(PROBE_TIMEOUT_S)
+    os.sched_setaffinity(0, {core})
+    try:
+        _one_way_us(sock, 5, 0.0)  # the receiver is up and pinned once it answers
+        busy = _one_way_us(sock, samples, 0.0)
+        idle = _one_way_us(sock, samples, pause)
         return Wake(pause, busy, idle)
     finally:
         os.sched_setaffinity(0, restore)
-        mine.close()  # the receiver reads end-of-file and exits
-        try:
-            child.wait(PROBE_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()

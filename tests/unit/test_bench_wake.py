@@ -44,3 +44,14 @@ def test_the_machine_line_carries_it_only_when_measured() -> None:
     assert "wake-up" not in _machine_line(m)
     w = Wake(pause_s=0.001, busy_us=10.0, idle_us=70.0)
     assert _machine_line({**m, "wake": dataclasses.asdict(w)}).splitlines()[-1] == w.line()
+
+
+def test_a_process_that_may_not_pin_itself_skips_the_probe(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def refused(pid: int, cpus: object) -> None:
+        raise PermissionError("not allowed here")
+
+    monkeypatch.setattr(_wake.os, "sched_setaffinity", refused)
+    monkeypatch.setattr(_wake, "_cores", lambda: (0, 1))
+    assert _wake.probe(samples=5, pause=0.0005) is None
