@@ -142,9 +142,7 @@ class GpuSide:
         self.ensure_pinned()  # CUDA is in use now, if it was not at attach
         return payload_facts(devices, header_bytes)
 
-    def route(self, facts: PayloadGpuFacts | None, daemon_route: Transport) -> Transport:
-        if facts is None:
-            return Transport.SHM
+    def route(self, facts: PayloadGpuFacts, daemon_route: Transport) -> Transport:
         return carry_out_route(
             facts, pools=self.pools.keys(), daemon_route=self.force or daemon_route
         )

@@ -71,8 +71,10 @@ class GpuPaths:
         if gpu is None or conn.socket_fallback:
             return None
         facts = gpu.facts(specs, len(msg.header))
+        if facts is None:  # no CUDA leaf: the arena
+            return None
         transport = gpu.route(facts, Transport.from_proto(route))
-        if facts is None or transport is Transport.SHM:
+        if transport is Transport.SHM:
             return None
         if conn.draining:
             raise DrainingError("relayd is draining; no new transfers")
