@@ -306,10 +306,15 @@ def test_cancel_drops_deferred_releases() -> None:
     fences, back = _gpu_order.WriterFences(), []
 
     async def scenario() -> None:
-        fences.add(3, FakeEvent(after=None))
+        event = FakeEvent(after=None)
+        fences.add(3, event)
         fences.free(3, lambda: back.append(3))
+        deferred = asyncio.all_tasks() - {asyncio.current_task()}
+        assert deferred and fences.deferred == 1
         fences.cancel()
-        await asyncio.sleep(0.01)
+        event.fire()  # a release still deferred would now run at its next poll
+        # Until the deferred work has ended, not for a fixed time.
+        await asyncio.wait_for(asyncio.gather(*deferred, return_exceptions=True), 5)
 
     asyncio.run(scenario())
     assert back == [] and fences.deferred == 0
