@@ -9,6 +9,10 @@ then. A publish may linger because the slot header, not the notice, says a
 lease was sealed: the daemon reads it if the writer dies first. Writing never
 waits: it is a non-blocking send into the socket buffer.
 
+Frames in are handled in the protocol's ``data_received``, in the loop turn
+that reads them: an answer wakes its caller one turn sooner than through a
+reader task (a daemon's frame to a waiting get, measured: ~8 us of ~45).
+
 Threads other than the loop's may append notices and mark too (the blocking
 client's callers), holding :attr:`SessionChannel.lock` for both. A frame due
 now is written by that thread itself, straight into the socket when nothing
@@ -28,7 +32,7 @@ import os
 import socket
 import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from ._bind import bind_session, map_rings
 from .wire import peercred
@@ -75,15 +79,14 @@ class SessionChannel:
         self._queued = 0  # sends handed to the loop and not yet written
         self._on_frame = on_frame
         self._on_lost = on_lost
-        self._reader: asyncio.StreamReader | None = None
-        self._writer: asyncio.StreamWriter | None = None
+        self._transport: asyncio.Transport | None = None
+        self._ended: asyncio.Future[None] | None = None  # done once the connection is gone
         self._pending = pb.SessionFrame()
         self._dirty = False
         self._scheduled = False  # a flush at the end of this loop turn
         self._lingering: asyncio.TimerHandle | None = None  # a later flush
         self._sent_at = -math.inf  # loop time of the last frame out
         self._lingered = self._lingered_bytes = 0
-        self._task: asyncio.Task[None] | None = None
         # See connect(): the daemon's Freed to this session, this session's Releases.
         self.freed_ring: IdRing | None = None
         self.release_ring: IdRing | None = None
@@ -138,14 +141,15 @@ class SessionChannel:
             except (ConnectionError, OSError) as exc:
                 raise DaemonUnavailableError(f"daemon closed the session: {exc}") from None
             self.freed_ring, self.release_ring = map_rings(fds)
-            self._reader, self._writer = await asyncio.open_unix_connection(sock=sock)
+            self._ended = loop.create_future()
+            transport, _ = await loop.create_unix_connection(lambda: _Frames(self), sock=sock)
+            self._transport = transport
         except BaseException:
             sock.close()
             self._drop_ring()
             raise
         with self.lock:
             self._on_frame(frame)
-        self._task = loop.create_task(self._read_loop(), name="relayd-session-reader")
 
     # -- out ------------------------------------------------------------------------
 
@@ -226,16 +230,16 @@ class SessionChannel:
         frame, self._pending, self._dirty = self._pending, pb.SessionFrame(), False
         self._sent_at = loop.time()
         data = encode_frame(frame)
-        writer = self._writer
-        if writer is None:
+        transport = self._transport
+        if transport is None:
             return
-        if self._queued == 0 and writer.transport.get_write_buffer_size() == 0:
+        if self._queued == 0 and transport.get_write_buffer_size() == 0:
             raw = self._raw
             if raw is None:
                 # A second descriptor of the same socket (non-blocking, like the
                 # loop's): the loop's transport object is not for other threads.
                 raw = self._raw = socket.socket(
-                    fileno=os.dup(writer.get_extra_info("socket").fileno())
+                    fileno=os.dup(transport.get_extra_info("socket").fileno())
                 )
                 raw.setblocking(False)
             try:
@@ -290,10 +294,10 @@ class SessionChannel:
                 self._write_bytes(data)
 
     def _write_bytes(self, data: bytes) -> None:
-        if self._writer is None or self.closed:
+        if self._transport is None or self.closed:
             return
         try:
-            self._writer.write(data)
+            self._transport.write(data)
         except (ConnectionError, RuntimeError) as exc:
             log.debug("session write failed: %s", exc)
 
@@ -309,7 +313,7 @@ class SessionChannel:
         itself with what the daemon would answer, if it learns that first; the
         daemon's answer then finds no call and is dropped.
         """
-        if self.closed or self._writer is None:
+        if self.closed or self._transport is None:
             raise DaemonUnavailableError("the session with the daemon is closed")
         call_id = next(self._call_ids)
         if answer is None:
@@ -330,7 +334,7 @@ class SessionChannel:
         The call goes at once with whatever notices are pending: a keyed put's
         Publish must reach the daemon with it, or before.
         """
-        if self.closed or self._writer is None:
+        if self.closed or self._transport is None:
             raise DaemonUnavailableError("the session with the daemon is closed")
         call.call_id = call_id = next(self._call_ids)
         answer: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
@@ -370,60 +374,48 @@ class SessionChannel:
 
     # -- in -------------------------------------------------------------------------
 
-    async def _read_loop(self) -> None:
-        assert self._reader is not None
-        try:
-            while True:
-                n = frame_length(await self._reader.readexactly(LENGTH_BYTES))
-                if n > MAX_FRAME:
-                    raise DaemonUnavailableError(f"daemon sent a {n}-byte frame")
-                frame = decode_frame(await self._reader.readexactly(n))
-                if frame.fetched:
-                    self._answer(frame)
-                if frame.keyed_result:
-                    self._answer_keyed(frame)
-                with self.lock:
-                    self._on_frame(frame)
-        except (asyncio.IncompleteReadError, ConnectionError, OSError):
-            pass
-        except asyncio.CancelledError:
-            raise
-        except RelayError as exc:
-            log.warning("session protocol error: %s", exc)
-        except Exception:
-            log.exception("session reader failed")
-        finally:
-            answers: list[asyncio.Future[Any]] = [*self._calls.values(), *self._keyed.values()]
-            for answer in answers:
-                if not answer.done():
-                    answer.set_exception(
-                        DaemonUnavailableError("the session closed before the daemon answered")
-                    )
-            if not self.closed:
-                self.closed = True
-                self._on_lost()
+    def _got(self, frame: pb.SessionFrame) -> None:
+        """One frame from the daemon (see :class:`_Frames`)."""
+        if frame.fetched:
+            self._answer(frame)
+        if frame.keyed_result:
+            self._answer_keyed(frame)
+        with self.lock:
+            self._on_frame(frame)
+
+    def _lost(self) -> None:
+        """The connection is gone: calls in flight fail, and the client hears of it once."""
+        answers: list[asyncio.Future[Any]] = [*self._calls.values(), *self._keyed.values()]
+        for answer in answers:
+            if not answer.done():
+                answer.set_exception(
+                    DaemonUnavailableError("the session closed before the daemon answered")
+                )
+        if self._ended is not None and not self._ended.done():
+            self._ended.set_result(None)
+        if not self.closed:
+            self.closed = True
+            self._on_lost()
 
     async def close(self) -> None:
-        hang_up = self._writer is not None and not self.closed
+        transport = self._transport
+        hang_up = transport is not None and not self.closed
         if hang_up:
             self.flush()
         self.closed = True
-        if hang_up and self._task is not None:
+        if hang_up:
             await self._hang_up()
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
         with self.lock:
             raw, self._raw = self._raw, None
             self._drop_ring()
         if raw is not None:
             raw.close()
-        if self._writer is not None:
-            self._writer.close()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._writer.wait_closed(), 2)
-        self._writer = None
+        if transport is not None:
+            transport.close()
+            if self._ended is not None:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(self._ended), _CLOSE_GRACE)
+        self._transport = None
 
     def _drop_ring(self) -> None:
         rings = (self.freed_ring, self.release_ring)
@@ -439,13 +431,67 @@ class SessionChannel:
         Freed, a registry event): a write that meets a closed socket makes it
         drop the frames it has not read yet, such as the last reports.
         """
-        assert self._writer is not None and self._task is not None
+        assert self._transport is not None and self._ended is not None
         try:
-            self._writer.write_eof()
+            self._transport.write_eof()
         except (OSError, RuntimeError):
             return
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(self._task), _CLOSE_GRACE)
+            await asyncio.wait_for(asyncio.shield(self._ended), _CLOSE_GRACE)
+
+
+class _Frames(asyncio.Protocol):
+    """The session socket's reading side: each whole frame goes to the channel as
+    it is read. A frame too large, one that does not parse, or a handler that
+    raises ends the session; the channel hears of the end in :meth:`connection_lost`.
+    """
+
+    def __init__(self, channel: SessionChannel) -> None:
+        self.channel = channel
+        self.buf = bytearray()
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        if self.transport is None:
+            return  # ended by an earlier frame of this read
+        buf = self.buf
+        buf += data
+        pos = 0
+        try:
+            while len(buf) - pos >= LENGTH_BYTES:
+                n = frame_length(buf, pos)
+                if n > MAX_FRAME:
+                    raise DaemonUnavailableError(f"daemon sent a {n}-byte frame")
+                start = pos + LENGTH_BYTES
+                if len(buf) - start < n:
+                    break
+                frame = decode_frame(bytes(buf[start : start + n]))
+                pos = start + n
+                self.channel._got(frame)
+        except RelayError as exc:
+            log.warning("session protocol error: %s", exc)
+            self._end()
+        except Exception:
+            log.exception("session reader failed")
+            self._end()
+        else:
+            del buf[:pos]
+
+    def _end(self) -> None:
+        transport, self.transport = self.transport, None
+        self.buf = bytearray()
+        if transport is not None:
+            transport.close()
+
+    def eof_received(self) -> bool:
+        return False  # the daemon hung up: close our end too
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        self.channel._lost()
 
 
 async def _answered(answer: asyncio.Future[T], timeout: float, what: str) -> T:

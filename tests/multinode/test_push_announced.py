@@ -124,8 +124,8 @@ def test_an_announcement_that_crosses_the_fetch_answers_the_get(nodes: tuple[Nod
 
             reader._answer_from_announcement = watched  # type: ignore[method-assign]
             async with RelayClient("thinker", a.daemon.socket) as w:
-                assert session._writer is not None
-                transport = session._writer.transport
+                transport = session._transport
+                assert transport is not None
                 transport.pause_reading()  # the announcement waits in the socket
                 ref = await w.put(payload, to_stage="talker", request_id="crossed")
                 await asyncio.to_thread(

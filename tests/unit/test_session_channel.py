@@ -1,4 +1,5 @@
-"""The client's session channel: when batched notices reach the socket.
+"""The client's session channel: when batched notices reach the socket, and
+how the daemon's frames are read.
 
 A real socket pair stands in for the daemon; frames are read back and decoded.
 """
@@ -11,11 +12,15 @@ import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
-from relayd_client._session import LINGER_MAX_NOTICES, SessionChannel
+from relayd_client._session import LINGER_MAX_NOTICES, SessionChannel, _Frames
+from relayd_client.wire.errors import DaemonUnavailableError
 from relayd_client.wire.framing import (
+    FRAME_LENGTH,
     LENGTH_BYTES,
+    MAX_FRAME,
     NOTICE_LINGER_MAX_BYTES,
     decode_frame,
+    encode_frame,
     frame_length,
 )
 from relayd_client.wire.proto import relay_pb2 as pb
@@ -68,14 +73,15 @@ class Daemon:
 async def connected() -> AsyncIterator[tuple[SessionChannel, Daemon]]:
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     b.setblocking(False)
-    _, writer = await asyncio.open_unix_connection(sock=a)
+    loop = asyncio.get_running_loop()
+    transport, _ = await loop.create_unix_connection(asyncio.Protocol, sock=a)
     channel = SessionChannel(lambda f: None, lambda: None)
-    channel._writer = writer  # the connected half of connect(), without the bind handshake
+    channel._transport = transport  # the connected half of connect(), without the bind handshake
     try:
         yield channel, Daemon(b)
     finally:
         channel.closed = True
-        writer.close()
+        transport.close()
         b.close()
 
 
@@ -235,3 +241,107 @@ def test_a_fetch_its_caller_answered_returns_at_once_and_drops_the_daemons_answe
         assert answer.result() == early
 
     run(scenario)
+
+
+# -- frames in --------------------------------------------------------------------
+
+
+def _event(message: str) -> pb.SessionFrame:
+    return pb.SessionFrame(event=[pb.Event(kind=pb.EVENT_KIND_BOUND, message=message)])
+
+
+@contextlib.asynccontextmanager
+async def reading(
+    on_frame: Callable[[pb.SessionFrame], None],
+) -> AsyncIterator[tuple[SessionChannel, socket.socket, list[str]]]:
+    """A channel reading what the far end (yielded) writes; the list counts its losses."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    lost: list[str] = []
+    channel = SessionChannel(on_frame, lambda: lost.append("lost"))
+    loop = asyncio.get_running_loop()
+    channel._ended = loop.create_future()
+    transport, _ = await loop.create_unix_connection(lambda: _Frames(channel), sock=a)
+    channel._transport = transport
+    try:
+        yield channel, b, lost
+    finally:
+        transport.close()
+        b.close()
+
+
+def test_frames_are_handled_whole_and_in_order_however_the_bytes_arrive() -> None:
+    async def main() -> None:
+        got: list[str] = []
+        three = asyncio.Event()
+
+        def on_frame(f: pb.SessionFrame) -> None:
+            got.append(f.event[0].message)
+            if len(got) == 3:
+                three.set()
+
+        async with reading(on_frame) as (_, far, lost):
+            data = b"".join(encode_frame(_event(m)) for m in ("one", "two", "three" * 100))
+            far.sendall(data[:3])  # not even a whole length prefix
+            far.sendall(data[3:20])
+            await asyncio.sleep(0)
+            far.sendall(data[20:])  # the rest of the first, the second and the third
+            await asyncio.wait_for(three.wait(), 5)
+            assert got == ["one", "two", "three" * 100]
+            assert not lost
+
+    asyncio.run(main())
+
+
+def test_a_fetch_answer_resolves_in_the_read_that_brings_it() -> None:
+    """No reader task between the socket and the caller: the answer is set while
+    its frame is read, so the waiting get resumes in the next loop turn."""
+
+    async def main() -> None:
+        async with reading(lambda f: None) as (channel, far, _):
+            fetch = asyncio.ensure_future(channel.fetch(b"ref", 5.0))
+            await asyncio.sleep(0)
+            (call_id,) = channel._calls
+            answer = channel._calls[call_id]
+            response = pb.FetchResponse(node_id="node-b")
+            frame = pb.SessionFrame(fetched=[pb.FetchResult(call_id=call_id, response=response)])
+            protocol = _Frames(channel)
+            protocol.transport = channel._transport
+            protocol.data_received(encode_frame(frame))
+            assert answer.done()  # before the loop has run anything else
+            assert (await fetch).node_id == "node-b"
+            del far
+
+    asyncio.run(main())
+
+
+BAD_FRAMES = {
+    "longer than any frame": FRAME_LENGTH.pack(MAX_FRAME + 1),
+    "does not parse": FRAME_LENGTH.pack(3) + b"\xff\xff\xff",
+}
+
+
+@pytest.mark.parametrize("bad", [*BAD_FRAMES, "a handler that raises"])
+def test_a_bad_frame_ends_the_session_once_and_fails_the_calls_in_flight(bad: str) -> None:
+    async def main() -> None:
+        handled: list[str] = []
+
+        def on_frame(f: pb.SessionFrame) -> None:
+            if f.event[0].message == "raise":
+                raise ValueError("a bug in a handler")
+            handled.append(f.event[0].message)
+
+        async with reading(on_frame) as (channel, far, lost):
+            fetch = asyncio.ensure_future(channel.fetch(b"ref", 5.0))
+            await asyncio.sleep(0)
+            poison = encode_frame(_event("raise")) if bad not in BAD_FRAMES else BAD_FRAMES[bad]
+            far.sendall(encode_frame(_event("before")) + poison + encode_frame(_event("after")))
+            with pytest.raises(DaemonUnavailableError, match="session closed"):
+                await asyncio.wait_for(fetch, 5)
+            assert channel._ended is not None
+            await asyncio.wait_for(channel._ended, 5)
+            assert handled == ["before"]  # nothing after the bad frame
+            assert lost == ["lost"] and channel.closed
+            with pytest.raises(BrokenPipeError):  # our end is closed: it reads nothing more
+                far.sendall(encode_frame(_event("later")))
+
+    asyncio.run(main())
