@@ -468,7 +468,7 @@ class _Frames(asyncio.Protocol):
                 start = pos + LENGTH_BYTES
                 if len(buf) - start < n:
                     break
-                frame = decode_frame(bytes(buf[start : start + n]))
+                frame = decode_frame(buf[start : start + n])
                 pos = start + n
                 self.channel._got(frame)
         except RelayError as exc:

@@ -29,12 +29,14 @@ SESSION_SOCKET_SUFFIX = ".session"
 NOTICE_LINGER_S = 0.025
 #: ... unless a client's lingering notices (Publish, Claim, Release) hold back
 #: this many bytes of a writer's arena. Each frame a client sends wakes the
-#: daemon, and the wake-up, not the notices in it, is most of what a transfer
-#: costs the daemon (60-90 us of CPU, cache-cold, against 5-17 us a notice); at
-#: this cap 4 MiB transfers share frames, and a stop-and-wait transfer costs the
-#: daemon ~20 us at 256 KiB, ~40 at 1 MiB and ~120 at 4 MiB (measured). Without a
-#: cap, writers of 4-16 MiB run out of space and get slower.
-NOTICE_LINGER_MAX_BYTES = 8 << 20
+#: daemon, at ~100 us of CPU cache-cold, against ~16 us for a transfer's
+#: notices. At this cap four 4 MiB transfers share a frame, and a stop-and-wait
+#: transfer costs the daemon ~12 us at 256 KiB, ~23 at 1 MiB and ~50 at 4 MiB
+#: (measured; at 8 MiB: 14, 30 and 72, with the same latency). A writer holds
+#: the grants to cover it: one short of space asks for a grant, and that sends
+#: its notices at once. At 32 MiB the 4 MiB transfer cost ~40, and 1 MiB reads
+#: got slower (more distinct slots, cache-cold).
+NOTICE_LINGER_MAX_BYTES = 16 << 20
 #: The daemon's Freed to a writer goes at once from this many bytes: the daemon
 #: sends it in a turn it is awake for anyway, and a writer of large payloads needs
 #: its space back before its grant (8 MiB by default) is all in flight.
