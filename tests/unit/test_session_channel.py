@@ -25,6 +25,8 @@ from relayd_client.wire.framing import (
 )
 from relayd_client.wire.proto import relay_pb2 as pb
 
+from tests._daemon import async_wait_until
+
 pytestmark = pytest.mark.timeout(30)
 
 LONG = 60.0  # a linger no test waits out: a frame that needs it is a failure
@@ -280,12 +282,18 @@ def test_frames_are_handled_whole_and_in_order_however_the_bytes_arrive() -> Non
             if len(got) == 3:
                 three.set()
 
-        async with reading(on_frame) as (_, far, lost):
-            data = b"".join(encode_frame(_event(m)) for m in ("one", "two", "three" * 100))
-            far.sendall(data[:3])  # not even a whole length prefix
-            far.sendall(data[3:20])
-            await asyncio.sleep(0)
-            far.sendall(data[20:])  # the rest of the first, the second and the third
+        async with reading(on_frame) as (channel, far, lost):
+            frames = channel._transport.get_protocol() if channel._transport else None
+            assert isinstance(frames, _Frames)
+            first, second, third = (encode_frame(_event(m)) for m in ("one", "two", "three" * 100))
+            far.sendall(first[:3])  # not even a whole length prefix
+            await async_wait_until(lambda: len(frames.buf) == 3, 5, "the prefix's 3 bytes")
+            assert got == []
+            # The rest of the first, the second and half the third, in one read.
+            far.sendall(first[3:] + second + third[:100])
+            await async_wait_until(lambda: len(got) == 2, 5, "the first two frames")
+            assert bytes(frames.buf) == third[:100]
+            far.sendall(third[100:])
             await asyncio.wait_for(three.wait(), 5)
             assert got == ["one", "two", "three" * 100]
             assert not lost
@@ -300,7 +308,7 @@ def test_a_fetch_answer_resolves_in_the_read_that_brings_it() -> None:
     async def main() -> None:
         async with reading(lambda f: None) as (channel, far, _):
             fetch = asyncio.ensure_future(channel.fetch(b"ref", 5.0))
-            await asyncio.sleep(0)
+            await async_wait_until(lambda: channel._calls, 5, "the fetch call")
             (call_id,) = channel._calls
             answer = channel._calls[call_id]
             response = pb.FetchResponse(node_id="node-b")
@@ -333,7 +341,7 @@ def test_a_bad_frame_ends_the_session_once_and_fails_the_calls_in_flight(bad: st
 
         async with reading(on_frame) as (channel, far, lost):
             fetch = asyncio.ensure_future(channel.fetch(b"ref", 5.0))
-            await asyncio.sleep(0)
+            await async_wait_until(lambda: channel._calls, 5, "the fetch call")
             poison = encode_frame(_event("raise")) if bad not in BAD_FRAMES else BAD_FRAMES[bad]
             far.sendall(encode_frame(_event("before")) + poison + encode_frame(_event("after")))
             with pytest.raises(DaemonUnavailableError, match="session closed"):
