@@ -271,6 +271,14 @@ class WriterReport:
     extra: dict[str, str]
 
 
+Parts = tuple[int, int, int]
+"""Where one transfer's one-way time went, in ns, adding up to its sample: the writer's
+``send`` hook (for relayd the put and the DataRef's bytes), the notify's way to the
+reader until the reader has read its frame, and the reader's ``recv`` hook (the
+DataRef's parse and the get). A ``-late`` method's clock starts when it hands the
+DataRef over, after its send, so its send part is only that hand-off."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ReaderReport:
     method: str
@@ -278,6 +286,7 @@ class ReaderReport:
     usage: Usage
     samples_ns: tuple[int, ...]  # one-way t1 - t0 of each measured transfer
     extra: dict[str, str] = dataclasses.field(default_factory=dict)  # what the reader observed
+    parts_ns: tuple[Parts, ...] = ()  # each sample's three parts, in the same order
 
 
 @dataclasses.dataclass(frozen=True)

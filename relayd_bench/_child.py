@@ -4,8 +4,10 @@ Timed region: the writer stamps ``t0 = perf_counter_ns()`` before ``send(i)``; t
 reader stamps ``t1`` when ``recv`` returns; ``t1 - t0`` is the one-way sample
 (CLOCK_MONOTONIC is the same clock in every process). A method with a
 ``handoff_delay_s`` sends the DataRef that long after ``send(i)`` and stamps
-``t0`` then: the sample is the read of a DataRef that came after its bytes. A local method is timed
-around ``transfer(i)``. In a paced job (the stream workload) the writer sleeps
+``t0`` then: the sample is the read of a DataRef that came after its bytes. The
+writer also stamps when ``send`` returned and the reader when the frame was in,
+so each sample splits into its :data:`~relayd_bench._api.Parts`. A local method
+is timed around ``transfer(i)``. In a paced job (the stream workload) the writer sleeps
 until each transfer is due and stamps the real start, so sleep overshoot does not
 count; if it is already behind, ``t0`` is the due time, so queueing delay does.
 
@@ -50,6 +52,7 @@ from relayd_bench._api import (
     LocalMethod,
     Pace,
     PairMethod,
+    Parts,
     ReaderReport,
     SizePlan,
     Step,
@@ -91,6 +94,7 @@ class _Meter:
         self._pid = spec.ctx.daemon_pid if measure else None
         self._reader_pid = spec.ctx.reader_daemon_pid if measure and step.reader_daemon else None
         self.samples: list[int] = []
+        self.parts: list[Parts] = []
         self.start_ns = 0
         self._u0, self._d0, self._r0 = _usage(), self._daemon(), self._reader_daemon()
 
@@ -109,6 +113,14 @@ class _Meter:
             if i == self._plan.warmup:
                 self.start_ns = start_ns
             self.samples.append(sample_ns)
+
+    def record_read(self, i: int, frame: wire.Frame, arrived_ns: int, done_ns: int) -> None:
+        """A reader's sample, ``done - t0``, and its :data:`Parts`."""
+        self.record(i, done_ns - frame.t0, frame.t0)
+        if i >= self._plan.warmup:
+            self.parts.append(
+                (frame.sent - frame.t0, arrived_ns - frame.sent, done_ns - arrived_ns)
+            )
 
     def _delta(self) -> Usage:
         cpu, flt = _usage()
@@ -133,8 +145,10 @@ class _Meter:
         self, *, local: bool = False, extra: dict[str, str] | None = None
     ) -> ReaderReport:
         usage = Usage(0, 0) if local else self._delta()  # a local process reports as writer
-        samples = tuple(self.samples)
-        return ReaderReport(self._step.method, self._plan.size, usage, samples, dict(extra or {}))
+        samples, parts = tuple(self.samples), tuple(self.parts)
+        return ReaderReport(
+            self._step.method, self._plan.size, usage, samples, dict(extra or {}), parts
+        )
 
 
 def _since(start: ProcSample | None, end: ProcSample | None) -> ProcSample | None:
@@ -212,10 +226,11 @@ def _writer(m: PairMethod, run: _Run, sock: socket.socket) -> None:
             stamp(i)
             t0 = time.perf_counter_ns()
             payload = m.send(i)
+            sent = time.perf_counter_ns()
             if m.handoff_delay_s:
                 time.sleep(m.handoff_delay_s)
-                t0 = time.perf_counter_ns()
-            wire.send_frame(sock, t0 if late is None else late, payload)
+                t0 = sent = time.perf_counter_ns()
+            wire.send_frame(sock, t0 if late is None else late, payload, sent)
             wire.expect(sock, wire.ACK)
             meter.record(i, time.perf_counter_ns() - t0, t0 if late is None else late)
             run.done(i + 1)
@@ -230,16 +245,17 @@ def _reader(m: PairMethod, run: _Run, sock: socket.socket) -> None:
     rx = wire.Receiver(sock)
     for plan in run.step.sizes:
         run.size = plan.size
-        m.setup_reader(plan.size, bytes(rx.frame()[2]))
+        m.setup_reader(plan.size, bytes(rx.frame().body))
         sock.sendall(wire.READY)
         meter = _Meter(run, plan, daemon=False)
         for i in range(plan.warmup + plan.iterations):
             meter.at(i)
-            t0, _, notify = rx.frame()
-            tensor = m.recv(notify)
-            meter.record(i, time.perf_counter_ns() - t0, t0)
+            frame = rx.frame()
+            arrived = time.perf_counter_ns()
+            tensor = m.recv(frame.body)
+            meter.record_read(i, frame, arrived, time.perf_counter_ns())
             check_tensor(tensor, plan.size, i)
-            del tensor, notify  # a view must be gone before cleanup releases its memory
+            del tensor, frame  # a view must be gone before cleanup releases its memory
             m.cleanup()
             sock.sendall(wire.ACK)
         report = meter.reader_report(extra=m.extra)
@@ -289,10 +305,11 @@ async def _awriter(m: AsyncPairMethod, run: _Run, sock: socket.socket) -> None:
             stamp(i)
             t0 = time.perf_counter_ns()
             payload = await m.send(i)
+            sent = time.perf_counter_ns()
             if m.handoff_delay_s:
                 await asyncio.sleep(m.handoff_delay_s)
-                t0 = time.perf_counter_ns()
-            await wire.asend_frame(sock, t0 if late is None else late, payload)
+                t0 = sent = time.perf_counter_ns()
+            await wire.asend_frame(sock, t0 if late is None else late, payload, sent)
             await wire.aexpect(sock, wire.ACK)
             meter.record(i, time.perf_counter_ns() - t0, t0 if late is None else late)
             run.done(i + 1)
@@ -308,16 +325,17 @@ async def _areader(m: AsyncPairMethod, run: _Run, sock: socket.socket) -> None:
     rx = wire.Receiver(sock)
     for plan in run.step.sizes:
         run.size = plan.size
-        await m.setup_reader(plan.size, bytes((await rx.aframe())[2]))
+        await m.setup_reader(plan.size, bytes((await rx.aframe()).body))
         await loop.sock_sendall(sock, wire.READY)
         meter = _Meter(run, plan, daemon=False)
         for i in range(plan.warmup + plan.iterations):
             meter.at(i)
-            t0, _, notify = await rx.aframe()
-            tensor = await m.recv(notify)
-            meter.record(i, time.perf_counter_ns() - t0, t0)
+            frame = await rx.aframe()
+            arrived = time.perf_counter_ns()
+            tensor = await m.recv(frame.body)
+            meter.record_read(i, frame, arrived, time.perf_counter_ns())
             check_tensor(tensor, plan.size, i)
-            del tensor, notify
+            del tensor, frame
             await m.cleanup()
             await loop.sock_sendall(sock, wire.ACK)
         report = meter.reader_report(extra=m.extra)

@@ -44,7 +44,8 @@ def merged(reports: Sequence[WriterReport | ReaderReport]) -> WriterReport | Rea
     if isinstance(first, ReaderReport):
         readers = [r for r in reports if isinstance(r, ReaderReport)]
         samples = tuple(s for r in readers for s in r.samples_ns)
-        return dataclasses.replace(first, usage=usage, samples_ns=samples)
+        parts = tuple(p for r in readers for p in r.parts_ns)
+        return dataclasses.replace(first, usage=usage, samples_ns=samples, parts_ns=parts)
     writers = [r for r in reports if isinstance(r, WriterReport)]
     return dataclasses.replace(
         first,

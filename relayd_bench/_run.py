@@ -42,6 +42,7 @@ from relayd_bench._stats import (
     Status,
     StreamResult,
     median,
+    split_of,
     summarize,
     worst_by_second,
 )
@@ -505,6 +506,7 @@ def _result(entry: Entry, plan: SizePlan, o: JobOutcome) -> Result:
         cycle_median_ns=None if entry.local else median(w.cycles_ns),
         cpu=cpu,
         extra={**r.extra, **w.extra},
+        split=split_of(r.parts_ns),
     )
 
 

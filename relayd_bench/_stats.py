@@ -93,6 +93,28 @@ def _measured_sum(writer_side: float | None, reader_side: float | None) -> float
     return sum(parts) if parts else None
 
 
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """Where a cell's transfers went: the median of each of their three parts, in ns.
+
+    The parts (``relayd_bench._api.Parts``): the writer's send hook, the notify's
+    trip to the reader, the reader's recv hook. Each median is its own, so the three
+    need not add up to the cell's median exactly; set beside the floor's, they say
+    which side of a hand-off a method's extra time is on.
+    """
+
+    send_ns: float
+    trip_ns: float
+    recv_ns: float
+
+
+def split_of(parts: Sequence[tuple[int, int, int]]) -> Split | None:
+    """The :class:`Split` of these transfers' parts; None for none (a local method)."""
+    if not parts:
+        return None
+    return Split(*(median([p[k] for p in parts]) for k in range(3)))
+
+
 @dataclasses.dataclass
 class Result:
     """One (method, size) cell of the stop-and-wait benchmark."""
@@ -108,6 +130,7 @@ class Result:
     cpu: Cpu = dataclasses.field(default_factory=Cpu)
     extra: dict[str, str] = dataclasses.field(default_factory=dict)
     ratio_vs_floor: float | None = None
+    split: Split | None = None
 
     @property
     def gbps(self) -> float | None:
@@ -311,6 +334,7 @@ def result_json(r: Result) -> dict[str, Any]:
         "gbps": r.gbps,
         "ratio_vs_floor": r.ratio_vs_floor,
         "cycle_median_ns": r.cycle_median_ns,
+        "split_ns": None if r.split is None else dataclasses.asdict(r.split),
         "cpu_ns_per_transfer": _cpu_sides(r.cpu),
         "daemon_cpu_ns_per_transfer": _daemon_sides(r.cpu),
         "daemon_wakeups_per_transfer": _wakeup_sides(r.cpu),

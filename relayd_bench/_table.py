@@ -12,7 +12,15 @@ from typing import Any
 from relayd_bench import _rtt
 from relayd_bench._coldcall import ColdCall
 from relayd_bench._rounds import RoundRatios
-from relayd_bench._stats import COMPARISONS, Cpu, Result, Status, StreamResult, comparisons
+from relayd_bench._stats import (
+    COMPARISONS,
+    Cpu,
+    Result,
+    Split,
+    Status,
+    StreamResult,
+    comparisons,
+)
 from relayd_bench._wake import Wake
 
 TABLE_WIDTH = 100
@@ -101,6 +109,7 @@ def render_table(
         out += _render_comparisons(results, width)
         out.append("")
         out += _render_details(results, width)
+        out += _render_splits(results, width)
         out += _render_round_trips(results)
     if rounds:
         out.append("")
@@ -256,6 +265,40 @@ def _render_details(results: Sequence[Result], width: int) -> list[str]:
             )
     for m, r in whole.items():
         out.append(_clip(f"{'all':<7}{m[: w - 1]:<{w}}{r.status.value}: {r.reason}", width))
+    return out
+
+
+def fmt_split(split: Split | None) -> str:
+    """``send/trip/recv`` in whole µs (see :class:`Split`)."""
+    if split is None:
+        return "-"
+    return "/".join(f"{ns / 1e3:.0f}" for ns in (split.send_ns, split.trip_ns, split.recv_ns))
+
+
+def _render_splits(results: Sequence[Result], width: int) -> list[str]:
+    """Each pair method's median split into its sides, a method x size matrix."""
+    split = [r for r in results if r.split is not None]
+    if not split:
+        return []
+    methods = _ordered(r.method for r in split)
+    sizes = sorted({r.size for r in split})
+    cells = {(r.method, r.size): fmt_split(r.split) for r in split}
+    name_w = _name_width(methods)
+    cell_w = max(len(c) for c in cells.values()) + 2
+    per_block = max(1, (width - name_w) // cell_w)
+    out = [
+        "",
+        "where the time went, median µs: the writer's side (relayd: put, DataRef to bytes) /",
+        "the trip to the reader / the reader's side (relayd: DataRef from bytes, get);",
+        "each part's own median",
+    ]
+    for start in range(0, len(sizes), per_block):
+        block = sizes[start : start + per_block]
+        out.append("method".ljust(name_w) + "".join(fmt_size(s).rjust(cell_w) for s in block))
+        for m in methods:
+            row = m[: name_w - 1].ljust(name_w)
+            row += "".join(cells.get((m, s), "").rjust(cell_w) for s in block)
+            out.append(row)
     return out
 
 

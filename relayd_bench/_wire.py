@@ -1,7 +1,7 @@
 """Framing between a benchmark writer and its reader over their Unix socketpair.
 
-One framing for every method: a 16-byte header (``t0`` in ns, body length) and
-the body (the method's notify). A negative length is a control frame (end of a
+One framing for every method: a 24-byte header (``t0`` and the moment the frame
+was sent, in ns, then the body length) and the body (the method's notify). A negative length is a control frame (end of a
 step). The reader answers ``R`` once set up for a size and ``A`` after each
 transfer's cleanup and after the end frame. So only one frame is ever in flight,
 and the reader can read greedily into one buffer without over-reading. Blocking
@@ -13,8 +13,9 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
+from typing import NamedTuple
 
-HEADER = struct.Struct("<qq")
+HEADER = struct.Struct("<qqq")
 END = -1
 SMALL = 64 * 1024  # bodies up to this size reuse the receive buffer
 ACK = b"A"
@@ -32,6 +33,13 @@ def _closed() -> BenchFailure:
     return BenchFailure("peer closed the socket")
 
 
+class Frame(NamedTuple):
+    t0: int  # the transfer's start on the writer's clock
+    sent: int  # when the writer sent this frame: its send hook had returned
+    length: int  # of the body; END for a control frame
+    body: memoryview
+
+
 class Receiver:
     """Reads whole frames; a body is valid until the next read."""
 
@@ -40,44 +48,44 @@ class Receiver:
         self._buf = bytearray(HEADER.size + SMALL)
         self._mv = memoryview(self._buf)
 
-    def frame(self) -> tuple[int, int, memoryview]:
+    def frame(self) -> Frame:
         got = 0
         while got < HEADER.size:
             got += self._recv(self._mv[got:])
-        t0, length = HEADER.unpack_from(self._buf)
+        t0, sent, length = HEADER.unpack_from(self._buf)
         if length < 0:
-            return t0, length, self._mv[:0]
+            return Frame(t0, sent, length, self._mv[:0])
         need = HEADER.size + length
         if need <= len(self._buf):
             while got < need:
                 got += self._recv(self._mv[got:need])
-            return t0, length, self._mv[HEADER.size : need]
+            return Frame(t0, sent, length, self._mv[HEADER.size : need])
         # large bodies (pickle-uds) land in fresh memory, as a real receiver's would
         big = memoryview(bytearray(length))
         have = got - HEADER.size
         big[:have] = self._mv[HEADER.size : got]
         while have < length:
             have += self._recv(big[have:])
-        return t0, length, big
+        return Frame(t0, sent, length, big)
 
-    async def aframe(self) -> tuple[int, int, memoryview]:
+    async def aframe(self) -> Frame:
         got = 0
         while got < HEADER.size:
             got += await self._arecv(self._mv[got:])
-        t0, length = HEADER.unpack_from(self._buf)
+        t0, sent, length = HEADER.unpack_from(self._buf)
         if length < 0:
-            return t0, length, self._mv[:0]
+            return Frame(t0, sent, length, self._mv[:0])
         need = HEADER.size + length
         if need <= len(self._buf):
             while got < need:
                 got += await self._arecv(self._mv[got:need])
-            return t0, length, self._mv[HEADER.size : need]
+            return Frame(t0, sent, length, self._mv[HEADER.size : need])
         big = memoryview(bytearray(length))
         have = got - HEADER.size
         big[:have] = self._mv[HEADER.size : got]
         while have < length:
             have += await self._arecv(big[have:])
-        return t0, length, big
+        return Frame(t0, sent, length, big)
 
     def _recv(self, into: memoryview) -> int:
         n = self._sock.recv_into(into)
@@ -92,32 +100,32 @@ class Receiver:
         return n
 
     def expect_end(self) -> None:
-        if self.frame()[1] != END:
+        if self.frame().length != END:
             raise BenchFailure("writer sent more frames than planned")
         self._sock.sendall(ACK)
 
     async def aexpect_end(self) -> None:
-        if (await self.aframe())[1] != END:
+        if (await self.aframe()).length != END:
             raise BenchFailure("writer sent more frames than planned")
         await asyncio.get_running_loop().sock_sendall(self._sock, ACK)
 
 
-def send_frame(sock: socket.socket, t0: int, body: Body) -> None:
+def send_frame(sock: socket.socket, t0: int, body: Body, sent: int = 0) -> None:
     n = len(body)
     if n <= SMALL:
-        sock.sendall(HEADER.pack(t0, n) + body)  # one syscall for the common small notify
+        sock.sendall(HEADER.pack(t0, sent, n) + body)  # one syscall for the common small notify
     else:
-        sock.sendall(HEADER.pack(t0, n))
+        sock.sendall(HEADER.pack(t0, sent, n))
         sock.sendall(body)
 
 
-async def asend_frame(sock: socket.socket, t0: int, body: Body) -> None:
+async def asend_frame(sock: socket.socket, t0: int, body: Body, sent: int = 0) -> None:
     loop = asyncio.get_running_loop()
     n = len(body)
     if n <= SMALL:
-        await loop.sock_sendall(sock, HEADER.pack(t0, n) + body)
+        await loop.sock_sendall(sock, HEADER.pack(t0, sent, n) + body)
     else:
-        await loop.sock_sendall(sock, HEADER.pack(t0, n))
+        await loop.sock_sendall(sock, HEADER.pack(t0, sent, n))
         await loop.sock_sendall(sock, body)
 
 
@@ -138,10 +146,10 @@ def _check(got: bytes, token: bytes) -> None:
 
 def send_end(sock: socket.socket) -> None:
     # acknowledged, so the next step's setup frame is never in flight behind it
-    sock.sendall(HEADER.pack(0, END))
+    sock.sendall(HEADER.pack(0, 0, END))
     expect(sock, ACK)
 
 
 async def asend_end(sock: socket.socket) -> None:
-    await asyncio.get_running_loop().sock_sendall(sock, HEADER.pack(0, END))
+    await asyncio.get_running_loop().sock_sendall(sock, HEADER.pack(0, 0, END))
     await aexpect(sock, ACK)

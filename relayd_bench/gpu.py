@@ -16,7 +16,8 @@ transport is pinned on the writer's client, so the numbers do not depend on
 how the two benchmark processes happen to be placed. Output: the same table
 and JSON document as ``relayd bench``. Under the table, each relayd cell's
 median is split into the writer's put, the DataRef's trip to the reader and
-the get (also in the JSON's ``run``), so a GPU run shows which side to look at.
+the get (each result's ``split_ns`` in the JSON), so a GPU run shows which
+side to look at.
 
 ``--profile DIR``: after each size's measured transfers, :data:`PROFILED`
 more run with :mod:`cProfile` on around the writer's ``put`` and around the
@@ -35,7 +36,6 @@ import io
 import json
 import multiprocessing as mp
 import pstats
-import statistics
 import sys
 import tempfile
 import time
@@ -45,8 +45,17 @@ from pathlib import Path
 from typing import Any
 
 from relayd.launch import DaemonProcess, DaemonStartError
-from relayd_bench._stats import Result, Status, add_ratios, machine_info, summarize, to_json
-from relayd_bench._table import fmt_size, render_table
+from relayd_bench._stats import (
+    Result,
+    Split,
+    Status,
+    add_ratios,
+    machine_info,
+    split_of,
+    summarize,
+    to_json,
+)
+from relayd_bench._table import render_table
 
 SIZES = (256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20)
 FLOOR = "copy_"
@@ -156,13 +165,13 @@ async def _writer(
     warmup: int,
     n: int,
     profile_dir: str | None,
-) -> dict[int, tuple[list[int], str]]:
-    """Per size: the one-way samples, and :func:`split_note` of where they went."""
+) -> dict[int, tuple[list[int], Split | None]]:
+    """Per size: the one-way samples, and where they went (put, the DataRef's trip, get)."""
     import torch
     from relayd_client import RelayClient
     from relayd_client.wire.transport import Transport
 
-    out: dict[int, tuple[list[int], str]] = {}
+    out: dict[int, tuple[list[int], Split | None]] = {}
     profile = SideProfile(profile_path(profile_dir, method, "put"))
     extra = PROFILED if profile_dir else 0
     async with RelayClient("bench-writer", sock, timeout=30.0) as client:
@@ -173,7 +182,7 @@ async def _writer(
         for size in sizes:
             src = torch.randint(0, 256, (size,), dtype=torch.uint8, device="cuda")
             samples: list[int] = []
-            steps: tuple[list[int], list[int], list[int]] = ([], [], [])
+            parts: list[tuple[int, int, int]] = []
             for i in range(warmup + n + extra):
                 profiled = i >= warmup + n
                 torch.cuda.synchronize()
@@ -185,16 +194,12 @@ async def _writer(
                     raise RuntimeError(f"{method} was asked for, {ref.transport.value} was taken")
                 conn.send((ref.to_bytes(), profiled))
                 # Off the loop: the writer's session keeps taking Freed notices.
-                get_started, done = await asyncio.to_thread(_answer, conn)
+                answer = await asyncio.to_thread(_answer, conn)
+                get_started, done = int(answer[0]), int(answer[1])
                 if warmup <= i < warmup + n:
-                    samples.append(int(done) - t0)
-                    for step, ns in zip(
-                        steps,
-                        (put_done - t0, get_started - put_done, done - get_started),
-                        strict=True,
-                    ):
-                        step.append(int(ns))
-            out[size] = samples, split_note(*steps)
+                    samples.append(done - t0)
+                    parts.append((put_done - t0, get_started - put_done, done - get_started))
+            out[size] = samples, split_of(parts)
     profile.write(f"{method} put")
     return out
 
@@ -206,32 +211,6 @@ def gpu_side(client: Any) -> Any:
     test holds this path to the client's structure on machines without a GPU.
     """
     return client._conn.gpu
-
-
-def split_note(puts: list[int], hops: list[int], gets: list[int]) -> str:
-    """Medians of the writer's put, the DataRef's trip to the reader and its get, in µs.
-
-    One host, one clock (``perf_counter_ns`` is CLOCK_MONOTONIC): the three add
-    up to the one-way latency of the same transfer.
-    """
-    if not puts:
-        return "-"
-    put, hop, get = (statistics.median(v) / 1e3 for v in (puts, hops, gets))
-    return f"{put:.0f} / {hop:.0f} / {get:.0f}"
-
-
-def render_splits(splits: dict[tuple[str, int], str]) -> str:
-    """The lines under the table: each relayd cell's median, split (see :func:`split_note`)."""
-    rows = [
-        f"{fmt_size(size):<7}{method:<17}{split}"
-        for (method, size), split in sorted(splits.items(), key=lambda kv: (kv[0][1], kv[0][0]))
-    ]
-    if not rows:
-        return ""
-    head = (
-        "\nwhere each median went, µs: the writer's put / the DataRef's trip / the reader's get\n"
-    )
-    return head + "\n".join(rows) + "\n"
 
 
 def _answer(conn: Connection) -> Any:
@@ -275,10 +254,9 @@ def _relayd_methods(
     warmup: int,
     n: int,
     results: list[Result],
-    splits: dict[tuple[str, int], str],
     profile_dir: str | None = None,
 ) -> None:
-    """Run the relayd methods into ``results``; ``splits``: where each median went."""
+    """Run the relayd methods into ``results``, each median split into its sides."""
     with tempfile.TemporaryDirectory(prefix="relayd-gpu-bench-") as tmp:
         try:
             daemon = _start_daemon(Path(tmp))
@@ -305,8 +283,7 @@ def _relayd_methods(
                         _writer(sock, parent, method, sizes, warmup, n, profile_dir)
                     )
                     for size, (samples, split) in by_size.items():
-                        results.append(_ok(method, size, warmup, samples))
-                        splits[method, size] = split
+                        results.append(_ok(method, size, warmup, samples, split))
                 except Exception as exc:  # one method failing must not hide the others
                     for size in sizes:
                         results.append(Result(method, size, Status.FAILED, reason=f"{exc}"[:200]))
@@ -320,10 +297,12 @@ def _relayd_methods(
             daemon.stop(timeout_s=DAEMON_STOP_S)
 
 
-def _ok(method: str, size: int, warmup: int, samples: list[int]) -> Result:
+def _ok(
+    method: str, size: int, warmup: int, samples: list[int], split: Split | None = None
+) -> Result:
     return Result(
         method, size, Status.OK, warmup=warmup, iterations=len(samples),
-        latency=summarize(samples),
+        latency=summarize(samples), split=split,
     )  # fmt: skip
 
 
@@ -338,20 +317,15 @@ def run(args: argparse.Namespace) -> int:
     torch.cuda.set_device(0)
     for size in SIZES:
         results.append(_floor_result(size, warmup, n))
-    splits: dict[tuple[str, int], str] = {}
-    _relayd_methods(SIZES, warmup, n, results, splits, getattr(args, "profile", None))
+    _relayd_methods(SIZES, warmup, n, results, getattr(args, "profile", None))
     add_ratios(results, reference=FLOOR)
     machine = machine_info()
     machine["gpu"] = torch.cuda.get_device_name(0)
     machine["gpus"] = torch.cuda.device_count()
     print(render_table(results, machine=machine), end="")
-    print(render_splits(splits), end="")
     path = getattr(args, "json", None)
     if path:
-        run_info = {
-            "gpu": True, "warmup": warmup, "iterations": n, "reference": FLOOR,
-            "put_hop_get_us": {f"{m} {size}": split for (m, size), split in splits.items()},
-        }  # fmt: skip
+        run_info = {"gpu": True, "warmup": warmup, "iterations": n, "reference": FLOOR}
         with open(path, "w", encoding="utf-8") as f:
             json.dump(to_json(results, (), machine, run_info), f, indent=2)
     return 0 if all(r.status is Status.OK for r in results) else 1

@@ -78,6 +78,14 @@ def test_quick_baselines_produce_every_cell(tmp_path: Path) -> None:
     for r in doc["results"]:
         if r["method"] == "floor":
             assert r["ratio_vs_floor"] == 1.0
+        # a pair's median splits into its sides; one process has none
+        split = r["split_ns"]
+        if r["method"] == "memcpy":
+            assert split is None
+        else:
+            assert set(split) == {"send_ns", "trip_ns", "recv_ns"}
+            assert min(split.values()) >= 0 and split["trip_ns"] > 0
+    assert "where the time went" in stdout
 
     # the methods cleaned up after themselves (the run's final sweep found nothing)...
     assert doc["run"]["leftover_segments"] == []

@@ -7,11 +7,15 @@ sets ``break_lane`` in its class.
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import torch
 
 from relayd_bench._api import AsyncPairMethod, PairMethod
 
 BROKEN_LANE, BREAKS_AT = 1, 3
+PAUSE_S = 0.002  # what a slow side sleeps per transfer: at least this much lands in its part
 
 
 def _copy(method: PairMethod | AsyncPairMethod, source: torch.Tensor, i: int) -> bytes:
@@ -50,3 +54,15 @@ class BrokenCopy(Copy):
 
 class BrokenAsyncCopy(AsyncCopy):
     break_lane = True
+
+
+class SlowSendCopy(Copy):
+    def send(self, i: int) -> bytes:
+        time.sleep(PAUSE_S)
+        return super().send(i)
+
+
+class SlowRecvAsyncCopy(AsyncCopy):
+    async def recv(self, notify: memoryview) -> torch.Tensor:
+        await asyncio.sleep(PAUSE_S)
+        return await super().recv(notify)

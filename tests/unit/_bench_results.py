@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from relayd_bench._stats import Cpu, Result, Status, summarize
+from relayd_bench._stats import Cpu, Result, Split, Status, summarize
 
 
 def ok(
@@ -11,6 +11,7 @@ def ok(
     samples: list[int],
     cpu: Cpu | None = None,
     extra: dict[str, str] | None = None,
+    split: Split | None = None,
 ) -> Result:
     """A measured cell: one warm-up, ``samples`` as the measured one-way times."""
     return Result(
@@ -22,4 +23,5 @@ def ok(
         latency=summarize(samples),
         cpu=cpu or Cpu(),
         extra=extra or {},
+        split=split,
     )

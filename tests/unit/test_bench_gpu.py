@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from relayd_bench import gpu
-from relayd_bench._stats import Status, add_ratios, to_json
+from relayd_bench._stats import Split, Status, add_ratios, split_of, to_json
 from relayd_bench._table import render_table
 from tests._daemon import Daemon
 
@@ -72,20 +72,18 @@ def test_the_benchmark_reaches_the_clients_gpu_state(tmp_path: Path) -> None:
         assert d.stop() == 0
 
 
-def test_the_split_gives_the_median_of_each_step_under_the_table() -> None:
+def test_a_gpu_cell_carries_its_split_into_the_table_and_the_json() -> None:
     ns = 1000
-    puts, hops, gets = (
-        [300 * ns, 310 * ns, 290 * ns],
-        [88 * ns] * 3,
-        [545 * ns, 9000 * ns, 500 * ns],
-    )
-    assert gpu.split_note(puts, hops, gets) == "300 / 88 / 545"
-    assert gpu.split_note([], [], []) == "-"
-    splits = {("cuda_ipc_pool", 4 << 20): "1 / 2 / 3", ("cuda_ipc_direct", 1 << 20): "4 / 5 / 6"}
-    lines = gpu.render_splits(splits).splitlines()
-    assert lines[-2].split() == ["1MiB", "cuda_ipc_direct", "4", "/", "5", "/", "6"]
-    assert lines[-1].split() == ["4MiB", "cuda_ipc_pool", "1", "/", "2", "/", "3"]
-    assert gpu.render_splits({}) == ""
+    parts = [
+        (300 * ns, 88 * ns, 545 * ns),
+        (310 * ns, 88 * ns, 9000 * ns),
+        (290 * ns, 88 * ns, 500 * ns),
+    ]
+    cell = gpu._ok("cuda_ipc_pool", 4 << 20, 2, [sum(p) for p in parts], split_of(parts))
+    assert cell.split == Split(300_000.0, 88_000.0, 545_000.0)
+    rows = [line.split() for line in render_table([cell]).splitlines()]
+    assert ["cuda_ipc_pool", "300/88/545"] in rows
+    assert to_json([cell], (), {}, {})["results"][0]["split_ns"]["trip_ns"] == 88_000.0
 
 
 def test_a_side_profile_lists_the_profiled_calls_only(tmp_path: Path) -> None:

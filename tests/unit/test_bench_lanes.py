@@ -25,7 +25,7 @@ from relayd_bench._lanes import Reports, Start, in_threads, shared
 from relayd_bench._procstat import ProcSample
 from relayd_bench._progress import Progress
 from relayd_bench._run import stream_lanes
-from tests.unit._bench_methods import BREAKS_AT, BROKEN_LANE
+from tests.unit._bench_methods import BREAKS_AT, BROKEN_LANE, PAUSE_S
 
 LANES = 3
 
@@ -192,6 +192,20 @@ def test_a_process_pair_carries_its_lanes_and_reports_them_as_one(target: str) -
     assert outcome.errors == []
     writer, reader = outcome.writer["copy", 4096], outcome.reader["copy", 4096]
     assert len(writer.cycles_ns) == len(reader.samples_ns) == LANES * 20
+
+
+@pytest.mark.parametrize(("target", "slow"), [("SlowSendCopy", 0), ("SlowRecvAsyncCopy", 2)])
+def test_each_sample_splits_into_its_sides_and_a_slow_side_shows_in_its_own_part(
+    target: str, slow: int
+) -> None:
+    outcome = _job(target, LANES)
+    assert outcome.errors == []
+    reader = outcome.reader["copy", 4096]
+    assert len(reader.parts_ns) == len(reader.samples_ns) == LANES * 20
+    for sample, parts in zip(reader.samples_ns, reader.parts_ns, strict=True):
+        assert sum(parts) == sample  # the same transfer's stamps, in order
+        assert min(parts) >= 0
+        assert parts[slow] >= PAUSE_S * 1e9  # a sleep there lands there, never elsewhere
 
 
 @pytest.mark.parametrize("target", ["BrokenCopy", "BrokenAsyncCopy"])

@@ -13,6 +13,7 @@ from relayd_bench._run import REFERENCE_PLAN, plan_for
 from relayd_bench._stats import (
     Cpu,
     Result,
+    Split,
     Status,
     StreamResult,
     add_ratios,
@@ -21,6 +22,7 @@ from relayd_bench._stats import (
     median,
     p99,
     percentile_nearest_rank,
+    split_of,
     summarize,
     throughput_gbps,
     to_json,
@@ -174,6 +176,7 @@ def _busy_results() -> tuple[list[Result], list[StreamResult]]:
                     [1_000 * (i + 1), 90_000_000_000 * (i + 1)],
                     cpu=Cpu(123456.0, 654321.0, 99999.0, 4096.0, 8160.0),
                     extra={"transport": "shm", "note": "x" * 80},
+                    split=Split(12_345_678.0, 9_999_999.0, 123_456_789.0),
                 )
             )
     rows.append(Result("relayd-mooncake", 4 * KIB, Status.SKIPPED, "needs " + "y" * 200))
@@ -228,6 +231,29 @@ def test_table_collapses_a_method_skipped_at_every_size_into_one_line() -> None:
     assert text.count("skipped: cannot import relayd_client") == 1
 
 
+def test_a_split_is_each_parts_own_median() -> None:
+    parts = [(30_000, 14_000, 31_000), (32_000, 90_000, 29_000), (35_000, 12_000, 400_000)]
+    assert split_of(parts) == Split(32_000.0, 14_000.0, 31_000.0)
+    assert split_of([]) is None  # a local method has no sides
+
+
+def test_the_table_shows_each_pair_cell_split_by_method_and_size() -> None:
+    rows = [
+        ok("floor", 4 * KIB, [15_000], split=Split(2_400.0, 11_600.0, 3_100.0)),
+        ok("floor", MIB, [200_000], split=Split(61_000.0, 20_000.0, 118_000.0)),
+        ok("relayd-sync", 4 * KIB, [77_000], split=Split(32_000.0, 14_000.0, 31_000.0)),
+        ok("memcpy", 4 * KIB, [1_000]),  # local: no split, no row
+    ]
+    lines = render_table(rows).splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("where the time went"))
+    matrix = lines[head + 3 : head + 6]
+    assert matrix[0].split() == ["method", "4KiB", "1MiB"]
+    assert matrix[1].split() == ["floor", "2/12/3", "61/20/118"]
+    assert matrix[2].split() == ["relayd-sync", "32/14/31"]  # no cell where it did not run
+    assert not any(line.startswith("memcpy") for line in lines[head:])
+    assert "where the time went" not in render_table([ok("memcpy", 4 * KIB, [1_000])])
+
+
 def test_json_schema_keys() -> None:
     rows, streams = _busy_results()
     doc = json.loads(json.dumps(to_json(rows, streams, machine_info(), {"run_id": "r"})))
@@ -248,11 +274,17 @@ def test_json_schema_keys() -> None:
         "gbps",
         "ratio_vs_floor",
         "cycle_median_ns",
+        "split_ns",
         "cpu_ns_per_transfer",
         "minflt_per_transfer",
         "extra",
     }
     assert set(row["cpu_ns_per_transfer"]) == {"writer", "reader", "daemon"}
+    assert row["split_ns"] == {
+        "send_ns": 12_345_678.0,
+        "trip_ns": 9_999_999.0,
+        "recv_ns": 123_456_789.0,
+    }
     assert set(row["latency_ns"]) == {"n", "median_ns", "p99_ns", "min_ns", "max_ns", "mean_ns"}
     skipped = next(r for r in doc["results"] if r["status"] == "skipped")
     assert skipped["median_ns"] is None and skipped["latency_ns"] is None
