@@ -9,8 +9,14 @@ been idle: a halted virtual CPU is woken through the host. Measured on a
 1 ms idle, ~91 us after 2 ms. A stop-and-wait transfer's daemons sit idle for most
 of each round, so every hop pays the idle price.
 
-The bench measures it once per run, as it does the cold-call probe, and prints
-it under the machine line: two runs on two machines compare knowing it, and a
+The waker pays too: a send that wakes a halted virtual CPU exits to the host to
+interrupt it, inside the send call. Measured on the same VM: 1.4 us to a core
+that had just gone to sleep, 14-19 us once it had idled 0.1-1 ms; 1.5-2 us with
+the guest polling before it halts. A daemon that wakes a reader or a peer pays
+it as CPU on every such send.
+
+The bench measures both once per run, as it does the cold-call probe, and prints
+them under the machine line: two runs on two machines compare knowing it, and a
 cross-node run's hops read against it. The probe pins a sender and a receiver
 process to two different cores; a single-core process skips it.
 """
@@ -56,11 +62,15 @@ class Wake:
     pause_s: float
     busy_us: float  # median, to a receiver that had just gone to sleep
     idle_us: float  # median, to a receiver idle for pause_s
+    send_busy_us: float = 0.0  # median time in the sender's send call, the same two ways
+    send_idle_us: float = 0.0
 
     def line(self) -> str:
         return (
             f"wake-up on another core: {self.busy_us:.1f} µs, {self.idle_us:.1f} µs after "
-            f"{self.pause_s * 1e3:g} ms idle (a message's send to its read)"
+            f"{self.pause_s * 1e3:g} ms idle (a message's send to its read)\n"
+            f"the send that wakes it: {self.send_busy_us:.1f} µs, {self.send_idle_us:.1f} µs "
+            f"after {self.pause_s * 1e3:g} ms idle (the waker's CPU)"
         )
 
 
@@ -69,22 +79,25 @@ def _cores() -> tuple[int, int] | None:
     return (cpus[0], cpus[1]) if len(cpus) >= 2 else None
 
 
-def _one_way_us(sock: socket.socket, samples: int, pause: float) -> float:
-    """The median µs from a send to the receiver's read, the receiver idle ``pause``
-    seconds before each. This process spins meanwhile, so that it, not the
-    receiver, holds its core and the receiver's core alone goes idle."""
+def _one_way_us(sock: socket.socket, samples: int, pause: float) -> tuple[float, float]:
+    """The median µs from a send to the receiver's read, and in the send call
+    itself, the receiver idle ``pause`` seconds before each. This process spins
+    meanwhile, so that it, not the receiver, holds its core and the receiver's
+    core alone goes idle."""
     clock = time.monotonic_ns
-    took = []
+    took, sends = [], []
     for _ in range(samples):
         until = clock() + int(pause * 1e9)
         while clock() < until:
             pass
-        sock.sendall(_STAMP.pack(clock()))
+        sent = clock()
+        sock.sendall(_STAMP.pack(sent))
+        sends.append(clock() - sent)
         answer = sock.recv(_STAMP.size, socket.MSG_WAITALL)
         if len(answer) != _STAMP.size:
             raise ConnectionError("the wake probe's receiver is gone")
         took.append(_STAMP.unpack(answer)[0])
-    return float(statistics.median(took)) / 1000
+    return float(statistics.median(took)) / 1000, float(statistics.median(sends)) / 1000
 
 
 def probe(samples: int = SAMPLES, pause: float = COLD_PAUSE_S) -> Wake | None:
@@ -123,8 +136,8 @@ def _measure(sock: socket.socket, core: int, samples: int, pause: float) -> Wake
     os.sched_setaffinity(0, {core})
     try:
         _one_way_us(sock, 5, 0.0)  # the receiver is up and pinned once it answers
-        busy = _one_way_us(sock, samples, 0.0)
-        idle = _one_way_us(sock, samples, pause)
-        return Wake(pause, busy, idle)
+        busy, send_busy = _one_way_us(sock, samples, 0.0)
+        idle, send_idle = _one_way_us(sock, samples, pause)
+        return Wake(pause, busy, idle, send_busy, send_idle)
     finally:
         os.sched_setaffinity(0, restore)

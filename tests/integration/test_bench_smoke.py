@@ -103,7 +103,9 @@ def test_quick_baselines_produce_every_cell(tmp_path: Path) -> None:
     if len(os.sched_getaffinity(0)) >= 2:
         assert wake is not None and wake["pause_s"] == 0.001
         assert wake["busy_us"] > 0 and wake["idle_us"] > 0
+        assert wake["send_busy_us"] > 0 and wake["send_idle_us"] > 0
         assert f"{wake['idle_us']:.1f} µs after 1 ms idle" in stdout
+        assert f"the send that wakes it: {wake['send_busy_us']:.1f} µs" in stdout
     else:
         assert wake is None
 

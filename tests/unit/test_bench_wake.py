@@ -20,6 +20,7 @@ def test_probe_times_a_wake_up_on_another_core_and_gives_this_process_its_cores_
     w = _wake.probe(samples=5, pause=0.0005)
     assert w is not None and w.pause_s == 0.0005
     assert w.busy_us > 0 and w.idle_us > 0
+    assert w.send_busy_us > 0 and w.send_idle_us > 0
     assert os.sched_getaffinity(0) == before  # pinned only while it measured
 
 
@@ -33,17 +34,19 @@ def test_a_process_on_one_core_skips_the_probe() -> None:
 
 
 def test_the_line_names_both_wake_ups_and_the_idle_time() -> None:
-    w = Wake(pause_s=0.001, busy_us=12.3, idle_us=70.4)
-    assert w.line() == (
-        "wake-up on another core: 12.3 µs, 70.4 µs after 1 ms idle (a message's send to its read)"
-    )
+    w = Wake(pause_s=0.001, busy_us=12.3, idle_us=70.4, send_busy_us=1.4, send_idle_us=19.4)
+    assert w.line().splitlines() == [
+        "wake-up on another core: 12.3 µs, 70.4 µs after 1 ms idle (a message's send to its read)",
+        "the send that wakes it: 1.4 µs, 19.4 µs after 1 ms idle (the waker's CPU)",
+    ]
 
 
 def test_the_machine_line_carries_it_only_when_measured() -> None:
     m = {"cpu_model": "cpu", "cores": 2, "kernel": "k", "python": "3", "torch": "t"}
     assert "wake-up" not in _machine_line(m)
-    w = Wake(pause_s=0.001, busy_us=10.0, idle_us=70.0)
-    assert _machine_line({**m, "wake": dataclasses.asdict(w)}).splitlines()[-1] == w.line()
+    w = Wake(pause_s=0.001, busy_us=10.0, idle_us=70.0, send_busy_us=1.0, send_idle_us=18.0)
+    lines = _machine_line({**m, "wake": dataclasses.asdict(w)}).splitlines()
+    assert lines[-2:] == w.line().splitlines()
 
 
 def test_a_process_that_may_not_pin_itself_skips_the_probe(
