@@ -292,6 +292,32 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def _read_sys(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def cpuidle_info(sys_root: str = "/sys") -> dict[str, Any] | None:
+    """How this machine's idle cores sleep: the cpuidle driver and governor and,
+    under ``haltpoll`` (a VM guest), how long an idle core polls before it halts.
+    A halted virtual core is woken through the host, which the wake probe times;
+    None where the kernel says nothing."""
+    base = f"{sys_root}/devices/system/cpu/cpuidle"
+    driver = _read_sys(f"{base}/current_driver")
+    if driver is None:
+        return None
+    governor = _read_sys(f"{base}/current_governor_ro") or _read_sys(f"{base}/current_governor")
+    poll = _read_sys(f"{sys_root}/module/haltpoll/parameters/guest_halt_poll_ns")
+    return {
+        "driver": driver,
+        "governor": governor,
+        "guest_halt_poll_ns": int(poll) if poll is not None and poll.isdigit() else None,
+    }
+
+
 def machine_info() -> dict[str, Any]:
     """Describe the machine without importing torch (it costs seconds in the parent)."""
     try:
@@ -313,6 +339,7 @@ def machine_info() -> dict[str, Any]:
         "numpy": _dist_version("numpy"),
         "grpcio": _dist_version("grpcio"),
         "loadavg": load,  # 1/5/15 min when the run ended: other work skews every number
+        "cpuidle": cpuidle_info(),
     }
 
 

@@ -146,7 +146,19 @@ def _machine_line(m: dict[str, Any]) -> str:
         + load
         + ("" if not cold else "\n" + ColdCall(**cold).line())
         + ("" if not wake else "\n" + Wake(**wake).line())
+        + _idle_line(m.get("cpuidle"))
     )
+
+
+def _idle_line(idle: dict[str, Any] | None) -> str:
+    """How idle cores sleep, as a line of its own (nothing where unknown)."""
+    if not idle:
+        return ""
+    line = f"\nidle cores: cpuidle driver {idle['driver']}, governor {idle.get('governor') or '?'}"
+    poll = idle.get("guest_halt_poll_ns")
+    if poll is not None:
+        line += f", polling {poll / 1e3:g} µs before a halt"
+    return line
 
 
 def _ordered(values: Iterable[str]) -> list[str]:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 
 import pytest
 
 from relayd_bench import _wake
+from relayd_bench._stats import cpuidle_info
 from relayd_bench._table import _machine_line
 from relayd_bench._wake import Wake
 
@@ -58,3 +60,43 @@ def test_a_process_that_may_not_pin_itself_skips_the_probe(
     monkeypatch.setattr(_wake.os, "sched_setaffinity", refused)
     monkeypatch.setattr(_wake, "_cores", lambda: (0, 1))
     assert _wake.probe(samples=5, pause=0.0005) is None
+
+
+def _sysfs(root: Path, files: dict[str, str]) -> str:
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text + "\n")
+    return str(root)
+
+
+def test_how_idle_cores_sleep_is_read_from_sysfs_and_shown_under_the_probe(
+    tmp_path: Path,
+) -> None:
+    idle = "devices/system/cpu/cpuidle"
+    guest = _sysfs(
+        tmp_path / "guest",
+        {
+            f"{idle}/current_driver": "haltpoll",
+            f"{idle}/current_governor_ro": "haltpoll",
+            "module/haltpoll/parameters/guest_halt_poll_ns": "0",
+        },
+    )
+    info = cpuidle_info(guest)
+    assert info == {"driver": "haltpoll", "governor": "haltpoll", "guest_halt_poll_ns": 0}
+    m = {"cpu_model": "cpu", "cores": 2, "cpuidle": info}
+    assert _machine_line(m).splitlines()[-1] == (
+        "idle cores: cpuidle driver haltpoll, governor haltpoll, polling 0 µs before a halt"
+    )
+    host = _sysfs(
+        tmp_path / "host",
+        {f"{idle}/current_driver": "intel_idle", f"{idle}/current_governor": "menu"},
+    )
+    assert cpuidle_info(host) == {
+        "driver": "intel_idle",
+        "governor": "menu",
+        "guest_halt_poll_ns": None,
+    }
+    assert _machine_line({**m, "cpuidle": cpuidle_info(host)}).endswith("governor menu")
+    assert cpuidle_info(str(tmp_path / "none")) is None  # no cpuidle: no line
+    assert "idle cores" not in _machine_line({**m, "cpuidle": None})
