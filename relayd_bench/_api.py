@@ -276,7 +276,7 @@ Parts = tuple[int, int, int]
 ``send`` hook (for relayd the put and the DataRef's bytes), the notify's way to the
 reader until the reader has read its frame, and the reader's ``recv`` hook (the
 DataRef's parse and the get). A ``-late`` method's clock starts when it hands the
-DataRef over, after its send, so its send part is only that hand-off."""
+DataRef over, after its send, so its send part is zero."""
 
 
 @dataclasses.dataclass(frozen=True)
