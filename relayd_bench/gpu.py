@@ -15,9 +15,10 @@ and direct runs use a daemon started here with ``--gpu-pool-size 512MiB``
 transport is pinned on the writer's client, so the numbers do not depend on
 how the two benchmark processes happen to be placed. Output: the same table
 and JSON document as ``relayd bench``. Under the table, each relayd cell's
-median is split into the writer's put, the DataRef's trip to the reader and
-the get (each result's ``split_ns`` in the JSON), so a GPU run shows which
-side to look at.
+median is split as ``relayd bench`` splits it: the writer's put and the
+DataRef's bytes, their trip to the reader, and the reader's parse and get
+(each result's ``split_ns`` in the JSON), so a GPU run shows which side to
+look at.
 
 ``--profile DIR``: after each size's measured transfers, :data:`PROFILED`
 more run with :mod:`cProfile` on around the writer's ``put`` and around the
@@ -189,10 +190,11 @@ async def _writer(
                 t0 = time.perf_counter_ns()
                 with profile.around(profiled):
                     ref = await client.put(src, to_stage="bench-reader", request_id=f"g{size}-{i}")
-                put_done = time.perf_counter_ns()
+                wire = ref.to_bytes()
+                put_done = time.perf_counter_ns()  # the writer's side, as in relayd bench
                 if ref.transport.value != method:
                     raise RuntimeError(f"{method} was asked for, {ref.transport.value} was taken")
-                conn.send((ref.to_bytes(), profiled))
+                conn.send((wire, profiled))
                 # Off the loop: the writer's session keeps taking Freed notices.
                 answer = await asyncio.to_thread(_answer, conn)
                 get_started, done = int(answer[0]), int(answer[1])
