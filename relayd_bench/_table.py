@@ -6,7 +6,7 @@ comparisons, the round-trip model of ``_rtt``, the stream workload); computes no
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from relayd_bench import _rtt
@@ -167,26 +167,37 @@ def _ordered(values: Iterable[str]) -> list[str]:
 
 def _render_matrix(results: Sequence[Result], width: int) -> list[str]:
     methods = _ordered(r.method for r in results)
-    sizes = sorted({r.size for r in results})
-    cells = {(r.method, r.size): r for r in results}
+    cells = {(r.method, r.size): _latency_cell(r) for r in results}
     name_w = min(max(len(m) for m in methods) + 2, 22)
-    cell_w = 16
+    head = "one-way latency, stop-and-wait: median and ratio to floor at the same size"
+    return [head, *_by_size(methods, cells, name_w, 16, width, str.ljust)]
+
+
+def _latency_cell(r: Result) -> str:
+    if r.status is not Status.OK or r.latency is None:
+        return r.status.value
+    return f"{fmt_ns(r.latency.median_ns)} {_fmt_ratio(r.ratio_vs_floor)}"
+
+
+def _by_size(
+    methods: Sequence[str],
+    cells: dict[tuple[str, int], str],
+    name_w: int,
+    cell_w: int,
+    width: int,
+    align: Callable[[str, int], str],
+) -> list[str]:
+    """A method x size matrix of ``cells`` (blank where a method has none), in
+    blocks of as many sizes as fit in ``width``."""
+    sizes = sorted({size for _, size in cells})
     per_block = max(1, (width - name_w) // cell_w)
-    out = ["one-way latency, stop-and-wait: median and ratio to floor at the same size"]
+    out = []
     for start in range(0, len(sizes), per_block):
         block = sizes[start : start + per_block]
-        out.append("method".ljust(name_w) + "".join(fmt_size(s).ljust(cell_w) for s in block))
+        out.append("method".ljust(name_w) + "".join(align(fmt_size(s), cell_w) for s in block))
         for m in methods:
             row = m[: name_w - 1].ljust(name_w)
-            for s in block:
-                r = cells.get((m, s))
-                if r is None:
-                    text = ""
-                elif r.status is not Status.OK or r.latency is None:
-                    text = r.status.value
-                else:
-                    text = f"{fmt_ns(r.latency.median_ns)} {_fmt_ratio(r.ratio_vs_floor)}"
-                row += text[: cell_w - 1].ljust(cell_w)
+            row += "".join(align(cells.get((m, s), "")[: cell_w - 1], cell_w) for s in block)
             out.append(row.rstrip())
     return out
 
@@ -289,29 +300,18 @@ def fmt_split(split: Split | None) -> str:
 
 def _render_splits(results: Sequence[Result], width: int) -> list[str]:
     """Each pair method's median split into its sides, a method x size matrix."""
-    split = [r for r in results if r.split is not None]
-    if not split:
+    cells = {(r.method, r.size): fmt_split(r.split) for r in results if r.split is not None}
+    if not cells:
         return []
-    methods = _ordered(r.method for r in split)
-    sizes = sorted({r.size for r in split})
-    cells = {(r.method, r.size): fmt_split(r.split) for r in split}
-    name_w = _name_width(methods)
-    cell_w = max(len(c) for c in cells.values()) + 2
-    per_block = max(1, (width - name_w) // cell_w)
-    out = [
+    methods = _ordered(m for m, _ in cells)
+    head = [
         "",
         "where the time went, median µs: the writer's side (relayd: put, DataRef to bytes) /",
         "the trip to the reader / the reader's side (relayd: DataRef from bytes, get);",
         "each part's own median",
     ]
-    for start in range(0, len(sizes), per_block):
-        block = sizes[start : start + per_block]
-        out.append("method".ljust(name_w) + "".join(fmt_size(s).rjust(cell_w) for s in block))
-        for m in methods:
-            row = m[: name_w - 1].ljust(name_w)
-            row += "".join(cells.get((m, s), "").rjust(cell_w) for s in block)
-            out.append(row)
-    return out
+    cell_w = max(map(len, cells.values())) + 2
+    return head + _by_size(methods, cells, _name_width(methods), cell_w, width, str.rjust)
 
 
 def _render_round_trips(results: Sequence[Result]) -> list[str]:
