@@ -1,11 +1,12 @@
 """Framing between a benchmark writer and its reader over their Unix socketpair.
 
 One framing for every method: a 24-byte header (``t0`` and the moment the frame
-was sent, in ns, then the body length) and the body (the method's notify). A negative length is a control frame (end of a
-step). The reader answers ``R`` once set up for a size and ``A`` after each
-transfer's cleanup and after the end frame. So only one frame is ever in flight,
-and the reader can read greedily into one buffer without over-reading. Blocking
-and asyncio variants of each operation behave the same.
+was sent, in ns, then the body length) and the body (the method's notify). A
+negative length is a control frame (end of a step). The reader answers ``R``
+once set up for a size and ``A`` after each transfer's cleanup and after the
+end frame. So only one frame is ever in flight, and the reader can read
+greedily into one buffer without over-reading. Blocking and asyncio variants of
+each operation behave the same.
 """
 
 from __future__ import annotations

@@ -167,7 +167,8 @@ async def _writer(
     n: int,
     profile_dir: str | None,
 ) -> dict[int, tuple[list[int], Split | None]]:
-    """Per size: the one-way samples, and where they went (put, the DataRef's trip, get)."""
+    """Per size: the one-way samples, and their split into the writer's side, the
+    trip and the reader's side (see :func:`~relayd_bench._stats.split_of`)."""
     import torch
     from relayd_client import RelayClient
     from relayd_client.wire.transport import Transport

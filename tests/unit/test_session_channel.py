@@ -306,7 +306,7 @@ def test_a_fetch_answer_resolves_in_the_read_that_brings_it() -> None:
     its frame is read, so the waiting get resumes in the next loop turn."""
 
     async def main() -> None:
-        async with reading(lambda f: None) as (channel, far, _):
+        async with reading(lambda f: None) as (channel, _, _):
             fetch = asyncio.ensure_future(channel.fetch(b"ref", 5.0))
             await async_wait_until(lambda: channel._calls, 5, "the fetch call")
             (call_id,) = channel._calls
@@ -318,7 +318,6 @@ def test_a_fetch_answer_resolves_in_the_read_that_brings_it() -> None:
             protocol.data_received(encode_frame(frame))
             assert answer.done()  # before the loop has run anything else
             assert (await fetch).node_id == "node-b"
-            del far
 
     asyncio.run(main())
 
