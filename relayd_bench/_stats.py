@@ -318,6 +318,24 @@ def cpuidle_info(sys_root: str = "/sys") -> dict[str, Any] | None:
     }
 
 
+# Congestion controls that pace every connection's sends by timers (bbr sets
+# SK_PACING_NEEDED whatever the qdisc): on loopback too, where nothing else would
+# slow a send down.
+PACING_CONGESTION_CONTROLS = frozenset({"bbr"})
+
+
+def tcp_info(proc_root: str = "/proc") -> dict[str, Any] | None:
+    """This network namespace's TCP congestion control, which namespaces created
+    later (``--netns``) start with, and whether it paces. The cross-node methods
+    move their bytes over TCP (Mooncake's transport and relayd's peer channel),
+    and on loopback pacing alone changes mooncake-raw's 1 MiB read about 2x
+    (README, benchmarks); None where the kernel says nothing."""
+    cc = _read_sys(f"{proc_root}/sys/net/ipv4/tcp_congestion_control")
+    if not cc:
+        return None
+    return {"congestion_control": cc, "paced": cc in PACING_CONGESTION_CONTROLS}
+
+
 def machine_info() -> dict[str, Any]:
     """Describe the machine without importing torch (it costs seconds in the parent)."""
     try:
@@ -340,6 +358,7 @@ def machine_info() -> dict[str, Any]:
         "grpcio": _dist_version("grpcio"),
         "loadavg": load,  # 1/5/15 min when the run ended: other work skews every number
         "cpuidle": cpuidle_info(),
+        "tcp": tcp_info(),
     }
 
 

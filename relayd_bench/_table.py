@@ -147,6 +147,7 @@ def _machine_line(m: dict[str, Any]) -> str:
         + ("" if not cold else "\n" + ColdCall(**cold).line())
         + ("" if not wake else "\n" + Wake(**wake).line())
         + _idle_line(m.get("cpuidle"))
+        + _tcp_line(m.get("tcp"))
     )
 
 
@@ -159,6 +160,14 @@ def _idle_line(idle: dict[str, Any] | None) -> str:
     if poll is not None:
         line += f", polling {poll / 1e3:g} µs before a halt"
     return line
+
+
+def _tcp_line(tcp: dict[str, Any] | None) -> str:
+    """The TCP congestion control the cross-node methods' connections get."""
+    if not tcp:
+        return ""
+    paced = ", which paces every connection, loopback's too" if tcp.get("paced") else ""
+    return f"\ntcp: congestion control {tcp['congestion_control']}{paced}"
 
 
 def _ordered(values: Iterable[str]) -> list[str]:

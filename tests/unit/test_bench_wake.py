@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from relayd_bench import _wake
-from relayd_bench._stats import cpuidle_info
+from relayd_bench._stats import cpuidle_info, machine_info, tcp_info
 from relayd_bench._table import _machine_line
 from relayd_bench._wake import Wake
 
@@ -100,3 +100,23 @@ def test_how_idle_cores_sleep_is_read_from_sysfs_and_shown_under_the_probe(
     assert _machine_line({**m, "cpuidle": cpuidle_info(host)}).endswith("governor menu")
     assert cpuidle_info(str(tmp_path / "none")) is None  # no cpuidle: no line
     assert "idle cores" not in _machine_line({**m, "cpuidle": None})
+
+
+def test_the_tcp_congestion_control_is_read_from_proc_and_said_when_it_paces(
+    tmp_path: Path,
+) -> None:
+    cc = "sys/net/ipv4/tcp_congestion_control"
+    bbr = tcp_info(_sysfs(tmp_path / "bbr", {cc: "bbr"}))
+    cubic = tcp_info(_sysfs(tmp_path / "cubic", {cc: "cubic"}))
+    assert bbr == {"congestion_control": "bbr", "paced": True}
+    assert cubic == {"congestion_control": "cubic", "paced": False}
+    m = {"cpu_model": "cpu", "cores": 2}
+    assert _machine_line({**m, "tcp": bbr}).splitlines()[-1] == (
+        "tcp: congestion control bbr, which paces every connection, loopback's too"
+    )
+    assert _machine_line({**m, "tcp": cubic}).splitlines()[-1] == "tcp: congestion control cubic"
+    assert tcp_info(str(tmp_path / "none")) is None  # no such file: no line
+    assert "tcp:" not in _machine_line({**m, "tcp": None})
+    # this machine's own, as the bench's JSON carries it
+    own = machine_info()["tcp"]
+    assert own is None or own == tcp_info()
