@@ -328,8 +328,9 @@ def tcp_info(proc_root: str = "/proc") -> dict[str, Any] | None:
     """This network namespace's TCP congestion control, which namespaces created
     later (``--netns``) start with, and whether it paces. The cross-node methods
     move their bytes over TCP (Mooncake's transport and relayd's peer channel),
-    and on loopback pacing alone changes mooncake-raw's 1 MiB read about 2x
-    (README, benchmarks); None where the kernel says nothing."""
+    and on loopback the pacing changes mooncake-raw's speed from 1 MiB up far
+    more than relayd's (the README's benchmark section has an A/B); None where
+    the kernel says nothing."""
     cc = _read_sys(f"{proc_root}/sys/net/ipv4/tcp_congestion_control")
     if not cc:
         return None
