@@ -27,7 +27,10 @@ import importlib.metadata
 import os
 import platform
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from relayd_bench._api import Parts
 
 SCHEMA = "relayd-bench/1"
 REFERENCE_METHOD = "floor"
@@ -97,7 +100,7 @@ def _measured_sum(writer_side: float | None, reader_side: float | None) -> float
 class Split:
     """Where a cell's transfers went: the median of each of their three parts, in ns.
 
-    The parts (``relayd_bench._api.Parts``): the writer's send hook, the notify's
+    The parts (:data:`~relayd_bench._api.Parts`): the writer's send hook, the notify's
     trip to the reader, the reader's recv hook. Each median is its own, so the three
     need not add up to the cell's median exactly; set beside the floor's, they say
     which side of a hand-off a method's extra time is on.
@@ -108,7 +111,7 @@ class Split:
     recv_ns: float
 
 
-def split_of(parts: Sequence[tuple[int, int, int]]) -> Split | None:
+def split_of(parts: Sequence[Parts]) -> Split | None:
     """The :class:`Split` of these transfers' parts; None for none (a local method)."""
     if not parts:
         return None

@@ -300,10 +300,8 @@ def _render_details(results: Sequence[Result], width: int) -> list[str]:
     return out
 
 
-def fmt_split(split: Split | None) -> str:
+def fmt_split(split: Split) -> str:
     """``send/trip/recv`` in whole µs (see :class:`Split`)."""
-    if split is None:
-        return "-"
     return "/".join(f"{ns / 1e3:.0f}" for ns in (split.send_ns, split.trip_ns, split.recv_ns))
 
 

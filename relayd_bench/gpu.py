@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from relayd.launch import DaemonProcess, DaemonStartError
+from relayd_bench._api import Parts
 from relayd_bench._stats import (
     Result,
     Split,
@@ -184,7 +185,7 @@ async def _writer(
         for size in sizes:
             src = torch.randint(0, 256, (size,), dtype=torch.uint8, device="cuda")
             samples: list[int] = []
-            parts: list[tuple[int, int, int]] = []
+            parts: list[Parts] = []
             for i in range(warmup + n + extra):
                 profiled = i >= warmup + n
                 torch.cuda.synchronize()
