@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from .wire.errors import RelayError, ResourceExhaustedError
 from .wire.rings import IdRing
-from .wire.shm import SHM_POOL
+from .wire.shm import MAX_LEASE_SEQ, SHM_POOL
 from .wire.slots import SlotAllocator
 
 if TYPE_CHECKING:
@@ -87,6 +87,12 @@ class Grant:
         self.alloc.free(local, nslots)
         self.recent.append((local, nslots))
 
+    @property
+    def spent(self) -> bool:
+        """Whether it has numbered its last lease id: the next would run into the
+        grant's own bits, and the daemon ends a session that uses such an id."""
+        return self.next_seq > MAX_LEASE_SEQ
+
 
 class Lease:
     __slots__ = ("grant", "id", "local", "nslots", "reserve")
@@ -128,7 +134,7 @@ class LeaseTable:
         """A lease of ``nslots`` from the first grant of ``pool`` with room, or None."""
         with self.lock:
             for grant in self.grants.values():
-                if grant.pool != pool:
+                if grant.pool != pool or grant.spent:
                     continue
                 local = grant.cut(nslots)
                 if local is not None:
@@ -357,7 +363,8 @@ class Grants:
             self.wake()
 
     def _put_back(self, lease: Lease) -> bool:
-        """Free ``lease`` in the table, and give its grant back if it is idle beyond the budget."""
+        """Free ``lease`` in the table, and give its grant back if it is idle and
+        spent, or idle beyond the budget."""
         table = self.table
         with table.lock:
             if table.free(lease.id) is None:
@@ -366,10 +373,8 @@ class Grants:
             budget = self.idle_budget
             # At least the grant itself: a writer of payloads beyond the budget
             # keeps one grant that fits them, not a Grant call per put.
-            if (
-                grant.live == 0
-                and budget
-                and table.idle_slots(grant.pool) > max(budget, grant.nslots)
+            if grant.live == 0 and (
+                grant.spent or (budget and table.idle_slots(grant.pool) > max(budget, grant.nslots))
             ):
                 self.give_back(grant)
         return True

@@ -21,6 +21,7 @@ from relayd_client.wire.errors import (
     ResourceExhaustedError,
 )
 from relayd_client.wire.rings import IdRing
+from relayd_client.wire.shm import MAX_LEASE_SEQ
 
 SLOT = 4096
 DEFAULT_GRANT = 16 * SLOT  # the daemon's default grant: 16 slots
@@ -244,6 +245,27 @@ def test_idle_grants_are_kept_up_to_the_budget_then_given_back() -> None:
         g.return_idle()  # the daemon's RECLAIM event
         assert sorted(src.returned) == sorted(gr.id for gr in grants)
         assert not g.table.grants
+
+    _run(main())
+
+
+def test_a_spent_grant_goes_back_when_its_last_lease_does_and_a_new_one_is_asked() -> None:
+    async def main() -> None:
+        src = FakeSource()
+        g = _grants(src)
+        spent = src.grant(8)
+        spent.next_seq = MAX_LEASE_SEQ
+        g.add(spent)
+        last = await g.reserve(SLOT, time.monotonic() + 5)
+        assert last.grant is spent and spent.spent
+        # Room for seven more slots, but no id to number them with: ask.
+        task = asyncio.ensure_future(g.reserve(SLOT, time.monotonic() + 5))
+        await _settle()
+        assert len(src.asked) == 1 and src.returned == []  # its lease is still out
+        src.answers.put_nowait(src.grant(8))
+        assert (await task).grant is not spent
+        g.slots_back(last)  # within the idle budget, yet of no more use
+        assert src.returned == [spent.id] and spent.id not in g.table.grants
 
     _run(main())
 

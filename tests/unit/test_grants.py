@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from relayd_client._grants import LIFO_DEPTH, Grant, LeaseTable
+from relayd_client.wire.shm import LEASE_SEQ_BITS, MAX_LEASE_SEQ
 
 
 def _table(*sizes: int) -> LeaseTable:
@@ -66,6 +67,21 @@ def test_ids_are_unique_and_carry_the_grant_base() -> None:
         assert le.id >> 32 == le.grant.id
     assert len(set(ids)) == 8
     assert t.cut(1) is None
+
+
+def test_a_grant_numbers_its_last_lease_id_then_cuts_no_more() -> None:
+    t = _table(4, 4)
+    first = t.grants[1]
+    first.next_seq = MAX_LEASE_SEQ
+    last = t.cut(1)
+    assert last is not None and last.id == (1 << LEASE_SEQ_BITS) | MAX_LEASE_SEQ
+    assert first.spent and not t.grants[2].spent
+    # Not the next number, which is grant 2's first id: the other grant's run.
+    after = t.cut(1)
+    assert after is not None and after.grant.id == 2 and after.id >> LEASE_SEQ_BITS == 2
+    t.free(last.id)
+    again = t.cut(1)  # its slot is free again, but it has no id to number a lease with
+    assert again is not None and again.grant.id == 2
 
 
 def test_free_twice_is_a_no_op_and_other_pools_are_separate() -> None:

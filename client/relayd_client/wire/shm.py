@@ -30,6 +30,13 @@ HEADER_STRIDE = 16
 PROBE_BYTES = 16
 #: A slot header: (generation, length) of the lease whose run starts at that slot.
 SLOT_HEADER = struct.Struct("<QQ")
+#: A lease id is ``grant id << LEASE_SEQ_BITS | n`` with ``1 <= n <= MAX_LEASE_SEQ``,
+#: and the same number is its generation: one u64 on the wire and in a slot header.
+#: So a grant numbers at most MAX_LEASE_SEQ leases, and a daemon numbers grants
+#: up to MAX_GRANT_ID before it reuses the ids of grants long gone.
+LEASE_SEQ_BITS = 32
+MAX_LEASE_SEQ = (1 << LEASE_SEQ_BITS) - 1
+MAX_GRANT_ID = (1 << (64 - LEASE_SEQ_BITS)) - 1
 
 
 def round_up(value: int, granule: int) -> int:
