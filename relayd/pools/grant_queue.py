@@ -27,6 +27,7 @@ from relayd_client.wire.errors import (
     ResourceExhaustedError,
     SessionClosedError,
 )
+from relayd_client.wire.shm import MAX_GRANT_ID
 
 from .events import Reclaim
 from .freed import FreedBatcher
@@ -80,9 +81,19 @@ class GrantQueue:
         self.take_releases: Callable[[], object] = lambda: None
 
     def new_id(self) -> int:
-        gid = self._next_grant
-        self._next_grant += 1
-        return gid
+        """An id no live grant has, counted up to MAX_GRANT_ID and then from 1 again.
+
+        Every landed push and every pull takes one, so a busy node counts
+        through 2**32 of them in weeks; a larger id would number its leases
+        beyond the 64 bits of a lease id. Ids come round only after that many
+        grants, long after any DataRef of the first grant with the id expired.
+        """
+        for _ in range(len(self.grants) + 1):
+            gid = self._next_grant
+            self._next_grant = gid + 1 if gid < MAX_GRANT_ID else 1
+            if gid not in self.grants:
+                return gid
+        raise RuntimeError("every grant id is live")  # more live grants than ids: unreachable
 
     @property
     def space_short(self) -> bool:

@@ -11,10 +11,13 @@ import enum
 from collections.abc import Callable
 from typing import Protocol
 
+from relayd_client.wire.shm import LEASE_SEQ_BITS
+
 from .arena import Run
 
-# A lease id is ``grant id << GEN_SHIFT | n``; the same number is its generation.
-GEN_SHIFT = 32
+# A lease id is ``grant id << GEN_SHIFT | n``; the same number is its generation
+# (relayd_client.wire.shm says how far each part counts).
+GEN_SHIFT = LEASE_SEQ_BITS
 # Request ids and stage names kept in a record are cut to this length.
 NAME_KEEP = 256
 

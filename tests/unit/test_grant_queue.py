@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 from relayd_client import DrainingError, ResourceExhaustedError, SessionClosedError
+from relayd_client.wire.shm import LEASE_SEQ_BITS, MAX_GRANT_ID
 
 from relayd.pools.arena import Arena
 from relayd.pools.events import Freed, Reclaim, SessionEvent
@@ -97,6 +98,23 @@ def test_a_request_beyond_the_stage_quota_is_refused_not_queued(arena: Arena) ->
         asyncio.run(w.queue.grant(a, 9 * SLOT, 1.0, arena.name))
     with pytest.raises(ResourceExhaustedError, match="largest possible run"):
         asyncio.run(w.queue.grant(a, (NSLOTS + 1) * SLOT, 1.0, arena.name))
+
+
+def test_grant_ids_come_round_after_the_last_one_past_those_still_live(arena: Arena) -> None:
+    w = World(arena, grant=1)
+    a = w.session("a")
+
+    async def scenario() -> list[int]:
+        live = await w.queue.grant(a, SLOT, 1.0, arena.name)
+        assert live.id == 1
+        w.queue._next_grant = MAX_GRANT_ID - 1
+        ids = [(await w.queue.grant(a, SLOT, 1.0, arena.name)).id for _ in range(3)]
+        return ids
+
+    ids = asyncio.run(asyncio.wait_for(scenario(), 5))
+    assert ids == [MAX_GRANT_ID - 1, MAX_GRANT_ID, 2]  # 1 is still a's
+    # Every lease id of each still fits the 64 bits of the wire.
+    assert all((gid << LEASE_SEQ_BITS | (1 << LEASE_SEQ_BITS) - 1) < 1 << 64 for gid in ids)
 
 
 def test_the_default_grant_shrinks_when_the_pool_is_tight(arena: Arena) -> None:
