@@ -7,8 +7,10 @@ its own and has the daemon ask every session for theirs (a RECLAIM event).
 
 A Release goes into the session's Release ring instead where it can
 (:mod:`relayd_client.wire.rings`): no frame, no wake-up of the daemon, which
-reads the ring when it is awake anyway. Not a Release of a lease this client
-claimed: its Claim went by frame, and the Release must not overtake it.
+reads the ring when it is awake anyway; so does the Claim before a large copy,
+which the daemon needs only if this process dies copying. Not a Release of a
+lease this client claimed by frame (a view it holds): the Release must not
+overtake the Claim, and the daemon judges a frame's notices before the ring.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import TYPE_CHECKING
 from .wire.compact import RefFields
 from .wire.framing import NOTICE_LINGER_S
 from .wire.proto import relay_pb2 as pb
+from .wire.rings import CLAIM_BIT
 
 # Claimed lease ids remembered (see Notices._claimed).
 _CLAIMED_MEMORY = 1024
@@ -112,8 +115,24 @@ class Notices:
                 # what the header says was sealed.
                 session.mark(linger=NOTICE_LINGER_S, holds=nbytes)
 
-    def claim(self, m: RefFields, flush: bool = True) -> None:
+    def claim(self, m: RefFields, flush: bool = True, *, ring: bool = False) -> None:
+        """The daemon learns that this session reads ``m``'s lease (and frees it at
+        once if the session dies first).
+
+        ``ring``: a copy whose Release follows in this same read, which may go
+        by the Release ring as the Release does (a daemon judges a session's
+        ring before its next frame, so they keep their order either way).
+        Else a frame: ``flush`` sends it now rather than with the next batch.
+        """
+        lease = m.lease
         with self._lock:
+            release_ring = self._conn.session.release_ring if ring else None
+            if (
+                release_ring is not None
+                and lease.generation == lease.lease_id  # a ring word is one id
+                and release_ring.push(lease.lease_id | CLAIM_BIT)
+            ):
+                return
             if len(self._claimed) >= _CLAIMED_MEMORY:
                 self._claimed.clear()
             self._claimed.add(m.lease.lease_id)

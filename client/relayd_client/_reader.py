@@ -188,7 +188,7 @@ class Reader:
             return None
         if copy and m.lease.length >= OFFLOAD_BYTES:
             # A long copy: the daemon learns who reads the lease first.
-            self._notices.claim(m)
+            self._notices.claim(m, ring=not landed)
         view = self._conn.views[m.lease.segment]
         tensors = self.read_region(m, view, start, specs, copy)
         self.end_read(m, seg, copy, landed=landed)
@@ -228,7 +228,7 @@ class Reader:
         if host_copy and lease.length >= OFFLOAD_BYTES:
             # Only a copy is worth a thread: a view is the same few
             # microseconds at any size, and the hand-off alone costs ~100.
-            self._notices.claim(m)
+            self._notices.claim(m, ring=not landed)
             # Allocated on this thread (see _copies.allocate), copied on a
             # worker that is given addresses only (see _packing.Copy).
             tensors = _copies.allocate(specs)

@@ -84,9 +84,10 @@ class GrantQueue:
         """An id no live grant has, counted up to MAX_GRANT_ID and then from 1 again.
 
         Every landed push and every pull takes one, so a busy node counts
-        through 2**32 of them in weeks; a larger id would number its leases
-        beyond the 64 bits of a lease id. Ids come round only after that many
-        grants, long after any DataRef of the first grant with the id expired.
+        through 2**31 of them in days; a larger id would number its leases into
+        the bit a Release ring marks claims with, or beyond 64 bits. Ids come
+        round only after that many grants, long after any DataRef of the first
+        grant with the id expired.
         """
         for _ in range(len(self.grants) + 1):
             gid = self._next_grant

@@ -154,6 +154,7 @@ class LeaseManager:
         self.releases = ReleaseRings(
             self.session_table,
             self.table.release,
+            self.table.claim,
             outstanding=lambda: bool(self.table.leases),
             after=self.table.flush,
             linger=freed_linger or NOTICE_LINGER_S,
@@ -349,6 +350,7 @@ class LeaseManager:
     def reap(self) -> int:
         """Expire unread leases, unbound sessions and old request records."""
         now = self.clock()
+        self.releases.take_all()  # a lease claimed in a ring is being read, not forgotten
         expired = self.reclaim.expire(now)
         if self.returns and self.returns.release_fenced(now):
             self.queue.wake()

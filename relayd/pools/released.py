@@ -19,8 +19,15 @@ takes them:
   empty (a lease nobody reads yet must not keep the daemon waking 40 times a
   second until its TTL).
 
-Each id is judged exactly as a Release notice of that session would be (the
-same :meth:`LeaseTable.release`); the ring is the client's to write, so an id
+- before a frame of the same session is judged for its Claims and Releases:
+  the session wrote the ring first, and a claim must not trade places with
+  the release that follows it;
+- before the TTL sweep: a lease claimed there is being read, not forgotten.
+
+A word with :data:`~relayd_client.wire.rings.CLAIM_BIT` set is a Claim (a
+reader about to copy a large lease). Each id is judged exactly as a Claim or
+Release notice of that session would be (the same :meth:`LeaseTable.claim`
+and :meth:`LeaseTable.release`); the ring is the client's to write, so an id
 in it is as hostile as a notice. One that breaks a rule of the lease table
 ends that session's ring (the session is told; its later Releases are lost to
 it, as a session's frames are when it sends a bad one), and never reaches the
@@ -34,7 +41,7 @@ import logging
 from collections.abc import Callable
 
 from relayd_client.wire.errors import RelayError
-from relayd_client.wire.rings import IdRing
+from relayd_client.wire.rings import CLAIM_BIT, IdRing
 
 from .sessions import Session, Sessions
 
@@ -51,6 +58,7 @@ class ReleaseRings:
         self,
         sessions: Sessions,
         release: Callable[[Session, int, int], None],
+        claim: Callable[[Session, int, int], object],
         *,
         outstanding: Callable[[], bool],
         after: Callable[[], None],
@@ -58,6 +66,7 @@ class ReleaseRings:
     ) -> None:
         self._sessions = sessions
         self._release = release  # (reader session, lease id, generation): a Release notice
+        self._claim = claim  # the same for a Claim notice
         self._outstanding = outstanding  # whether any lease is out (the timer runs only then)
         self._after = after  # what follows a timed read: sending the Freed it caused
         self._linger = linger
@@ -90,10 +99,14 @@ class ReleaseRings:
             return 0
         ids = ring.take()
         self._interval = self._linger  # Releases flow: the timer keeps up again
-        for lease_id in ids:
-            self.by_ring += 1
+        for word in ids:
             try:
-                self._release(session, lease_id, lease_id)
+                if word & CLAIM_BIT:
+                    lease_id = word ^ CLAIM_BIT
+                    self._claim(session, lease_id, lease_id)
+                else:
+                    self.by_ring += 1
+                    self._release(session, word, word)
             except RelayError as err:  # a rule of the lease table: this session's ring ends
                 session.refuse(err.code, f"Release ring closed: {err}")
                 self.detach(session_id)

@@ -379,9 +379,11 @@ class SessionProtocol(asyncio.Protocol):
             m.on_publish(session, p)
             if p.ref:
                 self.hooks.ref(p.nbytes)
-        for c in present.get(_CLAIM, ()):
+        claims, releases = present.get(_CLAIM, ()), present.get(_RELEASE, ())
+        if claims or releases:  # after what the session wrote in its ring before this frame
+            m.releases.take(session.id)
+        for c in claims:
             m.on_claim(session, c)
-        releases = present.get(_RELEASE, ())
         for rel in releases:
             m.on_release(session, rel)
         m.releases.by_frame += len(releases)

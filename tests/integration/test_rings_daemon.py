@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 from relayd_client import DataRef, RelayClient, SyncRelayClient
+from relayd_client.wire.framing import FRAME_LENGTH
+from relayd_client.wire.proto import relay_pb2 as pb
 from relayd_client.wire.rings import RING_SLOTS
 
 from tests._daemon import Daemon, drained, metric, run_worker, running_daemon, wait_until
@@ -172,18 +174,53 @@ def test_a_readers_releases_reach_the_daemon_without_a_frame(tmp_path: object) -
         wait_until(lambda: drained(d), 10, "arena back to zero")
 
 
-def test_a_lease_claimed_by_frame_is_released_by_frame(tmp_path: object) -> None:
-    """A copy of 8 MiB and up claims its lease first, by frame: its Release must not
-    overtake that Claim through the ring."""
+def _notices_sent(client: RelayClient) -> list[Any]:
+    """The Claim and Release notices of every frame ``client`` sends, from now on."""
+    channel = client._conn.session
+    seen: list[Any] = []
+    write = channel._write_bytes
+
+    def write_bytes(data: bytes) -> None:
+        frame = pb.SessionFrame.FromString(data[FRAME_LENGTH.size :])
+        seen.extend([*frame.claim, *frame.release])
+        write(data)
+
+    channel._write_bytes = write_bytes
+    return seen
+
+
+def test_a_large_copy_claims_and_releases_its_lease_in_the_ring_waking_nobody(
+    tmp_path: object,
+) -> None:
+    """A copy of 8 MiB and up claims its lease first, so that the lease is freed at
+    once if the reader dies copying; the Claim goes in the ring ahead of the
+    Release, and neither wakes the daemon."""
     with running_daemon(str(tmp_path), pool="128MiB", metrics=True) as d:
         with (
             SyncRelayClient("thinker", d.socket) as w,
             SyncRelayClient("talker", d.socket) as r,
         ):
+            sent = _notices_sent(r._client)
             for i, size in enumerate((MiB, 9 * MiB, MiB)):
                 _relayed(w, r, i, size, f"c{i}")
             wait_until(lambda: d.pool().get("used_bytes", 0) == 0, 10, "every lease freed")
-            assert _released(d, "ring") == 2 and _released(d, "frame") == 1
+            assert _released(d, "ring") == 3 and _released(d, "frame") == 0
+            assert sent == []
+        wait_until(lambda: drained(d), 10, "arena back to zero")
+
+
+def test_the_async_clients_large_copy_claims_in_the_ring_too(tmp_path: object) -> None:
+    async def scenario(sock: str) -> list[Any]:
+        async with RelayClient("thinker", sock) as w, RelayClient("talker", sock) as r:
+            sent = _notices_sent(r)
+            payload = make_payload(7, 9 * MiB)
+            ref = await w.put(payload, to_stage="talker", request_id="big", timeout=30)
+            assert digest(await r.get(ref)) == digest(payload)
+            return sent
+
+    with running_daemon(str(tmp_path), pool="128MiB", metrics=True) as d:
+        assert asyncio.run(asyncio.wait_for(scenario(d.socket), 60)) == []
+        wait_until(lambda: _released(d, "ring") == 1, 10, "the release taken from the ring")
         wait_until(lambda: drained(d), 10, "arena back to zero")
 
 

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 from relayd_client import DrainingError, ResourceExhaustedError, SessionClosedError
+from relayd_client.wire.rings import CLAIM_BIT
 from relayd_client.wire.shm import LEASE_SEQ_BITS, MAX_GRANT_ID
 
 from relayd.pools.arena import Arena
@@ -113,8 +114,8 @@ def test_grant_ids_come_round_after_the_last_one_past_those_still_live(arena: Ar
 
     ids = asyncio.run(asyncio.wait_for(scenario(), 5))
     assert ids == [MAX_GRANT_ID - 1, MAX_GRANT_ID, 2]  # 1 is still a's
-    # Every lease id of each still fits the 64 bits of the wire.
-    assert all((gid << LEASE_SEQ_BITS | (1 << LEASE_SEQ_BITS) - 1) < 1 << 64 for gid in ids)
+    # Every lease id of each fits the 64 bits of the wire, with the ring's claim bit clear.
+    assert all((gid << LEASE_SEQ_BITS | (1 << LEASE_SEQ_BITS) - 1) < CLAIM_BIT for gid in ids)
 
 
 def test_the_default_grant_shrinks_when_the_pool_is_tight(arena: Arena) -> None:

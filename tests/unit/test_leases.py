@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 from collections.abc import Iterator
 
 import pytest
 from relayd_client import InvalidArgumentError, PermissionDeniedError, ResourceExhaustedError
 from relayd_client.wire.proto import relay_pb2 as pb
+from relayd_client.wire.rings import CLAIM_BIT, IdRing
 
 from relayd.pools.arena import Arena
 from relayd.pools.leases import LeaseManager
@@ -277,6 +280,48 @@ def test_reader_death_while_claimed_frees(arena: Arena) -> None:
     m.on_claim(r, pb.Claim(lease_id=lid, generation=lid))
     m.close_session(r.id)
     assert reclaimed == ["reader_died"] and lid not in m.leases
+
+
+@contextlib.contextmanager
+def _release_ring(m: LeaseManager, session_id: str) -> Iterator[IdRing]:
+    """The session's end of a Release ring the daemon ``m`` reads."""
+    daemon_side, fd = IdRing.create("relayd-release")
+    m.releases.attach(session_id, daemon_side)
+    client_side = IdRing.map(fd)
+    try:
+        yield client_side
+    finally:
+        client_side.close()
+        os.close(fd)
+
+
+def test_a_claim_in_the_readers_ring_frees_the_lease_when_the_reader_dies(arena: Arena) -> None:
+    clock, reclaimed, wf, rf = Clock(), [], [], []  # type: ignore[var-annotated]
+    m = _manager(arena, clock, reclaimed)
+    w, r = _session(m, "thinker", wf), _session(m, "talker", rf)
+    grant = asyncio.run(m.grant(w, SLOT, 1.0))
+    lid = _publish(m, w, grant, 0, 1)
+    with _release_ring(m, r.id) as ring:
+        assert ring.push(lid | CLAIM_BIT)  # about to copy; dies copying
+        m.close_session(r.id)
+    assert reclaimed == ["reader_died"] and lid not in m.leases
+
+
+def test_the_ttl_spares_a_lease_claimed_in_a_ring_and_its_release_then_frees_it(
+    arena: Arena,
+) -> None:
+    clock, reclaimed, wf, rf = Clock(), [], [], []  # type: ignore[var-annotated]
+    m = _manager(arena, clock, reclaimed)
+    w, r = _session(m, "thinker", wf), _session(m, "talker", rf)
+    grant = asyncio.run(m.grant(w, SLOT, 1.0))
+    lid = _publish(m, w, grant, 0, 1)
+    with _release_ring(m, r.id) as ring:
+        assert ring.push(lid | CLAIM_BIT)
+        clock.now = 11.0  # past the TTL, while the reader copies
+        assert m.reap() == 0 and m.leases[lid].state is LeaseState.CLAIMED
+        assert ring.push(lid)
+        m.releases.take_all()
+    assert lid not in m.leases and reclaimed == []
 
 
 def test_ttl_reclaims_unread_and_stale_generation_is_ignored(arena: Arena) -> None:

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 from relayd_client.wire.errors import InvalidArgumentError
-from relayd_client.wire.rings import RING_SLOTS, IdRing
+from relayd_client.wire.rings import CLAIM_BIT, RING_SLOTS, IdRing
 
 from relayd.pools import released
 from relayd.pools.events import SessionError, SessionEvent
@@ -41,6 +41,7 @@ class _Judge:
 class World:
     rings: ReleaseRings
     judge: _Judge
+    claims: _Judge  # the Claims judged
     client: dict[str, IdRing]  # each stage's end of its Release ring
     ids: dict[str, str]  # each stage's session id
     told: dict[str, list[SessionEvent]]  # what each session was told
@@ -49,11 +50,11 @@ class World:
 @pytest.fixture
 def world() -> Iterator[World]:
     sessions = Sessions(8, time.monotonic)
-    judge = _Judge()
+    judge, claims = _Judge(), _Judge()
     rings = ReleaseRings(
-        sessions, judge, outstanding=lambda: True, after=lambda: None, linger=LINGER
+        sessions, judge, claims, outstanding=lambda: True, after=lambda: None, linger=LINGER
     )
-    w = World(rings, judge, {}, {}, {})
+    w = World(rings, judge, claims, {}, {}, {})
     fds = []
     for stage in ("a", "b"):
         s = sessions.open(pid=os.getpid(), stages=[stage])
@@ -80,6 +81,31 @@ def test_each_id_is_judged_as_its_own_sessions_release_in_order(world: World) ->
     a, b = world.ids["a"], world.ids["b"]
     assert world.judge.seen == [(a, 5, 5), (a, 6, 6), (a, 7, 7), (b, 9, 9)]
     assert world.rings.take_all() == 0 and world.rings.by_ring == 4
+
+
+def test_a_word_with_the_claim_bit_is_judged_as_a_claim_in_its_place(world: World) -> None:
+    ring = world.client["a"]
+    assert ring.push(4) and ring.push(5 | CLAIM_BIT) and ring.push(5)
+    order: list[str] = []
+    world.judge.seen, world.claims.seen = _Logged(order, "release"), _Logged(order, "claim")
+    assert world.rings.take_all() == 3
+    a = world.ids["a"]
+    assert order == ["release", "claim", "release"]
+    assert list(world.claims.seen) == [(a, 5, 5)]
+    assert list(world.judge.seen) == [(a, 4, 4), (a, 5, 5)]
+    assert world.rings.by_ring == 2  # releases only
+
+
+class _Logged(list[tuple[str, int, int]]):
+    """A judge's record that also notes, in one shared list, which judge saw each id."""
+
+    def __init__(self, order: list[str], kind: str) -> None:
+        super().__init__()
+        self.order, self.kind = order, kind
+
+    def append(self, item: tuple[str, int, int]) -> None:
+        self.order.append(self.kind)
+        super().append(item)
 
 
 def test_a_full_ring_is_taken_in_one_turn_of_at_most_its_slots(world: World) -> None:

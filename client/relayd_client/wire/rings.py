@@ -10,7 +10,10 @@ Two kinds of news go this way, each in its own ring, each ring one session's:
   Release frame wakes the daemon, and a wake-up costs it more CPU than the
   notices it carries; the daemon needs the news only to free space, so it reads
   the ring when it is awake anyway (after each frame it handles, and on a
-  timer while leases are out) and before a writer waits for space.
+  timer while leases are out) and before a writer waits for space. A word
+  with :data:`CLAIM_BIT` set claims the lease instead (a reader about to copy
+  a large one): the daemon needs that news only if the reader dies first, or
+  the lease's TTL runs out, and it reads the ring before either is judged.
 
 Contract:
 
@@ -25,6 +28,9 @@ Contract:
   frame. The consumer takes slots until it reads 0, and zeroes each one it
   takes. Every hand-over is one aligned 8-byte word, so neither side can read
   half an id, and no ordering between two words is needed.
+- In a Release ring a session's words are judged in the order it wrote them,
+  and before any Claim or Release of a frame it sends later: a claim and the
+  release that follows it never trade places, whichever way each goes.
 - The client maps each ring read-write, so the daemon trusts nothing in one:
   in a Freed ring a word only decides whether it writes there or sends a frame;
   from a Release ring it takes at most :data:`RING_SLOTS` ids a turn (a client
@@ -44,6 +50,9 @@ import os
 RING_SLOTS = 512
 #: A ring's whole size: one 8-byte word per slot.
 RING_BYTES = RING_SLOTS * 8
+#: In a Release ring: this word claims the lease ``word ^ CLAIM_BIT`` (lease
+#: ids leave this bit clear, see :data:`.shm.MAX_GRANT_ID`).
+CLAIM_BIT = 1 << 63
 _EMPTY = 0
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 

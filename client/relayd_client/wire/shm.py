@@ -33,10 +33,12 @@ SLOT_HEADER = struct.Struct("<QQ")
 #: A lease id is ``grant id << LEASE_SEQ_BITS | n`` with ``1 <= n <= MAX_LEASE_SEQ``,
 #: and the same number is its generation: one u64 on the wire and in a slot header.
 #: So a grant numbers at most MAX_LEASE_SEQ leases, and a daemon numbers grants
-#: up to MAX_GRANT_ID before it reuses the ids of grants long gone.
+#: up to MAX_GRANT_ID before it reuses the ids of grants long gone. The top bit
+#: of a lease id stays clear: a Release ring word marks a claim with it
+#: (:data:`.rings.CLAIM_BIT`).
 LEASE_SEQ_BITS = 32
 MAX_LEASE_SEQ = (1 << LEASE_SEQ_BITS) - 1
-MAX_GRANT_ID = (1 << (64 - LEASE_SEQ_BITS)) - 1
+MAX_GRANT_ID = (1 << (63 - LEASE_SEQ_BITS)) - 1
 
 
 def round_up(value: int, granule: int) -> int:
