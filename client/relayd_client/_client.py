@@ -506,6 +506,7 @@ class RelayClient:
         _local.abort(request_id, by=self if tell_others else None)
         self._aborts.remember(request_id)
         self._reader.announced.drop_request(request_id)
+        self._writer.forget_chunks(request_id)
 
     def _local_abort(self, request_id: str) -> None:
         """Another client of this process aborted ``request_id`` (see _local.abort)."""

@@ -361,6 +361,11 @@ class Writer:
         self.chunks[key] = max(self.chunks.get(key, 0), chunk + 1)
         return chunk
 
+    def forget_chunks(self, request_id: str) -> None:
+        """An aborted request's streams end without a signal: stop counting them."""
+        for key in [key for key in self.chunks if key[1] == request_id]:
+            del self.chunks[key]
+
     def _object_id(self) -> str:
         return f"{self._object_prefix}{next(self._object_seq)}"
 

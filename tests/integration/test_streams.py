@@ -12,7 +12,7 @@ import pytest
 import torch
 from relayd_client import AbortedError, InvalidArgumentError, RelayClient, StreamError
 
-from tests._daemon import Daemon, running_daemon, spawn_worker, wait_until
+from tests._daemon import Daemon, async_wait_until, running_daemon, spawn_worker, wait_until
 from tests._daemon import drained as _drained
 from tests._workers import make_chunk
 
@@ -282,6 +282,38 @@ def test_chunks_written_with_buffer_count_towards_the_done_signal(tmp_path: obje
                     async with w.buffer(to_stage="talker", request_id="x", like=like,
                                         chunk_id=bad):  # type: ignore[arg-type]  # fmt: skip
                         pass
+
+    with running_daemon(str(tmp_path)) as d:
+        asyncio.run(asyncio.wait_for(scenario(d.socket), 60))
+        wait_until(lambda: _drained(d), 10, "arena back to zero")
+
+
+def test_an_aborted_stream_leaves_its_writer_no_chunk_count(
+    tmp_path: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A writer counts each open stream's chunks for put_done's default; a stream
+    that ends in an abort, its own or another stage's, must not stay counted."""
+    import relayd_client._local
+
+    # Two processes' worth: leased chunks, so the daemon tells the writer of the abort.
+    monkeypatch.setattr(relayd_client._local, "serves", lambda stage: False)
+
+    async def scenario(sock: str) -> None:
+        async with RelayClient("thinker", sock) as w, RelayClient("talker", sock) as r:
+            for rid in ("mine", "theirs", "open"):
+                for i in range(3):
+                    chunk = make_chunk(i, 64 * KiB)  # leased: the daemon knows the writer
+                    await w.put(chunk, to_stage="talker", request_id=rid, chunk_id=i)
+            assert {rid for _, rid in w._writer.chunks} == {"mine", "theirs", "open"}
+            await w.abort("mine")
+            await r.abort("theirs")  # reaches the writer as an aborted notice
+            await async_wait_until(
+                lambda: "theirs" not in {rid for _, rid in w._writer.chunks}, 10, "notice"
+            )
+            assert {rid for _, rid in w._writer.chunks} == {"open"}
+            ref = w.put_done("talker", "open")
+            assert ref.proto.chunk_id == 3  # the open stream's count is intact
+            await w.abort("open")  # its chunks are read by nobody here
 
     with running_daemon(str(tmp_path)) as d:
         asyncio.run(asyncio.wait_for(scenario(d.socket), 60))
