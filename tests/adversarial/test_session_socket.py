@@ -15,6 +15,7 @@ import pytest
 from relayd_client import DataRef, PeerUnavailableError, PermissionDeniedError, RelayClient
 from relayd_client.wire.framing import encode_frame
 from relayd_client.wire.proto import relay_pb2 as pb
+from relayd_client.wire.rings import CLAIM_BIT
 
 from tests._daemon import Daemon, metric, wait_until
 from tests._figures import count, record
@@ -306,12 +307,14 @@ def test_ids_scribbled_into_a_release_ring_free_nothing_of_another_stage(daemon:
             assert ring is not None
             rng = random.Random(int.from_bytes(os.urandom(4), "little"))
             grant = lease.lease_id >> 32
-            scribbled = [lease.lease_id]  # the talker's lease
+            scribbled = [lease.lease_id, lease.lease_id | CLAIM_BIT]  # the talker's lease
             scribbled += [(grant << 32) | n for n in range(2, 40)]  # its grant's next ids
+            scribbled += [(grant << 32) | n | CLAIM_BIT for n in range(2, 40)]
             scribbled += [rng.getrandbits(64) | 1 for _ in range(60)]  # anything at all
-            for lease_id in scribbled:
-                assert ring.push(lease_id)
-            taken = len(scribbled)
+            scribbled.append(rng.getrandbits(63) | 1)  # a release last: its count says all went
+            for word in scribbled:
+                assert ring.push(word)
+            taken = sum(1 for word in scribbled if not word & CLAIM_BIT)  # claims aren't counted
             # The daemon takes rings on its timer while a lease is out, at the latest.
             await asyncio.to_thread(
                 wait_until,
@@ -321,7 +324,9 @@ def test_ids_scribbled_into_a_release_ring_free_nothing_of_another_stage(daemon:
                 10,
                 "the bystander's ring taken",
             )
-            assert daemon.status()["leases_by_state"]["published"] == "1"
+            # Not claimed by the bystander either: the talker's release would be refused.
+            states = daemon.status()["leases_by_state"]
+            assert (states["published"], states["claimed"]) == ("1", "0")
             # The real reader still gets every byte, and its Release frees the lease.
             assert digest(await r.get(ref)) == digest(payload)
             await asyncio.to_thread(
