@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 from collections.abc import Iterator
 
@@ -15,6 +16,7 @@ from relayd_client.wire.rings import CLAIM_BIT, IdRing
 from relayd.pools.arena import Arena
 from relayd.pools.leases import LeaseManager
 from relayd.pools.records import Hooks, LeaseState, ReclaimReason
+from relayd.pools.sessions import Session
 from relayd.rpc.frames import frame_sink
 from tests.unit._pools import SLOT, unit_arena
 
@@ -271,15 +273,30 @@ def test_what_a_reader_said_before_the_publish_holds_after_it_is_gone(arena: Are
     assert not m.table.early
 
 
-def test_reader_death_while_claimed_frees(arena: Arena) -> None:
+@dataclasses.dataclass
+class _OneLease:
+    """A manager, its writer and talker sessions, and one lease published to the talker."""
+
+    m: LeaseManager
+    clock: Clock
+    reclaimed: list[str]
+    r: Session
+    lid: int
+
+
+def _one_lease(arena: Arena) -> _OneLease:
     clock, reclaimed, wf, rf = Clock(), [], [], []  # type: ignore[var-annotated]
     m = _manager(arena, clock, reclaimed)
     w, r = _session(m, "thinker", wf), _session(m, "talker", rf)
     grant = asyncio.run(m.grant(w, SLOT, 1.0))
-    lid = _publish(m, w, grant, 0, 1)
-    m.on_claim(r, pb.Claim(lease_id=lid, generation=lid))
-    m.close_session(r.id)
-    assert reclaimed == ["reader_died"] and lid not in m.leases
+    return _OneLease(m, clock, reclaimed, r, _publish(m, w, grant, 0, 1))
+
+
+def test_reader_death_while_claimed_frees(arena: Arena) -> None:
+    t = _one_lease(arena)
+    t.m.on_claim(t.r, pb.Claim(lease_id=t.lid, generation=t.lid))
+    t.m.close_session(t.r.id)
+    assert t.reclaimed == ["reader_died"] and t.lid not in t.m.leases
 
 
 @contextlib.contextmanager
@@ -296,44 +313,32 @@ def _release_ring(m: LeaseManager, session_id: str) -> Iterator[IdRing]:
 
 
 def test_a_claim_in_the_readers_ring_frees_the_lease_when_the_reader_dies(arena: Arena) -> None:
-    clock, reclaimed, wf, rf = Clock(), [], [], []  # type: ignore[var-annotated]
-    m = _manager(arena, clock, reclaimed)
-    w, r = _session(m, "thinker", wf), _session(m, "talker", rf)
-    grant = asyncio.run(m.grant(w, SLOT, 1.0))
-    lid = _publish(m, w, grant, 0, 1)
-    with _release_ring(m, r.id) as ring:
-        assert ring.push(lid | CLAIM_BIT)  # about to copy; dies copying
-        m.close_session(r.id)
-    assert reclaimed == ["reader_died"] and lid not in m.leases
+    t = _one_lease(arena)
+    with _release_ring(t.m, t.r.id) as ring:
+        assert ring.push(t.lid | CLAIM_BIT)  # about to copy; dies copying
+        t.m.close_session(t.r.id)
+    assert t.reclaimed == ["reader_died"] and t.lid not in t.m.leases
 
 
 def test_the_ttl_spares_a_lease_claimed_in_a_ring_and_its_release_then_frees_it(
     arena: Arena,
 ) -> None:
-    clock, reclaimed, wf, rf = Clock(), [], [], []  # type: ignore[var-annotated]
-    m = _manager(arena, clock, reclaimed)
-    w, r = _session(m, "thinker", wf), _session(m, "talker", rf)
-    grant = asyncio.run(m.grant(w, SLOT, 1.0))
-    lid = _publish(m, w, grant, 0, 1)
-    with _release_ring(m, r.id) as ring:
-        assert ring.push(lid | CLAIM_BIT)
-        clock.now = 11.0  # past the TTL, while the reader copies
-        assert m.reap() == 0 and m.leases[lid].state is LeaseState.CLAIMED
-        assert ring.push(lid)
-        m.releases.take_all()
-    assert lid not in m.leases and reclaimed == []
+    t = _one_lease(arena)
+    with _release_ring(t.m, t.r.id) as ring:
+        assert ring.push(t.lid | CLAIM_BIT)
+        t.clock.now = 11.0  # past the TTL, while the reader copies
+        assert t.m.reap() == 0 and t.m.leases[t.lid].state is LeaseState.CLAIMED
+        assert ring.push(t.lid)
+        t.m.releases.take_all()
+    assert t.lid not in t.m.leases and t.reclaimed == []
 
 
 def test_ttl_reclaims_unread_and_stale_generation_is_ignored(arena: Arena) -> None:
-    clock, reclaimed, wf, rf = Clock(), [], [], []  # type: ignore[var-annotated]
-    m = _manager(arena, clock, reclaimed)
-    w, r = _session(m, "thinker", wf), _session(m, "talker", rf)
-    grant = asyncio.run(m.grant(w, SLOT, 1.0))
-    lid = _publish(m, w, grant, 0, 1)
-    m.on_release(r, pb.Release(lease_id=lid, generation=lid + 1))  # forged generation
-    assert lid in m.leases
-    clock.now = 11.0
-    assert m.reap() == 1 and reclaimed == [ReclaimReason.TTL.value]
+    t = _one_lease(arena)
+    t.m.on_release(t.r, pb.Release(lease_id=t.lid, generation=t.lid + 1))  # forged generation
+    assert t.lid in t.m.leases
+    t.clock.now = 11.0
+    assert t.m.reap() == 1 and t.reclaimed == [ReclaimReason.TTL.value]
 
 
 def test_release_and_abort_need_the_right_stage(arena: Arena) -> None:
