@@ -93,12 +93,13 @@ class IdRing:
 
     # -- the producer's side --------------------------------------------------------
 
-    def push(self, lease_id: int) -> bool:
-        """Write ``lease_id``; False if the ring is full (the consumer has not caught up)."""
+    def push(self, word: int) -> bool:
+        """Write ``word`` (a lease id, or a claim of one); False if the ring is full
+        (the consumer has not caught up)."""
         words, pos = self._words, self._pos
-        if words[pos] != _EMPTY or lease_id == _EMPTY:
+        if words[pos] != _EMPTY or word == _EMPTY:
             return False
-        words[pos] = lease_id
+        words[pos] = word
         self._pos = (pos + 1) % RING_SLOTS
         return True
 
