@@ -19,10 +19,10 @@ TWO_CORES = len(os.sched_getaffinity(0)) >= 2
 @pytest.mark.skipif(not TWO_CORES, reason="the probe needs two cores")
 def test_probe_times_a_wake_up_on_another_core_and_gives_this_process_its_cores_back() -> None:
     before = os.sched_getaffinity(0)
-    w = _wake.probe(samples=5, pause=0.0005)
-    assert w is not None and w.pause_s == 0.0005
-    assert w.busy_us > 0 and w.idle_us > 0
-    assert w.send_busy_us > 0 and w.send_idle_us > 0
+    w = _wake.probe(samples=5, pause=0.0005, short=0.00005)
+    assert w is not None and (w.pause_s, w.short_pause_s) == (0.0005, 0.00005)
+    assert w.busy_us > 0 and w.short_us > 0 and w.idle_us > 0
+    assert w.send_busy_us > 0 and w.send_short_us > 0 and w.send_idle_us > 0
     assert os.sched_getaffinity(0) == before  # pinned only while it measured
 
 
@@ -35,8 +35,21 @@ def test_a_process_on_one_core_skips_the_probe() -> None:
         os.sched_setaffinity(0, before)
 
 
-def test_the_line_names_both_wake_ups_and_the_idle_time() -> None:
-    w = Wake(pause_s=0.001, busy_us=12.3, idle_us=70.4, send_busy_us=1.4, send_idle_us=19.4)
+def test_the_line_names_each_wake_up_and_its_idle_time() -> None:
+    w = Wake(pause_s=0.001, busy_us=12.3, idle_us=70.4, send_busy_us=1.4, send_idle_us=19.4,
+             short_pause_s=50e-6, short_us=44.6, send_short_us=16.9)  # fmt: skip
+    assert w.line().splitlines() == [
+        "wake-up on another core: 12.3 µs, 44.6 µs after 50 µs idle, 70.4 µs after 1 ms idle "
+        "(a message's send to its read)",
+        "the send that wakes it: 1.4 µs, 16.9 µs after 50 µs idle, 19.4 µs after 1 ms idle "
+        "(the waker's CPU)",
+    ]
+
+
+def test_a_result_from_before_the_short_idle_point_still_reads() -> None:
+    # JSON of an older run has no short_* keys: the line shows what it measured.
+    w = Wake(**{"pause_s": 0.001, "busy_us": 12.3, "idle_us": 70.4, "send_busy_us": 1.4,
+                "send_idle_us": 19.4})  # fmt: skip
     assert w.line().splitlines() == [
         "wake-up on another core: 12.3 µs, 70.4 µs after 1 ms idle (a message's send to its read)",
         "the send that wakes it: 1.4 µs, 19.4 µs after 1 ms idle (the waker's CPU)",
