@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING
 
-from .wire.compact import RefFields
+from .wire.compact import LeaseFields, RefFields
 from .wire.framing import NOTICE_LINGER_S
 from .wire.proto import relay_pb2 as pb
 from .wire.rings import CLAIM_BIT
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from ._checks import ReadChecks
     from ._connection import Connection
     from ._grants import Lease
+    from ._session import SessionChannel
 
 
 class Notices:
@@ -126,20 +127,14 @@ class Notices:
         """
         lease = m.lease
         with self._lock:
-            release_ring = self._conn.session.release_ring if ring else None
-            if (
-                release_ring is not None
-                and lease.generation == lease.lease_id  # a ring word is one id
-                and release_ring.push(lease.lease_id | CLAIM_BIT)
-            ):
+            session = self._conn.session
+            if ring and _into_ring(session, lease, lease.lease_id | CLAIM_BIT):
                 return
             if len(self._claimed) >= _CLAIMED_MEMORY:
                 self._claimed.clear()
-            self._claimed.add(m.lease.lease_id)
-            self._conn.session.pending.claim.add(
-                lease_id=m.lease.lease_id, generation=m.lease.generation
-            )
-            self._conn.session.mark(flush=flush, linger=NOTICE_LINGER_S)
+            self._claimed.add(lease.lease_id)
+            session.pending.claim.add(lease_id=lease.lease_id, generation=lease.generation)
+            session.mark(flush=flush, linger=NOTICE_LINGER_S)
 
     def release(self, m: RefFields, *, ring: bool = True) -> None:
         """A read is done with ``m``'s lease; remembered, so this process cannot read it again.
@@ -153,14 +148,16 @@ class Notices:
         with self._lock:
             self._checks.remember_released(lease_id)
             session = self._conn.session
-            release_ring = session.release_ring if ring else None
-            if (
-                release_ring is not None
-                and lease.generation == lease_id  # a ring word is one id: both must agree
-                and lease_id not in self._claimed
-                and release_ring.push(lease_id)
-            ):
+            if ring and lease_id not in self._claimed and _into_ring(session, lease, lease_id):
                 return
             self._claimed.discard(lease_id)
             session.pending.release.add(lease_id=lease_id, generation=lease.generation)
             session.mark(linger=NOTICE_LINGER_S, holds=lease.length)
+
+
+def _into_ring(session: SessionChannel, lease: pb.LeaseRef | LeaseFields, word: int) -> bool:
+    """Whether ``word`` (``lease``'s id, or a claim of it) went into the session's
+    Release ring: one that has a ring with room, for a lease whose generation is
+    its id (a ring word carries one number for both)."""
+    ring = session.release_ring
+    return ring is not None and lease.generation == lease.lease_id and ring.push(word)
