@@ -28,22 +28,12 @@ from tests._daemon import Daemon, kill9, run_worker, running_daemon, spawn_worke
 from tests._daemon import drained as _drained
 from tests._daemon import lines as _lines
 from tests._daemon import metric as _metric
+from tests._fixtures import separate_processes
 from tests._workers import digest, make_payload
 
+__all__ = ["separate_processes"]  # the autouse fixture: clients here use the arena
+
 pytestmark = pytest.mark.timeout(180)
-
-
-@pytest.fixture(autouse=True)
-def _separate_processes(monkeypatch: pytest.MonkeyPatch) -> None:
-    """These tests drive the SHM path with writer and reader clients in one process.
-
-    Two stages in one process would exchange objects by reference
-    (local_object, tested in test_routing.py); hide the process-local stage
-    table so each client treats the other as a separate process.
-    """
-    import relayd_client._local
-
-    monkeypatch.setattr(relayd_client._local, "serves", lambda stage: False)
 
 
 MiB = 1 << 20

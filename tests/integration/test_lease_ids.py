@@ -14,19 +14,14 @@ from relayd_client import DataRef, SyncRelayClient
 from relayd_client.wire.shm import LEASE_SEQ_BITS, MAX_LEASE_SEQ
 
 from tests._daemon import drained, metric, running_daemon, wait_until
+from tests._fixtures import separate_processes
 from tests._workers import digest, make_payload
+
+__all__ = ["separate_processes"]  # the autouse fixture: clients here use the arena
 
 pytestmark = pytest.mark.timeout(120)
 
 KiB = 1 << 10
-
-
-@pytest.fixture(autouse=True)
-def _separate_processes(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Writer and reader share this process: hide the local stage table (see test_core)."""
-    import relayd_client._local
-
-    monkeypatch.setattr(relayd_client._local, "serves", lambda stage: False)
 
 
 def _relayed(w: SyncRelayClient, r: SyncRelayClient, seed: int, request_id: str) -> DataRef:

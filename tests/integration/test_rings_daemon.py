@@ -18,19 +18,14 @@ from relayd_client.wire.proto import relay_pb2 as pb
 from relayd_client.wire.rings import RING_SLOTS
 
 from tests._daemon import Daemon, drained, metric, run_worker, running_daemon, wait_until
+from tests._fixtures import separate_processes
 from tests._workers import digest, make_payload
+
+__all__ = ["separate_processes"]  # the autouse fixture: clients here use the arena
 
 pytestmark = pytest.mark.timeout(120)
 
 MiB = 1 << 20
-
-
-@pytest.fixture(autouse=True)
-def _separate_processes(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Writer and reader share this process: hide the local stage table (see test_core)."""
-    import relayd_client._local
-
-    monkeypatch.setattr(relayd_client._local, "serves", lambda stage: False)
 
 
 def _freed_by_frame(client: RelayClient) -> list[int]:

@@ -27,19 +27,14 @@ from relayd_client import (
 
 from tests._daemon import Daemon, kill9, running_daemon, wait_until
 from tests._daemon import drained as _drained
+from tests._fixtures import separate_processes
 from tests._workers import digest, make_payload
+
+__all__ = ["separate_processes"]  # the autouse fixture: clients here use the arena
 
 pytestmark = pytest.mark.timeout(180)
 
 MiB = 1 << 20
-
-
-@pytest.fixture(autouse=True)
-def _separate_processes(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Writer and reader share this process: hide the local stage table (see test_core)."""
-    import relayd_client._local
-
-    monkeypatch.setattr(relayd_client._local, "serves", lambda stage: False)
 
 
 def test_threads_put_and_get_at_once_bytes_intact_arena_back_to_zero(tmp_path: object) -> None:
