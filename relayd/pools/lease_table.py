@@ -142,7 +142,7 @@ class LeaseTable:
     def add(self, lease: Lease) -> None:
         """Record a new lease in its grant and in the table."""
         lease.grant.leases[lease.id] = lease
-        lease.grant.mark(lease.run, 1)
+        lease.grant.mark(lease.run, lease)
         self.leases[lease.id] = lease
 
     # -- writers' notices -------------------------------------------------------------
@@ -227,21 +227,21 @@ class LeaseTable:
         """Forget the leases ``r`` overlaps if the same frame cancels every one of them."""
         if not cancelled:
             return False
-        end = r.slot + r.nslots
-        clash = [
-            lease for lease in grant.leases.values()
-            if lease.run.slot < end and r.slot < lease.run.slot + lease.run.nslots
-        ]  # fmt: skip
+        # Found by slot, not by looking at every lease of the grant: a frame can
+        # carry tens of thousands of such Reserves. A freed lease whose slots a
+        # push still reads (see hold()) covers its slots too, and is no cancel.
+        clash = grant.overlapping(r.slot, r.nslots)
         if not all(
             lease.id in cancelled
+            and self.leases.get(lease.id) is lease
             and lease.writer == session.id
             and lease.state is LeaseState.RESERVED
             for lease in clash
         ):
             return False
         for lease in clash:
-            self.forget(lease)
-        return True
+            self.forget(lease, cancelled=True)
+        return grant.is_free(r.slot, r.nslots)  # none of them kept its slots (hold())
 
     def on_publish(self, session: Session, p: PublishNotice) -> None:
         """The writer sealed a lease; with ``push`` set, the push starts if it is still live."""
@@ -363,7 +363,7 @@ class LeaseTable:
     def on_cancel(self, session: Session, c: CancelNotice) -> None:
         lease = self.leases.get(c.lease_id)
         if lease is not None and lease.writer == session.id and lease.state is LeaseState.RESERVED:
-            self.forget(lease)
+            self.forget(lease, cancelled=True)
 
     # -- readers' notices -------------------------------------------------------------
 
@@ -435,8 +435,13 @@ class LeaseTable:
 
     # -- freeing ----------------------------------------------------------------------
 
-    def forget(self, lease: Lease) -> None:
-        """Drop a lease record; the slots go back to whoever owns the grant."""
+    def forget(self, lease: Lease, *, cancelled: bool = False) -> None:
+        """Drop a lease record; the slots go back to whoever owns the grant.
+
+        ``cancelled``: its writer cancelled it, and has cut its next lease from
+        these slots already, without waiting for the daemon; the header there
+        may be that lease's, sealed, so it is left as it is.
+        """
         self.leases.pop(lease.id, None)
         lease.grant.leases.pop(lease.id, None)
         self.requests.remove(lease)
@@ -447,12 +452,13 @@ class LeaseTable:
         if lease.id in self._holds:
             self.held[lease.id] = lease  # the slots wait for unhold()
             return
-        self.return_slots(lease)
+        self.return_slots(lease, clear=not cancelled)
 
-    def return_slots(self, lease: Lease) -> None:
-        self.pools[lease.run.pool].clear_header(lease.run.segment, lease.run.slot)
+    def return_slots(self, lease: Lease, *, clear: bool = True) -> None:
+        if clear:
+            self.pools[lease.run.pool].clear_header(lease.run.segment, lease.run.slot)
         grant = lease.grant
-        grant.mark(lease.run, 0)
+        grant.mark(lease.run, None)
         if grant.returns is not None:
             self.grants.pop(grant.id, None)
             grant.returns(lease)

@@ -82,17 +82,35 @@ class Grant:
     # One byte per slot of the run, set while a lease record covers it: no two
     # live leases of a grant may share a slot, or freeing both frees it twice.
     busy: bytearray = dataclasses.field(init=False, repr=False)
+    # The lease record covering each slot (None where none does), so that the
+    # leases a run overlaps are found without looking at every lease.
+    owner: list[Lease | None] = dataclasses.field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.busy = bytearray(self.run.nslots)
+        self.owner = [None] * self.run.nslots
 
-    def mark(self, run: Run, value: int) -> None:
+    def mark(self, run: Run, lease: Lease | None) -> None:
+        """``lease`` covers ``run``'s slots now (None: no lease does)."""
         first = run.slot - self.run.slot
-        self.busy[first : first + run.nslots] = bytes((value,)) * run.nslots
+        self.busy[first : first + run.nslots] = bytes((lease is not None,)) * run.nslots
+        self.owner[first : first + run.nslots] = [lease] * run.nslots
 
     def is_free(self, slot: int, nslots: int) -> bool:
         first = slot - self.run.slot
         return self.busy.find(1, first, first + nslots) < 0
+
+    def overlapping(self, slot: int, nslots: int) -> list[Lease]:
+        """The lease records covering any of ``nslots`` slots from ``slot``, in slot order."""
+        end = slot - self.run.slot + nslots
+        found: list[Lease] = []
+        i = self.busy.find(1, slot - self.run.slot, end)
+        while i >= 0:
+            lease = self.owner[i]
+            assert lease is not None  # marked with busy
+            found.append(lease)
+            i = self.busy.find(1, lease.run.slot - self.run.slot + lease.run.nslots, end)
+        return found
 
     def first_lease_id(self) -> int:
         """The id of the one lease of a grant the daemon itself fills (a pull, a push)."""
