@@ -181,13 +181,21 @@ class GrantQueue:
                     f"({pool} {arena.used_bytes}/{arena.capacity_bytes} bytes in use)"
                 ) from None
         except asyncio.CancelledError:
-            if _granted(waiter):
+            if _granted(waiter) and self._live(waiter.future.result()):
                 self.ungrant(waiter.future.result())
             waiter.future.cancel()
             self._drop_waiter(waiter)
             raise
+        if not self._live(grant):
+            # Served, then its session closed before this call resumed: the close
+            # gave the run back, and it may be another session's grant by now.
+            raise SessionClosedError("session closed while waiting")
         self.hooks.reserve_wait(self.clock() - start)
         return grant
+
+    def _live(self, grant: Grant) -> bool:
+        """Whether ``grant`` is still its session's (not orphaned by a close since)."""
+        return self.grants.get(grant.id) is grant and not grant.orphan
 
     def _drop_waiter(self, waiter: _Waiter) -> None:
         try:
@@ -243,6 +251,11 @@ class GrantQueue:
             if waiter.future.done() or waiter.pool in full:
                 continue
             s = waiter.session
+            if s.state is SessionState.CLOSED:
+                # Woken by what its own close frees, before session_closed():
+                # it fails as it would there, and take() must not raise into that close.
+                waiter.future.set_exception(SessionClosedError("session closed while waiting"))
+                continue
             if waiter.nslots > self.stage_room(s, waiter.pool):
                 continue
             grant = self.take(s, waiter.nslots, waiter.pool)
