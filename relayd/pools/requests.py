@@ -26,10 +26,14 @@ MAX_TOMBSTONES = 1 << 14
 # to_stage per lease must not make each add cost the length), then a set.
 Names = tuple[str, ...] | set[str]
 FEW_NAMES = 4
+# ... and no more than this many: a writer may name any to_stage and cancel the
+# lease at once, and a record it keeps touching is never dropped, so each name
+# would stay. A request passes through a few stages; later names go unrecorded.
+MAX_NAMES = 64
 
 
 def _joined(names: Names, name: str) -> Names:
-    if name in names:
+    if name in names or len(names) >= MAX_NAMES:
         return names
     if isinstance(names, set):
         names.add(name)

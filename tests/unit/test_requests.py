@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 from dataclasses import dataclass
 
-from relayd.pools.requests import FEW_NAMES, Requests
+from relayd.pools.requests import FEW_NAMES, MAX_NAMES, Requests
 
 
 @dataclass
@@ -41,10 +41,10 @@ def test_many_stage_names_in_one_request_grow_one_set_in_place() -> None:
     req = reqs.by_id["r"]
     names = req.readers
     assert isinstance(names, set) and len(names) == FEW_NAMES + 1
-    for i in range(FEW_NAMES + 1, 1000):
+    for i in range(FEW_NAMES + 1, MAX_NAMES):
         reqs.add(FakeLease(i, "r", to_stage=f"s{i}"), 1.0)
-    assert req.readers is names and len(names) == 1000
-    assert {"s0", "s999", "thinker"} <= req.involved
+    assert req.readers is names and len(names) == MAX_NAMES
+    assert {"s0", f"s{MAX_NAMES - 1}", "thinker"} <= req.involved
 
 
 def test_a_remembered_record_holds_nothing_the_collector_walks() -> None:
