@@ -228,12 +228,21 @@ class Reader:
         if host_copy and lease.length >= OFFLOAD_BYTES:
             # Only a copy is worth a thread: a view is the same few
             # microseconds at any size, and the hand-off alone costs ~100.
+            session = conn.session
             self._notices.claim(m, ring=not landed)
-            # Allocated on this thread (see _copies.allocate), copied on a
-            # worker that is given addresses only (see _packing.Copy).
-            tensors = _copies.allocate(specs)
-            plan = _copies.copy_plan(view.data_ptr() + start, specs, tensors)
-            await asyncio.to_thread(_copies.run_copies, plan)
+            try:
+                # Allocated on this thread (see _copies.allocate), copied on a
+                # worker that is given addresses only (see _packing.Copy).
+                tensors = _copies.allocate(specs)
+                plan = _copies.copy_plan(view.data_ptr() + start, specs, tensors)
+                await asyncio.to_thread(_copies.run_copies, plan)
+            except BaseException:
+                # The TTL never frees a claimed lease: a get that gives up here
+                # (cancelled, or out of memory) releases it, unless the session
+                # that claimed it is gone and took the claim along.
+                if conn.session is session and not session.closed:
+                    self._notices.release(m, ring=not landed)
+                raise
         else:
             tensors = self.read_region(m, view, start, specs, host_copy)
         if on_gpu:

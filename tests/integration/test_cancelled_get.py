@@ -1,0 +1,71 @@
+"""Async gets that end half way (cancelled) leave nothing held."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+import torch
+from relayd_client import RelayClient, StaleRefError
+
+from tests._daemon import drained as _drained
+from tests._daemon import running_daemon, wait_until
+from tests._fixtures import separate_processes
+
+__all__ = ["separate_processes"]  # the autouse fixture: clients here use the arena
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_a_large_get_cancelled_during_its_copy_frees_its_lease(
+    tmp_path: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A copy of 8 MiB or more claims the lease first; a claimed lease outlives the
+    TTL, so a get cancelled while its worker copies must still release it."""
+    from relayd_client import _copies, _writer
+
+    real_to_thread = asyncio.to_thread
+    stall = False
+    copying: asyncio.Event | None = None
+
+    async def to_thread(func: Any, /, *args: Any, **kwargs: Any) -> Any:
+        if stall and func is _copies.run_copies:
+            assert copying is not None
+            copying.set()
+            await asyncio.get_running_loop().create_future()  # until cancelled
+        return await real_to_thread(func, *args, **kwargs)
+
+    monkeypatch.setattr(asyncio, "to_thread", to_thread)
+    payload = {"x": torch.arange(_writer.OFFLOAD_BYTES // 4 + 1024, dtype=torch.int32)}
+
+    async def scenario(d: Any) -> None:
+        nonlocal stall, copying
+        async with RelayClient("thinker", d.socket) as w, RelayClient("talker", d.socket) as r:
+            ref = await w.put(payload, to_stage="talker", request_id="big")
+            stall, copying = True, asyncio.Event()
+            get = asyncio.ensure_future(r.get(ref))
+            await asyncio.wait_for(copying.wait(), 10)
+            get.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await get
+            # The reader stays open: its session's end would free a claim anyway.
+            assert await _leases_settled(d) == (0, {})
+            with pytest.raises(StaleRefError):
+                await r.get(ref)
+
+    with running_daemon(str(tmp_path)) as d:
+        asyncio.run(asyncio.wait_for(scenario(d), 60))
+        wait_until(lambda: _drained(d), 10, "arena back to zero")
+
+
+async def _leases_settled(d: Any, timeout: float = 10.0) -> tuple[int, dict[str, Any]]:
+    """(used bytes, live leases by state) once nothing is in use, or as they are at ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        states = d.status().get("leases_by_state", {})
+        now = (d.pool().get("used_bytes", 0), {k: v for k, v in states.items() if v != "0"})
+        if now == (0, {}) or time.monotonic() > deadline:
+            return now
+        await asyncio.sleep(0.02)
