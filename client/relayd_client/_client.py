@@ -16,6 +16,7 @@ thing: :mod:`_connection` (attach, re-attach, the gate every call passes),
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -99,6 +100,7 @@ class RelayClient:
         self._writer = Writer(conn, self._notices, self._aborts, self._reports, self._routes)
         self._reader = Reader(conn, self._checks, self._notices, self._aborts, self._gpu_paths)
         self._streams = Streams(self._aborts)
+        self._loop: asyncio.AbstractEventLoop | None = None  # the one it was opened on
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -113,6 +115,7 @@ class RelayClient:
         if self._conn.state is ClientState.OPENED:
             return
         await self._conn.open()
+        self._loop = asyncio.get_running_loop()
         _local.serve(self.stages, self, self._local_abort)
 
     async def close(self) -> None:
@@ -218,7 +221,10 @@ class RelayClient:
 
     def _put_finished(self, ref: DataRef, started_ns: int) -> DataRef:
         """Where every put of either client ends (both clients' put() call it once)."""
-        self._reports.observe(latency.PUT, ref.fields, started_ns)
+        m = ref.fields
+        if m.chunk_id >= 0:
+            self._writer.count_chunk(m.to_stage, m.request_id, m.chunk_id)
+        self._reports.observe(latency.PUT, m, started_ns)
         return ref
 
     def _get_finished(self, ref: DataRef, obj: Any, started_ns: int) -> Any:
@@ -288,6 +294,7 @@ class RelayClient:
             raise
         out.payload = None
         out.ref = w.seal(plan, lease)
+        w.count_chunk(plan.to_stage, plan.request_id, plan.chunk_id)
 
     async def ref(
         self,
@@ -509,7 +516,20 @@ class RelayClient:
         self._writer.forget_chunks(request_id)
 
     def _local_abort(self, request_id: str) -> None:
-        """Another client of this process aborted ``request_id`` (see _local.abort)."""
+        """Another client of this process aborted ``request_id`` (see _local.abort).
+
+        That client may run on another loop (each blocking client has its own
+        thread): this one's streams are woken on this one's loop.
+        """
+        loop = self._loop
+        try:
+            running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:  # called from a thread with no loop
+            running = None
+        if loop is not None and running is not loop:
+            with contextlib.suppress(RuntimeError):  # closed: no reader left to wake
+                loop.call_soon_threadsafe(self._local_abort, request_id)
+            return
         if self._streams.has(request_id):
             self._remember_aborted(request_id)
 

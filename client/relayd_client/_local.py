@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,6 +49,19 @@ _ON_ABORT: dict[int, weakref.WeakMethod[Callable[[str], None]]] = {}
 _OBJECTS: dict[str, _Entry] = {}
 # id(obj) of objects waiting for a reader -> how many puts of them are unread.
 _PENDING: dict[int, int] = {}
+# Blocking clients' callers put and take on their own threads while another
+# client's loop aborts or closes: a walk of _OBJECTS, and the read-modify-write
+# of _PENDING, must not interleave with them. Held briefly, never across a call out.
+_LOCK = threading.Lock()
+
+
+def _new_lock() -> None:
+    # A fork while another thread held it would leave the child's copy held for good.
+    global _LOCK
+    _LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_lock)
 
 
 def process_tag() -> str:
@@ -74,8 +88,9 @@ def unserve(stages: tuple[str, ...], client: Any) -> None:
         ref = _SERVED.get(stage)
         if ref is not None and ref() in (client, None):
             del _SERVED[stage]
-    for oid in [k for k, e in _OBJECTS.items() if e.to_stage in stages]:
-        _drop(oid)
+    with _LOCK:
+        for oid in [k for k, e in _OBJECTS.items() if e.to_stage in stages]:
+            _drop(oid)
 
 
 def serves(stage: str) -> bool:
@@ -84,16 +99,18 @@ def serves(stage: str) -> bool:
 
 
 def put(obj: Any, to_stage: str, request_id: str, object_id: str) -> None:
-    if _PENDING.get(id(obj)):
-        obj = _copy_containers(obj)
-    _PENDING[id(obj)] = _PENDING.get(id(obj), 0) + 1
-    _OBJECTS[object_id] = _Entry(obj, request_id, to_stage)
+    with _LOCK:
+        if _PENDING.get(id(obj)):
+            obj = _copy_containers(obj)
+        _PENDING[id(obj)] = _PENDING.get(id(obj), 0) + 1
+        _OBJECTS[object_id] = _Entry(obj, request_id, to_stage)
 
 
 def take(object_id: str) -> Any:
     """The object put under ``object_id``; KeyError if it is not (or no longer) here."""
-    entry = _OBJECTS[object_id]
-    _drop(object_id)
+    with _LOCK:
+        entry = _OBJECTS[object_id]
+        _drop(object_id)
     return entry.obj
 
 
@@ -102,9 +119,10 @@ def abort(request_id: str, by: Any = None) -> int:
 
     Returns how many objects were dropped.
     """
-    dropped = [k for k, e in _OBJECTS.items() if e.request_id == request_id]
-    for oid in dropped:
-        _drop(oid)
+    with _LOCK:
+        dropped = [k for k, e in _OBJECTS.items() if e.request_id == request_id]
+        for oid in dropped:
+            _drop(oid)
     if by is not None:
         for key, ref in list(_ON_ABORT.items()):
             on_abort = ref()
@@ -114,6 +132,7 @@ def abort(request_id: str, by: Any = None) -> int:
 
 
 def _drop(object_id: str) -> None:
+    """Forget an object (``_LOCK`` held)."""
     entry = _OBJECTS.pop(object_id, None)
     if entry is None:
         return

@@ -52,11 +52,21 @@ class Streams:
     def __init__(self, aborts: AbortedRequests) -> None:
         self._by_key: dict[tuple[str, str], StreamState] = {}
         self._aborts = aborts
+        # Requests whose buffers an abort dropped: their streams stay aborted
+        # here even where the client forgets the abort (its Abort call failed).
+        self._dropped = AbortedRequests()
 
     def feed(self, ref: DataRef) -> None:
         """Buffer a chunk, or note a done or error signal (addressed to this client)."""
         m = ref.fields
-        st = self.state(m.request_id, m.origin.stage)
+        key = (m.request_id, m.origin.stage)
+        aborted = m.request_id in self._aborts or m.request_id in self._dropped
+        if aborted and key not in self._by_key:
+            # Nobody reads it now (a later stream() raises AbortedError): a
+            # chunk the app delivers after the abort must not build a buffer
+            # that nothing ever drops.
+            return
+        st = self.state(*key)
         if m.kind == KIND_DONE:
             st.end = m.chunk_id
         elif m.kind == KIND_ERROR:
@@ -68,7 +78,7 @@ class Streams:
             if len(st.refs) >= MAX_BUFFERED:
                 raise ResourceExhaustedError(f"more than {MAX_BUFFERED} chunks buffered")
             st.refs[m.chunk_id] = ref
-        if st.aborted or m.request_id in self._aborts:
+        if st.aborted or aborted:
             st.aborted = True
         st.wake.set()
 
@@ -86,7 +96,7 @@ class Streams:
         st.consuming = True
         try:
             while True:
-                if st.aborted:
+                if st.aborted or request_id in self._dropped:
                     self._aborts.remember(request_id)
                 self._aborts.check(request_id)
                 ref = st.refs.pop(st.next, None)
@@ -122,12 +132,16 @@ class Streams:
         return any(rid == request_id for rid, _ in self._by_key)
 
     def abort(self, request_id: str) -> list[DataRef]:
-        """Wake every reader of ``request_id``; returns the refs it will never read."""
+        """Wake every reader of ``request_id`` and drop the buffers nobody reads
+        yet (the caller remembers the abort); returns the refs never read."""
         dropped: list[DataRef] = []
-        for (rid, _), st in self._by_key.items():
-            if rid == request_id:
+        for key, st in list(self._by_key.items()):
+            if key[0] == request_id:
                 st.aborted = True
                 dropped += st.refs.values()
                 st.refs.clear()
                 st.wake.set()
+                if not st.consuming:  # a reader's own exit drops its buffer
+                    del self._by_key[key]
+                    self._dropped.remember(request_id)
         return dropped

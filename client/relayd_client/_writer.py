@@ -285,7 +285,7 @@ class Writer:
     ) -> PutPlan:
         """The part of a put both clients share, up to the facts the router needs."""
         check_names(to_stage, request_id)
-        chunk = self._chunk(to_stage, request_id, chunk_id)
+        chunk = self._chunk(chunk_id)
         refs: list[TensorRef] = []
         flat = None if pickle else _flatten.flat_tensors(obj)
         if flat is not None:  # the common payload: its header is remembered by its keys
@@ -351,20 +351,25 @@ class Writer:
             self._shapes[key] = shape
         return shape
 
-    def _chunk(self, to_stage: str, request_id: str, chunk_id: int | None) -> int:
-        """The DataRef's chunk id (-1: not a chunk), counted for :meth:`signal`'s
-        default: put() and buffer() chunks alike."""
-        if chunk_id is None:
-            return -1
-        chunk = check_count(chunk_id, "chunk_id")
+    def _chunk(self, chunk_id: int | None) -> int:
+        """The DataRef's chunk id (-1: not a chunk); counted once its put is done."""
+        return -1 if chunk_id is None else check_count(chunk_id, "chunk_id")
+
+    def count_chunk(self, to_stage: str, request_id: str, chunk: int) -> None:
+        """A chunk is out (put() and buffer() alike): :meth:`signal`'s default
+        counts it. Not before: a put that raised put no chunk, and a count
+        past it would leave the reader waiting for it."""
+        if chunk < 0 or request_id in self._aborts:
+            return
         key = (to_stage, request_id)
-        self.chunks[key] = max(self.chunks.get(key, 0), chunk + 1)
-        return chunk
+        with self._lock:  # the blocking client's threads put chunks of one stream
+            self.chunks[key] = max(self.chunks.get(key, 0), chunk + 1)
 
     def forget_chunks(self, request_id: str) -> None:
         """An aborted request's streams end without a signal: stop counting them."""
-        for key in [key for key in self.chunks if key[1] == request_id]:
-            del self.chunks[key]
+        with self._lock:
+            for key in [key for key in self.chunks if key[1] == request_id]:
+                del self.chunks[key]
 
     def _object_id(self) -> str:
         return f"{self._object_prefix}{next(self._object_seq)}"
@@ -427,7 +432,7 @@ class Writer:
         # `like`'s tensors may hold no data at all (device="meta").
         stand_ins = [torch.empty((), dtype=t.dtype).expand(t.shape) for t in shapes]
         specs, total = _packing.plan_layout(stand_ins, alignment=ALIGNMENT)
-        msg = self.new_msg(a, request_id, to_stage, self._chunk(to_stage, request_id, chunk_id))
+        msg = self.new_msg(a, request_id, to_stage, self._chunk(chunk_id))
         msg.header_codec = pb.HEADER_CODEC_SAFE
         msg.header = _codec.encode(tree)
         add_layout(msg, specs)
