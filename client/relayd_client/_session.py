@@ -319,10 +319,13 @@ class SessionChannel:
         if answer is None:
             answer = asyncio.get_running_loop().create_future()
         self._calls[call_id] = answer
-        self._pending.fetch.append(
-            pb.FetchCall(call_id=call_id, data_ref=data_ref, timeout_seconds=timeout)
-        )
-        self.mark(flush=True)
+        # Under the lock, as every notice: a blocking client's caller may be
+        # swapping out the pending frame to send it from its own thread.
+        with self.lock:
+            self._pending.fetch.append(
+                pb.FetchCall(call_id=call_id, data_ref=data_ref, timeout_seconds=timeout)
+            )
+            self.mark(flush=True)
         try:
             return await _answered(answer, timeout, "a cross-node read")
         finally:
