@@ -9,6 +9,7 @@ lands; bounded in all, per lease and per session, and dropped after
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 
@@ -18,6 +19,13 @@ import enum
 MAX_EARLY = 1 << 16
 MAX_EARLY_PER_LEASE = 8
 MAX_EARLY_PER_SESSION = 4
+# ... and from the sessions of one uid, in all. A session may name any id of
+# any live grant not announced yet, and a uid may hold half the daemon's
+# sessions: without a share of its own one uid could fill the table, and every
+# other reader's early Release would go unheard (its lease held to the TTL).
+# An honest reader parks a few hundred at most: what its writers' lingering
+# frames hold back.
+MAX_EARLY_PER_UID = MAX_EARLY // 4
 # Parked notices whose lease is not published within this long are dropped.
 EARLY_DEADLINE = 10.0
 
@@ -36,18 +44,23 @@ class Early:
     generation: int
     at: float
     stages: tuple[str, ...]  # the stages the notice was sent for
+    uid: int = -1  # the sending session's; -1 from a peer or a discard
 
 
 class EarlyNotices:
     def __init__(self) -> None:
         self._by_lease: dict[int, list[Early]] = {}
         self._count = 0  # entries in all the lists
+        self._per_uid: collections.Counter[int] = collections.Counter()
 
     def __bool__(self) -> bool:
         return bool(self._by_lease)
 
     def from_session(self, lease_id: int, session_id: str) -> int:
         return sum(1 for e in self._by_lease.get(lease_id, ()) if e.session_id == session_id)
+
+    def from_uid(self, uid: int) -> int:
+        return self._per_uid[uid]
 
     def park(self, lease_id: int, early: Early) -> bool:
         """Hold ``early`` until ``lease_id`` is published; False when full."""
@@ -58,16 +71,28 @@ class EarlyNotices:
             return False
         held.append(early)
         self._count += 1
+        if early.uid >= 0:
+            self._per_uid[early.uid] += 1
         return True
+
+    def _drop(self, lease_id: int) -> list[Early]:
+        early = self._by_lease.pop(lease_id)
+        self._count -= len(early)
+        for e in early:
+            if e.uid >= 0:
+                left = self._per_uid[e.uid] - 1
+                if left:
+                    self._per_uid[e.uid] = left
+                else:
+                    del self._per_uid[e.uid]
+        return early
 
     def pop(self, lease_id: int) -> list[Early]:
         """What was parked for ``lease_id`` (now published), in arrival order."""
-        early = self._by_lease.pop(lease_id, None)
-        if early is None:
+        if lease_id not in self._by_lease:
             return []
-        self._count -= len(early)
-        return early
+        return self._drop(lease_id)
 
     def expire(self, now: float) -> None:
         for lid in [k for k, v in self._by_lease.items() if now - v[0].at > EARLY_DEADLINE]:
-            self._count -= len(self._by_lease.pop(lid))
+            self._drop(lid)

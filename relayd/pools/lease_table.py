@@ -27,7 +27,7 @@ from relayd_client.wire.errors import (
 from relayd_client.wire.transport import Transport
 
 from .arena import Arena, Run
-from .early import MAX_EARLY_PER_SESSION, Early, EarlyKind, EarlyNotices
+from .early import MAX_EARLY_PER_SESSION, MAX_EARLY_PER_UID, Early, EarlyKind, EarlyNotices
 from .freed import FreedBatcher
 from .grant_queue import GrantQueue
 from .publish_waits import PublishWaits
@@ -388,8 +388,14 @@ class LeaseTable:
                     f"more than {MAX_EARLY_PER_SESSION} claims/releases of lease {lease_id} "
                     "before it was published"
                 )
+            if self.early.from_uid(session.uid) >= MAX_EARLY_PER_UID:
+                raise InvalidArgumentError(
+                    f"more than {MAX_EARLY_PER_UID} claims/releases of leases not yet "
+                    f"published from the sessions of uid {session.uid}"
+                )
             self.early.park(
-                lease_id, Early(kind, session.id, generation, self.clock(), session.stages)
+                lease_id,
+                Early(kind, session.id, generation, self.clock(), session.stages, session.uid),
             )
             return None
         if lease.generation != generation:

@@ -1,0 +1,72 @@
+"""Releases that overtake their lease's Publish are parked in one table for
+all sessions: one uid, however many sessions it opens, gets a share of it, so
+the early Releases of every other reader are still heard."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import pytest
+from relayd_client import InvalidArgumentError
+from relayd_client.wire.proto import relay_pb2 as pb
+
+from relayd.pools.arena import Arena
+from relayd.pools.early import MAX_EARLY, MAX_EARLY_PER_SESSION, MAX_EARLY_PER_UID
+from relayd.pools.leases import LeaseManager
+from relayd.pools.records import Hooks, LeaseState
+from relayd.pools.sessions import Session
+from relayd.rpc.frames import frame_sink
+from tests.unit._pools import SLOT, unit_arena
+
+
+@pytest.fixture
+def arena() -> Iterator[Arena]:
+    with unit_arena(32) as a:
+        yield a
+
+
+def _bound(m: LeaseManager, stage: str, uid: int) -> Session:
+    s = m.open_session(pid=1, stages=[stage])
+    return m.bind(s.id, s.token, frame_sink(lambda f: None), pid=1, uid=uid, gid=uid)
+
+
+def test_one_uid_cannot_fill_the_early_table_and_silence_other_readers(arena: Arena) -> None:
+    m = LeaseManager(
+        arena, grant_bytes=8 * SLOT, lease_ttl=10.0, stage_quota_bytes=24 * SLOT,
+        max_sessions=8, clock=lambda: 0.0, hooks=Hooks(),
+    )  # fmt: skip
+    writer = _bound(m, "thinker", uid=0)
+    grant = asyncio.run(m.grant(writer, SLOT, 1.0))
+    base = m.new_generation_base(grant)
+    honest_id = base + 1
+    # A hostile uid's sessions release ids of the writer's grant it has not
+    # announced yet, as many as the table would take.
+    hostile = [_bound(m, "talker", uid=1000) for _ in range(2)]
+    refused = parked = 0
+    lease_id = honest_id
+    for s in hostile:
+        try:
+            while parked < MAX_EARLY:
+                lease_id += 1
+                for _ in range(MAX_EARLY_PER_SESSION):
+                    m.on_release(s, pb.Release(lease_id=lease_id, generation=lease_id))
+                    parked += 1
+        except InvalidArgumentError:  # the daemon closes that session
+            refused += 1
+    assert refused == len(hostile)
+    assert m.table.early.from_uid(1000) == MAX_EARLY_PER_UID
+    # An honest reader of another uid releases the writer's next lease before
+    # its Publish lands: heard, and the lease is freed as it is published.
+    reader = _bound(m, "talker", uid=2000)
+    m.on_release(reader, pb.Release(lease_id=honest_id, generation=honest_id))
+    m.on_reserve(writer, pb.Reserve(
+        lease_id=honest_id, grant_id=grant.id, slot=grant.run.slot, nslots=1,
+        generation=honest_id, request_id="r", to_stage="talker", from_stage="thinker",
+    ))  # fmt: skip
+    assert m.leases[honest_id].state is LeaseState.RESERVED
+    m.on_publish(writer, pb.Publish(lease_id=honest_id, nbytes=SLOT, transport=pb.TRANSPORT_SHM))
+    assert honest_id not in m.leases  # not left published for the TTL
+    # Expired, the hostile notices stop counting against their uid.
+    m.table.early.expire(1e9)
+    assert m.table.early.from_uid(1000) == 0 and not m.table.early
