@@ -40,6 +40,7 @@ from .wire.transport import Transport
 if TYPE_CHECKING:
     from ._connection import Connection
     from ._gpu_paths import GpuPaths
+    from ._session import SessionChannel
 
 
 class Reader:
@@ -186,13 +187,27 @@ class Reader:
         seg, start, specs = self.lease_region(m)
         if _cuda_facts.restores_on_gpu(specs):
             return None
+        view = self._conn.views[m.lease.segment]
         if copy and m.lease.length >= OFFLOAD_BYTES:
             # A long copy: the daemon learns who reads the lease first.
+            session = self._conn.session
             self._notices.claim(m, ring=not landed)
-        view = self._conn.views[m.lease.segment]
-        tensors = self.read_region(m, view, start, specs, copy)
+            try:
+                tensors = self.read_region(m, view, start, specs, copy)
+            except BaseException:
+                self._unclaim(m, session, landed)
+                raise
+        else:
+            tensors = self.read_region(m, view, start, specs, copy)
         self.end_read(m, seg, copy, landed=landed)
         return _flatten.rebuild(tree, tensors)
+
+    def _unclaim(self, m: RefFields, session: SessionChannel, landed: bool) -> None:
+        """A claimed copy gave up (cancelled, out of memory): the TTL never frees
+        a claimed lease, so release it, unless the session that claimed it is
+        gone and took the claim along. The DataRef is read then."""
+        if self._conn.session is session and not session.closed:
+            self._notices.release(m, ring=not landed)
 
     async def _read(self, ref: DataRef, tree: Any, copy: bool) -> Any:
         """The payload of a DataRef without forwarded refs, checked by :meth:`checked_ref`."""
@@ -237,11 +252,7 @@ class Reader:
                 plan = _copies.copy_plan(view.data_ptr() + start, specs, tensors)
                 await asyncio.to_thread(_copies.run_copies, plan)
             except BaseException:
-                # The TTL never frees a claimed lease: a get that gives up here
-                # (cancelled, or out of memory) releases it, unless the session
-                # that claimed it is gone and took the claim along.
-                if conn.session is session and not session.closed:
-                    self._notices.release(m, ring=not landed)
+                self._unclaim(m, session, landed)
                 raise
         else:
             tensors = self.read_region(m, view, start, specs, host_copy)

@@ -1,4 +1,4 @@
-"""Async gets that end half way (cancelled) leave nothing held."""
+"""Gets that end half way (cancelled, or a copy that fails) leave nothing held."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from relayd_client import RelayClient, StaleRefError
+from relayd_client import RelayClient, StaleRefError, SyncRelayClient
 
 from tests._daemon import drained as _drained
 from tests._daemon import running_daemon, wait_until
@@ -57,6 +57,37 @@ def test_a_large_get_cancelled_during_its_copy_frees_its_lease(
 
     with running_daemon(str(tmp_path)) as d:
         asyncio.run(asyncio.wait_for(scenario(d), 60))
+        wait_until(lambda: _drained(d), 10, "arena back to zero")
+
+
+def test_a_large_blocking_get_whose_copy_fails_frees_its_lease(
+    tmp_path: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The blocking client copies on the caller's thread, claim first: a copy
+    that raises (no memory for the tensors) must release the lease too."""
+    from relayd_client import _copies, _writer
+
+    real_unpack_from = _copies.unpack_from
+    fail = False
+
+    def unpack_from(*args: Any, **kwargs: Any) -> Any:
+        if fail:
+            raise MemoryError("no room for the tensors")
+        return real_unpack_from(*args, **kwargs)
+
+    monkeypatch.setattr(_copies, "unpack_from", unpack_from)
+    payload = {"x": torch.arange(_writer.OFFLOAD_BYTES // 4 + 1024, dtype=torch.int32)}
+    with running_daemon(str(tmp_path)) as d:
+        with SyncRelayClient("thinker", d.socket) as w, SyncRelayClient("talker", d.socket) as r:
+            ref = w.put(payload, to_stage="talker", request_id="big")
+            fail = True
+            with pytest.raises(MemoryError):
+                r.get(ref)
+            fail = False
+            # The reader stays open: its session's end would free a claim anyway.
+            assert asyncio.run(_leases_settled(d)) == (0, {})
+            with pytest.raises(StaleRefError):
+                r.get(ref)
         wait_until(lambda: _drained(d), 10, "arena back to zero")
 
 
