@@ -120,10 +120,11 @@ class Puller:
         )
         ops: list[PullOp] = []
         try:
+            self._still(peer, m)
             ops = self._ops(peer, remote, local)
             body, check = ops[:-1], ops[-1:]
             self.note_origin(m.request_id, peer.address)
-            await self._pull(peer, body, check, deadline)
+            await self._pull(peer, m, body, check, deadline)
             if self._scratch(local, remote.length) != (remote.generation, remote.length):
                 raise StaleRefError(
                     f"the lease was read, reclaimed or aborted on node {peer.node_id!r} while "
@@ -152,12 +153,27 @@ class Puller:
     def _lease_ref(self, local: Lease, length: int) -> pb.LeaseRef:
         return lease_ref(self.leases.crossnode.where(local, length))
 
+    def _still(self, peer: PeerState, m: pb.DataRef) -> None:
+        """After a wait: ``peer`` is still the daemon that wrote ``m``. One restarted
+        meanwhile keeps its node id and address, not its epoch, and may hold a lease
+        of the same id and generation at the same place: its bytes are not ``m``'s."""
+        if self.links.peer_for(m) is not peer:
+            raise PeerUnavailableError(
+                f"peer node {peer.node_id!r} moved to another address during the read"
+            )
+
     async def _pull(
-        self, peer: PeerState, body: list[PullOp], check: list[PullOp], deadline: float
+        self,
+        peer: PeerState,
+        m: pb.DataRef,
+        body: list[PullOp],
+        check: list[PullOp],
+        deadline: float,
     ) -> None:
         """``check`` starts once ``body`` has landed, all under one credit."""
         loop = asyncio.get_running_loop()
         async with self.credits.acquire(peer.address, max(deadline - loop.time(), 0.0)) as credit:
+            self._still(peer, m)
             peer.in_flight += 1
             peer.in_flight_max = max(peer.in_flight_max, peer.in_flight)
             start = time.perf_counter()

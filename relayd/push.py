@@ -158,8 +158,13 @@ class PushManager:
     def grant_void(self, peer: PeerState) -> None:
         """``peer`` retired the grant it gave us (it took us for lost): pushes still
         in flight into it decline, and the next heartbeat asks for a new one.
-        Attached pushes it will not receive stay published here for its pulls."""
+        Attached pushes it will not receive stay published here for its pulls.
+
+        It dropped the grant we gave it too, and asks anew with a free allocator of
+        its own: that grant is void here as well, or its next WRITE could land on a
+        push we hold unread, or meet one of its writes still in flight."""
         self._unreceived.pop(peer.address, None)
+        self.landing.void_given(peer.node_id)
         if self.out.pop(peer.address, None) is not None:
             log.info("peer %s voided its push grant; asking again", peer.address)
 
@@ -174,8 +179,9 @@ class PushManager:
         """LeaseManager hook: ``lease`` was published with Publish.push set."""
         peer = self._target(lease.to_stage)
         if peer is None or not self.enabled or lease.nbytes == 0 or lease.run.pool != SHM_POOL:
-            # Nobody to push to (the consumer moved, or its node is down): every up
-            # peer hears Declined, so the reader's daemon, wherever it is, pulls.
+            # Nobody to push to (the consumer moved, its node is down, or several
+            # serve it): every up peer hears Declined, so the reader's daemon,
+            # wherever it is, pulls.
             for p in self.parts.links.peers.values():
                 if p.up:
                     self._decline(p.address, lease)
@@ -200,10 +206,16 @@ class PushManager:
         task.add_done_callback(self._tasks.discard)
 
     def _target(self, stage: str) -> PeerState | None:
+        """The one up peer serving ``stage``; None when none or several do: the DataRef
+        may reach a reader on any of them, and one on a node the push did not go to
+        would find W's lease freed by the push, with nothing left to pull."""
+        found = None
         for p in self.parts.links.peers.values():
             if p.up and stage in p.stages:
-                return p
-        return None
+                if found is not None:
+                    return None
+                found = p
+        return found
 
     def _decline(self, address: str, lease: Lease) -> None:
         self.counts[address].declined += 1
@@ -215,6 +227,12 @@ class PushManager:
     async def _push(
         self, peer: PeerState, out: GrantOut, lease: Lease, start: int, credit: Any
     ) -> None:
+        if self.out.get(peer.address) is not out:
+            # The peer was lost before this task ran, its geometry forgotten with it:
+            # nothing was written, so the push fails as a refused one does.
+            credit.release()
+            self._push_failed(peer.address, out, lease, start)
+            return
         manager = self.parts.leases
         arena = self.parts.arena
         nbytes = lease.nbytes
@@ -365,7 +383,10 @@ class PushManager:
             if f.grant_id != out.grant_id or f.nslots == 0 or f.slot + f.nslots > out.nslots:
                 log.warning("peer %s freed a run outside our push grant; ignored", address)
                 continue
-            out.alloc.free(f.slot, f.nslots)
+            try:
+                out.alloc.free(f.slot, f.nslots)
+            except ValueError as err:  # not out: the rest of its batch still counts
+                log.warning("peer %s freed a run of our push grant twice: %s", address, err)
 
     # -- notices from peers -------------------------------------------------------------
 

@@ -97,6 +97,13 @@ class PushLanding:
 
     def peer_lost(self, node: str) -> None:
         """Whatever the lost peer ``node`` was given is void; readers waiting on it stop."""
+        self.void_given(node)
+        for key in [k for k in self._waiters if k[0] == node]:
+            self._wake(key)
+
+    def void_given(self, node: str) -> None:
+        """The grant given to ``node`` is void: its landed leases stay until read, and
+        its next request gets a grant of its own."""
         given = self.given.pop(node, None) if node else None
         if given is not None:
             # It may be alive behind a broken link, its writes into the grant still
@@ -104,8 +111,6 @@ class PushLanding:
             # until they have surely ended (each is bounded by the peer timeout, and
             # it stops pushing once it takes us for lost or hears the grant is void).
             self._retire(given, quarantine=QUARANTINE_TIMEOUTS * self.settings.peer_timeout)
-        for key in [k for k in self._waiters if k[0] == node]:
-            self._wake(key)
 
     def on_declined(self, n: pb.PeerNotices) -> None:
         for d in n.declined:
