@@ -167,6 +167,8 @@ class PeerLinks:
         self.heartbeat_interval = min(1.0, max(settings.peer_timeout / 4, 0.05))
         self.self_addresses: set[str] = {settings.peer_address}
         self._resolver: asyncio.Task[None] | None = None
+        # Addresses the --peers names resolved to, until one goes from them and is down.
+        self._named: set[str] = set()
         self._closed = False
 
     def start(self) -> None:
@@ -267,15 +269,45 @@ class PeerLinks:
     async def _resolve_loop(self) -> None:
         loop = asyncio.get_running_loop()
         while not self._closed:
+            named: set[str] = set()
+            complete = True
             for entry in self.settings.peers:
                 try:
                     addresses = await loop.run_in_executor(None, _resolve, entry)
                 except (OSError, ValueError) as exc:
                     log.warning("cannot resolve peer %s: %s", entry, exc)
+                    complete = False
                     continue
+                named.update(addresses)
                 for address in addresses:
                     self.ensure_peer(address)
+            self._named |= named
+            if complete:  # a name that failed to resolve says nothing of its addresses
+                await self._drop_unnamed(self._named - named)
             await asyncio.sleep(RESOLVE_INTERVAL)
+
+    async def _drop_unnamed(self, unnamed: set[str]) -> None:
+        """Stop dialling addresses the names no longer give (a replaced pod of a headless
+        service), once they are down: else every address a name ever gave is dialled
+        for good. A daemon there that dials us is dialled back again."""
+        for address in unnamed:
+            peer = self.peers.get(address)
+            if peer is not None and peer.up:
+                continue  # goes once it is down and still unnamed
+            self._named.discard(address)
+            if peer is None:
+                continue
+            del self.peers[address]
+            if peer.node_id and self.by_node.get(peer.node_id) is peer:
+                del self.by_node[peer.node_id]
+            log.info(
+                "peer %s is no longer named by --peers and is down; no longer dialled", address
+            )
+            if peer.task is not None:
+                peer.task.cancel()
+                await asyncio.gather(peer.task, return_exceptions=True)
+            if peer.channel is not None:
+                await peer.channel.close()
 
     def ensure_peer(self, address: str) -> None:
         if self._closed or address in self.self_addresses or address in self.peers:
