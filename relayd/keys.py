@@ -101,7 +101,7 @@ class KeyIndex:
         self.nbytes = 0
         self._by_lease: dict[LeaseKey, Name] = {}
         self._gone: collections.OrderedDict[Name, Gone] = collections.OrderedDict()
-        self._waiters: dict[Name, list[asyncio.Future[bytes]]] = {}
+        self._waiters: dict[Name, list[asyncio.Future[Entry]]] = {}
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -121,10 +121,12 @@ class KeyIndex:
                 f"key {key!r} from {m.origin.stage!r} for {m.to_stage!r} is still unread"
             )
         wire = ref.to_bytes()
+        entry = Entry(name, wire, m.request_id, self.clock() + self.ttl, lease_of(ref))
         waiter = self._first_waiter(name)
         if waiter is not None:
-            # A reader is waiting: the entry is read the moment it exists.
-            waiter.set_result(wire)
+            # A reader is waiting: the entry is read the moment it exists
+            # (should that take end before it resumes, it hands the entry back).
+            waiter.set_result(entry)
             self._bury(name, Gone.READ)
             return
         if self.per_stage[m.to_stage] >= self.max_stage_keys:
@@ -136,10 +138,13 @@ class KeyIndex:
             raise ResourceExhaustedError(f"keys wait for {MAX_STAGES} stages already")
         if self.nbytes + len(wire) > MAX_INDEX_BYTES:
             raise ResourceExhaustedError("the key index is full; readers are not keeping up")
-        entry = Entry(name, wire, m.request_id, self.clock() + self.ttl, lease_of(ref))
+        self._store(entry)
+
+    def _store(self, entry: Entry) -> None:
+        name = entry.name
         self.entries[name] = entry
-        self.per_stage[m.to_stage] += 1
-        self.nbytes += len(wire)
+        self.per_stage[entry.to_stage] += 1
+        self.nbytes += len(entry.wire)
         if entry.lease is not None:
             self._by_lease[entry.lease] = name
         self._gone.pop(name, None)
@@ -161,11 +166,14 @@ class KeyIndex:
         if not timeout > 0:
             return None
         timeout = min(timeout, MAX_TAKE_TIMEOUT)
-        waiter: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        waiter: asyncio.Future[Entry] = asyncio.get_running_loop().create_future()
         self._waiters.setdefault(name, []).append(waiter)
+        taken = False
         try:
             async with asyncio.timeout(timeout):  # not wait_for: one loop turn less
-                return await waiter
+                entry = await waiter
+                taken = True
+                return entry.wire
         except TimeoutError:
             raise RelayTimeoutError(
                 f"no put of key {name[2]!r} from {name[1]!r} for {name[0]!r} within {timeout:.3g}s"
@@ -177,8 +185,29 @@ class KeyIndex:
                     waiting.remove(waiter)
                 if not waiting:
                     del self._waiters[name]
+            if (
+                not taken
+                and waiter.done()
+                and not waiter.cancelled()
+                and waiter.exception() is None
+            ):
+                # Handed a put in the turn this take ended (its deadline, its
+                # reader's connection): nobody read it, so the key stays.
+                self._hand_back(waiter.result())
 
-    def _first_waiter(self, name: Name) -> asyncio.Future[bytes] | None:
+    def _hand_back(self, entry: Entry) -> None:
+        """An entry handed to a take that never returned it: to the next waiting
+        take, else back in the index (unless the key was put or ended since)."""
+        name = entry.name
+        if name in self.entries or self._gone.get(name) is not Gone.READ:
+            return
+        waiter = self._first_waiter(name)
+        if waiter is not None:
+            waiter.set_result(entry)
+            return
+        self._store(entry)
+
+    def _first_waiter(self, name: Name) -> asyncio.Future[Entry] | None:
         for waiter in self._waiters.get(name, ()):
             if not waiter.done():
                 return waiter
