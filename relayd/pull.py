@@ -97,7 +97,7 @@ class Puller:
         if m.origin.node_id == self.settings.node_id:
             raise InvalidArgumentError("the DataRef is from this node; read it directly")
         req = self.leases.requests.get(m.request_id)
-        if req is not None and req.aborted:
+        if req is not None and req.stops(m.origin.stage, m.to_stage):
             raise AbortedError(f"request {m.request_id!r} was aborted")
         return m
 

@@ -107,7 +107,8 @@ class CrossNodeLeases:
         t = self.table
         if t.leases.get(lease.id) is not lease:
             raise DrainingError("the pulled lease was reclaimed (drain) before it was published")
-        if t.requests.is_aborted(lease.request_id):
+        req = t.requests.get(lease.request_id)
+        if req is not None and req.stops(lease.from_stage, lease.to_stage):
             t.free(lease, ReclaimReason.ABORT)
             t.queue.wake()
             raise AbortedError(f"request {lease.request_id!r} was aborted")

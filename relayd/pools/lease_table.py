@@ -210,12 +210,7 @@ class LeaseTable:
         self.add(lease)
         grant.last_lease = max(grant.last_lease, lease_id)
         req = self.requests.add(lease, lease.created)
-        if (
-            req.aborted
-            and req.aborters
-            and lease.from_stage not in req.aborters
-            and lease.to_stage not in req.aborters
-        ):
+        if req.aborted and not req.stops(lease.from_stage, lease.to_stage):
             # A stage with no part in this lease cannot abort it ahead of time.
             req.aborted = False
             req.aborters = ()

@@ -183,6 +183,8 @@ class LeaseManager:
         self.flush = self.table.flush
         self.release_from_peer = self.crossnode.release_from_peer
         self.abort = self.reclaim.abort
+        self.check_abort = self.reclaim.check_abort
+        self.abort_request = self.reclaim.abort_request
         self.start_drain = self.reclaim.start_drain
         self.drop_all = self.reclaim.drop_all
 
@@ -341,8 +343,12 @@ class LeaseManager:
         if self.table.unhold(lease):
             self.flush()
 
-    def abort_from_peer(self, request_id: str) -> int:
-        """A peer aborted ``request_id``: free it here too (the peer was authenticated)."""
+    def abort_from_peer(self, request_id: str, stages: tuple[str, ...] = ()) -> int:
+        """A peer aborted ``request_id``: free it here too. The peer was authenticated
+        and checked its session's ``stages`` when it knew the request; when it did
+        not (``stages`` given), they are checked here (PermissionDeniedError)."""
+        if stages:
+            self.reclaim.check_abort(stages, request_id)
         return self.reclaim.abort_request(request_id)[0]
 
     # -- abort, TTL, drain --------------------------------------------------------------

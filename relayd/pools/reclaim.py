@@ -29,17 +29,24 @@ class Reclaimer:
 
     def abort(self, session: Session, request_id: str) -> tuple[int, int]:
         """``session`` aborts ``request_id``: (leases freed, their bytes)."""
+        self.check_abort(session.stages, request_id)
+        return self.abort_request(request_id)
+
+    def check_abort(self, stages: tuple[str, ...], request_id: str) -> bool:
+        """Whether ``stages`` may abort ``request_id``: True when this node knows
+        they wrote or read it, False when nobody here did yet (then any stage may,
+        ahead of time, again too, and one stage's tombstone must not lock out
+        another's); PermissionDeniedError when others did and they did not."""
         t = self.table
         req = t.requests.get(request_id)
         if req is None or not (req.writers or req.readers):
-            # Nobody wrote or reads it yet: any stage may abort it ahead of time,
-            # again too, and one stage's tombstone must not lock out another's.
-            t.requests.tombstone(request_id, session.stages, t.clock())
-        elif not any(st in req.writers or st in req.readers for st in session.stages):
+            t.requests.tombstone(request_id, stages, t.clock())
+            return False
+        if not any(st in req.writers or st in req.readers for st in stages):
             raise PermissionDeniedError(
-                f"stage(s) {', '.join(session.stages)} neither wrote nor read request {request_id!r}"
+                f"stage(s) {', '.join(stages)} neither wrote nor read request {request_id!r}"
             )
-        return self.abort_request(request_id)
+        return True
 
     def abort_request(self, request_id: str) -> tuple[int, int]:
         """Free every published lease of ``request_id`` (whoever asked was checked)."""

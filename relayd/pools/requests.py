@@ -72,6 +72,13 @@ class RequestInfo:
     def live_leases(self) -> list[int]:
         return list(self.leases or ())
 
+    def stops(self, from_stage: str, to_stage: str) -> bool:
+        """Whether its abort stops a transfer ``from_stage`` -> ``to_stage``: an
+        abort ahead of time binds only what its stages write or read."""
+        return self.aborted and (
+            not self.aborters or from_stage in self.aborters or to_stage in self.aborters
+        )
+
 
 class Requests:
     def __init__(self) -> None:

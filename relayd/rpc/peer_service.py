@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeAlias, TypeVar
 
 from relayd_client.wire.errors import InvalidArgumentError, PermissionDeniedError
-from relayd_client.wire.names import REQUEST_ID_MAX
+from relayd_client.wire.names import MAX_SESSION_STAGES, REQUEST_ID_MAX, check_stage
 from relayd_client.wire.proto import relay_pb2 as pb
 from relayd_client.wire.proto import relay_pb2_grpc as pb_grpc
 
@@ -77,7 +77,10 @@ class PeerService(pb_grpc.PeerServicer):
     ) -> pb.AbortRemoteResponse:
         if not request.request_id or len(request.request_id) > REQUEST_ID_MAX:
             raise InvalidArgumentError(f"request_id must be 1-{REQUEST_ID_MAX} characters")
-        freed = self.leases.abort_from_peer(request.request_id)
+        if len(request.stages) > MAX_SESSION_STAGES:
+            raise InvalidArgumentError(f"an abort names at most {MAX_SESSION_STAGES} stages")
+        stages = tuple(check_stage(s) for s in request.stages)
+        freed = self.leases.abort_from_peer(request.request_id, stages)
         self.hooks.aborted(request.request_id)
         self.push.landing.abort(request.request_id)
         return pb.AbortRemoteResponse(leases_freed=freed)

@@ -18,7 +18,7 @@ from relayd_client.wire.errors import (
     SessionClosedError,
     VersionMismatchError,
 )
-from relayd_client.wire.names import check_request_id, check_stage
+from relayd_client.wire.names import MAX_SESSION_STAGES, check_request_id, check_stage
 from relayd_client.wire.proto import relay_pb2 as pb
 from relayd_client.wire.proto import relay_pb2_grpc as pb_grpc
 from relayd_client.wire.shm import HEADER_STRIDE, SHM_POOL
@@ -86,7 +86,7 @@ class ServicePeers(Protocol):
 
     @property
     def transport(self) -> RemoteSession: ...
-    async def abort_remote(self, request_id: str) -> int: ...
+    async def abort_remote(self, request_id: str, stages: tuple[str, ...] = ()) -> int: ...
 
 
 class Lifecycle(Protocol):
@@ -136,8 +136,8 @@ class RelayService(RoutingService, pb_grpc.RelayServicer):
                 f"client speaks relayd protocol {request.protocol_version}, this daemon speaks "
                 f"{PROTOCOL_VERSION}; upgrade the older side"
             )
-        if not request.stages or len(request.stages) > 16:
-            raise InvalidArgumentError("attach needs 1 to 16 stage names")
+        if not request.stages or len(request.stages) > MAX_SESSION_STAGES:
+            raise InvalidArgumentError(f"attach needs 1 to {MAX_SESSION_STAGES} stage names")
         stages = [check_stage(s, "stage") for s in request.stages]
         if len(request.gpu_uuids) > 64 or len(request.namespaces) > 8:
             raise InvalidArgumentError("too many GPUs or namespaces in attach")
@@ -202,11 +202,14 @@ class RelayService(RoutingService, pb_grpc.RelayServicer):
     async def Abort(self, request: pb.AbortRequest, context: Ctx) -> pb.AbortResponse:
         session = self._bound(request.session_id, request.session_token)
         check_request_id(request.request_id)
-        n, nbytes = self.leases.abort(session, request.request_id)
+        vouched = self.leases.check_abort(session.stages, request.request_id)
+        n, nbytes = self.leases.abort_request(request.request_id)
         self.keys.abort(request.request_id, session.stages)
         if self.peers is not None:
             # abort frees the request on every node; peers never propagate it further.
-            n += await self.peers.abort_remote(request.request_id)
+            # A request unknown here could be any stage's there: they judge the stages.
+            stages = () if vouched else session.stages
+            n += await self.peers.abort_remote(request.request_id, stages)
         return pb.AbortResponse(leases_freed=n, bytes_freed=nbytes)
 
     @mapped

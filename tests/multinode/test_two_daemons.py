@@ -374,6 +374,29 @@ def test_abort_on_reader_node_frees_the_request_on_the_origin(pair: tuple[Node, 
     wait_until(lambda: a.used() == 0 and b.used() == 0, 10, "both arenas back to zero")
 
 
+def test_a_stage_that_never_touched_a_request_cannot_abort_it_on_another_node(
+    pair: tuple[Node, Node],
+) -> None:
+    """Only a stage that wrote or reads a request may abort it. A node that does
+    not know the request cannot check that, so its peers check the stages."""
+    a, b = pair
+    refs = _lines(run_worker(["write", "--socket", a.daemon.socket, "--request", "rst",
+                              "--sizes", "300000"]))  # fmt: skip
+    held = a.daemon.pool()["used_bytes"]
+    assert held > 0
+
+    async def stranger_aborts() -> None:
+        async with RelayClient("stranger", b.daemon.socket) as c:
+            await c.abort("rst")
+
+    asyncio.run(stranger_aborts())
+    assert a.daemon.pool()["used_bytes"] == held  # the writer's lease is still there
+    line = refs[0]
+    r = run_worker(["read", "--socket", b.daemon.socket], input=line.encode() + b"\n\n")
+    assert _lines(r)[1:] == [line.split()[1]]  # and its reader reads it, bytes intact
+    wait_until(lambda: a.used() == 0 and b.used() == 0, 10, "both arenas back to zero")
+
+
 def test_second_read_of_a_pulled_ref_is_stale(pair: tuple[Node, Node]) -> None:
     a, b = pair
     refs = _lines(run_worker(["write", "--socket", a.daemon.socket, "--sizes", "300000"]))

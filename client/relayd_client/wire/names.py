@@ -25,6 +25,8 @@ from .errors import InvalidArgumentError
 STAGE_NAME_MAX = 128
 REQUEST_ID_MAX = 256
 MAX_KEY_CHARS = 256
+#: The stages one session may serve.
+MAX_SESSION_STAGES = 16
 _STAGE_NAME_RE = re.compile(rf"[A-Za-z0-9_.:/@-]{{1,{STAGE_NAME_MAX}}}")
 _KEY_RE = re.compile(rf"[\x21-\x7e]{{1,{MAX_KEY_CHARS}}}")
 # Names that passed: a writer puts to the same few stages over and over, and
