@@ -185,6 +185,9 @@ class LoopbackTransport(RemoteTransport):
     async def _when_open(self, flight: _Flight, peer: LoopbackTransport, request: Transfer) -> None:
         try:
             failure = await flight.gate._opened
+            # A gate opened in the turn that closed us: close() has promised no more writes.
+            if not failure and self._state is not TransportState.OPEN:
+                failure = "the transport was closed"
             if not failure and self._loopback._reach(request.peer_session) is not peer:
                 failure = "the peer went away"
             if failure:

@@ -198,8 +198,8 @@ class _Pull:
     deadline: float
     settled: asyncio.Future[None]
     """Internal; done once no op can write any more. Errors hand out copies."""
-    submitted: bool = False
-    """The submit job may have started: from here on only terminal states free the ops."""
+    submitting: bool = False
+    """A submit job has started and not reported: what it handed Mooncake is unknown."""
     # Ops [0, first) go first; the rest only once all of those are DONE.
     first: int = 0
     # For the ops submitted so far (a prefix of ``ops``); the rest cannot write.
@@ -211,11 +211,10 @@ class _Pull:
     """A push: the ops copy local ranges into the peer's (Mooncake WRITE)."""
 
     def quiet(self) -> bool:
-        """Nothing of this pull can write any more. A submit job that never reported
-        (it raised) leaves us unable to tell, so that counts as in flight."""
-        if not self.submitted:
-            return True
-        return bool(self.states) and all(s.terminal for s in self.states)
+        """Nothing of this pull can write any more, as long as nothing more is
+        submitted. A submit job that has not reported (running, or it raised)
+        leaves us unable to tell, so that counts as in flight."""
+        return not self.submitting and all(s.terminal for s in self.states)
 
     def phases_left(self) -> tuple[tuple[PullOp, ...], ...]:
         """The ops not submitted yet, as the phases they still form."""
@@ -377,10 +376,11 @@ class MooncakeTransport(RemoteTransport):
     # --- internals ---------------------------------------------------------------
 
     def _abandon(self, rec: _Pull) -> None:
-        """The caller stopped waiting; only a pull that never reached Mooncake stops."""
+        """The caller stopped waiting; a pull with nothing in flight stops, so that
+        a later phase is never submitted into ranges the caller was told are free."""
         if rec.task is None:
             return
-        if not rec.submitted:
+        if rec.quiet():
             rec.task.cancel()
         # Nobody awaits the task any more; its outcome is only the quarantine's.
         rec.task.add_done_callback(_consume)
@@ -433,7 +433,7 @@ class MooncakeTransport(RemoteTransport):
             await self._submit_now(rec)
 
     async def _submit_now(self, rec: _Pull) -> None:
-        rec.submitted = True
+        rec.submitting = True
         args = (self._engine, rec.peer, rec.phases_left(), rec.write)
         if rec.peer in self._reached and not rec.write:
             # A READ submitted to a peer already reached only queues the op: no
@@ -445,6 +445,7 @@ class MooncakeTransport(RemoteTransport):
             ids, states, failure = await loop.run_in_executor(self._pool, submit_blocking, *args)
         rec.batch_ids += ids
         rec.states += states
+        rec.submitting = False
         rec.failure = failure
         if failure is not None:
             # A failed submit may mean a connection to set up again, which can block:
