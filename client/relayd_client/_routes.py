@@ -103,6 +103,8 @@ class Routes:
             self._answers[key] = int(resp.transport)
             if resp.transport == pb.TRANSPORT_MOONCAKE:
                 self.remote_stages.add(to_stage)
-            else:
+            elif resp.transport != pb.TRANSPORT_INLINE:
+                # Inline is chosen before the reader's node is looked at: it
+                # must not unmark a reader the edge's large puts push to.
                 self.remote_stages.discard(to_stage)
         return int(resp.transport)
