@@ -23,6 +23,10 @@ from dataclasses import dataclass
 
 from .router import Placement, Route
 
+# Edge records kept for status. A writer may route to any name, served or not,
+# so past this the oldest record goes (one to a stage nobody serves first).
+MAX_EDGES = 4096
+
 
 @dataclass(frozen=True, slots=True)
 class StageEntry:
@@ -183,9 +187,19 @@ class StageRegistry:
 
     def note_edge(self, from_stage: str, to_stage: str, route: Route) -> None:
         """Record the route last taken from ``from_stage`` to ``to_stage`` (no version bump)."""
-        old = self._edges.get((from_stage, to_stage))
+        key = (from_stage, to_stage)
+        # Popped and put back: the dict runs from the least to the most recently noted.
+        old = self._edges.pop(key, None)
+        if old is None and len(self._edges) >= MAX_EDGES:
+            self._evict_edge()
         count = 1 if old is None else old.count + 1
-        self._edges[(from_stage, to_stage)] = EdgeRecord(route, count, self._clock())
+        self._edges[key] = EdgeRecord(route, count, self._clock())
+
+    def _evict_edge(self) -> None:
+        # Routes to names nobody serves must not push out edges between stages
+        # that are here: the least recently noted of those goes first.
+        victim = next((k for k in self._edges if self.lookup(k[1]) is None), None)
+        del self._edges[victim if victim is not None else next(iter(self._edges))]
 
     def edges(self) -> dict[tuple[str, str], EdgeRecord]:
         """Active edges and the last route each took (a copy)."""
