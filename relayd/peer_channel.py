@@ -42,6 +42,11 @@ Contract:
   when the connection ends before they were filled (the batch then is never
   handled). While they arrive the socket wakes the listener only once
   :data:`ATTACHED_READ_MIN` of them, or all that remain, can be read.
+* A peer taken for lost here has its connection dropped (:meth:`NoticeListener.drop_node`):
+  one that vanished without a FIN mid-batch would else hold that batch's
+  places for good. TCP keepalive ends such a connection even so, within
+  :data:`KEEPALIVE_IDLE_S` + :data:`KEEPALIVE_INTERVAL_S` x :data:`KEEPALIVE_PROBES`
+  of its last byte.
 * Nothing is acknowledged. A connection that fails loses what it carried, as a
   failed ``Notify`` write does, and each kind of notice has its fallback (see
   :mod:`relayd.peer_notices`); a sender whose unsent bytes pass
@@ -75,6 +80,13 @@ MAX_PENDING = 64
 HELLO_TIMEOUT_S = 5.0
 MAX_BUFFERED = 32 << 20
 MAX_ATTACHED = 16 << 20
+# A listener's connection silent this long is probed, and dropped after this many
+# probes unanswered this far apart: the peer sends nothing between batches, and
+# its daemon's loss is told by the heartbeats, so these only bound what a peer
+# that vanished costs when nothing else notices.
+KEEPALIVE_IDLE_S = 60
+KEEPALIVE_INTERVAL_S = 10
+KEEPALIVE_PROBES = 6
 # The port to listen on: 0 any free one, NO_CHANNEL none.
 NO_CHANNEL = -1
 STOPPING = "the daemon is stopping"
@@ -144,6 +156,13 @@ class NoticeListener:
         self._server = await loop.create_server(lambda: _Inbound(self), host, port)
         return int(self._server.sockets[0].getsockname()[1])
 
+    def drop_node(self, node_id: str, epoch: str) -> None:
+        """Close the connection of peer ``node_id`` at ``epoch``, if any, giving back
+        the places of a batch whose bytes it was still reading."""
+        conn = self.by_node.get(node_id)
+        if conn is not None and conn.epoch == epoch:
+            conn.drop("its node was taken for lost", logging.INFO)
+
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
@@ -188,6 +207,7 @@ class _Inbound(asyncio.BufferedProtocol):
             return
         lst.pending += 1
         self.counted = True
+        _keep_alive(self.transport.get_extra_info("socket"))
         self.timer = asyncio.get_running_loop().call_later(
             HELLO_TIMEOUT_S, self.drop, f"no answer within {HELLO_TIMEOUT_S:g}s"
         )
@@ -386,6 +406,25 @@ class _Inbound(asyncio.BufferedProtocol):
                 log.exception("giving back the places of an unfinished batch")
         if self.node and self.listener.by_node.get(self.node) is self:
             del self.listener.by_node[self.node]
+
+
+def _keep_alive(sock: socket.socket | None) -> None:
+    """Probe the connection while it is idle (see :data:`KEEPALIVE_IDLE_S`)."""
+    if sock is None:
+        return
+    options = [
+        (socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1),
+        (socket.IPPROTO_TCP, getattr(socket, "TCP_KEEPIDLE", None), KEEPALIVE_IDLE_S),
+        (socket.IPPROTO_TCP, getattr(socket, "TCP_KEEPINTVL", None), KEEPALIVE_INTERVAL_S),
+        (socket.IPPROTO_TCP, getattr(socket, "TCP_KEEPCNT", None), KEEPALIVE_PROBES),
+    ]
+    for level, name, value in options:
+        if name is None:  # this platform names it otherwise: its default stays
+            continue
+        try:
+            sock.setsockopt(level, name, value)
+        except (OSError, AttributeError):  # not a TCP socket: nothing to probe
+            return
 
 
 class NoticeLink:

@@ -211,6 +211,13 @@ class PeerManager:
     def lost(self, peer: PeerState) -> None:
         self.push.peer_down(peer)
         self.notifier.forget(peer.address)
+        if self._notices_in is not None and peer.up:
+            # Its connection to us may wait for ever on bytes that a vanished peer
+            # will not send, holding the run placed for them; after peer_down, which
+            # voided its grant, that run goes straight back to the arena. A peer
+            # not up here has no connection accepted (its node id may be up again
+            # at another address).
+            self._notices_in.drop_node(peer.node_id, peer.epoch)
 
     def greeted_again(self, peer: PeerState) -> None:
         self.push.grant_void(peer)
