@@ -106,7 +106,13 @@ class DataRef:
             raise CorruptRefError(
                 f"not a relayd DataRef: {type(data).__name__}, not the bytes of DataRef.to_bytes()"
             )
-        data = bytes(data)
+        if type(data) is not bytes:
+            # Sized before the copy, in bytes (a view's len counts its items).
+            with memoryview(data) as view:
+                size = view.nbytes
+            if size > MAX_REF_BYTES:
+                raise CorruptRefError(f"DataRef of {size} bytes exceeds {MAX_REF_BYTES}")
+            data = bytes(data)
         if len(data) < _PREFIX.size:
             raise CorruptRefError(f"DataRef of {len(data)} bytes is truncated")
         if len(data) > MAX_REF_BYTES:
