@@ -22,6 +22,7 @@ from typing import Any
 
 from relayd_client.wire.framing import session_socket_path
 from relayd_client.wire.paths import SHM_DIR, default_socket_path
+from relayd_client.wire.shm import MAX_SLOT_SIZE
 
 ENV_PREFIX = "RELAYD_"
 
@@ -279,8 +280,15 @@ class Settings:
     log_level: str = _field("info", metavar="LEVEL", help="debug, info, warning or error")
 
     def __post_init__(self) -> None:
-        if self.slot_size < 4096 or self.slot_size & (self.slot_size - 1):
-            raise ConfigError(f"slot_size must be a power of two >= 4096, got {self.slot_size}")
+        if (
+            self.slot_size < 4096
+            or self.slot_size > MAX_SLOT_SIZE
+            or self.slot_size & (self.slot_size - 1)
+        ):
+            raise ConfigError(
+                f"slot_size must be a power of two from 4096 to {MAX_SLOT_SIZE}, "
+                f"got {self.slot_size}"
+            )
         if self.shm_pool_size < self.slot_size:
             raise ConfigError("shm_pool_size must hold at least one slot")
         if self.grant_size < self.slot_size:

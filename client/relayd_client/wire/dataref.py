@@ -33,7 +33,7 @@ from . import compact
 from .compact import RefFields, RefView
 from .errors import CorruptRefError, VersionMismatchError
 from .proto import relay_pb2 as pb
-from .shm import SHM_POOL
+from .shm import MAX_SLOT_SIZE, SHM_POOL
 from .transport import Transport
 
 MAGIC = b"RD"
@@ -316,7 +316,7 @@ def _check_structure(m: pb.DataRef, body_len: int) -> None:
 def _check_lease(lease: pb.LeaseRef | compact.LeaseFields) -> None:
     if lease.nslots == 0 or lease.generation == 0:
         raise CorruptRefError("DataRef lease has no slots or no generation")
-    if lease.length > lease.nslots * (1 << 30):
+    if lease.length > lease.nslots * MAX_SLOT_SIZE:
         raise CorruptRefError("DataRef lease length exceeds its slots")
 
 

@@ -27,6 +27,9 @@ from .paths import SHM_DIR
 #: pool is named ``cuda:<uuid>`` (:func:`.cuda_ipc.pool_name`).
 SHM_POOL = "shm"
 HEADER_STRIDE = 16
+#: The largest slot a daemon may cut its pools into: a reader refuses a lease
+#: longer than its slots at this size as corrupt, so a daemon must not use more.
+MAX_SLOT_SIZE = 1 << 30
 PROBE_BYTES = 16
 #: A slot header: (generation, length) of the lease whose run starts at that slot.
 SLOT_HEADER = struct.Struct("<QQ")
