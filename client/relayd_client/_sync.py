@@ -239,7 +239,8 @@ class SyncRelayClient:
 
     def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         lt = self._loop
-        if lt is None:
+        # A forked child has no loop thread: what it hands the loop waits unanswered.
+        if lt is None or self._client._conn.forked:
             coro.close()
             self._client._conn.require_open()  # raises the async client's error
             raise SessionClosedError("SyncRelayClient is not open")
@@ -500,7 +501,7 @@ class SyncRelayClient:
             return await agen.__anext__()
 
         lt = self._loop
-        if lt is None:
+        if lt is None or self._client._conn.forked:
             self._client._conn.require_open()
             raise SessionClosedError("SyncRelayClient is not open")
         # Each step waits up to the stream's own per-chunk timeout (None: as
