@@ -185,14 +185,20 @@ class Connection:
             self._reconnect_now.set()
             self._reattach_waiters += 1
             limit = self.timeout if timeout is None else timeout
+            task = self._reconnect_task
             try:
-                await asyncio.wait_for(asyncio.shield(self._reconnect_task), max(limit, 0.0))
-            except TimeoutError:
-                raise DaemonUnavailableError(
-                    f"the relayd daemon went away and did not come back within {limit:.3g}s"
-                ) from None
+                # Not wait_for(shield(task)): a close() cancels the re-attach,
+                # and that must reach this call as a closed client's error
+                # (below), not as a CancelledError of its own.
+                done, _ = await asyncio.wait((task,), timeout=max(limit, 0.0))
             finally:
                 self._reattach_waiters -= 1
+            if not done:
+                raise DaemonUnavailableError(
+                    f"the relayd daemon went away and did not come back within {limit:.3g}s"
+                )
+            if not task.cancelled() and (exc := task.exception()) is not None:
+                raise exc
         return self.require_open()
 
     # -- lifecycle ------------------------------------------------------------------
@@ -355,9 +361,10 @@ class Connection:
             if pending is not None:
                 with contextlib.suppress(BaseException):
                     await pending.task
-            self.grants.table.clear()
-            self._on_reset()
-            self.session = SessionChannel(self._on_frame, self._on_lost, self.lock)
+            with self.lock:  # a put sealing on a caller's thread sees all of it or none
+                self.grants.table.clear()
+                self._on_reset()
+                self.session = SessionChannel(self._on_frame, self._on_lost, self.lock)
             try:
                 await self._connect()
             except (RelayError, OSError, ValueError) as exc:

@@ -127,6 +127,8 @@ class Notices:
         """
         lease = m.lease
         with self._lock:
+            if m.origin.daemon_epoch != self._conn.daemon_epoch:
+                return  # the daemon restarted during the read: the lease went with it
             session = self._conn.session
             if ring and _into_ring(session, lease, lease.lease_id | CLAIM_BIT):
                 return
@@ -146,6 +148,8 @@ class Notices:
         lease = m.lease
         lease_id = lease.lease_id
         with self._lock:
+            if m.origin.daemon_epoch != self._conn.daemon_epoch:
+                return  # the daemon restarted during the read: the lease went with it
             self._checks.remember_released(lease_id)
             session = self._conn.session
             if ring and lease_id not in self._claimed and _into_ring(session, lease, lease_id):

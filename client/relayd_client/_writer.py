@@ -31,7 +31,7 @@ from ._reports import Reports
 from ._routes import RouteKey, Routes
 from .wire.compact import Shape as CompactShape
 from .wire.dataref import KIND_DATA, VERSION, DataRef, compact_put
-from .wire.errors import DrainingError, InvalidArgumentError
+from .wire.errors import DaemonUnavailableError, DrainingError, InvalidArgumentError
 from .wire.names import check_request_id, check_stage
 from .wire.proto import relay_pb2 as pb
 from .wire.shm import SHM_POOL
@@ -574,9 +574,7 @@ class Writer:
             self.cancel_lease(lease)
             self._aborts.check(plan.request_id)
         grant = lease.grant
-        seg = self._conn.segments[grant.segment]
         gen = lease.id
-        seg.write_header(lease.slot, gen, total)
         # Most clients route no stage to another node: no look-up then.
         remote = self._routes.remote_stages
         push = bool(remote) and (transport == pb.TRANSPORT_SHM and plan.to_stage in remote)
@@ -584,7 +582,17 @@ class Writer:
         # when the notice arrives; a reader on the socket fallback reads through
         # the daemon, which serves it once the notice is in: neither may linger.
         now = push or transport == pb.TRANSPORT_SOCKET
-        self._notices.publish(lease, total, transport, ref=plan.is_ref, push=push, now=now)
+        conn = self._conn
+        with self._lock:  # a re-attach swaps the session and clears the leases under it
+            if conn.lost or self._grants.table.leases.get(lease.id) is not lease:
+                # The daemon went away during the copy: the lease died with it,
+                # and the new one's arena and session are not this lease's.
+                raise DaemonUnavailableError(
+                    "relayd went away while the put copied its payload; nothing was published"
+                )
+            seg = conn.segments[grant.segment]
+            seg.write_header(lease.slot, gen, total)
+            self._notices.publish(lease, total, transport, ref=plan.is_ref, push=push, now=now)
         offset = seg.slot_offset(lease.slot)
         shape = plan.compact
         # A push's DataRef is read by another node's daemon too: a message,

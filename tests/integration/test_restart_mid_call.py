@@ -1,0 +1,222 @@
+"""A daemon restart in the middle of a call: the call fails clearly.
+
+A put whose copy was under way when the daemon died must not seal its lease
+into the new daemon's arena nor hand out a DataRef for it; a call waiting for
+a re-attach that ``close()`` ends must fail as a closed client's call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import subprocess
+import sys
+import threading
+from typing import Any
+
+import pytest
+import torch
+from relayd_client import (
+    DaemonUnavailableError,
+    DataRef,
+    RelayClient,
+    SessionClosedError,
+    SyncRelayClient,
+)
+
+from tests._daemon import Daemon, async_wait_until, kill9
+
+pytestmark = pytest.mark.timeout(180)
+
+MiB = 1 << 20
+
+
+class _HeldCopy:
+    """Wraps a copy function of ``relayd_client._copies`` so that the first call
+    waits until the test lets it go."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+        import relayd_client._copies as copies
+
+        self.entered = threading.Event()
+        self.go = threading.Event()
+        real = getattr(copies, name)
+
+        def held(*args: Any, **kw: Any) -> Any:
+            if not self.entered.is_set():
+                self.entered.set()
+                assert self.go.wait(60), "the test never let the copy go"
+            return real(*args, **kw)
+
+        monkeypatch.setattr(copies, name, held)
+
+
+def _restart(d: Daemon, tmp_path: object) -> Daemon:
+    kill9(d.proc)  # type: ignore[arg-type]
+    return Daemon(str(tmp_path)).start()  # same socket
+
+
+def test_a_large_put_whose_copy_spans_a_restart_fails(
+    tmp_path: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    d = Daemon(str(tmp_path)).start()
+    held = _HeldCopy(monkeypatch, "run_copies")  # a put of 8 MiB or more copies on a worker
+    payload = {"x": torch.arange(4 * MiB, dtype=torch.int32)}  # 16 MiB
+
+    async def scenario() -> None:
+        nonlocal d
+        async with RelayClient("thinker", d.socket, timeout=20) as w:
+            put = asyncio.create_task(w.put(payload, to_stage="talker", request_id="r"))
+            assert await asyncio.to_thread(held.entered.wait, 30)
+            d = await asyncio.to_thread(_restart, d, tmp_path)
+            await w.status()  # re-attached to the new daemon
+            session = w.session_id
+            held.go.set()
+            with pytest.raises(DaemonUnavailableError):
+                await asyncio.wait_for(put, 30)
+            # The new session was left alone: no slot header of its arena
+            # written, no Publish for a lease it never heard of.
+            ref = await w.put({"y": torch.ones(4)}, to_stage="talker", request_id="s")
+            assert ref.fields.origin.daemon_epoch == d.epoch
+            assert w.session_id == session
+            assert "bad publish" not in d.log()
+
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), 120))
+    finally:
+        held.go.set()
+        d.stop()
+
+
+def test_a_blocking_put_whose_copy_spans_a_restart_fails(
+    tmp_path: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    d = Daemon(str(tmp_path)).start()
+    held = _HeldCopy(monkeypatch, "pack_at")  # the blocking put copies on its caller's thread
+    try:
+        with (
+            SyncRelayClient("thinker", d.socket, timeout=20) as w,
+            concurrent.futures.ThreadPoolExecutor(1) as pool,
+        ):
+            put = pool.submit(w.put, {"x": torch.ones(MiB)}, to_stage="talker", request_id="r")
+            assert held.entered.wait(30)
+            d = _restart(d, tmp_path)
+            w.status()  # re-attached to the new daemon
+            session = w.session_id
+            held.go.set()
+            with pytest.raises(DaemonUnavailableError):
+                put.result(30)
+            ref = w.put({"y": torch.ones(4)}, to_stage="talker", request_id="s")
+            assert ref.fields.origin.daemon_epoch == d.epoch
+            assert w.session_id == session
+            assert "bad publish" not in d.log()
+    finally:
+        held.go.set()
+        d.stop()
+
+
+def test_close_during_a_reattach_fails_the_waiting_call_as_closed(
+    tmp_path: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import relayd_client._connection
+
+    # Attempts far apart: the call below waits in the backoff when close() comes.
+    monkeypatch.setattr(relayd_client._connection, "RECONNECT_CALLER_DELAY", 60.0)
+    d = Daemon(str(tmp_path)).start()
+
+    async def scenario() -> None:
+        c = RelayClient("thinker", d.socket, timeout=30)
+        await c.open()
+        kill9(d.proc)  # type: ignore[arg-type]
+        await async_wait_until(lambda: c._conn.lost, 30, "the client to see the daemon go")
+        call = asyncio.create_task(c.status())
+        await async_wait_until(lambda: c._conn._reattach_waiters, 30, "the call to wait")
+        await c.close()
+        with pytest.raises(SessionClosedError):
+            await asyncio.wait_for(call, 30)
+
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), 120))
+    finally:
+        if d.running():
+            d.stop()
+
+
+def _relayd_mappings() -> int:
+    with open("/proc/self/maps") as f:
+        return sum("/dev/shm/relayd." in line for line in f)
+
+
+def test_restarts_in_a_row_leave_no_mappings_descriptors_or_threads_behind(
+    tmp_path: object,
+) -> None:
+    import os
+
+    d = Daemon(str(tmp_path)).start()
+    try:
+        with (
+            SyncRelayClient("thinker", d.socket, timeout=20) as w,
+            SyncRelayClient("talker", d.socket, timeout=20) as r,
+        ):
+            # One restart first: what the client starts once (an executor's
+            # worker per loop) is there before counting.
+            for i in range(5):
+                if i == 1:
+                    fds = len(os.listdir("/proc/self/fd"))
+                    maps = _relayd_mappings()
+                    threads = sorted(t.name for t in threading.enumerate())
+                d = _restart(d, tmp_path)
+                ref = w.put({"x": torch.full((MiB,), i)}, to_stage="talker", request_id=f"a{i}")
+                got = r.get(ref)
+                assert torch.equal(got["x"], torch.full((MiB,), i))
+                del got
+                assert w.daemon_epoch == r.daemon_epoch == d.epoch
+            assert _relayd_mappings() == maps
+            assert len(os.listdir("/proc/self/fd")) == fds
+            assert sorted(t.name for t in threading.enumerate()) == threads
+    finally:
+        d.stop()
+
+
+_WRITER = """
+import sys, torch
+from relayd_client import SyncRelayClient
+with SyncRelayClient("thinker", sys.argv[1], timeout=20) as w:
+    print(w.put({"x": torch.ones(1 << 20)}, to_stage="talker", request_id="r").to_bytes().hex())
+"""
+
+
+def _put_elsewhere(socket: str) -> str:
+    out = subprocess.run(
+        [sys.executable, "-c", _WRITER, socket], capture_output=True, timeout=60, check=True
+    )
+    return out.stdout.decode().strip()
+
+
+def test_a_blocking_get_whose_copy_spans_a_restart_frees_nothing_of_the_new_daemon(
+    tmp_path: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The get's lease died with the old daemon: its release must not reach the
+    new one, where the same lease id may name another writer's fresh put."""
+    d = Daemon(str(tmp_path)).start()
+    try:
+        # Written by another process: in this one, the put would be a local object.
+        ref = DataRef.from_bytes(bytes.fromhex(_put_elsewhere(d.socket)))
+        with (
+            SyncRelayClient("talker", d.socket, timeout=20) as r,
+            concurrent.futures.ThreadPoolExecutor(1) as pool,
+        ):
+            held = _HeldCopy(monkeypatch, "unpack_from")  # the blocking get copies here
+            get = pool.submit(r.get, ref)
+            assert held.entered.wait(30)
+            d = _restart(d, tmp_path)
+            r.status()  # re-attached to the new daemon
+            fresh = DataRef.from_bytes(bytes.fromhex(_put_elsewhere(d.socket)))
+            held.go.set()
+            with contextlib.suppress(DaemonUnavailableError):
+                get.result(30)
+            got = r.get(fresh)
+            assert torch.equal(got["x"], torch.ones(MiB))
+    finally:
+        d.stop()
