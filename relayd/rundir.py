@@ -121,6 +121,17 @@ def open_lock(path: str, uid: int | None = None) -> int:
     return fd
 
 
+def same_file(fd: int, path: str) -> bool:
+    """Whether ``path`` still names the file open as ``fd`` (a lock taken on a file
+    another process unlinked meanwhile guards nothing)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    own = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
+
+
 class SocketInUseError(RuntimeError):
     """Another live daemon serves on the requested socket."""
 
@@ -146,21 +157,35 @@ class SocketLock:
     def acquire(self) -> None:
         """Take the lock (``SocketInUseError`` if a live daemon holds it)."""
         prepare(os.path.dirname(self.socket), self.socket_mode)
-        fd = open_lock(self.socket + ".lock")
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            owner = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        path = self.socket + ".lock"
+        while True:
+            fd = open_lock(path)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                owner = os.pread(fd, 32, 0).decode(errors="replace").strip()
+                os.close(fd)
+                raise SocketInUseError(
+                    f"another relayd (pid {owner or '?'}) is serving on {self.socket}; stop it "
+                    "or pick another --socket"
+                ) from None
+            # A stopping owner unlinks the file before letting go of it: a lock
+            # taken on that unlinked file would leave the path free for a third.
+            if same_file(fd, path):
+                break
             os.close(fd)
-            raise SocketInUseError(
-                f"another relayd (pid {owner or '?'}) is serving on {self.socket}; stop it or "
-                "pick another --socket"
-            ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        # Ownership (and release()'s unlinking) only once both paths are ours
+        # to replace: a refused file stays for the operator to look at.
+        try:
+            for stale in (self.socket, self.session_socket):
+                check_leftover(stale)
+        except BaseException:
+            os.close(fd)
+            raise
         self._fd = fd
         for stale in (self.socket, self.session_socket):
-            check_leftover(stale)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(stale)
 
