@@ -22,6 +22,8 @@ from relayd_client.wire.paths import SHM_DIR
 from relayd_client.wire.shm import SHM_POOL, MappedSegment, segment_nslots
 from relayd_client.wire.slots import SlotAllocator
 
+from ..rundir import same_file
+
 log = logging.getLogger(__name__)
 
 PREFIX = "relayd."
@@ -113,8 +115,17 @@ class Arena:
         self.segments: list[MappedSegment] = []
         self.allocators: list[SlotAllocator] = []
         lock_path = os.path.join(SHM_DIR, f"{self.prefix}.lock")
-        self._lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
-        fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        while True:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+            # Created, then locked: in between, another daemon's sweep may take
+            # the file for a dead daemon's (holding it only while it unlinks)
+            # and unlink it. Segments made under a lock nobody can find would be
+            # swept by the next start, so a lock on an unlinked file is retaken.
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if same_file(fd, lock_path):
+                break
+            os.close(fd)
+        self._lock_fd = fd
         progress = total_bytes >= PROGRESS_FROM_BYTES
         count = -(-total_bytes // segment_bytes)
         if progress:
