@@ -308,7 +308,10 @@ class Daemon:
         if s.health_address:
             hs = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
             health_pb2_grpc.add_HealthServicer_to_server(self.health, hs)
-            hs.add_insecure_port(s.health_address)
+            # An empty host is every interface (preflight and the metrics port read
+            # it so too); gRPC refuses one that names no host.
+            host, _, health_port = s.health_address.rpartition(":")
+            hs.add_insecure_port(s.health_address if host else f"0.0.0.0:{health_port}")
             await hs.start()
             self._servers.append(hs)
         if s.metrics_address:
@@ -414,10 +417,13 @@ class Daemon:
         return self._grace
 
     def request_stop(self, *, grace: float | None = None) -> None:
+        """A Drain call. One on a daemon already draining changes nothing: its
+        reply reports the grace under way, and cutting it short is a second
+        signal's job, never a repeated (perhaps retried) call's."""
+        if self._stop.is_set():
+            return
         if grace is not None:
             self._grace = grace
-        if self._stop.is_set():
-            self._force.set()
         self._stop.set()
 
     def _install_signals(self) -> None:
