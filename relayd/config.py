@@ -22,7 +22,7 @@ from typing import Any
 
 from relayd_client.wire.framing import session_socket_path
 from relayd_client.wire.paths import SHM_DIR, default_socket_path
-from relayd_client.wire.shm import MAX_SLOT_SIZE
+from relayd_client.wire.shm import MAX_SLOT_SIZE, segment_nslots
 
 ENV_PREFIX = "RELAYD_"
 
@@ -279,6 +279,23 @@ class Settings:
     log_format: str = _field("text", metavar="text|json|logfmt", help="log line format")
     log_level: str = _field("info", metavar="LEVEL", help="debug, info, warning or error")
 
+    def _check_arena_layout(self) -> None:
+        """The arena cuts shm_pool_size into segments of up to shm_segment_size and
+        stops at a remainder under two slots: its first segment must hold a slot
+        with its header, or the daemon would start with nothing to grant."""
+        slot, pool, segment = self.slot_size, self.shm_pool_size, self.shm_segment_size
+        if pool >= 2 * slot and segment_nslots(min(pool, segment), slot) > 0:
+            return
+        name, size = (
+            ("shm_pool_size", pool)
+            if pool < 2 * slot or pool <= segment
+            else ("shm_segment_size", segment)
+        )
+        raise ConfigError(
+            f"{name} of {size} bytes holds no slot of {slot} bytes with its header; "
+            f"make it at least {2 * slot} or lower slot_size"
+        )
+
     def __post_init__(self) -> None:
         if (
             self.slot_size < 4096
@@ -289,8 +306,7 @@ class Settings:
                 f"slot_size must be a power of two from 4096 to {MAX_SLOT_SIZE}, "
                 f"got {self.slot_size}"
             )
-        if self.shm_pool_size < self.slot_size:
-            raise ConfigError("shm_pool_size must hold at least one slot")
+        self._check_arena_layout()
         if self.grant_size < self.slot_size:
             raise ConfigError("grant_size must be at least one slot")
         if self.loop not in ("auto", "asyncio", "uvloop"):

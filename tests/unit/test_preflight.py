@@ -113,7 +113,7 @@ def test_shm_needs_pool_plus_margin(tmp_path: pathlib.Path) -> None:
 def test_shm_measures_the_given_directory(tmp_path: pathlib.Path) -> None:
     st = os.statvfs(tmp_path)
     assert preflight.shm_free_bytes(str(tmp_path)) == st.f_bavail * st.f_frsize
-    small = make_settings(tmp_path, shm_pool_size=64 << 10)
+    small = make_settings(tmp_path, shm_pool_size=128 << 10)
     assert check_shm_space(small, shm_dir=str(tmp_path)) is None
 
 
@@ -388,7 +388,7 @@ def test_gpu_hook_runs_with_cuda(tmp_path: pathlib.Path) -> None:
 
 
 def test_check_all_passes(tmp_path: pathlib.Path) -> None:
-    settings = make_settings(tmp_path, shm_pool_size=64 << 10, metrics_address="127.0.0.1:0")
+    settings = make_settings(tmp_path, shm_pool_size=128 << 10, metrics_address="127.0.0.1:0")
     check_all(settings, cuda_available=False, shm_dir=str(tmp_path))
 
 
@@ -397,7 +397,7 @@ def test_check_all_reports_every_failure(tmp_path: pathlib.Path, listening: int)
     settings = make_settings(
         tmp_path,
         socket=str(tmp_path / "afile" / "s.sock"),
-        shm_pool_size=64 << 10,
+        shm_pool_size=128 << 10,
         health_address=f"127.0.0.1:{listening}",
         gpu_pool_size=MiB,
     )
