@@ -300,7 +300,7 @@ class LeaseManager:
         """:meth:`get_bytes`, once a Publish that may still be lingering on its
         writer's side has come (see :mod:`relayd.pools.publish_waits`)."""
         if self._publish_may_come(lease_id, generation):
-            await self.table.publish_waits.wait(lease_id)
+            await self.table.publish_waits.wait(lease_id, session.uid)
         return self.get_bytes(session, lease_id, generation, request_id)
 
     def _publish_may_come(self, lease_id: int, generation: int) -> bool:

@@ -11,6 +11,7 @@ grant of a live writer. Anything else is answered at once.
 from __future__ import annotations
 
 import asyncio
+import collections
 
 #: How long such a read waits: far beyond a writer's linger, so that only a
 #: writer that never publishes (or died) makes a read wait this long.
@@ -18,6 +19,11 @@ PUBLISH_WAIT_S = 1.0
 #: Reads waiting at once, over all sessions; beyond it a read is answered at
 #: once, so that no client can park an unbounded number of calls here.
 MAX_WAITING = 1024
+#: ... and from the sessions of one uid. A session may name any id of any live
+#: grant not announced yet, and one uid may hold half the daemon's sessions:
+#: without a share of its own one uid could keep every place taken, and every
+#: other reader's overtaking read would be answered at once, stale.
+MAX_WAITING_PER_UID = MAX_WAITING // 4
 
 
 class PublishWaits:
@@ -26,6 +32,7 @@ class PublishWaits:
     def __init__(self) -> None:
         self._waiting: dict[int, list[asyncio.Future[None]]] = {}
         self._count = 0  # the futures in _waiting, for the cap without a sum
+        self._per_uid: collections.Counter[int] = collections.Counter()
 
     def published(self, lease_id: int) -> None:
         futures = self._waiting.pop(lease_id, None)
@@ -35,14 +42,15 @@ class PublishWaits:
                 if not fut.done():
                     fut.set_result(None)
 
-    async def wait(self, lease_id: int) -> None:
+    async def wait(self, lease_id: int, uid: int) -> None:
         """Until ``lease_id`` is published or :data:`PUBLISH_WAIT_S` passes; the
-        caller looks at the lease again either way."""
-        if self._count >= MAX_WAITING:
+        caller (a session of ``uid``) looks at the lease again either way."""
+        if self._count >= MAX_WAITING or self._per_uid[uid] >= MAX_WAITING_PER_UID:
             return
         fut = asyncio.get_running_loop().create_future()
         self._waiting.setdefault(lease_id, []).append(fut)
         self._count += 1
+        self._per_uid[uid] += 1
         try:
             await asyncio.wait((fut,), timeout=PUBLISH_WAIT_S)
         finally:
@@ -52,7 +60,16 @@ class PublishWaits:
                 self._count -= 1
                 if not futures:
                     del self._waiting[lease_id]
+            left = self._per_uid[uid] - 1
+            if left:
+                self._per_uid[uid] = left
+            else:
+                del self._per_uid[uid]
 
     @property
     def waiting(self) -> int:
         return self._count
+
+    def from_uid(self, uid: int) -> int:
+        """Reads of ``uid``'s sessions waiting now."""
+        return self._per_uid[uid]
