@@ -190,6 +190,15 @@ class GrantQueue:
             # Served, then its session closed before this call resumed: the close
             # gave the run back, and it may be another session's grant by now.
             raise SessionClosedError("session closed while waiting")
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            # Cancelled in the turn it was served: before Python 3.12 wait_for
+            # answers that cancel with the result, which the caller (a gRPC call
+            # that ended) would hand to nobody, and the session could never give
+            # back a grant whose id it never learnt.
+            self.ungrant(grant)
+            self.wake()
+            raise asyncio.CancelledError
         self.hooks.reserve_wait(self.clock() - start)
         return grant
 
