@@ -25,6 +25,7 @@ from relayd_client.wire.errors import (
     PeerUnavailableError,
     PermissionDeniedError,
     RelayError,
+    StaleRefError,
 )
 from relayd_client.wire.framing import FREED_LINGER_MAX_BYTES
 from relayd_client.wire.proto import relay_pb2 as pb
@@ -39,8 +40,10 @@ from .pools.sessions import SessionState
 
 log = logging.getLogger(__name__)
 
-# Keys of leases landed and already read, and of pushes declined, remembered so
-# a second fetch of the same DataRef does not wait for a push that will not come.
+# Keys of leases landed and already read, of pushes declined, and of pushes whose
+# reader stopped waiting and pulled, remembered so a second fetch of the same
+# DataRef does not wait for a push that will not come, and a Landed notice that
+# comes after all is refused.
 REMEMBER = 1 << 14
 # Peer timeouts the free part of a grant given to a lost peer stays out of use.
 QUARANTINE_TIMEOUTS = 4
@@ -88,7 +91,8 @@ class PushLanding:
         self._attached: set[Key] = set()  # of those, the ones whose bytes came attached
         # Of those, the ones announced to their reader and not fetched: by peer address.
         self._announced: dict[Key, str] = {}
-        self._declined: collections.OrderedDict[Key, None] = collections.OrderedDict()
+        # True: landed here and read; a pull would read the DataRef a second time.
+        self._declined: collections.OrderedDict[Key, bool] = collections.OrderedDict()
         self._waiters: dict[Key, list[asyncio.Future[None]]] = {}
         self._waiting_for: dict[Key, str] = {}  # request id of each awaited push
         # Runs taken for attached bytes being read straight into them, by the
@@ -231,7 +235,7 @@ class PushLanding:
         refuse = ""
         req = self.parts.leases.requests.get(m.request_id)
         if key in self._landed or key in self._declined:
-            refuse = "landed twice"
+            refuse = "landed twice, or after its reader pulled it"
         elif len(m.request_id) > MAX_NAME or len(m.to_stage) > MAX_NAME:
             refuse = "names too long"
         elif m.to_stage not in self.parts.links.local_stages():
@@ -297,7 +301,7 @@ class PushLanding:
         address = self._announced.pop(key, None)
         if address is not None and lease.released:
             self.counts[address].reads_announced += 1
-        self._remember(key)
+        self._remember(key, read=lease.released or lease.state is LeaseState.CLAIMED)
         self._give_back(gin, lease.run)
 
     def _give_back(self, gin: GrantIn, run: Run) -> None:
@@ -317,8 +321,8 @@ class PushLanding:
             big = run.nslots * self.parts.arena.slot_size >= FREED_LINGER_MAX_BYTES
             self.parts.notifier.send(peer.address, urgent=big)
 
-    def _remember(self, key: Key) -> None:
-        self._declined[key] = None
+    def _remember(self, key: Key, *, read: bool = False) -> None:
+        self._declined[key] = read or self._declined.get(key, False)
         self._declined.move_to_end(key)
         while len(self._declined) > REMEMBER:
             self._declined.popitem(last=False)
@@ -359,6 +363,10 @@ class PushLanding:
                     if not waiters:
                         del self._waiters[key]
                         self._waiting_for.pop(key, None)
+            if key not in self._landed:
+                # This reader pulls: a Landed notice coming after all would publish a
+                # second copy of the DataRef, held for nobody until its TTL.
+                self._remember(key)
             req = self.parts.leases.requests.get(m.request_id)
             if req is not None and req.aborted:
                 raise AbortedError(f"request {m.request_id!r} was aborted")
@@ -380,9 +388,14 @@ class PushLanding:
         return self._taken(key, m, waited=False) if key in self._landed else None
 
     def _taken(self, key: Key, m: pb.DataRef, *, waited: bool) -> Lease | None:
-        """The landed lease of ``key`` for a reader of ``m``, counted as that read."""
+        """The landed lease of ``key`` for a reader of ``m``, counted as that read.
+        StaleRefError when a reader has it, or had it: the writer's lease may still
+        be published for a pull (an attached push not yet received), and a pull
+        would read the DataRef a second time."""
         lease = self._landed.get(key)
         if lease is None:
+            if self._declined.get(key, False):
+                raise StaleRefError("the DataRef's push landed on this node and was read")
             return None
         if self.parts.leases.leases.get(lease.id) is not lease:
             return None
@@ -391,7 +404,7 @@ class PushLanding:
                 "the DataRef does not match the lease its writer's daemon pushed here"
             )
         if lease.state is not LeaseState.PUBLISHED:
-            return None
+            raise StaleRefError("the DataRef's push landed on this node and is being read")
         self._announced.pop(key, None)  # read by this fetch: counted here
         peer = self.parts.links.by_node.get(key[0])
         if peer is not None:
