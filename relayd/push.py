@@ -15,10 +15,13 @@ The message flow (writer W on node A, reader R on node B)::
             a credit of B (none free: fall back), holds W's lease
     A -> B  Mooncake WRITE of the bytes into that run (B's engine applies it;
             TCP protocol v2 acks only then)
-    A       frees W's lease (the bytes are safe at B)
+    A       no longer holds W's lease, but keeps it published
     A -> B  Notify{landed: (lease id, generation, run, request, stages)}
     B       validates it and publishes a local lease over the run, keyed by
             (origin node, lease id, generation)
+    B -> A  Notify{received: the key} (lingering, off every path): A frees
+            W's lease; until then a Landed lost on the way (the notice
+            channel broke) leaves B's reader a lease to pull
     B -> R  LandedPush(key, local lease) on the session socket, when R's session
             alone serves the stage and no fetch of it waits: R's get reads the
             lease with no call (the slot header decides, as for any lease)
@@ -31,10 +34,9 @@ A push of at most ``--push-attach-max`` bytes skips the WRITE and its
 acknowledgement: on the peer's notice channel its bytes follow its Landed
 notice (``attached``), sent straight from W's run, and B reads them straight
 into the run the notice names once the checks that need no bytes passed
-(:meth:`PushManager._attach`, :meth:`PushLanding.place`). W's lease stays
-published until B says it published the bytes (``received``, off every path),
-so bytes lost on the way (B's daemon dies, the channel breaks) are pulled
-from it, as after a failed WRITE.
+(:meth:`PushManager._attach`, :meth:`PushLanding.place`). Here too W's lease
+stays published until B's ``received``, so bytes lost on the way (B's daemon
+dies, the channel breaks) are pulled from it, as after a failed WRITE.
 
 Nothing on the reader's path waits for a network round trip it started: the
 one wait (for the Landed notice) overlaps the DataRef's own trip. After a WRITE
@@ -73,7 +75,7 @@ from relayd_client.wire.slots import SlotAllocator
 
 from .peer_context import PeerParts
 from .peer_links import PeerState
-from .pools.records import Lease
+from .pools.records import Lease, LeaseState
 from .push_landing import REMEMBER, PushCounts, PushLanding
 from .transports.base import PullError, split_ops
 
@@ -275,13 +277,19 @@ class PushManager:
             manager.unhold(lease)
             self._decline(peer.address, lease)
             return
-        # Landed: the bytes are safe at the peer, W's lease goes now, and the peer
-        # is told (unless an abort or TTL freed the lease meanwhile).
-        if not manager.crossnode.free_pushed(lease):
+        # Landed: the bytes are at the peer, and nothing reads W's run any more.
+        # The peer is told (unless an abort or TTL freed the lease meanwhile), and
+        # W's lease stays published until it says it published the bytes, as
+        # after an attached push: a Landed notice lost with a broken channel
+        # then leaves the reader's daemon a lease to pull, not a stale ref.
+        live = manager.leases.get(lease.id) is lease and lease.state is LeaseState.PUBLISHED
+        manager.unhold(lease)
+        if not live:
+            manager.flush()
             out.alloc.free(start, lease.run.nslots)
             self._decline(peer.address, lease)
             return
-        self._landed(peer.address, lease)
+        self._await_receipt(peer.address, lease)
         self.parts.notifier.box(peer.address).landed.append(self._notice(out, lease, start))
         self.parts.notifier.send(peer.address)
 
@@ -311,12 +319,16 @@ class PushManager:
         if not sent:
             return False
         self.parts.leases.unhold(lease)
+        self._await_receipt(address, lease)
+        self.counts[address].attached += 1
+        return True
+
+    def _await_receipt(self, address: str, lease: Lease) -> None:
+        """W's pushed ``lease`` stays published until ``address`` says it has it."""
         unreceived = self._unreceived.setdefault(address, collections.OrderedDict())
         unreceived[lease.id, lease.generation] = lease
         while len(unreceived) > REMEMBER:  # a peer that never answers: those wait for a pull
             unreceived.popitem(last=False)
-        self.counts[address].attached += 1
-        return True
 
     def _received(self, address: str, keys: Sequence[pb.LeaseKey]) -> None:
         """``address`` published the bytes of these attached pushes: W's leases go,
@@ -430,19 +442,19 @@ class PushManager:
         data = iter(attached)
         for landed in n.landed:
             got = next(data, None) if landed.attached else None
-            if self.landing.on_landed(peer, landed, got) and got is not None:
+            if self.landing.on_landed(peer, landed, got):
                 self._receipt(peer.address, landed)
         return released
 
     def _receipt(self, address: str, landed: pb.PushLanded) -> None:
-        """Tell the writer's daemon an attached push is published here: lingering,
-        riding the next batch to that peer, unless the receipts pending for it
-        give back :data:`RECEIPT_LINGER_MAX_BYTES` (at most one frame of its own
-        per that many bytes pushed)."""
+        """Tell the writer's daemon a push is published here: lingering, riding
+        the next batch to that peer, unless the receipts pending for it give back
+        :data:`RECEIPT_LINGER_MAX_BYTES` (at most one frame of its own per that
+        many bytes pushed)."""
         self.parts.notifier.box(address).received.add(
             lease_id=landed.lease_id, generation=landed.generation
         )
-        self._receipt_bytes[address] += int(landed.attached)
+        self._receipt_bytes[address] += int(landed.length)
         notifier = self.parts.notifier
         notifier.send(address, urgent=False)
         if self._receipt_bytes[address] >= RECEIPT_LINGER_MAX_BYTES:

@@ -402,7 +402,8 @@ def test_a_push_lands_and_the_reader_gets_a_local_lease(tmp_path: pathlib.Path) 
             local = await b.peers.fetch(reader, ref, BOUND)
             assert _sha(b.read(local)) == _sha(data)
             assert a.transport.transfers == 1 and b.transport.transfers == 0  # no pull
-            assert not a.leases.leases  # freed on the writer's node once it landed
+            # Freed on the writer's node once the reader's daemon says it has it.
+            await until(lambda: not a.leases.leases, "the writer's lease freed")
             assert a.peers.push.counts[b.address].out == 1
             assert b.peers.push.counts[a.address].into == 1
             assert a.credits_out() == 0
