@@ -87,6 +87,26 @@ def wait_until(
         time.sleep(interval)
 
 
+def reap(pid: int, timeout: float, what: str) -> int:
+    """The exit code of child ``pid``, once it ends within ``timeout`` s (else it is
+    killed, and the wait fails with ``what``)."""
+    exit_code: list[int] = []
+
+    def reaped() -> bool:
+        child, status = os.waitpid(pid, os.WNOHANG)
+        if child:
+            exit_code.append(os.waitstatus_to_exitcode(status))
+        return bool(child)
+
+    try:
+        wait_until(reaped, timeout, what)
+    finally:
+        if not exit_code:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    return exit_code[0]
+
+
 async def async_wait_until(
     predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.01
 ) -> Any:

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from relayd_client import SessionClosedError, SyncRelayClient
 
-from tests._daemon import Daemon, kill9, running_daemon, wait_until
+from tests._daemon import Daemon, kill9, reap, running_daemon, wait_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -40,21 +40,7 @@ def _in_child(call: Callable[[], Any]) -> int:
                 os.write(2, f"the child's call raised {exc!r}\n".encode())
         finally:
             os._exit(code)
-    exit_code: list[int] = []
-
-    def reaped() -> bool:
-        child, status = os.waitpid(pid, os.WNOHANG)
-        if child:
-            exit_code.append(os.waitstatus_to_exitcode(status))
-        return bool(child)
-
-    try:
-        wait_until(reaped, 60, "the forked child to finish")
-    finally:
-        if not exit_code:
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
-    return exit_code[0]
+    return reap(pid, 60, "the forked child to finish")
 
 
 @pytest.mark.parametrize("name", list(CALLS))

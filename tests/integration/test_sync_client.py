@@ -25,7 +25,7 @@ from relayd_client import (
     Transport,
 )
 
-from tests._daemon import Daemon, kill9, running_daemon, wait_until
+from tests._daemon import Daemon, kill9, reap, running_daemon, wait_until
 from tests._daemon import drained as _drained
 from tests._fixtures import separate_processes
 from tests._workers import digest, make_payload
@@ -380,21 +380,7 @@ def test_a_forked_child_cannot_use_its_parents_session_and_the_parent_is_unharme
                         code = 6
                 finally:
                     os._exit(code)
-            exit_code: list[int] = []
-
-            def reaped() -> bool:
-                child, status = os.waitpid(pid, os.WNOHANG)
-                if child:
-                    exit_code.append(os.waitstatus_to_exitcode(status))
-                return bool(child)
-
-            try:
-                wait_until(reaped, 30, "the forked child to finish")
-            finally:
-                if not exit_code:
-                    os.kill(pid, 9)
-                    os.waitpid(pid, 0)
-            assert exit_code == [0]
+            assert reap(pid, 30, "the forked child to finish") == 0
             for i in range(20):  # the parent's session and grant are intact
                 more = make_payload(10 + i, MiB)
                 ref = w.put(more, to_stage="talker", request_id=f"after-{i}")
