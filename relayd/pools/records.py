@@ -82,19 +82,27 @@ class Grant:
     # One byte per slot of the run, set while a lease record covers it: no two
     # live leases of a grant may share a slot, or freeing both frees it twice.
     busy: bytearray = dataclasses.field(init=False, repr=False)
-    # The lease record covering each slot (None where none does), so that the
-    # leases a run overlaps are found without looking at every lease.
-    owner: list[Lease | None] = dataclasses.field(init=False, repr=False)
+    # Set at the first slot of each lease record, which ``starts`` maps to the
+    # record: the leases a run overlaps are found without looking at every
+    # lease, and marking costs the same at any lease size.
+    head: bytearray = dataclasses.field(init=False, repr=False)
+    starts: dict[int, Lease] = dataclasses.field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.busy = bytearray(self.run.nslots)
-        self.owner = [None] * self.run.nslots
+        self.head = bytearray(self.run.nslots)
+        self.starts = {}
 
     def mark(self, run: Run, lease: Lease | None) -> None:
         """``lease`` covers ``run``'s slots now (None: no lease does)."""
         first = run.slot - self.run.slot
-        self.busy[first : first + run.nslots] = bytes((lease is not None,)) * run.nslots
-        self.owner[first : first + run.nslots] = [lease] * run.nslots
+        covered = lease is not None
+        self.busy[first : first + run.nslots] = bytes((covered,)) * run.nslots
+        self.head[first] = covered
+        if lease is not None:
+            self.starts[first] = lease
+        else:
+            self.starts.pop(first, None)
 
     def is_free(self, slot: int, nslots: int) -> bool:
         first = slot - self.run.slot
@@ -102,14 +110,14 @@ class Grant:
 
     def overlapping(self, slot: int, nslots: int) -> list[Lease]:
         """The lease records covering any of ``nslots`` slots from ``slot``, in slot order."""
-        end = slot - self.run.slot + nslots
+        busy, head, base = self.busy, self.head, self.run.slot
+        end = slot - base + nslots
         found: list[Lease] = []
-        i = self.busy.find(1, slot - self.run.slot, end)
+        i = busy.find(1, slot - base, end)
         while i >= 0:
-            lease = self.owner[i]
-            assert lease is not None  # marked with busy
+            lease = self.starts[head.rfind(1, 0, i + 1)]  # the record whose run holds slot i
             found.append(lease)
-            i = self.busy.find(1, lease.run.slot - self.run.slot + lease.run.nslots, end)
+            i = busy.find(1, lease.run.slot - base + lease.run.nslots, end)
         return found
 
     def first_lease_id(self) -> int:
