@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
 import pytest
 import torch
 from relayd_client import RelayClient, StaleRefError, SyncRelayClient
 
+from tests._daemon import async_wait_until, running_daemon, wait_until
 from tests._daemon import drained as _drained
-from tests._daemon import running_daemon, wait_until
 from tests._fixtures import separate_processes
 
 __all__ = ["separate_processes"]  # the autouse fixture: clients here use the arena
@@ -51,7 +50,7 @@ def test_a_large_get_cancelled_during_its_copy_frees_its_lease(
             with pytest.raises(asyncio.CancelledError):
                 await get
             # The reader stays open: its session's end would free a claim anyway.
-            assert await _leases_settled(d) == (0, {})
+            await async_wait_until(lambda: _leases(d) == (0, {}), 10, "the claim released")
             with pytest.raises(StaleRefError):
                 await r.get(ref)
 
@@ -85,18 +84,15 @@ def test_a_large_blocking_get_whose_copy_fails_frees_its_lease(
                 r.get(ref)
             fail = False
             # The reader stays open: its session's end would free a claim anyway.
-            assert asyncio.run(_leases_settled(d)) == (0, {})
+            wait_until(
+                lambda: _leases(d) == (0, {}), 10, "the claim released", state=lambda: _leases(d)
+            )
             with pytest.raises(StaleRefError):
                 r.get(ref)
         wait_until(lambda: _drained(d), 10, "arena back to zero")
 
 
-async def _leases_settled(d: Any, timeout: float = 10.0) -> tuple[int, dict[str, Any]]:
-    """(used bytes, live leases by state) once nothing is in use, or as they are at ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        states = d.status().get("leases_by_state", {})
-        now = (d.pool().get("used_bytes", 0), {k: v for k, v in states.items() if v != "0"})
-        if now == (0, {}) or time.monotonic() > deadline:
-            return now
-        await asyncio.sleep(0.02)
+def _leases(d: Any) -> tuple[int, dict[str, Any]]:
+    """(used bytes, live leases by state) of the daemon now."""
+    states = d.status().get("leases_by_state", {})
+    return d.pool().get("used_bytes", 0), {k: v for k, v in states.items() if v != "0"}
