@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import os
 import secrets
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.integration.test_preflight_cli import EXIT_PREFLIGHT, REPO, TIMEOUT, child_env
+from tests.integration.test_preflight_cli import EXIT_PREFLIGHT, run
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -29,7 +28,7 @@ def test_an_arena_with_no_slot_is_refused_as_configuration(
 ) -> None:
     node = f"layout{secrets.token_hex(4)}"
     run_dir = tmp_path / "run"
-    cp = subprocess.run(
+    cp = run(
         [
             sys.executable,
             "-m",
@@ -41,12 +40,6 @@ def test_an_arena_with_no_slot_is_refused_as_configuration(
             node,
             *flags,
         ],
-        cwd=REPO,
-        env=child_env(),
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
     )
     assert cp.returncode == EXIT_PREFLIGHT, cp.stderr
     assert "Traceback" not in cp.stderr

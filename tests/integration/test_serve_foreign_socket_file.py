@@ -5,13 +5,12 @@ from __future__ import annotations
 import hashlib
 import os
 import secrets
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from relayd.launch import serve_argv
-from tests.integration.test_preflight_cli import EXIT_PREFLIGHT, REPO, TIMEOUT, child_env
+from tests.integration.test_preflight_cli import EXIT_PREFLIGHT, run
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -24,16 +23,10 @@ def test_a_refused_file_at_a_socket_path_is_left_as_it_was(tmp_path: Path, which
     content = secrets.token_bytes(4096)
     foreign.write_bytes(content)
     node = f"foreign{secrets.token_hex(4)}"
-    cp = subprocess.run(
+    cp = run(
         serve_argv(
             str(run_dir / "relayd.sock"), settings={"shm_pool_size": "64MiB", "node_id": node}
         ),
-        cwd=REPO,
-        env=child_env(),
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
     )
     assert cp.returncode == EXIT_PREFLIGHT, cp.stderr
     assert f"{foreign} is not a socket left by relayd" in cp.stderr
