@@ -9,9 +9,10 @@ lands; bounded in all, per lease and per session, and dropped after
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import enum
+
+from ..shares import Shares
 
 # In all, for one lease, and from one session for one lease (a reader sends a
 # claim and a release; two reads of one DataRef racing in one process, twice
@@ -51,7 +52,7 @@ class EarlyNotices:
     def __init__(self) -> None:
         self._by_lease: dict[int, list[Early]] = {}
         self._count = 0  # entries in all the lists
-        self._per_uid: collections.Counter[int] = collections.Counter()
+        self._per_uid: Shares[int] = Shares()
 
     def __bool__(self) -> bool:
         return bool(self._by_lease)
@@ -72,7 +73,7 @@ class EarlyNotices:
         held.append(early)
         self._count += 1
         if early.uid >= 0:
-            self._per_uid[early.uid] += 1
+            self._per_uid.add(early.uid)
         return True
 
     def _drop(self, lease_id: int) -> list[Early]:
@@ -80,11 +81,7 @@ class EarlyNotices:
         self._count -= len(early)
         for e in early:
             if e.uid >= 0:
-                left = self._per_uid[e.uid] - 1
-                if left:
-                    self._per_uid[e.uid] = left
-                else:
-                    del self._per_uid[e.uid]
+                self._per_uid.take(e.uid)
         return early
 
     def pop(self, lease_id: int) -> list[Early]:

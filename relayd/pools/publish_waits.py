@@ -11,7 +11,8 @@ grant of a live writer. Anything else is answered at once.
 from __future__ import annotations
 
 import asyncio
-import collections
+
+from ..shares import Shares
 
 #: How long such a read waits: far beyond a writer's linger, so that only a
 #: writer that never publishes (or died) makes a read wait this long.
@@ -32,7 +33,7 @@ class PublishWaits:
     def __init__(self) -> None:
         self._waiting: dict[int, list[asyncio.Future[None]]] = {}
         self._count = 0  # the futures in _waiting, for the cap without a sum
-        self._per_uid: collections.Counter[int] = collections.Counter()
+        self._per_uid: Shares[int] = Shares()
 
     def published(self, lease_id: int) -> None:
         futures = self._waiting.pop(lease_id, None)
@@ -50,7 +51,7 @@ class PublishWaits:
         fut = asyncio.get_running_loop().create_future()
         self._waiting.setdefault(lease_id, []).append(fut)
         self._count += 1
-        self._per_uid[uid] += 1
+        self._per_uid.add(uid)
         try:
             await asyncio.wait((fut,), timeout=PUBLISH_WAIT_S)
         finally:
@@ -60,11 +61,7 @@ class PublishWaits:
                 self._count -= 1
                 if not futures:
                     del self._waiting[lease_id]
-            left = self._per_uid[uid] - 1
-            if left:
-                self._per_uid[uid] = left
-            else:
-                del self._per_uid[uid]
+            self._per_uid.take(uid)
 
     @property
     def waiting(self) -> int:

@@ -8,25 +8,23 @@ further connections until one of its own closes; other uids keep their room.
 
 from __future__ import annotations
 
-import collections
+from ..shares import Shares
 
 
 class UidLimits:
     def __init__(self, per_uid: int) -> None:
         self.per_uid = per_uid
-        self._open: collections.Counter[int] = collections.Counter()
+        self._open: Shares[int] = Shares()
 
     def open(self, uid: int) -> bool:
         """Count a new connection of ``uid``; False (and not counted) if it is at its cap."""
         if self._open[uid] >= self.per_uid:
             return False
-        self._open[uid] += 1
+        self._open.add(uid)
         return True
 
     def close(self, uid: int) -> None:
-        self._open[uid] -= 1
-        if self._open[uid] <= 0:
-            del self._open[uid]
+        self._open.take(uid)
 
     def held(self, uid: int) -> int:
         return self._open[uid]
