@@ -75,7 +75,7 @@ from relayd_client.wire.slots import SlotAllocator
 
 from .peer_context import PeerParts
 from .peer_links import PeerState
-from .pools.records import Lease, LeaseState
+from .pools.records import Lease
 from .push_landing import REMEMBER, PushCounts, PushLanding
 from .transports.base import PullError, split_ops
 
@@ -282,7 +282,7 @@ class PushManager:
         # W's lease stays published until it says it published the bytes, as
         # after an attached push: a Landed notice lost with a broken channel
         # then leaves the reader's daemon a lease to pull, not a stale ref.
-        live = manager.leases.get(lease.id) is lease and lease.state is LeaseState.PUBLISHED
+        live = manager.crossnode.table.still_published(lease)
         manager.unhold(lease)
         if not live:
             manager.flush()

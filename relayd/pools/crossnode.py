@@ -129,7 +129,7 @@ class CrossNodeLeases:
         """The push of ``lease`` landed at the consumer's node: free it here, as its
         reader would. False when it had been freed meanwhile (abort, TTL)."""
         t = self.table
-        live = t.leases.get(lease.id) is lease and lease.state is LeaseState.PUBLISHED
+        live = t.still_published(lease)
         if live:
             t.free(lease, None)
         if t.unhold(lease) or live:  # the writer hears of its slots as after a release

@@ -496,6 +496,11 @@ class LeaseTable:
         """Send the Freed notices that are due (all of them while a grant waits)."""
         self.freed.flush(space_short=self.queue.space_short)
 
+    def still_published(self, lease: Lease) -> bool:
+        """``lease`` is still this table's, published: nothing (abort, TTL, drain, a
+        reader) freed it, and no newer lease took its id."""
+        return self.leases.get(lease.id) is lease and lease.state is LeaseState.PUBLISHED
+
     def hold(self, lease: Lease) -> None:
         """A push reads ``lease``'s slots: whatever frees the lease meanwhile (abort,
         TTL, drain, a reader) frees the record at once but the slots only at
