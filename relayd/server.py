@@ -221,7 +221,13 @@ class Daemon:
             on_stages=self.edges.attached,
         )
         self.keys = KeyIndex(max_stage_keys=s.max_stage_keys, ttl=s.lease_ttl)
-        self.keyed = KeyedCalls(s.node_id, self.epoch, leases=self.manager, keys=self.keys)
+        self.keyed = KeyedCalls(
+            s.node_id,
+            self.epoch,
+            leases=self.manager,
+            keys=self.keys,
+            served_here=self.topology.registry.served_here,
+        )
         self.fetcher = Fetcher(s.node_id, self.epoch, default_timeout=s.reserve_timeout)
         self.node_status = NodeStatus(
             node_id=s.node_id,

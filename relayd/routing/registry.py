@@ -163,6 +163,15 @@ class StageRegistry:
 
     # ------------------------------------------------------------ lookups
 
+    def served_here(self, stage: str) -> bool:
+        """Whether a data session of this node serves ``stage``: bound, and not an
+        operator's (the CLI's moves no data and is never registered)."""
+        return stage in self._by_stage
+
+    def local_stages(self) -> list[str]:
+        """The stages this node's data sessions serve, sorted (what peers are told)."""
+        return sorted(self._by_stage)
+
     def lookup(self, stage: str) -> Placement | None:
         """The placement to route to for ``stage``, or None if nobody serves it yet."""
         local = self._by_stage.get(stage)

@@ -2,7 +2,7 @@
 
 Sessions make these calls on the session socket (``KeyedPut``, ``KeyedTake``,
 ``DiscardCall``, answered in ``KeyedResult``); peers hand keyed DataRefs over
-with ``Peer.KeyedPut``. The index itself is :class:`relayself.keys.KeyIndex`.
+with ``Peer.KeyedPut``. The index itself is :class:`relayd.keys.KeyIndex`.
 
 Where a key goes: the daemon of the consumer stage's node holds the index.
 A keyed put is indexed here when the stage is served here, or by no node yet
@@ -20,6 +20,7 @@ reader would; a lease of another node is freed there through
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from relayd_client.wire.dataref import KIND_DATA, DataRef
@@ -61,11 +62,23 @@ class KeyedPeers(Protocol):
 
 
 class KeyedCalls:
-    def __init__(self, node_id: str, epoch: str, *, leases: LeaseManager, keys: KeyIndex) -> None:
+    def __init__(
+        self,
+        node_id: str,
+        epoch: str,
+        *,
+        leases: LeaseManager,
+        keys: KeyIndex,
+        served_here: Callable[[str], bool],
+    ) -> None:
         self.node_id = node_id
         self.epoch = epoch
         self.leases = leases
         self.keys = keys
+        # The registry's: only a bound data session reads keys. One not bound yet
+        # may never bind, and an operator's moves no data; counting either kept
+        # a put here that the stage's reader on a peer never saw.
+        self._served_here = served_here
         self.peers: KeyedPeers | None = None
         """Set once the peer layer runs (``--peer-address``)."""
 
@@ -125,9 +138,6 @@ class KeyedCalls:
         except NotFoundError:
             # It stopped serving the stage since its last heartbeat.
             self.keys.add(ref, key)
-
-    def _served_here(self, stage: str) -> bool:
-        return any(stage in s.stages for s in self.leases.sessions.values())
 
     def put_from_peer(self, node_id: str, key: str, data: bytes) -> None:
         """A peer's keyed put for a stage served here (the peer was authenticated)."""
