@@ -69,6 +69,7 @@ class Entry:
     request_id: str
     expires: float
     lease: LeaseKey | None  # None: nothing to free (inline, local_object, cuda_ipc_direct)
+    aborted: bool = False  # its request was aborted while a take held it
 
     @property
     def to_stage(self) -> str:
@@ -102,6 +103,9 @@ class KeyIndex:
         self._by_lease: dict[LeaseKey, Name] = {}
         self._gone: collections.OrderedDict[Name, Gone] = collections.OrderedDict()
         self._waiters: dict[Name, list[asyncio.Future[Entry]]] = {}
+        # Entries handed to a take that has not resumed yet: out of the index,
+        # but an abort must still reach them should the take hand them back.
+        self._handed: dict[Name, Entry] = {}
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -126,7 +130,7 @@ class KeyIndex:
         if waiter is not None:
             # A reader is waiting: the entry is read the moment it exists
             # (should that take end before it resumes, it hands the entry back).
-            waiter.set_result(entry)
+            self._hand(waiter, entry)
             self._bury(name, Gone.READ)
             return
         if self.per_stage[m.to_stage] >= self.max_stage_keys:
@@ -185,15 +189,18 @@ class KeyIndex:
                     waiting.remove(waiter)
                 if not waiting:
                     del self._waiters[name]
-            if (
-                not taken
-                and waiter.done()
-                and not waiter.cancelled()
-                and waiter.exception() is None
-            ):
-                # Handed a put in the turn this take ended (its deadline, its
-                # reader's connection): nobody read it, so the key stays.
-                self._hand_back(waiter.result())
+            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+                handed = waiter.result()
+                if self._handed.get(name) is handed:
+                    del self._handed[name]
+                if not taken:
+                    # Handed a put in the turn this take ended (its deadline, its
+                    # reader's connection): nobody read it, so the key stays.
+                    self._hand_back(handed)
+
+    def _hand(self, waiter: asyncio.Future[Entry], entry: Entry) -> None:
+        waiter.set_result(entry)
+        self._handed[entry.name] = entry
 
     def _hand_back(self, entry: Entry) -> None:
         """An entry handed to a take that never returned it: to the next waiting
@@ -201,9 +208,12 @@ class KeyIndex:
         name = entry.name
         if name in self.entries or self._gone.get(name) is not Gone.READ:
             return
+        if entry.aborted:
+            self._bury(name, Gone.ABORTED)
+            return
         waiter = self._first_waiter(name)
         if waiter is not None:
-            waiter.set_result(entry)
+            self._hand(waiter, entry)
             return
         self._store(entry)
 
@@ -226,14 +236,19 @@ class KeyIndex:
 
     def abort(self, request_id: str, stages: Collection[str] | None = None) -> int:
         """Drop the entries of ``request_id`` (only those to or from ``stages``, if given)."""
-        doomed = [
-            e
-            for e in self.entries.values()
-            if e.request_id == request_id
-            and (stages is None or e.to_stage in stages or e.from_stage in stages)
-        ]
+
+        def of_request(e: Entry) -> bool:
+            return e.request_id == request_id and (
+                stages is None or e.to_stage in stages or e.from_stage in stages
+            )
+
+        doomed = [e for e in self.entries.values() if of_request(e)]
         for entry in doomed:
             self._drop(entry, Gone.ABORTED)
+        # A take holds these: read, they stay read; handed back, they go.
+        for entry in self._handed.values():
+            if of_request(entry):
+                entry.aborted = True
         return len(doomed)
 
     def discarded(self, lease: LeaseKey) -> None:
