@@ -113,7 +113,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         return rc
-    except (SocketInUseError, UnsafeRuntimeDirError) as exc:
+    except (SocketInUseError, UnsafeRuntimeDirError, preflight.PreflightError) as exc:
+        # PreflightError: a port taken between preflight and the bind.
         print(f"relayd: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     except RelayError as exc:  # peer settings, Mooncake start-up: the message says what to fix

@@ -16,6 +16,7 @@ import os
 import secrets
 import signal
 import time
+from collections.abc import Iterator
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -23,7 +24,7 @@ from relayd_client.wire.dataref import MAX_REF_BYTES
 from relayd_client.wire.framing import NOTICE_LINGER_S
 from relayd_client.wire.proto import relay_pb2_grpc as pb_grpc
 
-from . import __version__, rundir
+from . import __version__, preflight, rundir
 from ._systemd import SystemdNotifier
 from .config import Settings
 from .counts import ReclaimCounts, TransferCounts
@@ -95,6 +96,19 @@ def grpc_server_options(settings: Settings, arena: Arena) -> list[tuple[str, int
         ("grpc.keepalive_time_ms", GRPC_KEEPALIVE_MS),
         ("grpc.keepalive_timeout_ms", GRPC_KEEPALIVE_TIMEOUT_MS),
     ]
+
+
+@contextlib.contextmanager
+def binding(setting: str, address: str) -> Iterator[None]:
+    """Bind the server of ``setting``: a port taken since preflight probed it fails
+    as preflight fails (:class:`~relayd.preflight.PreflightError`), not as a traceback."""
+    try:
+        yield
+    except (OSError, RuntimeError) as exc:  # RuntimeError: gRPC's "Failed to bind"
+        failure = preflight.check_tcp_address(setting, address)
+        if failure is None:  # the port binds now: the failure was something else
+            raise
+        raise preflight.PreflightError([failure]) from exc
 
 
 class Daemon:
@@ -317,11 +331,13 @@ class Daemon:
             # An empty host is every interface (preflight and the metrics port read
             # it so too); gRPC refuses one that names no host.
             host, _, health_port = s.health_address.rpartition(":")
-            hs.add_insecure_port(s.health_address if host else f"0.0.0.0:{health_port}")
+            with binding("health_address", s.health_address):
+                hs.add_insecure_port(s.health_address if host else f"0.0.0.0:{health_port}")
             await hs.start()
             self._servers.append(hs)
         if s.metrics_address:
-            port = m.serve(s.metrics_address)
+            with binding("metrics_address", s.metrics_address):
+                port = m.serve(s.metrics_address)
             log.info("metrics on %s (port %d)", s.metrics_address, port)
 
     async def _start_peers(self) -> None:
@@ -347,7 +363,10 @@ class Daemon:
             # The parts that reach a peer learn of it before it serves anyone.
             self.keyed.peers = self.fetcher.peers = self.peers
             self.service.peers = self.node_status.peers = self.peers
-            await self.peers.start()
+            # Nothing in start() raises after the peer port is bound: a port the probe
+            # finds taken is one the bind found taken.
+            with binding("peer_address", s.peer_address):
+                await self.peers.start()
 
     async def main_loop(self) -> None:
         interval = HOUSEKEEPING_INTERVAL
