@@ -39,6 +39,8 @@ from relayd_client.wire.errors import (
 )
 from relayd_client.wire.transport import Transport
 
+from .shares import Shares
+
 log = logging.getLogger(__name__)
 
 # What became of keys that are gone, remembered per index (oldest forgotten first).
@@ -98,7 +100,7 @@ class KeyIndex:
         self.ttl = ttl
         self.clock = clock
         self.entries: dict[Name, Entry] = {}
-        self.per_stage: collections.Counter[str] = collections.Counter()
+        self.per_stage: Shares[str] = Shares()
         self.nbytes = 0
         self._by_lease: dict[LeaseKey, Name] = {}
         self._gone: collections.OrderedDict[Name, Gone] = collections.OrderedDict()
@@ -147,7 +149,7 @@ class KeyIndex:
     def _store(self, entry: Entry) -> None:
         name = entry.name
         self.entries[name] = entry
-        self.per_stage[entry.to_stage] += 1
+        self.per_stage.add(entry.to_stage)
         self.nbytes += len(entry.wire)
         if entry.lease is not None:
             self._by_lease[entry.lease] = name
@@ -271,9 +273,7 @@ class KeyIndex:
 
     def _drop(self, entry: Entry, why: Gone) -> None:
         del self.entries[entry.name]
-        self.per_stage[entry.to_stage] -= 1
-        if self.per_stage[entry.to_stage] <= 0:
-            del self.per_stage[entry.to_stage]
+        self.per_stage.take(entry.to_stage)
         self.nbytes -= len(entry.wire)
         if entry.lease is not None:
             self._by_lease.pop(entry.lease, None)

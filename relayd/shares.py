@@ -28,6 +28,9 @@ class Shares(Generic[K]):
         """Holders with a share now."""
         return len(self._held)
 
+    def as_dict(self) -> dict[K, int]:
+        return dict(self._held)
+
     def add(self, holder: K, n: int = 1) -> None:
         self._held[holder] = self._held.get(holder, 0) + n
 

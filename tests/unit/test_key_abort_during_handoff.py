@@ -56,7 +56,7 @@ def test_an_abort_in_the_turn_of_a_hand_back_keeps_the_key_gone(transport: str) 
         gone_reader.cancel()  # its connection ended in the same turn
         with pytest.raises(asyncio.CancelledError):
             await gone_reader
-        assert (len(keys), keys.nbytes, dict(keys.per_stage)) == (0, 0, {})
+        assert (len(keys), keys.nbytes, keys.per_stage.as_dict()) == (0, 0, {})
         keys.reap(lambda lease: True)  # the sweep: nothing of it is there to expire
         with pytest.raises(AbortedError):
             await keys.take(NAME, 0)

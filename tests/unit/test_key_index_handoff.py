@@ -53,7 +53,7 @@ def test_a_key_handed_to_a_take_cancelled_in_the_same_turn_stays_unread() -> Non
             await gone_reader
         assert len(keys) == 1 and keys.nbytes == len(ref.to_bytes())
         assert await keys.take(NAME, 0) == ref.to_bytes()
-        assert (len(keys), keys.nbytes, dict(keys.per_stage)) == (0, 0, {})
+        assert (len(keys), keys.nbytes, keys.per_stage.as_dict()) == (0, 0, {})
 
     _run(scenario())
 
@@ -70,7 +70,7 @@ def test_a_key_handed_back_is_discarded_by_its_lease() -> None:
         with pytest.raises(asyncio.CancelledError):
             await gone_reader
         keys.discarded(("n", LEASE_ID))
-        assert (len(keys), keys.nbytes, dict(keys.per_stage)) == (0, 0, {})
+        assert (len(keys), keys.nbytes, keys.per_stage.as_dict()) == (0, 0, {})
         with pytest.raises(StaleRefError):
             await keys.take(NAME, 0)
 
@@ -86,7 +86,7 @@ def test_a_key_handed_to_a_live_take_is_read_once() -> None:
         await asyncio.sleep(0)
         keys.add(ref, "k")
         assert await reader == ref.to_bytes()
-        assert (len(keys), keys.nbytes, dict(keys.per_stage)) == (0, 0, {})
+        assert (len(keys), keys.nbytes, keys.per_stage.as_dict()) == (0, 0, {})
         with pytest.raises(StaleRefError):
             await keys.take(NAME, 0)
 
@@ -116,7 +116,7 @@ def test_a_key_handed_to_a_take_whose_deadline_passes_in_the_same_turn_stays_unr
         with pytest.raises(RelayTimeoutError):
             await late_reader
         assert await keys.take(NAME, 0) == ref.to_bytes()
-        assert (len(keys), keys.nbytes, dict(keys.per_stage)) == (0, 0, {})
+        assert (len(keys), keys.nbytes, keys.per_stage.as_dict()) == (0, 0, {})
 
     try:
         loop.run_until_complete(scenario())
