@@ -12,7 +12,8 @@ Peers are named by their Peer-service address ``host:port`` (metrics label
 (a Kubernetes headless service); they are re-resolved every
 ``RESOLVE_INTERVAL`` seconds, and our own address and node id are skipped.
 A daemon that dials us is dialled back, so one side listing the other is
-enough.
+enough. Both ends of a Peer connection ping it once it is silent, and drop it
+when a ping goes unanswered (:data:`KEEPALIVE_MIN_S`).
 
 Authentication: every Peer call carries the token from ``--peer-token-file``
 in the ``relayd-peer-token-bin`` metadata, compared in constant time. The link
@@ -55,6 +56,15 @@ TOKEN_KEY = "relayd-peer-token-bin"
 RESOLVE_INTERVAL = 10.0
 _REFUSED_BACKOFF = 5.0
 _MAX_BACKOFF = 1.0
+# Either end of a Peer connection that has read nothing on it for keepalive_ms pings
+# the other, and drops the connection when the ping is not answered within
+# keepalive_ms more. Else a peer that vanished (its host gone: no FIN, no RST), or
+# a middlebox that forgot the connection, would hold it, and the server's end of
+# its Notify stream, for over two hours (gRPC's default): that end sends nothing,
+# so TCP has nothing to retransmit and never gives up. keepalive_ms is the peer
+# timeout, at least KEEPALIVE_MIN_S; a live peer's heartbeats (several a peer
+# timeout) leave the pings unsent.
+KEEPALIVE_MIN_S = 1.0
 
 
 class PeerConfigError(RelayError):
@@ -99,6 +109,45 @@ def _resolve(entry: str) -> list[str]:
     host, port = split_address(entry)
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     return sorted({_join(str(info[4][0]), port) for info in infos})
+
+
+def keepalive_ms(peer_timeout: float) -> int:
+    """How long a Peer connection may be silent before a ping, and its answer take."""
+    return round(max(peer_timeout, KEEPALIVE_MIN_S) * 1000)
+
+
+def _keepalive(peer_timeout: float) -> list[tuple[str, int]]:
+    ms = keepalive_ms(peer_timeout)
+    return [
+        ("grpc.keepalive_time_ms", ms),
+        ("grpc.keepalive_timeout_ms", ms),
+        # How long gRPC waits for any ping's answer: keepalive_timeout_ms alone
+        # leaves a keepalive ping's at a minute (grpcio 1.85).
+        ("grpc.http2.ping_timeout_ms", ms),
+        # The connection may be dead between calls too (a heartbeat is one)...
+        ("grpc.keepalive_permit_without_calls", 1),
+        # ... and while its calls send nothing (an idle Notify stream).
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
+def channel_options(peer_timeout: float) -> list[tuple[str, int]]:
+    """A channel to a peer's Peer service: no retries (a call that failed tells of
+    the peer), keepalive pings (see :data:`KEEPALIVE_MIN_S`)."""
+    return [("grpc.enable_retries", 0), *_keepalive(peer_timeout)]
+
+
+def server_options(peer_timeout: float) -> list[tuple[str, int]]:
+    """The Peer service's server: it pings its peers as their channels ping it, and
+    takes their pings. By default a server counts a ping less than 5 minutes after
+    the last one (while it sent no data) as abuse, and ends the connection at the
+    third (GOAWAY too_many_pings); a peer's channel pings every keepalive_ms, and
+    its timer may fire a little early."""
+    return [
+        ("grpc.so_reuseport", 0),
+        *_keepalive(peer_timeout),
+        ("grpc.http2.min_ping_interval_without_data_ms", keepalive_ms(peer_timeout) // 2),
+    ]
 
 
 @dataclasses.dataclass(eq=False)
@@ -320,7 +369,8 @@ class PeerLinks:
 
     async def _peer_loop(self, peer: PeerState) -> None:
         backoff = 0.1
-        peer.channel = grpc.aio.insecure_channel(peer.address, options=[("grpc.enable_retries", 0)])
+        options = channel_options(self.settings.peer_timeout)
+        peer.channel = grpc.aio.insecure_channel(peer.address, options=options)
         peer.stub = pb_grpc.PeerStub(peer.channel)
         while not self._closed:
             delay = self.heartbeat_interval
@@ -446,5 +496,8 @@ __all__ = [
     "PeerConfigError",
     "PeerLinks",
     "PeerState",
+    "channel_options",
+    "keepalive_ms",
     "load_token",
+    "server_options",
 ]

@@ -35,7 +35,7 @@ from relayd_client.wire.version import PROTOCOL_VERSION
 
 from .peer_channel import NO_CHANNEL, NoticeListener
 from .peer_context import PeerHooks, PeerLeases, PeerParts
-from .peer_links import PeerLinks, PeerState, split_address
+from .peer_links import PeerLinks, PeerState, server_options, split_address
 from .peer_notices import PeerNotifier
 from .pools.sessions import Session
 from .pull import Puller
@@ -114,7 +114,7 @@ class PeerManager:
             base = segment_address(seg.mm)
             await self.transport.register(MemoryRegion(seg.name, base, seg.size))
             self.parts.local_bases.append(base)
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        server = grpc.aio.server(options=server_options(self.settings.peer_timeout))
         pb_grpc.add_PeerServicer_to_server(
             PeerService(links=self.links, leases=self.leases, hooks=self.hooks, push=self.push),
             server,
