@@ -14,6 +14,11 @@ Under load that batches like the session's notices; idle, a notice leaves at
 the end of the loop turn that made it. Frees, releases and receipts may
 linger (``linger``), since nothing waits for them.
 
+A batch that grew past its usual size (its peer's write was slow, up to the
+peer timeout) goes as several messages, in order, each at most
+:data:`MAX_BATCH` notices and about :data:`MAX_MESSAGE_BYTES`: one message
+over gRPC's 4 MiB (or a channel frame's ``MAX_FRAME``) would be refused whole.
+
 A write that fails is dropped, not retried, and the stream is opened anew for
 the next batch: the peer is gone or cut off, and each kind has its fallback
 there (a reader waiting for a push ends at the peer timeout or the peer's
@@ -36,8 +41,17 @@ from .peer_links import PeerLinks, PeerState, split_address
 
 log = logging.getLogger(__name__)
 
-# A batch goes early once it holds this many notices.
+# A batch goes early once it holds this many notices, and a message carries no more.
 MAX_BATCH = 512
+# What one message carries at most (encoded), but for a single notice larger than
+# this: well under gRPC's default 4 MiB a message and the channel's MAX_FRAME.
+MAX_MESSAGE_BYTES = 1 << 20
+# A notice's bytes in a message besides its own: its field's tag and its length.
+_NOTICE_FRAMING = 6
+# The kinds of notices in the order the receiver handles a batch's
+# (``PushManager.on_notices``): the messages a batch is cut into, handled one
+# after the other, do what it would.
+_KINDS = ("released", "freed", "declined", "received", "landed")
 # Unsent bytes on a peer's notice channel past which a push no longer rides it
 # (it goes as a Mooncake WRITE): below the backlog that drops the channel
 # (MAX_BUFFERED), leaving room for the notices queued behind it.
@@ -48,6 +62,30 @@ ATTACH_BACKLOG_MAX = 24 << 20
 # failure, up to CHANNEL_RETRY_MAX_S (a firewalled port costs a try a minute).
 CHANNEL_RETRY_S = 1.0
 CHANNEL_RETRY_MAX_S = 60.0
+
+
+def _count(batch: pb.PeerNotices) -> int:
+    return sum(len(getattr(batch, kind)) for kind in _KINDS)
+
+
+def split(batch: pb.PeerNotices) -> list[pb.PeerNotices]:
+    """``batch``'s notices, in its kinds' and their order, as messages of at most
+    :data:`MAX_BATCH` notices and :data:`MAX_MESSAGE_BYTES` bytes (a notice larger
+    than that goes alone); ``batch`` itself when it is within both."""
+    if _count(batch) <= MAX_BATCH and batch.ByteSize() <= MAX_MESSAGE_BYTES:
+        return [batch]
+    messages = [pb.PeerNotices()]
+    count = size = 0
+    for kind in _KINDS:
+        for notice in getattr(batch, kind):
+            cost = notice.ByteSize() + _NOTICE_FRAMING
+            if count and (count == MAX_BATCH or size + cost > MAX_MESSAGE_BYTES):
+                messages.append(pb.PeerNotices())
+                count = size = 0
+            getattr(messages[-1], kind).append(notice)
+            count += 1
+            size += cost
+    return messages
 
 
 @dataclasses.dataclass(eq=False)
@@ -237,26 +275,33 @@ class PeerNotifier:
         if not ob.count:
             return
         batch, ob.pending, ob.count = ob.pending, pb.PeerNotices(), 0
-        self._stamped(batch)
+        messages = [self._stamped(message) for message in split(batch)]
         link = self._channels.get(address)
         if link is not None:
-            if link.send(batch):
+            for i, message in enumerate(messages):
+                if not link.send(message):
+                    self._channel_closed(address)
+                    messages = messages[i:]  # this one and the rest ride the Peer service
+                    break
                 self._channel_sent(address)
+            else:
                 return
-            self._channel_closed(address)
         ob.busy = True
-        task = asyncio.get_running_loop().create_task(self._write(address, ob, batch))
+        task = asyncio.get_running_loop().create_task(self._write(address, ob, messages))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _write(self, address: str, ob: _Outbox, batch: pb.PeerNotices) -> None:
+    async def _write(self, address: str, ob: _Outbox, messages: list[pb.PeerNotices]) -> None:
+        sent = 0
         try:
             if ob.call is None or ob.call.done():
                 stub = self._links.stub_for(address)
                 if stub is None:
                     return
                 ob.call = stub.Notify(metadata=self._links.metadata())
-            await asyncio.wait_for(ob.call.write(batch), self._links.settings.peer_timeout)
+            for message in messages:
+                await asyncio.wait_for(ob.call.write(message), self._links.settings.peer_timeout)
+                sent += 1
         except (grpc.RpcError, asyncio.InvalidStateError, TimeoutError) as exc:
             call, ob.call = ob.call, None
             if call is not None:
@@ -264,7 +309,7 @@ class PeerNotifier:
             why = from_rpc_error(exc).message if isinstance(exc, grpc.RpcError) else repr(exc)
             log.warning(
                 "%d notice(s) to peer %s lost: %s",
-                len(batch.landed) + len(batch.declined) + len(batch.freed) + len(batch.released),
+                sum(_count(message) for message in messages[sent:]),
                 address,
                 why,
             )
@@ -274,4 +319,4 @@ class PeerNotifier:
                 self._start(address, ob)
 
 
-__all__ = ["ATTACH_BACKLOG_MAX", "MAX_BATCH", "PeerNotifier"]
+__all__ = ["ATTACH_BACKLOG_MAX", "MAX_BATCH", "MAX_MESSAGE_BYTES", "PeerNotifier", "split"]
