@@ -49,8 +49,12 @@ class PeerLeases(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class PeerHooks:
-    """What the peer layer tells the rest of the daemon."""
+    """What the peer layer tells, and asks of, the rest of the daemon."""
 
+    local_stages: Callable[[], list[str]] = lambda: []
+    """The stages this node's data sessions serve, sorted: the registry's, which
+    holds bound sessions only, and no operator's (what peers are told, and the
+    stages a peer may push to)."""
     peer_stages: Callable[[str, Iterable[str] | None], None] = lambda node, stages: None
     """A peer node serves these stages (None: it is gone): the registry's."""
     pull_seconds: Callable[[float], None] = lambda seconds: None

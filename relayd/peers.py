@@ -174,7 +174,7 @@ class PeerManager:
     # -- who we are -------------------------------------------------------------------
 
     def local_stages(self) -> list[str]:
-        return sorted({st for s in self.leases.sessions.values() for st in s.stages})
+        return self.hooks.local_stages()
 
     def hello(self) -> pb.PeerHello:
         arena = self.parts.arena

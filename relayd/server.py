@@ -354,6 +354,7 @@ class Daemon:
                 arena=self.arena,
                 leases=self.manager,
                 hooks=PeerHooks(
+                    local_stages=self.topology.registry.local_stages,
                     peer_stages=self.topology.peer_stages,
                     pull_seconds=m.pull_seconds.observe,
                     keyed_from_peer=self.keyed.put_from_peer,

@@ -32,6 +32,7 @@ from relayd.pools.arena import Arena, Run
 from relayd.pools.leases import LeaseManager
 from relayd.pools.sessions import Session
 from relayd.push_landing import QUARANTINE_TIMEOUTS
+from relayd.routing.topology import Topology
 from relayd.rpc.frames import frame_sink
 from relayd.transports.base import PullTimeoutError
 from relayd.transports.loopback import Loopback, LoopbackTransport
@@ -82,6 +83,9 @@ class Node:
             self.arena, grant_bytes=8 * SLOT, lease_ttl=30.0, stage_quota_bytes=48 * SLOT,
             max_sessions=8,
         )  # fmt: skip
+        # Who serves what here, as the daemon keeps it: a data session is placed
+        # when it binds (session()); one never bound, or an operator's, is not.
+        self.topology = Topology(self.settings.node_id, self.arena, self.leases.session_table)
         self.transport: LoopbackTransport = loopback.transport()
         self.stage_events: list[tuple[str, tuple[str, ...] | None]] = []
         self.pulls: list[float] = []
@@ -90,7 +94,11 @@ class Node:
             epoch=self.epoch,
             arena=self.arena,
             leases=self.leases,
-            hooks=PeerHooks(peer_stages=self._stages, pull_seconds=self.pulls.append),
+            hooks=PeerHooks(
+                local_stages=self.topology.registry.local_stages,
+                peer_stages=self._stages,
+                pull_seconds=self.pulls.append,
+            ),
             transport=self.transport,
         )
         self.frames: list[pb.SessionFrame] = []
@@ -98,11 +106,16 @@ class Node:
     def _stages(self, node: str, stages: Iterable[str] | None) -> None:
         self.stage_events.append((node, None if stages is None else tuple(stages)))
 
-    def session(self, stage: str) -> Session:
+    def session(self, stage: str, *, placed: bool = True) -> Session:
+        """A bound session of ``stage``; ``placed=False``: bound but never placed, as
+        an operator's (the CLI's) is."""
         s = self.leases.open_session(pid=os.getpid(), stages=[stage])
-        return self.leases.bind(
+        s = self.leases.bind(
             s.id, s.token, frame_sink(self.frames.append), pid=os.getpid(), uid=0, gid=0
         )
+        if placed:
+            self.topology.bound(s, self.topology.nonce, os.getpid())
+        return s
 
     async def put(
         self, writer: Session, data: bytes, *, push: bool = False, request_id: str = "r1"
@@ -219,6 +232,26 @@ def test_handshake_both_ways_learns_identity_geometry_and_stages(tmp_path: pathl
             [status] = a.peers.status()
             assert status.up and status.node_id == b.settings.node_id
             assert list(status.stages) == [READER]
+            del reader
+
+    run(main())
+
+
+def test_peers_hear_only_the_stages_of_placed_data_sessions(tmp_path: pathlib.Path) -> None:
+    """A session never bound may never bind, and an operator's (the CLI's) reads
+    nothing: told to peers, either drew their pushes of that stage here, to land
+    for no reader."""
+
+    async def main() -> None:
+        async with two_nodes(tmp_path) as (a, b):
+            b.leases.open_session(pid=os.getpid(), stages=["never-bound"])
+            b.session("relayd-cli", placed=False)
+            reader = b.session(READER)
+            await until(lambda: a.peers.serving(READER) is not None, "A to hear B's stages")
+            [status] = a.peers.status()
+            assert list(status.stages) == [READER]
+            assert a.peers.serving("never-bound") is None
+            assert a.peers.serving("relayd-cli") is None
             del reader
 
     run(main())
