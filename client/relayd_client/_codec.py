@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import pickle
 import struct
+import sys
 
 from relayd_client._header_tree import RefSlot, TensorSlot
 from relayd_client.wire.errors import UnsafePayloadError
@@ -53,6 +54,7 @@ from relayd_client.wire.errors import UnsafePayloadError
 __all__ = [
     "FORMAT_MAGIC",
     "MAX_DEPTH",
+    "MAX_SHARED_HASH",
     "encode",
     "encode_pickle",
     "type_name",
@@ -65,6 +67,14 @@ FORMAT_MAGIC = 0xB1
 # The encoder refuses deeper nesting (and so self-containing payloads), and it
 # is the decoder's default bound, so whatever encode() writes decode() reads.
 MAX_DEPTH = 64
+# Keys of one dict that may share a hash. Only str and bytes hashes are
+# randomized per process; a writer can pick any number of ints, floats or
+# tuples with one hash (i * (2**61 - 1) for ints), and a dict of n of them
+# costs n**2 / 2 comparisons to build: minutes for one 4 MiB header. Honest
+# keys rarely share a hash at all (-1 and -2 do). The decoder refuses more,
+# so the encoder does too: a put fails, not its reader.
+MAX_SHARED_HASH = 16
+_HASH_MODULUS = sys.hash_info.modulus
 
 _NONE = 0x4E  # 'N'
 _FALSE = 0x46  # 'F'
@@ -165,6 +175,7 @@ def _encode_value(obj: object, out: bytearray, depth: int) -> None:
         n = len(d)
         out += _SHORT_DICT[n] if n < 0x80 else _head(_DICT, n)
         depth += 1
+        others = 0  # keys other than str: only those can share a hash too often
         for key, value in d.items():
             if type(key) is str:  # inlined: nearly every key is a short str
                 b = key.encode("utf-8", "surrogatepass")
@@ -174,8 +185,17 @@ def _encode_value(obj: object, out: bytearray, depth: int) -> None:
                 else:
                     _encode_value(key, out, depth)
             else:
+                others += 1
                 _encode_value(key, out, depth)
             _encode_value(value, out, depth)
+        # One pass in C first: where fewer than MAX_SHARED_HASH keys repeat the
+        # hash of another, none is shared by too many.
+        if (
+            others > MAX_SHARED_HASH
+            and n - len(set(map(hash, d))) >= MAX_SHARED_HASH
+            and shares_too_many(d)
+        ):
+            raise _Unencodable
     elif t is list or t is tuple:
         if depth >= MAX_DEPTH:
             raise _Unencodable
@@ -205,11 +225,36 @@ def _encode_value(obj: object, out: bytearray, depth: int) -> None:
         raise _Unencodable
 
 
+def hash_chosen(key: object) -> bool:
+    """Whether a dict key's hash is one its writer can choose, so counts
+    against :data:`MAX_SHARED_HASH`: not a str or bytes (randomized per
+    process), nor an int below the hash modulus (it hashes to itself, but -1)."""
+    t = type(key)
+    if t is int:
+        return not -_HASH_MODULUS < key < _HASH_MODULUS  # type: ignore[operator]
+    return t is not str and t is not bytes
+
+
+def count_hash(key: object, hashes: dict[int, int]) -> bool:
+    """Count ``key`` against its hash in ``hashes`` (one dict's); False once more
+    than :data:`MAX_SHARED_HASH` keys share it. Raises TypeError if unhashable."""
+    h = hash(key)
+    shared = hashes[h] = hashes.get(h, 0) + 1
+    return shared <= MAX_SHARED_HASH
+
+
+def shares_too_many(d: dict[object, object]) -> bool:
+    """Whether more than :data:`MAX_SHARED_HASH` keys of ``d`` share a hash its writer chose."""
+    hashes: dict[int, int] = {}
+    return any(hash_chosen(key) and not count_hash(key, hashes) for key in d)
+
+
 def encode(tree: object) -> bytes:
     """Encode a tensor-free payload tree with the safe codec.
 
     Accepts None, bool, int (any size), float, complex, str, bytes, bytearray
-    (decoded as bytes), list, tuple, dict (keys: any accepted hashable value),
+    (decoded as bytes), list, tuple, dict (keys: any accepted hashable value,
+    at most :data:`MAX_SHARED_HASH` of one hash where the writer chooses it),
     :class:`TensorSlot` and :class:`RefSlot`, nested up to :data:`MAX_DEPTH`
     containers. Anything else raises :class:`UnsafePayloadError` naming the
     type and where it sits, e.g. ``payload['a'][3]``.
@@ -260,6 +305,12 @@ def _find_unencodable(obj: object, path: str, depth: int) -> str | None:
             )
         if t is dict:
             d: dict[object, object] = obj  # type: ignore[assignment]
+            if shares_too_many(d):
+                return (
+                    f"more than {MAX_SHARED_HASH} keys of the dict at path {path} share one "
+                    "hash (ints, floats or tuples chosen so), which its reader would refuse "
+                    "to decode; pass pickle=True to opt in"
+                )
             for i, (key, value) in enumerate(d.items()):
                 found = _find_unencodable(key, f"{path}.keys()[{i}]", depth + 1)
                 if found is None:

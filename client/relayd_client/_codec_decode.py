@@ -7,14 +7,14 @@ raises :class:`CorruptRefError`. Every declared length or count is checked
 against the bytes that remain before anything is allocated, and the depth,
 the total number of items and the input size are bounded. So is the time: a
 dict in which more than :data:`MAX_SHARED_HASH` keys share one hash is
-refused, since each such key costs a comparison with every other one.
+refused, since each such key costs a comparison with every other one (the
+encoder refuses to write one, with the same rule: ``_codec.hash_chosen``).
 """
 
 from __future__ import annotations
 
 import pickle
 import struct
-import sys
 
 from relayd_client._codec import (
     _BIGINT,
@@ -37,6 +37,9 @@ from relayd_client._codec import (
     _VARINT_MAX_BYTES,
     FORMAT_MAGIC,
     MAX_DEPTH,
+    MAX_SHARED_HASH,
+    count_hash,
+    hash_chosen,
     type_name,
 )
 from relayd_client._header_tree import RefSlot, TensorSlot
@@ -48,15 +51,6 @@ _unpack_i32 = struct.Struct("<i").unpack_from
 _unpack_i64 = struct.Struct("<q").unpack_from
 _unpack_float = struct.Struct("<d").unpack_from
 _unpack_complex = struct.Struct("<dd").unpack_from
-
-# Keys of one dict that may share a hash. Only str and bytes hashes are
-# randomized per process; a writer can pick any number of ints, floats or
-# tuples with one hash (i * (2**61 - 1) for ints), and a dict of n of them
-# costs n**2 / 2 comparisons to build: minutes for one 4 MiB header. Honest
-# keys rarely share a hash at all (-1 and -2 do). An int smaller than the
-# hash modulus hashes to itself (but -1), so the common int keys go uncounted.
-MAX_SHARED_HASH = 16
-_P = sys.hash_info.modulus
 
 
 def _corrupt(message: str) -> CorruptRefError:
@@ -188,7 +182,9 @@ def _decode_value(
         n, pos = _decode_count(buf, pos, end, depth_left, 2, items)
         depth_left -= 1
         d: dict[object, object] = {}
-        hashes: dict[int, int] | None = None  # only for keys whose hash a writer can choose
+        # Only keys whose hash a writer can choose, and only where there are
+        # enough of them to share one too often.
+        hashes: dict[int, int] | None = {} if n > MAX_SHARED_HASH else None
         for _ in range(n):
             key_pos = pos
             tag = buf[pos]
@@ -203,12 +199,16 @@ def _decode_value(
                 pos += 1
             else:
                 key, pos = _decode_value(buf, pos, end, depth_left, items)
-                kt = type(key)
-                if kt is int:
-                    if not -_P < key < _P:  # type: ignore[operator]
-                        hashes = _charge_hash(key, hashes, key_pos)
-                elif kt is not str and kt is not bytes:
-                    hashes = _charge_hash(key, hashes, key_pos)
+                if hashes is not None and hash_chosen(key):  # the fast paths take none it counts
+                    try:
+                        within = count_hash(key, hashes)
+                    except TypeError:
+                        within = True  # unhashable: the insertion refuses it, naming its type
+                    if not within:
+                        raise _corrupt(
+                            f"more than {MAX_SHARED_HASH} keys of a dict share one hash "
+                            f"(key at offset {key_pos})"
+                        )
             tag = buf[pos]
             item: object
             if tag >= _FIXINT:
@@ -258,24 +258,6 @@ def _decode_value(
         real, imag = _unpack_complex(buf, pos)
         return complex(real, imag), pos + 16
     raise _corrupt(f"unknown tag 0x{tag:02x} at offset {pos - 1}")
-
-
-def _charge_hash(key: object, hashes: dict[int, int] | None, key_pos: int) -> dict[int, int]:
-    """Count ``key`` against its hash in ``hashes`` (made on first use) and return it;
-    refuse a dict where too many keys share one."""
-    if hashes is None:
-        hashes = {}
-    try:
-        h = hash(key)
-    except TypeError:
-        return hashes  # unhashable: the insertion refuses it, naming its type
-    shared = hashes.get(h, 0) + 1
-    if shared > MAX_SHARED_HASH:
-        raise _corrupt(
-            f"more than {MAX_SHARED_HASH} keys of a dict share one hash (key at offset {key_pos})"
-        )
-    hashes[h] = shared
-    return hashes
 
 
 def _decode_length(buf: bytes, pos: int, end: int) -> tuple[int, int]:

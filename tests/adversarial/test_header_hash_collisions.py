@@ -5,7 +5,8 @@ slot placeholders, so a writer can choose thousands of distinct keys with one
 hash (``i * (2**61 - 1)`` for ints). Building a dict of ``n`` of them costs
 ``n**2 / 2`` key comparisons: a 4 MiB DataRef header of them would hold a
 reader's get (and its event loop) for minutes. The decoder refuses a dict in
-which too many keys share a hash, whatever else it holds.
+which too many keys share a hash, whatever else it holds; the encoder refuses
+to write one, so that a writer learns it at put and not its reader at get.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from relayd_client._checks import ReadChecks
 from relayd_client._codec import FORMAT_MAGIC, encode, varint
 from relayd_client._codec_decode import MAX_SHARED_HASH, decode
 from relayd_client._header_tree import TensorSlot
-from relayd_client.wire.errors import CorruptRefError
+from relayd_client.wire.errors import CorruptRefError, UnsafePayloadError
 from relayd_client.wire.proto import relay_pb2 as pb
 
 _P = (1 << 61) - 1  # hash(i * _P) == 0 for every int i
@@ -75,3 +76,35 @@ def test_keys_up_to_the_limit_of_one_hash_and_honest_int_keys_still_round_trip()
     many = {i * 7919: (i, float(i)) for i in range(5000)}
     many.update({(i, -i): TensorSlot(i) for i in range(5000)})
     assert decode(encode(many)) == many
+
+
+_FLOATS = [2.0 ** (61 * k) for k in range(MAX_SHARED_HASH + 1)]  # all hash to 1, as 1 does
+
+
+@pytest.mark.parametrize(
+    "keys",
+    [
+        pytest.param(_colliding_ints(MAX_SHARED_HASH), id="ints-at-the-limit"),
+        pytest.param(_colliding_ints(MAX_SHARED_HASH + 1), id="ints-over"),
+        pytest.param(_colliding_slots(MAX_SHARED_HASH + 1), id="slots-over"),
+        pytest.param([(i * _P,) for i in range(MAX_SHARED_HASH + 1)], id="tuples-over"),
+        pytest.param(_FLOATS, id="floats-over"),
+        # 0 and 1 hash as the others do but are below the modulus: neither side counts them.
+        pytest.param([0, *_colliding_ints(MAX_SHARED_HASH)], id="ints-and-0"),
+        pytest.param([1, *_FLOATS[1:]], id="floats-and-1"),
+        pytest.param([-_P, *_colliding_ints(MAX_SHARED_HASH)], id="ints-and-minus-modulus"),
+        pytest.param([True, *_FLOATS[1:]], id="floats-and-True"),
+    ],
+)
+def test_the_encoder_refuses_exactly_the_dicts_the_decoder_refuses(keys: list[object]) -> None:
+    """A writer learns at put what its reader would refuse; nothing the reader takes is refused."""
+    assert len(set(keys)) == len(keys)
+    header = _dict_header(keys)
+    try:
+        decode(header)
+    except CorruptRefError:
+        with pytest.raises(UnsafePayloadError, match="share one hash") as err:
+            encode([{"ok": 1}, dict.fromkeys(keys)])
+        assert "payload[1]" in str(err.value) and "pickle=True" in str(err.value)
+    else:
+        assert encode(dict.fromkeys(keys)) == header
