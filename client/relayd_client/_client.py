@@ -99,7 +99,7 @@ class RelayClient:
         self._gpu_paths = GpuPaths(conn, self._checks, self._notices, self._aborts, self._reports)
         self._writer = Writer(conn, self._notices, self._aborts, self._reports, self._routes)
         self._reader = Reader(conn, self._checks, self._notices, self._aborts, self._gpu_paths)
-        self._streams = Streams(self._aborts)
+        self._streams = Streams(self._aborts, self.discard)
         self._loop: asyncio.AbstractEventLoop | None = None  # the one it was opened on
 
     # -- lifecycle ------------------------------------------------------------------
@@ -125,6 +125,7 @@ class RelayClient:
         if conn.forked:  # nothing may reach the parent's session from here
             conn.forget()
             return
+        await self._streams.settle(self.timeout)  # unread chunks' discards need the session
         conn.state = ClientState.CLOSED
         _local.unserve(self.stages, self)
         self._reports.flush()
@@ -391,7 +392,10 @@ class RelayClient:
         Ends after the done signal's last chunk; raises :class:`StreamError`
         at an error signal, :class:`AbortedError` when the request is aborted,
         and :class:`RelayTimeoutError` when no next chunk arrives within
-        ``timeout`` seconds (None: wait as long as it takes).
+        ``timeout`` seconds (None: wait as long as it takes). A stream is read
+        once: when the iteration ends, early too, the chunks it left unread and
+        those fed later are discarded, and another ``stream()`` of it raises
+        :class:`InvalidArgumentError`.
         """
         check_timeout(timeout)
         return self._streams.chunks(request_id, from_stage, timeout, self.get)
