@@ -15,6 +15,7 @@ from typing import Any, Protocol, TypeAlias
 from relayd_client.wire.errors import (
     InvalidArgumentError,
     PermissionDeniedError,
+    RelayTimeoutError,
     SessionClosedError,
     VersionMismatchError,
 )
@@ -39,6 +40,9 @@ log = logging.getLogger(__name__)
 MAX_GRANT_BYTES = 1 << 40
 MAX_DRAIN_GRACE = 3600.0
 MAX_UNBOUND_SESSIONS = 64
+# A grant's wait ends this long before the call's deadline, for the answer to reach
+# the client; one the handler gets to with less than half of it left is taken back.
+ANSWER_TIME_S = 0.05
 
 # grpc ships no type stubs; the servicer context is untyped.
 Ctx: TypeAlias = Any
@@ -187,8 +191,27 @@ class RelayService(RoutingService, pb_grpc.RelayServicer):
         timeout = min(request.timeout_seconds, limit) if request.timeout_seconds > 0 else limit
         remaining = context.time_remaining()
         if remaining is not None:
-            timeout = min(timeout, max(remaining - 0.05, 0.0))
+            timeout = min(timeout, max(remaining - ANSWER_TIME_S, 0.0))
         grant = await m.grant(session, request.min_bytes, timeout, request.pool or SHM_POOL)
+        remaining = context.time_remaining()
+        if remaining is not None and remaining < ANSWER_TIME_S / 2:
+            # Served, but resumed too late (a busy loop) for the answer to arrive: the
+            # server's deadline (the client's timeout from the request's arrival) comes
+            # no sooner than the client's, and a client that never learns the grant's id
+            # cannot give it back. Taken back as its ReturnGrant would, before anything
+            # is sent, so no answer ever names a grant given back.
+            log.info(
+                "grant %d taken back: its answer would come too late",
+                grant.id,
+                extra={"session_id": session.id},
+            )
+            m.return_grant(session, grant.id)
+            raise RelayTimeoutError("the grant came too late for the call's deadline")
+        # Once this returns, gRPC tells the handler nothing of the answer's fate: the
+        # aio context's cancelled() reports only a status the handler set, and its done
+        # callbacks run whether the answer was written or failed. An answer written in
+        # time but received after the client's deadline (a stalled client) leaves the
+        # grant held until the session closes, as is every grant the session holds.
         return pb.GrantResponse(
             pool=grant.run.pool,
             grant_id=grant.id,
