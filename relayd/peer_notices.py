@@ -22,12 +22,16 @@ over gRPC's 4 MiB (or a channel frame's ``MAX_FRAME``) would be refused whole.
 A write that fails is dropped, not retried, and the stream is opened anew for
 the next batch: the peer is gone or cut off, and each kind has its fallback
 there (a reader waiting for a push ends at the peer timeout or the peer's
-loss; a writer's pulled lease ends at its TTL).
+loss; a writer's pulled lease ends at its TTL). A write returns before the peer
+has read it, so a stream that the peer ends (it refused a message, or went) is
+watched for, not found at the next write: the notices written on it lately are
+logged and counted as lost (:meth:`PeerNotifier.lost`), and dropped too.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 from typing import Any
@@ -64,7 +68,7 @@ CHANNEL_RETRY_S = 1.0
 CHANNEL_RETRY_MAX_S = 60.0
 
 
-def _count(batch: pb.PeerNotices) -> int:
+def notice_count(batch: pb.PeerNotices) -> int:
     return sum(len(getattr(batch, kind)) for kind in _KINDS)
 
 
@@ -72,7 +76,7 @@ def split(batch: pb.PeerNotices) -> list[pb.PeerNotices]:
     """``batch``'s notices, in its kinds' and their order, as messages of at most
     :data:`MAX_BATCH` notices and :data:`MAX_MESSAGE_BYTES` bytes (a notice larger
     than that goes alone); ``batch`` itself when it is within both."""
-    if _count(batch) <= MAX_BATCH and batch.ByteSize() <= MAX_MESSAGE_BYTES:
+    if notice_count(batch) <= MAX_BATCH and batch.ByteSize() <= MAX_MESSAGE_BYTES:
         return [batch]
     messages = [pb.PeerNotices()]
     count = size = 0
@@ -89,12 +93,36 @@ def split(batch: pb.PeerNotices) -> list[pb.PeerNotices]:
 
 
 @dataclasses.dataclass(eq=False)
+class _Stream:
+    """A peer's Notify stream, and the notices written on it within the peer
+    timeout: those its end may have lost. The peer handles a message as it
+    reads it, and one that has read nothing for longer fails our heartbeats and
+    is forgotten, its notices with it."""
+
+    call: Any  # grpc.aio.StreamUnaryCall
+    peer_timeout: float
+    written: collections.deque[tuple[float, int]] = dataclasses.field(
+        default_factory=collections.deque
+    )
+
+    def wrote(self, notices: int) -> None:
+        now = asyncio.get_running_loop().time()
+        self.written.append((now, notices))
+        while self.written[0][0] < now - self.peer_timeout:
+            self.written.popleft()
+
+    def unread(self) -> int:
+        since = asyncio.get_running_loop().time() - self.peer_timeout
+        return sum(n for at, n in self.written if at >= since)
+
+
+@dataclasses.dataclass(eq=False)
 class _Outbox:
     pending: pb.PeerNotices = dataclasses.field(default_factory=pb.PeerNotices)
     count: int = 0
     busy: bool = False
     timer: asyncio.TimerHandle | None = None
-    call: Any = None  # the Notify stream (grpc.aio.StreamUnaryCall), opened on first use
+    stream: _Stream | None = None  # opened on first use
 
 
 class PeerNotifier:
@@ -110,9 +138,15 @@ class PeerNotifier:
         self._retry_at: dict[str, float] = {}
         self._failures: dict[str, int] = {}  # by peer: tries in a row that failed
         self._channel_batches: dict[str, int] = {}  # by peer: sent on its channel
+        self._lost: collections.Counter[str] = collections.Counter()  # by peer, on Notify
 
     def channel_batches(self, address: str) -> int:
         return self._channel_batches.get(address, 0)
+
+    def lost(self, address: str) -> int:
+        """Notices to ``address`` that a failed write or the end of a Notify stream
+        lost (or may have: a stream's end, those written on it lately)."""
+        return self._lost[address]
 
     def has_channel(self, address: str) -> bool:
         link = self._channels.get(address)
@@ -214,8 +248,8 @@ class PeerNotifier:
         if ob is not None:
             if ob.timer is not None:
                 ob.timer.cancel()
-            if ob.call is not None:
-                ob.call.cancel()
+            if ob.stream is not None:
+                ob.stream.call.cancel()
         link = self._channels.pop(address, None)
         if link is not None:
             link.close()
@@ -234,8 +268,8 @@ class PeerNotifier:
         for ob in self._boxes.values():
             if ob.timer is not None:
                 ob.timer.cancel()
-            if ob.call is not None:
-                ob.call.cancel()
+            if ob.stream is not None:
+                ob.stream.call.cancel()
         self._boxes.clear()
         for task in list(self._tasks):
             task.cancel()
@@ -291,32 +325,76 @@ class PeerNotifier:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def _open(self, address: str, ob: _Outbox) -> _Stream | None:
+        """A fresh Notify stream to ``address``, watched until it ends."""
+        stub = self._links.stub_for(address)
+        if stub is None:
+            return None
+        call = stub.Notify(metadata=self._links.metadata())
+        stream = ob.stream = _Stream(call, self._links.settings.peer_timeout)
+        task = asyncio.get_running_loop().create_task(self._watch(address, ob, stream))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return stream
+
+    async def _watch(self, address: str, ob: _Outbox, stream: _Stream) -> None:
+        """Until ``stream`` ends. One that the peer ended (it refused a message, or
+        went) says so now, not at the next write, which may never come: what was
+        written on it lately is lost, and the next batch opens a fresh stream."""
+        try:
+            await stream.call
+            why = "the peer closed it"  # it answers only once we are done writing
+        except grpc.RpcError as exc:
+            why = from_rpc_error(exc).message
+        except asyncio.CancelledError:
+            return  # ended here: a write failed, the peer was forgotten, or we close
+        if ob.stream is stream:
+            ob.stream = None
+        lost = stream.unread()
+        if not lost:
+            log.info("Notify stream to peer %s ended: %s", address, why)
+            return
+        self._lost[address] += lost
+        log.warning(
+            "Notify stream to peer %s ended: %s; up to %d notice(s) written on it in the "
+            "last %.1fs lost",
+            address,
+            why,
+            lost,
+            stream.peer_timeout,
+        )
+
     async def _write(self, address: str, ob: _Outbox, messages: list[pb.PeerNotices]) -> None:
         sent = 0
         try:
-            if ob.call is None or ob.call.done():
-                stub = self._links.stub_for(address)
-                if stub is None:
+            stream = ob.stream
+            if stream is None or stream.call.done():
+                stream = self._open(address, ob)
+                if stream is None:
                     return
-                ob.call = stub.Notify(metadata=self._links.metadata())
             for message in messages:
-                await asyncio.wait_for(ob.call.write(message), self._links.settings.peer_timeout)
+                await asyncio.wait_for(stream.call.write(message), stream.peer_timeout)
+                stream.wrote(notice_count(message))
                 sent += 1
         except (grpc.RpcError, asyncio.InvalidStateError, TimeoutError) as exc:
-            call, ob.call = ob.call, None
-            if call is not None:
-                call.cancel()
+            failed, ob.stream = ob.stream, None
+            if failed is not None:
+                failed.call.cancel()
             why = from_rpc_error(exc).message if isinstance(exc, grpc.RpcError) else repr(exc)
-            log.warning(
-                "%d notice(s) to peer %s lost: %s",
-                sum(_count(message) for message in messages[sent:]),
-                address,
-                why,
-            )
+            lost = sum(notice_count(message) for message in messages[sent:])
+            self._lost[address] += lost
+            log.warning("%d notice(s) to peer %s lost: %s", lost, address, why)
         finally:
             ob.busy = False
             if self._boxes.get(address) is ob and ob.count and ob.timer is None:
                 self._start(address, ob)
 
 
-__all__ = ["ATTACH_BACKLOG_MAX", "MAX_BATCH", "MAX_MESSAGE_BYTES", "PeerNotifier", "split"]
+__all__ = [
+    "ATTACH_BACKLOG_MAX",
+    "MAX_BATCH",
+    "MAX_MESSAGE_BYTES",
+    "PeerNotifier",
+    "notice_count",
+    "split",
+]

@@ -10,18 +10,22 @@ as for local readers.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeAlias, TypeVar
 
-from relayd_client.wire.errors import InvalidArgumentError, PermissionDeniedError
+from relayd_client.wire.errors import InvalidArgumentError, PermissionDeniedError, RelayError
 from relayd_client.wire.names import MAX_SESSION_STAGES, REQUEST_ID_MAX, check_stage
 from relayd_client.wire.proto import relay_pb2 as pb
 from relayd_client.wire.proto import relay_pb2_grpc as pb_grpc
 
 from ..peer_context import PeerHooks, PeerLeases
 from ..peer_links import PeerLinks
+from ..peer_notices import notice_count
 from ..push import PushManager
 from .errors import mapped
+
+log = logging.getLogger(__name__)
 
 # grpc ships no type stubs; the servicer context is untyped.
 Ctx: TypeAlias = Any
@@ -103,7 +107,22 @@ class PeerService(pb_grpc.PeerServicer):
     async def Notify(
         self, requests: AsyncIterator[pb.PeerNotices], context: Ctx
     ) -> pb.PeerNoticesAck:
-        released = 0
+        released = handled = 0
         async for batch in requests:
-            released += self.push.on_notices(batch)
+            try:
+                released += self.push.on_notices(batch)
+            except RelayError as err:
+                # The stream ends with err's status: this batch, and whatever the
+                # peer wrote after it, go unhandled (the peer logs them lost too).
+                log.warning(
+                    "Notify stream from %s (node %r) ended after %d batch(es): "
+                    "a batch of %d notice(s) refused: %s",
+                    context.peer(),
+                    batch.node_id[:64],
+                    handled,
+                    notice_count(batch),
+                    err,
+                )
+                raise
+            handled += 1
         return pb.PeerNoticesAck(released=released)
