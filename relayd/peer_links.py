@@ -116,14 +116,22 @@ def keepalive_ms(peer_timeout: float) -> int:
     return round(max(peer_timeout, KEEPALIVE_MIN_S) * 1000)
 
 
+def keepalive_options(time_ms: int, timeout_ms: int) -> list[tuple[str, int]]:
+    """gRPC options for a connection that pings its other end after ``time_ms``
+    of silence and drops it when the answer takes over ``timeout_ms``."""
+    return [
+        ("grpc.keepalive_time_ms", time_ms),
+        ("grpc.keepalive_timeout_ms", timeout_ms),
+        # How long gRPC waits for any ping's answer: keepalive_timeout_ms alone
+        # leaves a keepalive ping's at a minute (grpcio 1.85).
+        ("grpc.http2.ping_timeout_ms", timeout_ms),
+    ]
+
+
 def _keepalive(peer_timeout: float) -> list[tuple[str, int]]:
     ms = keepalive_ms(peer_timeout)
     return [
-        ("grpc.keepalive_time_ms", ms),
-        ("grpc.keepalive_timeout_ms", ms),
-        # How long gRPC waits for any ping's answer: keepalive_timeout_ms alone
-        # leaves a keepalive ping's at a minute (grpcio 1.85).
-        ("grpc.http2.ping_timeout_ms", ms),
+        *keepalive_options(ms, ms),
         # The connection may be dead between calls too (a heartbeat is one)...
         ("grpc.keepalive_permit_without_calls", 1),
         # ... and while its calls send nothing (an idle Notify stream).
@@ -498,6 +506,7 @@ __all__ = [
     "PeerState",
     "channel_options",
     "keepalive_ms",
+    "keepalive_options",
     "load_token",
     "server_options",
 ]

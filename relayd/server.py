@@ -32,7 +32,7 @@ from .edges import EdgeStats
 from .keys import KeyIndex, LeaseKey
 from .metrics import Metrics
 from .peer_context import PeerHooks
-from .peer_links import PeerConfigError
+from .peer_links import PeerConfigError, keepalive_options
 from .peers import PeerManager
 from .pools import cuda as cuda_pools
 from .pools.arena import Arena, remove_stale_segments
@@ -54,6 +54,10 @@ HOUSEKEEPING_INTERVAL = 0.5
 # Besides the packed bytes of the largest put, a socket-fallback message carries
 # its DataRef (at most MAX_REF_BYTES) and framing.
 _MESSAGE_OVERHEAD = MAX_REF_BYTES + (64 << 10)
+# While a client has a call open, the server pings it every GRPC_KEEPALIVE_MS and
+# drops it when an answer takes over GRPC_KEEPALIVE_TIMEOUT_MS. The client's channel
+# sends no keepalive pings, so the server's ping policy (too_many_pings) has none
+# to refuse.
 GRPC_KEEPALIVE_MS = 60_000
 GRPC_KEEPALIVE_TIMEOUT_MS = 20_000
 
@@ -93,8 +97,7 @@ def grpc_server_options(settings: Settings, arena: Arena) -> list[tuple[str, int
         ("grpc.server_handshake_timeout_ms", deadline_ms),
         ("grpc.max_connection_idle_ms", deadline_ms),
         ("grpc.max_allowed_incoming_connections", settings.max_sessions + MAX_UNBOUND_SESSIONS),
-        ("grpc.keepalive_time_ms", GRPC_KEEPALIVE_MS),
-        ("grpc.keepalive_timeout_ms", GRPC_KEEPALIVE_TIMEOUT_MS),
+        *keepalive_options(GRPC_KEEPALIVE_MS, GRPC_KEEPALIVE_TIMEOUT_MS),
     ]
 
 

@@ -4,19 +4,17 @@ bound set by the peer timeout; and it lets a live peer's idle stream be, its
 own keepalive pings included.
 
 A real daemon's peer layer serves the Peer service (``test_peer_manager.Node``);
-its peer is a real gRPC channel reaching it through :class:`Relay`, a TCP relay
-that tallies the HTTP/2 frames each way and can go silent, as a vanished host
-does: from then on it passes nothing either way and answers nothing.
+its peer is a real gRPC channel reaching it through a TCP relay that can go
+silent, as a vanished host does (:class:`tests._grpc_relay.Relay`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import os
 import pathlib
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager, suppress
+from contextlib import asynccontextmanager
 from typing import Any
 
 import grpc
@@ -28,74 +26,16 @@ from relayd.peer_links import TOKEN_KEY, channel_options, keepalive_ms
 from relayd.rpc.peer_service import PeerService
 from relayd.transports.loopback import Loopback
 from tests._daemon import async_wait_until
+from tests._grpc_relay import ACK, GOAWAY, PING, Relay
 from tests.unit.test_peer_manager import PEER_TIMEOUT, Node
 
 pytestmark = pytest.mark.timeout(60)
 
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-FRAME_HEAD = 9
-PING, GOAWAY = 6, 7
-ACK = 0x1
 # A vanished peer is noticed once a ping goes unanswered: a ping after
 # keepalive_ms of silence (the peer timeout), then as long for its answer; plus
 # slack for a busy host.
 NOTICED_WITHIN = 2 * keepalive_ms(PEER_TIMEOUT) / 1000 + 5.0
 CALL_BOUND = 10.0
-
-
-class Relay:
-    """Relays one TCP connection at a time to ``port``, counting HTTP/2 frames by
-    (direction, type, flags); ``silent``: nothing more crosses, either way."""
-
-    def __init__(self, port: int) -> None:
-        self.port = port
-        self.frames: collections.Counter[tuple[str, int, int]] = collections.Counter()
-        self.silent = False
-        self.server_closed = asyncio.Event()
-        self._server: asyncio.AbstractServer | None = None
-        self._writers: list[asyncio.StreamWriter] = []
-        self._tasks: set[asyncio.Task[None]] = set()
-
-    async def start(self) -> int:
-        self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
-        return int(self._server.sockets[0].getsockname()[1])
-
-    def count(self, direction: str, kind: int, flags: int = 0) -> int:
-        return self.frames[direction, kind, flags]
-
-    async def _relay(self, c_reader: asyncio.StreamReader, c_writer: asyncio.StreamWriter) -> None:
-        s_reader, s_writer = await asyncio.open_connection("127.0.0.1", self.port)
-        self._writers += [c_writer, s_writer]
-        to_server = asyncio.ensure_future(self._pump("up", c_reader, s_writer, len(PREFACE)))
-        to_client = asyncio.ensure_future(self._pump("down", s_reader, c_writer, 0))
-        self._tasks |= {to_server, to_client}
-        to_client.add_done_callback(lambda _: self.server_closed.set())
-
-    async def _pump(
-        self, direction: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, skip: int
-    ) -> None:
-        with suppress(asyncio.IncompleteReadError, ConnectionError):
-            self._pass(writer, await reader.readexactly(skip))
-            while True:
-                head = await reader.readexactly(FRAME_HEAD)
-                body = await reader.readexactly(int.from_bytes(head[:3], "big"))
-                if not self.silent:
-                    self.frames[direction, head[3], head[4]] += 1
-                self._pass(writer, head + body)
-
-    def _pass(self, writer: asyncio.StreamWriter, data: bytes) -> None:
-        if not self.silent and not writer.is_closing():
-            writer.write(data)
-
-    async def close(self) -> None:
-        for writer in self._writers:
-            writer.transport.abort()
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
 
 
 class Streams:
@@ -125,7 +65,7 @@ async def served(
     token.chmod(0o600)
     streams = Streams(monkeypatch)  # before the server takes its handlers
     node = Node("a", Loopback(), token)
-    relay = Relay(int(node.address.rpartition(":")[2]))
+    relay = Relay(node.address)
     try:
         await node.peers.start()
         yield node, streams, relay
@@ -140,7 +80,7 @@ async def open_notify(
 ) -> tuple[grpc.aio.Channel, Any]:
     """A peer's channel through ``relay`` and a Notify stream on it, once the
     service is running it."""
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{await relay.start()}", options=options)
+    channel = grpc.aio.insecure_channel(await relay.start(), options=options)
     call = pb_grpc.PeerStub(channel).Notify(metadata=((TOKEN_KEY, node.peers.links.token),))
     await until(lambda: streams.began == 1 or call.done(), "the Notify stream to be served")
     assert not call.done() and streams.ended == 0
