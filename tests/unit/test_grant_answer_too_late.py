@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -34,6 +33,7 @@ from relayd.rpc.admission import Roles
 from relayd.rpc.fetch import Fetcher
 from relayd.rpc.frames import frame_sink
 from relayd.rpc.service import NodeFacts, RelayService
+from tests._daemon import async_wait_until
 from tests.unit._pools import SLOT, unit_arena
 
 BOUND = 10.0  # no test waits this long unless the behaviour under test is broken
@@ -97,12 +97,14 @@ def _grant_call(
     return thread
 
 
-async def _until(predicate: object, what: str) -> None:
-    """Poll ``predicate`` on the loop, failing with ``what`` after BOUND seconds."""
-    deadline = time.monotonic() + BOUND
-    while not predicate():  # type: ignore[operator]
-        assert time.monotonic() < deadline, what
-        await asyncio.sleep(0.01)
+async def _until(predicate: Callable[[], object], what: str) -> None:
+    await async_wait_until(predicate, BOUND, what)
+
+
+def _manager(arena: Arena) -> LeaseManager:
+    return LeaseManager(
+        arena, grant_bytes=8 * SLOT, lease_ttl=10.0, stage_quota_bytes=32 * SLOT, max_sessions=8
+    )
 
 
 async def _serving(m: LeaseManager, arena: Arena, tmp_path: Path) -> tuple[grpc.aio.Server, str]:
@@ -116,10 +118,7 @@ async def _serving(m: LeaseManager, arena: Arena, tmp_path: Path) -> tuple[grpc.
 
 def test_a_grant_served_after_its_callers_deadline_goes_back(arena: Arena, tmp_path: Path) -> None:
     async def scenario() -> None:
-        m = LeaseManager(
-            arena, grant_bytes=8 * SLOT, lease_ttl=10.0, stage_quota_bytes=32 * SLOT,
-            max_sessions=8,
-        )  # fmt: skip
+        m = _manager(arena)
         server, target = await _serving(m, arena, tmp_path)
         try:
             holder, writer = _session(m, "thinker"), _session(m, "talker")
@@ -152,10 +151,7 @@ def test_a_grant_served_after_its_callers_deadline_goes_back(arena: Arena, tmp_p
 
 def test_a_grant_answered_in_time_stays_granted(arena: Arena, tmp_path: Path) -> None:
     async def scenario() -> None:
-        m = LeaseManager(
-            arena, grant_bytes=8 * SLOT, lease_ttl=10.0, stage_quota_bytes=32 * SLOT,
-            max_sessions=8,
-        )  # fmt: skip
+        m = _manager(arena)
         server, target = await _serving(m, arena, tmp_path)
         try:
             writer = _session(m, "talker")
