@@ -312,10 +312,35 @@ class Connection:
         if self.gpu is not None:
             self.gpu.close()  # unpins the arena: before the views go
             self.gpu = None
-        self.views.clear()
-        for seg in self.segments:
-            seg.close()
-        self.segments.clear()
+        # Under the lock: a put or get on a caller's thread checks `attached`
+        # and takes its segment and view in one hold of it (see arena()).
+        with self.lock:
+            self.views.clear()
+            for seg in self.segments:
+                seg.close()
+            self.segments.clear()
+
+    def attached(self, a: pb.AttachResponse) -> bool:
+        """Whether ``a`` is the session attached now, its arena mapped; under :attr:`lock`.
+
+        A re-attach sets ``lost`` before it unmaps the old arena and clears it
+        only once the new one is mapped, so a call that began under another
+        attach (or while the daemon is away) must touch neither arena.
+        """
+        return not self.lost and self.attach is a
+
+    def arena(self, lease: Lease) -> tuple[MappedSegment, Any]:
+        """The segment and view of the arena ``lease`` was cut from; under :attr:`lock`.
+
+        A lease still in the table belongs to the session attached now: a
+        re-attach clears the table before it maps the new arena. The view,
+        held by the caller, keeps the mapping alive through its copy.
+        """
+        if self.lost or self.grants.table.leases.get(lease.id) is not lease:
+            raise DaemonUnavailableError(
+                "relayd went away during the put; its lease went with it and nothing was published"
+            )
+        return self.segments[lease.grant.segment], self.views[lease.grant.segment]
 
     async def _teardown(self) -> None:
         self.grants.ring = None  # the session closes it

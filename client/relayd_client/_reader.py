@@ -26,6 +26,7 @@ from .wire.compact import RefFields
 from .wire.dataref import KIND_DATA, DataRef
 from .wire.errors import (
     CorruptRefError,
+    DaemonUnavailableError,
     InvalidArgumentError,
     PeerUnavailableError,
     PermissionDeniedError,
@@ -106,8 +107,11 @@ class Reader:
                 self.checked_ref(r)
         return tree
 
-    def lease_region(self, m: RefFields) -> tuple[MappedSegment, int, list[_packing.TensorSpec]]:
-        """The lease's segment, where its data starts there, and its validated layout."""
+    def lease_region(
+        self, m: RefFields
+    ) -> tuple[MappedSegment, Any, int, list[_packing.TensorSpec]]:
+        """The lease's segment and its view (held: keeps the mapping through the
+        copy), where its data starts there, and its validated layout."""
         conn = self._conn
         a = conn.require_open()
         origin = m.origin
@@ -123,22 +127,27 @@ class Reader:
                 "reads need the Mooncake transport"
             )
         lease = m.lease
-        segments = conn.segments
-        if lease.segment >= len(segments):
-            raise CorruptRefError(f"DataRef names segment {lease.segment} of {len(segments)}")
-        seg = segments[lease.segment]
+        with conn.lock:  # the blocking client's teardown unmaps under it
+            if not conn.attached(a):
+                # The daemon went away since the gate: its arena is gone or
+                # is the next daemon's, whose leases may bear the same ids.
+                raise DaemonUnavailableError("relayd went away during the get; nothing was read")
+            segments = conn.segments
+            if lease.segment >= len(segments):
+                raise CorruptRefError(f"DataRef names segment {lease.segment} of {len(segments)}")
+            seg, view = segments[lease.segment], conn.views[lease.segment]
+            gen, length = seg.read_header(lease.slot) if lease.slot < seg.nslots else (0, 0)
         if lease.slot + lease.nslots > seg.nslots or lease.length > lease.nslots * seg.slot_size:
             raise CorruptRefError("DataRef lease lies outside the arena")
         if lease.offset != seg.slot_offset(lease.slot):
             raise CorruptRefError("DataRef lease offset does not match its slot")
         specs = self.checks.checked_specs(m, lease.length)
-        gen, length = seg.read_header(lease.slot)
         if gen != lease.generation or length != lease.length:
             self._aborts.check(m.request_id)
             raise StaleRefError(
                 "DataRef's lease was already read, reclaimed (TTL) or aborted; it cannot be read again"
             )
-        return seg, lease.offset, specs
+        return seg, view, lease.offset, specs
 
     # -- get --------------------------------------------------------------------------
 
@@ -184,10 +193,9 @@ class Reader:
             if _cuda_facts.restores_on_gpu(specs):  # small CUDA leaves travel inline too
                 return InlineOnGpu(tree, specs, tensors)
             return _flatten.rebuild(tree, tensors)
-        seg, start, specs = self.lease_region(m)
+        seg, view, start, specs = self.lease_region(m)
         if _cuda_facts.restores_on_gpu(specs):
             return None
-        view = self._conn.views[m.lease.segment]
         if copy and m.lease.length >= OFFLOAD_BYTES:
             # A long copy: the daemon learns who reads the lease first.
             session = self._conn.session
@@ -234,9 +242,8 @@ class Reader:
             )
         if conn.socket_fallback:
             return _flatten.rebuild(tree, await self._get_socket(m))
-        seg, start, specs = self.lease_region(m)
+        seg, view, start, specs = self.lease_region(m)
         lease = m.lease
-        view = conn.views[lease.segment]
         # CUDA leaves go straight from the (pinned) arena to this process's GPU.
         on_gpu = _cuda_facts.restores_on_gpu(specs)
         host_copy = copy and not on_gpu
@@ -309,15 +316,21 @@ class Reader:
         """The local DataRef of ``ref``'s push as the daemon announced it, while its
         slot header still says so; None: fetch, and the daemon says what became of
         it (read, reclaimed, aborted) or pulls it."""
-        local = self.announced.take(ref.proto, self._conn.require_open())
+        conn = self._conn
+        a = conn.require_open()
+        local = self.announced.take(ref.proto, a)
         if local is None:
             return None
         lease = local.lease
-        segments = self._conn.segments
-        if lease.segment >= len(segments) or lease.slot >= segments[lease.segment].nslots:
-            return None
-        if segments[lease.segment].read_header(lease.slot) != (lease.generation, lease.length):
-            return None
+        with conn.lock:  # as in lease_region: this attach's arena, or none
+            segments = conn.segments
+            if not conn.attached(a) or lease.segment >= len(segments):
+                return None
+            seg = segments[lease.segment]
+            if lease.slot >= seg.nslots:
+                return None
+            if seg.read_header(lease.slot) != (lease.generation, lease.length):
+                return None
         return local
 
     def read_landed(self, local: pb.DataRef, tree: Any, copy: bool) -> Any:

@@ -33,6 +33,7 @@ from ._refs import TensorRef
 from ._writer import PutPlan, check_trace_id, leased
 from .wire.dataref import DataRef
 from .wire.errors import (
+    DaemonUnavailableError,
     InvalidArgumentError,
     RelayTimeoutError,
     SessionClosedError,
@@ -254,9 +255,12 @@ class SyncRelayClient:
 
     def _raise_if_closed(self) -> None:
         """In ``except LOST_MAPPING``: a hot-path step that lost its mapping to a
-        concurrent close() says so (else the caller re-raises what it caught)."""
+        concurrent close() or re-attach says so (else the caller re-raises what
+        it caught)."""
         if self._client.state is ClientState.CLOSED:
             raise SessionClosedError("SyncRelayClient was closed during the call") from None
+        if self._client._conn.lost:
+            raise DaemonUnavailableError("relayd went away during the call") from None
 
     # -- put ------------------------------------------------------------------------
 

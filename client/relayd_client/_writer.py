@@ -31,7 +31,7 @@ from ._reports import Reports
 from ._routes import RouteKey, Routes
 from .wire.compact import Shape as CompactShape
 from .wire.dataref import KIND_DATA, VERSION, DataRef, compact_put
-from .wire.errors import DaemonUnavailableError, DrainingError, InvalidArgumentError
+from .wire.errors import DrainingError, InvalidArgumentError
 from .wire.names import check_request_id, check_stage
 from .wire.proto import relay_pb2 as pb
 from .wire.shm import SHM_POOL
@@ -511,7 +511,8 @@ class Writer:
         lease, start = cut if cut is not None else await self.open_lease(plan, timeout)
         if total < OFFLOAD_BYTES:
             return self.fill_and_seal(plan, lease, start)
-        view = self._conn.views[lease.grant.segment]
+        with self._lock:
+            view = self._conn.arena(lease)[1]  # held: outlives a concurrent teardown
         tensors, specs = plan.tensors, plan.specs
         try:
             # Addresses for the worker where it can (see _copies.Copy).
@@ -538,7 +539,8 @@ class Writer:
 
     def fill_and_seal(self, plan: PutPlan, lease: Lease, start: int) -> DataRef:
         """Copy into the lease on this thread, then seal it; a failed copy cancels it."""
-        view = self._conn.views[lease.grant.segment]  # held: outlives a concurrent close
+        with self._lock:  # a re-attach may have mapped another daemon's arena since the cut
+            view = self._conn.arena(lease)[1]  # held: outlives a concurrent close
         try:
             if plan.total:
                 _copies.pack_at(view, start, plan.total, plan.tensors, plan.specs)
@@ -551,8 +553,10 @@ class Writer:
         """Reserve an arena lease for ``plan``; returns it and where its data starts in its segment."""
         deadline = time.monotonic() + self._conn.rpc_timeout(timeout)
         lease = await self._grants.reserve(plan.total, deadline)
-        self._notices.reserve(lease, plan.request_id, plan.to_stage, plan.trace_id)
-        return lease, self._conn.segments[lease.grant.segment].slot_offset(lease.slot)
+        with self._lock:
+            seg = self._conn.arena(lease)[0]
+            self._notices.reserve(lease, plan.request_id, plan.to_stage, plan.trace_id)
+        return lease, seg.slot_offset(lease.slot)
 
     def lease_now(self, plan: PutPlan) -> tuple[Lease, int] | None:
         """:meth:`open_lease` without waiting: None when no grant held has room."""
@@ -561,8 +565,9 @@ class Writer:
             lease = self._grants.cut(plan.total)
             if lease is None:
                 return None
+            seg = self._conn.arena(lease)[0]  # the daemon may have gone since require_open
             self._notices.reserve(lease, plan.request_id, plan.to_stage, plan.trace_id)
-        return lease, self._conn.segments[lease.grant.segment].slot_offset(lease.slot)
+        return lease, seg.slot_offset(lease.slot)
 
     def cancel_lease(self, lease: Lease) -> None:
         self._notices.cancel(lease)
@@ -584,13 +589,9 @@ class Writer:
         now = push or transport == pb.TRANSPORT_SOCKET
         conn = self._conn
         with self._lock:  # a re-attach swaps the session and clears the leases under it
-            if conn.lost or self._grants.table.leases.get(lease.id) is not lease:
-                # The daemon went away during the copy: the lease died with it,
-                # and the new one's arena and session are not this lease's.
-                raise DaemonUnavailableError(
-                    "relayd went away while the put copied its payload; nothing was published"
-                )
-            seg = conn.segments[grant.segment]
+            # The daemon went away during the copy: the lease died with it,
+            # and the new one's arena and session are not this lease's.
+            seg = conn.arena(lease)[0]
             seg.write_header(lease.slot, gen, total)
             self._notices.publish(lease, total, transport, ref=plan.is_ref, push=push, now=now)
         offset = seg.slot_offset(lease.slot)
