@@ -9,13 +9,15 @@ costs no polling on either side.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 from typing import TYPE_CHECKING
 
 from . import _local
 from ._refs import TensorRef
 from .wire.dataref import KIND_DATA, DataRef
-from .wire.errors import InvalidArgumentError, StaleRefError
+from .wire.errors import InvalidArgumentError, RelayError, StaleRefError
 from .wire.names import check_key
 from .wire.proto import relay_pb2 as pb
 from .wire.transport import Transport
@@ -24,8 +26,12 @@ if TYPE_CHECKING:
     from ._checks import ReadChecks
     from ._connection import Connection
 
+log = logging.getLogger(__name__)
+
 # Transports whose bytes live in a daemon's lease: a discard frees it there.
 _LEASED = (Transport.SHM, Transport.SOCKET, Transport.CUDA_IPC_POOL)
+# Give-backs of late takes under way (a task nobody awaits must be held).
+_giving_back: set[asyncio.Task[None]] = set()
 
 
 async def index(conn: Connection, ref: DataRef, key: str, timeout: float) -> None:
@@ -54,13 +60,48 @@ async def take(
                 f"this client serves {conn.stages}; say which one reads the key (to_stage=)"
             )
         to_stage = conn.stages[0]
+
+    def late(wire: bytes) -> None:
+        # The daemon consumed the key for a take whose caller is gone: free
+        # what it holds now rather than at its TTL. The key stays read (the
+        # daemon cannot be told to index it again), as it would had the
+        # caller discarded it.
+        task = asyncio.get_running_loop().create_task(_give_back(conn, wire, timeout))
+        _giving_back.add(task)
+        task.add_done_callback(_giving_back.discard)
+
     wire = await conn.session.keyed(
         pb.KeyedTake(
             key=key, from_stage=from_stage, to_stage=to_stage, timeout_seconds=max(timeout, 0.0)
         ),
         max(timeout, 0.0),
+        late,
     )
     return DataRef.from_bytes(wire) if wire else None
+
+
+async def _give_back(conn: Connection, wire: bytes, timeout: float) -> None:
+    """Free, unread, what a taken DataRef nobody received holds: :func:`discard`
+    without the checks of a caller who held it."""
+    try:
+        m = DataRef.from_bytes(wire).proto
+        await _free(conn, m, max(timeout, conn.timeout))
+    except RelayError as exc:  # gone meanwhile (TTL, abort, the daemon): nothing held
+        log.debug("a late take's DataRef was not freed: %s", exc)
+
+
+async def _free(conn: Connection, m: pb.DataRef, timeout: float) -> None:
+    if m.kind != KIND_DATA:
+        return
+    transport = Transport.from_proto(m.transport)
+    if transport in _LEASED:
+        with contextlib.suppress(StaleRefError):
+            await conn.session.keyed(pb.DiscardCall(data_ref=DataRef(m).to_bytes()), timeout)
+    elif transport is Transport.LOCAL_OBJECT:
+        with contextlib.suppress(KeyError):
+            _local.take(m.object_id)
+    for inner in m.refs:
+        await _free(conn, inner, timeout)
 
 
 async def discard(

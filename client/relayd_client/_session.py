@@ -41,6 +41,7 @@ from .wire.framing import (
     LENGTH_BYTES,
     MAX_FRAME,
     NOTICE_LINGER_MAX_BYTES,
+    NOTICE_LINGER_S,
     decode_frame,
     encode_frame,
     frame_length,
@@ -95,6 +96,12 @@ class SessionChannel:
         self.reserve_publishes = False
         self._calls: dict[int, asyncio.Future[pb.FetchResponse]] = {}
         self._keyed: dict[int, asyncio.Future[bytes]] = {}
+        # Calls whose caller gave up before the answer came. The daemon does not
+        # know: a fetch's answer is a lease landed for this session, a take's a
+        # key it consumed; unread, each stays held until its TTL, so a late
+        # answer is given back (a fetch's lease released, a take's to ``late``).
+        self._given_up: set[int] = set()
+        self._late_keyed: dict[int, Callable[[bytes], None]] = {}
         self._call_ids = itertools.count(1)
         self.closed = False
 
@@ -328,14 +335,25 @@ class SessionChannel:
             self.mark(flush=True)
         try:
             return await _answered(answer, timeout, "a cross-node read")
+        except BaseException:
+            got = _outcome(answer)
+            if got is None:
+                self._given_up.add(call_id)
+            elif not isinstance(got, BaseException):  # answered, but nobody resumed to read it
+                self._release_fetched(got)
+            raise
         finally:
             self._calls.pop(call_id, None)
 
-    async def keyed(self, call: KeyedCall, timeout: float) -> bytes:
+    async def keyed(
+        self, call: KeyedCall, timeout: float, late: Callable[[bytes], None] | None = None
+    ) -> bytes:
         """A keyed put, take or discard: its answer's DataRef bytes (often empty).
 
         The call goes at once with whatever notices are pending: a keyed put's
-        Publish must reach the daemon with it, or before.
+        Publish must reach the daemon with it, or before. ``late`` gets a
+        non-empty answer that comes after the caller gave up (timed out, or
+        was cancelled), on the loop.
         """
         if self.closed or self._transport is None:
             raise DaemonUnavailableError("the session with the daemon is closed")
@@ -352,6 +370,13 @@ class SessionChannel:
             self.mark(flush=True)
         try:
             return await _answered(answer, timeout, "")
+        except BaseException:
+            got = _outcome(answer)
+            if late is not None and got is None:
+                self._late_keyed[call_id] = late
+            elif late is not None and isinstance(got, bytes) and got:  # nobody resumed to read it
+                late(got)
+            raise
         finally:
             self._keyed.pop(call_id, None)
 
@@ -359,7 +384,14 @@ class SessionChannel:
         for result in frame.keyed_result:
             answer = self._keyed.get(result.call_id)
             if answer is None or answer.done():
-                continue  # its caller gave up
+                late = self._late_keyed.pop(result.call_id, None)  # its caller gave up
+                if (
+                    late is not None
+                    and result.code == pb.ERROR_CODE_UNSPECIFIED
+                    and result.data_ref
+                ):
+                    late(result.data_ref)
+                continue
             if result.code == pb.ERROR_CODE_UNSPECIFIED:
                 answer.set_result(result.data_ref)
             else:
@@ -369,11 +401,25 @@ class SessionChannel:
         for result in frame.fetched:
             answer = self._calls.get(result.call_id)
             if answer is None or answer.done():
-                continue  # its caller gave up
+                # Its caller gave up, or an announcement answered it first: that
+                # get reads (and releases) the same lease, so only the former's goes.
+                if result.call_id in self._given_up:
+                    self._given_up.discard(result.call_id)
+                    if result.HasField("response"):
+                        self._release_fetched(result.response)
+                continue
             if result.HasField("response"):
                 answer.set_result(result.response)
             else:
                 answer.set_exception(error_from_code(result.code, result.message))
+
+    def _release_fetched(self, resp: pb.FetchResponse) -> None:
+        """Release a fetched lease nobody will read, as a read of it would (a
+        lingering frame, not the ring: see Notices.release)."""
+        lease = resp.lease
+        with self.lock:
+            self._pending.release.add(lease_id=lease.lease_id, generation=lease.generation)
+            self.mark(linger=NOTICE_LINGER_S, holds=lease.length)
 
     # -- in -------------------------------------------------------------------------
 
@@ -389,6 +435,9 @@ class SessionChannel:
     def _lost(self) -> None:
         """The connection is gone: calls in flight fail, and the client hears of it once."""
         answers: list[asyncio.Future[Any]] = [*self._calls.values(), *self._keyed.values()]
+        # No answer comes now to give back.
+        self._given_up.clear()
+        self._late_keyed.clear()
         for answer in answers:
             if not answer.done():
                 answer.set_exception(
@@ -495,6 +544,14 @@ class _Frames(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
         self.channel._lost()
+
+
+def _outcome(answer: asyncio.Future[T]) -> T | BaseException | None:
+    """What ``answer`` was resolved with (a result or an error); None: nothing
+    (its caller stopped waiting first, which cancels it)."""
+    if not answer.done() or answer.cancelled():
+        return None
+    return answer.exception() or answer.result()
 
 
 async def _answered(answer: asyncio.Future[T], timeout: float, what: str) -> T:
