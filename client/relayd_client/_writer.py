@@ -31,7 +31,7 @@ from ._reports import Reports
 from ._routes import RouteKey, Routes
 from .wire.compact import Shape as CompactShape
 from .wire.dataref import KIND_DATA, VERSION, DataRef, compact_put
-from .wire.errors import DrainingError, InvalidArgumentError
+from .wire.errors import DaemonUnavailableError, DrainingError, InvalidArgumentError
 from .wire.names import check_request_id, check_stage
 from .wire.proto import relay_pb2 as pb
 from .wire.shm import SHM_POOL
@@ -199,6 +199,8 @@ class PutPlan:
     template: pb.DataRef | None = None
     shape: CompactShape | None = None
     built: pb.DataRef | None = None
+    # The attach it was planned under: its DataRef names that daemon's epoch.
+    attach: pb.AttachResponse | None = None
 
     @classmethod
     def of(
@@ -305,6 +307,7 @@ class Writer:
             obj, tensors, shape.specs, shape.total, to_stage, request_id, self._object_id(),
             chunk, refs, shape.cuda_uuids,
             shape.route_keys[carries], shape.encoded_bytes, carries, template=shape.template,
+            attach=a,
         )  # fmt: skip
         if refs:
             plan.msg.refs.extend(r.proto for r in refs)
@@ -413,7 +416,7 @@ class Writer:
         add_layout(msg, specs)
         # Always leased, even when tiny: the point is that forwarding stages
         # carry a fixed-size reference, never the bytes.
-        return PutPlan.of(tensor, msg, [tensor], specs, total, is_ref=True)
+        return PutPlan.of(tensor, msg, [tensor], specs, total, is_ref=True, attach=a)
 
     def plan_buffer(
         self, a: pb.AttachResponse, to_stage: str, request_id: str, like: Any, chunk_id: int | None
@@ -436,7 +439,7 @@ class Writer:
         msg.header_codec = pb.HEADER_CODEC_SAFE
         msg.header = _codec.encode(tree)
         add_layout(msg, specs)
-        return PutPlan.of(None, msg, [], specs, total), tree
+        return PutPlan.of(None, msg, [], specs, total, attach=a), tree
 
     def signal(
         self, a: pb.AttachResponse, to_stage: str, request_id: str, kind: int, chunks: int | None
@@ -592,6 +595,14 @@ class Writer:
             # The daemon went away during the copy: the lease died with it,
             # and the new one's arena and session are not this lease's.
             seg = conn.arena(lease)[0]
+            if plan.attach is not None and plan.attach is not conn.attach:
+                # Planned before a restart, leased after it (its route or grant
+                # spanned the re-attach): its DataRef would name the old daemon's
+                # epoch, which every reader refuses as stale.
+                self.cancel_lease(lease)
+                raise DaemonUnavailableError(
+                    "relayd restarted during the put; nothing was published"
+                )
             seg.write_header(lease.slot, gen, total)
             self._notices.publish(lease, total, transport, ref=plan.is_ref, push=push, now=now)
         offset = seg.slot_offset(lease.slot)
@@ -627,6 +638,9 @@ class Writer:
         if plan.total:
             _copies.pack_into(torch.frombuffer(buf, dtype=torch.uint8), plan.tensors, plan.specs)
         wait = self._conn.rpc_timeout(timeout)
+        if plan.attach is not None and plan.attach is not self._conn.require_open():
+            # As in seal(): the DataRef would name a daemon that is gone.
+            raise DaemonUnavailableError("relayd restarted during the put; nothing was published")
         resp = await self._conn.call(
             "PutBytes",
             pb.PutBytesRequest(

@@ -26,6 +26,9 @@ from relayd_client import (
 )
 
 from tests._daemon import Daemon, async_wait_until, kill9, wait_until
+from tests._fixtures import separate_processes
+
+__all__ = ["separate_processes"]  # the autouse fixture: leases, as between processes
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -113,6 +116,53 @@ def test_a_blocking_put_whose_copy_spans_a_restart_fails(
             assert "bad publish" not in d.log()
     finally:
         held.go.set()
+        d.stop()
+
+
+def test_a_put_planned_before_a_restart_and_leased_after_it_fails(
+    tmp_path: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its DataRef would bear the old daemon's epoch over the new daemon's lease:
+    every reader refuses it as stale, while its writer was told it worked."""
+    d = Daemon(str(tmp_path)).start()
+
+    async def scenario() -> None:
+        nonlocal d
+        async with (
+            RelayClient("thinker", d.socket, timeout=20) as w,
+            RelayClient("talker", d.socket, timeout=20) as r,
+        ):
+            asked, go = asyncio.Event(), asyncio.Event()
+            ask = w._routes.ask
+
+            async def held_ask(*facts: Any) -> Any:
+                asked.set()
+                await asyncio.wait_for(go.wait(), 60)
+                return await ask(*facts)
+
+            monkeypatch.setattr(w._routes, "ask", held_ask)
+            put = asyncio.create_task(
+                w.put({"x": torch.ones(MiB)}, to_stage="talker", request_id="r")
+            )
+            await asyncio.wait_for(asked.wait(), 30)
+            d = await asyncio.to_thread(_restart, d, tmp_path)
+            await w.status()  # re-attached to the new daemon, the put still planned
+            await r.status()
+            go.set()
+            with pytest.raises(DaemonUnavailableError):
+                ref = await asyncio.wait_for(put, 30)
+                await r.get(ref)  # what the put's reader would have met
+            monkeypatch.setattr(w._routes, "ask", ask)
+            ref = await w.put({"y": torch.ones(4)}, to_stage="talker", request_id="s")
+            assert ref.fields.origin.daemon_epoch == d.epoch
+            assert torch.equal((await r.get(ref))["y"], torch.ones(4))
+            await async_wait_until(
+                lambda: d.pool().get("used_bytes", 0) == 0, 30, "the cancelled lease freed"
+            )
+
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), 120))
+    finally:
         d.stop()
 
 
