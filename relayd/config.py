@@ -20,7 +20,9 @@ import tomllib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from relayd_client.wire.errors import InvalidArgumentError
 from relayd_client.wire.framing import session_socket_path
+from relayd_client.wire.names import check_stage
 from relayd_client.wire.paths import SHM_DIR, default_socket_path
 from relayd_client.wire.shm import MAX_SLOT_SIZE, segment_nslots
 
@@ -65,6 +67,74 @@ def _parse_ints(text: str | Sequence[int]) -> tuple[int, ...]:
     return tuple(int(p) for p in text)
 
 
+#: uid_t's largest value is (uid_t)-1, which means "no uid" to the kernel.
+_MAX_UID = 2**32 - 2
+_OWNER_FORM = "STAGE=UID[,UID...]"
+_UID_RE = re.compile(r"-?\d+")
+
+
+def _owner_uids(stage: str, raw: object) -> set[int]:
+    if isinstance(raw, str):
+        items: list[object] = [p.strip() for p in raw.split(",") if p.strip()]
+    else:
+        items = list(raw) if isinstance(raw, list) else [raw]
+    uids: set[int] = set()
+    for item in items:
+        # bool is an int to Python, and int() takes 1.5: neither is a uid anyone wrote.
+        if isinstance(item, int) and not isinstance(item, bool):
+            uid = item
+        elif isinstance(item, str) and _UID_RE.fullmatch(item):
+            uid = int(item)
+        else:
+            raise ConfigError(f"stage_owner: uid {item!r} of stage {stage!r} is not an integer")
+        if not 0 <= uid <= _MAX_UID:
+            raise ConfigError(f"stage_owner: uid {uid} of stage {stage!r} is not a uid")
+        uids.add(uid)
+    if not uids:
+        raise ConfigError(f"stage_owner: {stage!r} names no uid ({_OWNER_FORM})")
+    return uids
+
+
+def parse_stage_owners(
+    value: str | Sequence[object] | Mapping[str, object],
+) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """``talker=1001,1002`` -> ``(("talker", (1001, 1002)),)``, sorted by stage.
+
+    A flag per stage (repeated), or ``;`` between stages in one string (the
+    environment); the config file may also give a table of stage = uid or
+    [uids]. A stage named twice gets the uids of both.
+    """
+    pairs: list[tuple[str, object]] = []
+    if isinstance(value, Mapping):
+        pairs = [(str(stage), uids) for stage, uids in value.items()]
+    else:
+        for item in [value] if isinstance(value, str) else value:
+            if not isinstance(item, str):
+                raise ConfigError(f"stage_owner: {item!r} is not {_OWNER_FORM}")
+            for entry in filter(None, (e.strip() for e in item.split(";"))):
+                stage, eq, listed = entry.partition("=")
+                if not eq:
+                    raise ConfigError(f"stage_owner: {entry!r} is not {_OWNER_FORM}")
+                pairs.append((stage.strip(), listed))
+    # Here, not at the top: relayd.operator loads gRPC, which reading settings need not.
+    from relayd.operator import OPERATOR_STAGE
+
+    owners: dict[str, set[int]] = {}
+    for stage, raw in pairs:
+        try:
+            check_stage(stage)
+        except InvalidArgumentError as exc:
+            raise ConfigError(f"stage_owner: {exc.message}") from None
+        if stage == OPERATOR_STAGE:
+            # Listed, it would lock the CLI out for --admin-gid members.
+            raise ConfigError(
+                f"stage_owner: {OPERATOR_STAGE} is the CLI's own stage; --admin-gid "
+                "says who may operate the daemon"
+            )
+        owners.setdefault(stage, set()).update(_owner_uids(stage, raw))
+    return tuple((stage, tuple(sorted(uids))) for stage, uids in sorted(owners.items()))
+
+
 #: The default arena's floor, and the smaller one where /dev/shm cannot hold it
 #: (a container's default 64 MB /dev/shm): there relayd starts on what fits and
 #: says so, rather than fail preflight.
@@ -106,8 +176,9 @@ def _field(
     help: str,
     parse: Any = str,
     metavar: str | None = None,
+    repeat: bool = False,
 ) -> Any:
-    meta = {"help": help, "parse": parse, "metavar": metavar}
+    meta = {"help": help, "parse": parse, "metavar": metavar, "repeat": repeat}
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -235,6 +306,15 @@ class Settings:
         metavar="GID,...",
         help="groups whose members may drain and read the full status (root and the daemon's "
         "uid always may)",
+    )
+    stage_owner: tuple[tuple[str, tuple[int, ...]], ...] = _field(
+        (),
+        parse=parse_stage_owners,
+        metavar=_OWNER_FORM,
+        repeat=True,
+        help="only these uids (and root and the daemon's uid) may serve STAGE; repeat per "
+        "stage (';' between stages in the environment); stages not listed are open to every "
+        "admitted uid",
     )
     max_sessions: int = _field(
         1024, parse=int, metavar="N", help="sessions at once, bound or not yet bound"
@@ -404,6 +484,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "--" + f.name.replace("_", "-"),
             dest=f.name,
             default=None,
+            action="append" if f.metadata["repeat"] else "store",
             metavar=f.metadata["metavar"],
             help=f"{f.metadata['help']} [default: {shown}; env {env_name(f.name)}]",
         )

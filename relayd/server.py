@@ -150,6 +150,7 @@ class Daemon:
             settings.allow_gid or (os.getegid(),),
             daemon_uid=os.geteuid(),
             admin_gids=settings.admin_gid,
+            stage_owners=dict(settings.stage_owner),
         )
         self.cuda_pools: list[cuda_pools.CudaPool] = []
         # Cross-node peers and Mooncake; None unless --peer-address is set.

@@ -1,4 +1,5 @@
-"""Who may bind a session, and which bound sessions may operate the daemon.
+"""Who may bind a session, which stages it may serve, and which bound sessions
+may operate the daemon.
 
 The session socket is where the daemon learns who calls (SO_PEERCRED and the
 peer's groups); what it learns there is kept in :class:`Roles`, which the gRPC
@@ -10,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import socket
 import struct
-from collections.abc import Collection
+from collections.abc import Collection, Iterable, Mapping
 
 SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
 _MAX_GROUPS = 65536
@@ -46,6 +47,12 @@ class Admission:
     daemon's group), so ``usermod -aG relayd <user>`` admits that user.
     Operators (Drain, the full Status): root, the daemon's uid and members of
     ``--admin-gid``.
+
+    Stage names are the client's own word at Attach; ``--stage-owner`` lets a
+    stage be served only by the uids it lists. Root and the daemon's uid may
+    serve any stage, as they pass every other rule here: either can take the
+    daemon over anyway (ptrace, the segments by name), so refusing them would
+    protect nothing. Stages without a list are open to every admitted uid.
     """
 
     def __init__(
@@ -55,11 +62,15 @@ class Admission:
         *,
         daemon_uid: int,
         admin_gids: Collection[int] = (),
+        stage_owners: Mapping[str, Collection[int]] | None = None,
     ) -> None:
         self.daemon_uid = daemon_uid
         self.uids = frozenset(uids) | {daemon_uid}
         self.gids = frozenset(gids)
         self.admin_gids = frozenset(admin_gids)
+        self.stage_owners = {
+            stage: frozenset(owners) for stage, owners in (stage_owners or {}).items()
+        }
 
     def admits(self, uid: int, gid: int, groups: Collection[int] = ()) -> bool:
         return uid == 0 or uid in self.uids or gid in self.gids or not self.gids.isdisjoint(groups)
@@ -70,6 +81,16 @@ class Admission:
             or gid in self.admin_gids
             or not self.admin_gids.isdisjoint(groups)
         )
+
+    def stage_refused(self, stages: Iterable[str], uid: int) -> str | None:
+        """The first of ``stages`` whose owner list leaves ``uid`` out; None: it may serve all."""
+        if uid in (0, self.daemon_uid):
+            return None
+        for stage in stages:
+            owners = self.stage_owners.get(stage)
+            if owners is not None and uid not in owners:
+                return stage
+        return None
 
 
 @dataclasses.dataclass

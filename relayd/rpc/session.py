@@ -69,6 +69,7 @@ _REPORT, _LATENCY, _FETCH, _KEYED_PUT, _KEYED_TAKE, _DISCARD = (
 )
 _REFUSAL_CODES = {
     "uid": pb.ERROR_CODE_PERMISSION_DENIED,
+    "stage_owner": pb.ERROR_CODE_PERMISSION_DENIED,
     "limit": pb.ERROR_CODE_RESOURCE_EXHAUSTED,
     "bind_timeout": pb.ERROR_CODE_TIMEOUT,
 }
@@ -330,6 +331,18 @@ class SessionProtocol(asyncio.Protocol):
                 )
             except RelayError as err:
                 self._refuse("token", str(err))
+                return
+            stage = self.admission.stage_refused(session.stages, uid)
+            if stage is not None:
+                # Closed in this turn, before anything could place it or use it:
+                # the stage's routes and keys stay with the sessions that own it.
+                m.close_session(session.id)
+                self._refuse(
+                    "stage_owner",
+                    f"uid {uid} may not serve stage {stage!r}: it is listed in --stage-owner "
+                    f"without this uid (add {stage}={uid} there, or in RELAYD_STAGE_OWNER or "
+                    "stage_owner of the config file, to allow it)",
+                )
                 return
             self.session = session
             if self._bind_timer is not None:
