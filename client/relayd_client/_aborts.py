@@ -9,8 +9,7 @@ has freed its leases yet (the writer's notices may still be on the way).
 
 from __future__ import annotations
 
-import collections
-
+from ._recent import Recent
 from .wire.errors import AbortedError
 
 # Aborted request ids remembered per client; the oldest are forgotten first.
@@ -21,16 +20,13 @@ class AbortedRequests:
     """A bounded, ordered set of aborted request ids."""
 
     def __init__(self, memory: int = ABORTED_MEMORY) -> None:
-        self._ids: collections.OrderedDict[str, None] = collections.OrderedDict()
-        self._memory = memory
+        self._ids: Recent[str] = Recent(memory)
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._ids
 
     def remember(self, request_id: str) -> None:
-        self._ids[request_id] = None
-        while len(self._ids) > self._memory:
-            self._ids.popitem(last=False)
+        self._ids.add(request_id)
 
     def forget(self, request_id: str) -> None:
         self._ids.pop(request_id, None)

@@ -10,12 +10,12 @@ inline DataRefs read (they never reach the daemon).
 
 from __future__ import annotations
 
-import collections
 import threading
 from typing import Any
 
 from . import _codec_decode, _header_tree, _packing
 from ._gpu_order import ReadOnce
+from ._recent import Recent
 from .wire.compact import RefFields, RefView
 from .wire.errors import StaleRefError
 from .wire.proto import relay_pb2 as pb
@@ -52,7 +52,7 @@ class ReadChecks:
         self.valid_layouts: dict[tuple[tuple[bytes, ...], int], list[_packing.TensorSpec]] = {}
         self.headers: dict[bytes, Any] = {}
         self.header_bounds: dict[bytes, tuple[int, int]] = {}
-        self.released: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self.released: Recent[int] = Recent(_RELEASED_MEMORY)
         self.inline_reads = ReadOnce()  # (epoch, object id) of inline DataRefs read
 
     def checked_specs(self, m: RefFields, region_len: int) -> list[_packing.TensorSpec]:
@@ -121,9 +121,7 @@ class ReadChecks:
 
     def remember_released(self, lease_id: int) -> None:
         with self.lock:
-            self.released[lease_id] = None
-            while len(self.released) > _RELEASED_MEMORY:
-                self.released.popitem(last=False)
+            self.released.add(lease_id)
 
     def claim_inline(self, m: RefFields, what: str) -> tuple[str, str]:
         """Mark a DataRef with no lease read in this process; a second mark fails."""

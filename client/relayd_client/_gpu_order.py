@@ -33,13 +33,13 @@ machines without a GPU. What each piece answers:
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Hashable, Iterable, Sequence
 from typing import Any, Protocol, TypeVar
 
+from ._recent import Recent
 from .wire.errors import RelayTimeoutError, StaleRefError
 
 log = logging.getLogger(__name__)
@@ -279,15 +279,12 @@ class ReadOnce:
     """Keys of what this process has read, refused a second time (bounded memory)."""
 
     def __init__(self, memory: int = READ_ONCE_MEMORY) -> None:
-        self._seen: collections.OrderedDict[Hashable, None] = collections.OrderedDict()
-        self._memory = memory
+        self._seen: Recent[Hashable] = Recent(memory)
 
     def claim(self, key: Hashable, what: str) -> None:
         if key in self._seen:
             raise StaleRefError(f"{what} was already read by this process; it is read once")
-        self._seen[key] = None
-        while len(self._seen) > self._memory:
-            self._seen.popitem(last=False)
+        self._seen.add(key)
 
     def forget(self, key: Hashable) -> None:
         """A read that failed before it took anything may be tried again."""

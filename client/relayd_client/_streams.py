@@ -24,13 +24,13 @@ late chunk and kept for good, its leases held until their TTL.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from ._aborts import AbortedRequests
+from ._recent import Recent
 from .wire.dataref import KIND_DATA, KIND_DONE, KIND_ERROR, DataRef
 from .wire.errors import (
     InvalidArgumentError,
@@ -72,7 +72,7 @@ class Streams:
         # Requests whose buffers an abort dropped: their streams stay aborted
         # here even where the client forgets the abort (its Abort call failed).
         self._dropped = AbortedRequests()
-        self._ended: collections.OrderedDict[StreamKey, None] = collections.OrderedDict()
+        self._ended: Recent[StreamKey] = Recent(ENDED_MEMORY)
         # Frees an unread chunk's lease (RelayClient.discard); the loop the
         # readers run on, where those calls run (a feed may come from elsewhere).
         self._discard = discard
@@ -167,10 +167,7 @@ class Streams:
         it did not read, and what comes for it later (see :meth:`feed`)."""
         if self._by_key.get(key) is st:
             del self._by_key[key]
-        self._ended[key] = None
-        self._ended.move_to_end(key)
-        while len(self._ended) > ENDED_MEMORY:
-            self._ended.popitem(last=False)
+        self._ended.add(key)  # not there: an ended stream's read raises before it ends
         if not st.aborted:  # an abort freed them all
             self._free(st.refs.values())
         st.refs.clear()
