@@ -424,7 +424,7 @@ class RelayClient:
         """
         wait = self._conn.rpc_timeout(timeout)
         self._conn.usable() or await self._conn.ready(wait)
-        return await _keyed.take(self._conn, key, from_stage, to_stage, wait)
+        return await _keyed.take(self._conn, self._checks, key, from_stage, to_stage, wait)
 
     async def get_key(
         self,

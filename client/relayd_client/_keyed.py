@@ -48,7 +48,12 @@ async def index(conn: Connection, ref: DataRef, key: str, timeout: float) -> Non
 
 
 async def take(
-    conn: Connection, key: str, from_stage: str, to_stage: str | None, timeout: float
+    conn: Connection,
+    checks: ReadChecks,
+    key: str,
+    from_stage: str,
+    to_stage: str | None,
+    timeout: float,
 ) -> DataRef | None:
     """The DataRef under ``key``, consumed; None when ``timeout`` <= 0 and there is none."""
     check_key(key)
@@ -66,7 +71,7 @@ async def take(
         # what it holds now rather than at its TTL. The key stays read (the
         # daemon cannot be told to index it again), as it would had the
         # caller discarded it.
-        task = asyncio.get_running_loop().create_task(_give_back(conn, wire, timeout))
+        task = asyncio.get_running_loop().create_task(_give_back(conn, checks, wire, timeout))
         _giving_back.add(task)
         task.add_done_callback(_giving_back.discard)
 
@@ -80,28 +85,12 @@ async def take(
     return DataRef.from_bytes(wire) if wire else None
 
 
-async def _give_back(conn: Connection, wire: bytes, timeout: float) -> None:
-    """Free, unread, what a taken DataRef nobody received holds: :func:`discard`
-    without the checks of a caller who held it."""
+async def _give_back(conn: Connection, checks: ReadChecks, wire: bytes, timeout: float) -> None:
+    """Discard, unread, a taken DataRef nobody received."""
     try:
-        m = DataRef.from_bytes(wire).proto
-        await _free(conn, m, max(timeout, conn.timeout))
+        await discard(conn, checks, wire, max(timeout, conn.timeout))
     except RelayError as exc:  # gone meanwhile (TTL, abort, the daemon): nothing held
         log.debug("a late take's DataRef was not freed: %s", exc)
-
-
-async def _free(conn: Connection, m: pb.DataRef, timeout: float) -> None:
-    if m.kind != KIND_DATA:
-        return
-    transport = Transport.from_proto(m.transport)
-    if transport in _LEASED:
-        with contextlib.suppress(StaleRefError):
-            await conn.session.keyed(pb.DiscardCall(data_ref=DataRef(m).to_bytes()), timeout)
-    elif transport is Transport.LOCAL_OBJECT:
-        with contextlib.suppress(KeyError):
-            _local.take(m.object_id)
-    for inner in m.refs:
-        await _free(conn, inner, timeout)
 
 
 async def discard(
