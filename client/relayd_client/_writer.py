@@ -61,6 +61,12 @@ def check_names(to_stage: str, request_id: str) -> None:
 MAX_CHUNK = (1 << 63) - 1
 
 
+def _restarted() -> DaemonUnavailableError:
+    """What a put planned before a restart and leased after it raises (see
+    :meth:`Writer._planned_here`)."""
+    return DaemonUnavailableError("relayd restarted during the put; nothing was published")
+
+
 def check_count(value: object, what: str) -> int:
     """``value`` as an int from 0 to :data:`MAX_CHUNK` (numpy ints too), else
     InvalidArgumentError: a float, a bool or a bigger number would fail later,
@@ -572,6 +578,13 @@ class Writer:
             self._notices.reserve(lease, plan.request_id, plan.to_stage, plan.trace_id)
         return lease, seg.slot_offset(lease.slot)
 
+    @staticmethod
+    def _planned_here(plan: PutPlan, attach: pb.AttachResponse | None) -> bool:
+        """Whether ``plan`` was made under ``attach``, the session attached now. One
+        planned before a restart and leased after it (its route or grant spanned
+        the re-attach) would name the old daemon's epoch, which readers refuse."""
+        return plan.attach is None or plan.attach is attach
+
     def cancel_lease(self, lease: Lease) -> None:
         self._notices.cancel(lease)
 
@@ -595,14 +608,9 @@ class Writer:
             # The daemon went away during the copy: the lease died with it,
             # and the new one's arena and session are not this lease's.
             seg = conn.arena(lease)[0]
-            if plan.attach is not None and plan.attach is not conn.attach:
-                # Planned before a restart, leased after it (its route or grant
-                # spanned the re-attach): its DataRef would name the old daemon's
-                # epoch, which every reader refuses as stale.
+            if not self._planned_here(plan, conn.attach):
                 self.cancel_lease(lease)
-                raise DaemonUnavailableError(
-                    "relayd restarted during the put; nothing was published"
-                )
+                raise _restarted()
             seg.write_header(lease.slot, gen, total)
             self._notices.publish(lease, total, transport, ref=plan.is_ref, push=push, now=now)
         offset = seg.slot_offset(lease.slot)
@@ -638,9 +646,8 @@ class Writer:
         if plan.total:
             _copies.pack_into(torch.frombuffer(buf, dtype=torch.uint8), plan.tensors, plan.specs)
         wait = self._conn.rpc_timeout(timeout)
-        if plan.attach is not None and plan.attach is not self._conn.require_open():
-            # As in seal(): the DataRef would name a daemon that is gone.
-            raise DaemonUnavailableError("relayd restarted during the put; nothing was published")
+        if not self._planned_here(plan, self._conn.require_open()):
+            raise _restarted()
         resp = await self._conn.call(
             "PutBytes",
             pb.PutBytesRequest(
