@@ -31,6 +31,18 @@ from .errors import mapped
 
 Ctx: TypeAlias = Any
 
+# A call that waits (for space, for a pull) stops this long before its deadline,
+# for the answer to reach the client in time.
+ANSWER_TIME_S = 0.05
+
+
+def within_deadline(timeout: float, context: Ctx) -> float:
+    """``timeout``, cut to end :data:`ANSWER_TIME_S` before the call's deadline."""
+    remaining: float | None = context.time_remaining()
+    if remaining is None:
+        return timeout
+    return min(timeout, max(remaining - ANSWER_TIME_S, 0.0))
+
 
 class RoutingService:
     leases: LeaseManager
@@ -65,9 +77,7 @@ class RoutingService:
             request.from_stage if request.from_stage in session.stages else session.stages[0]
         )
         timeout = request.timeout_seconds if request.timeout_seconds > 0 else self.reserve_timeout
-        remaining = context.time_remaining()
-        if remaining is not None:
-            timeout = min(timeout, max(remaining - 0.05, 0.0))
+        timeout = within_deadline(timeout, context)
         data = request.data
         lease = await self.leases.put_bytes(
             session,

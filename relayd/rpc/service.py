@@ -33,17 +33,13 @@ from ..routing.topology import Topology
 from .admission import Roles
 from .errors import mapped
 from .fetch import Fetcher
-from .routing import RoutingService
+from .routing import ANSWER_TIME_S, RoutingService, within_deadline
 
 log = logging.getLogger(__name__)
 
 MAX_GRANT_BYTES = 1 << 40
 MAX_DRAIN_GRACE = 3600.0
 MAX_UNBOUND_SESSIONS = 64
-# A grant's wait ends this long before the call's deadline, for the answer to reach
-# the client; one the handler gets to with less than half of it left is taken back.
-ANSWER_TIME_S = 0.05
-
 # grpc ships no type stubs; the servicer context is untyped.
 Ctx: TypeAlias = Any
 
@@ -189,11 +185,10 @@ class RelayService(RoutingService, pb_grpc.RelayServicer):
         # more (or for inf) would hold its place in the fair queue for as long.
         limit = self.reserve_timeout
         timeout = min(request.timeout_seconds, limit) if request.timeout_seconds > 0 else limit
-        remaining = context.time_remaining()
-        if remaining is not None:
-            timeout = min(timeout, max(remaining - ANSWER_TIME_S, 0.0))
+        timeout = within_deadline(timeout, context)
         grant = await m.grant(session, request.min_bytes, timeout, request.pool or SHM_POOL)
         remaining = context.time_remaining()
+        # A grant the handler gets to with less than half of ANSWER_TIME_S left is taken back.
         if remaining is not None and remaining < ANSWER_TIME_S / 2:
             # Served, but resumed too late (a busy loop) for the answer to arrive: the
             # server's deadline (the client's timeout from the request's arrival) comes
@@ -240,10 +235,7 @@ class RelayService(RoutingService, pb_grpc.RelayServicer):
         """Cross-node read: pull a foreign DataRef into this arena (see relayd.peers).
         Clients use the session socket's FetchCall; this is the same work over gRPC."""
         session = self.leases.authenticate(request.session_id, request.session_token)
-        timeout = self.fetcher.timeout(request.timeout_seconds)
-        remaining = context.time_remaining()
-        if remaining is not None:
-            timeout = min(timeout, max(remaining - 0.05, 0.0))
+        timeout = within_deadline(self.fetcher.timeout(request.timeout_seconds), context)
         return await self.fetcher.fetch(session, request.data_ref, timeout)
 
     @mapped
