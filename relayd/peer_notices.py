@@ -34,6 +34,7 @@ import asyncio
 import collections
 import dataclasses
 import logging
+from collections.abc import Coroutine
 from typing import Any
 
 import grpc
@@ -321,9 +322,7 @@ class PeerNotifier:
             else:
                 return
         ob.busy = True
-        task = asyncio.get_running_loop().create_task(self._write(address, ob, messages))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._spawn(self._write(address, ob, messages))
 
     def _open(self, address: str, ob: _Outbox) -> _Stream | None:
         """A fresh Notify stream to ``address``, watched until it ends."""
@@ -332,10 +331,15 @@ class PeerNotifier:
             return None
         call = stub.Notify(metadata=self._links.metadata())
         stream = ob.stream = _Stream(call, self._links.settings.peer_timeout)
-        task = asyncio.get_running_loop().create_task(self._watch(address, ob, stream))
+        self._spawn(self._watch(address, ob, stream))
+        return stream
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run ``work`` as a task held here until it ends (the loop keeps only a weak
+        reference), cancelled by :meth:`close`."""
+        task = asyncio.get_running_loop().create_task(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        return stream
 
     async def _watch(self, address: str, ob: _Outbox, stream: _Stream) -> None:
         """Until ``stream`` ends. One that the peer ended (it refused a message, or

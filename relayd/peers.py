@@ -87,7 +87,7 @@ class PeerManager:
             settings,
             epoch,
             hello=self.hello,
-            local_stages=self.local_stages,
+            local_stages=self.hooks.local_stages,
             peer_stages=self.hooks.peer_stages,
             events=self,
         )
@@ -173,9 +173,6 @@ class PeerManager:
 
     # -- who we are -------------------------------------------------------------------
 
-    def local_stages(self) -> list[str]:
-        return self.hooks.local_stages()
-
     def hello(self) -> pb.PeerHello:
         arena = self.parts.arena
         return pb.PeerHello(
@@ -195,7 +192,7 @@ class PeerManager:
                 )
                 for seg, base in zip(arena.segments, self.parts.local_bases, strict=True)
             ],
-            stages=self.local_stages(),
+            stages=self.hooks.local_stages(),
             notice_port=self.notice_port,
         )
 
