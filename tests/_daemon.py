@@ -318,6 +318,13 @@ def kill9(proc: subprocess.Popen[bytes]) -> None:
     proc.wait(timeout=10)
 
 
+def restarted(d: Daemon, where: str) -> Daemon:
+    """``d`` killed (SIGKILL), and a new daemon started in ``where``, on the same socket."""
+    assert d.proc is not None, "the daemon was never started"
+    kill9(d.proc)
+    return Daemon(where).start()
+
+
 def lines(cp: subprocess.CompletedProcess[bytes]) -> list[str]:
     """A worker's stdout, one DataRef or digest per line."""
     return cp.stdout.decode().splitlines()

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -8,9 +10,24 @@ import pytest
 
 from tests._daemon import Daemon
 from tests._fixtures import separate_processes
+from tests.adversarial._users import DAEMON, User, ensure_users, shared_dir
 from tests.faults._support import start_daemon, unique_node
 
-__all__ = ["daemon", "daemon_options", "separate_processes"]
+__all__ = ["daemon", "daemon_options", "run_dir", "separate_processes", "users"]
+
+
+@pytest.fixture
+def users() -> dict[str, User]:
+    """The real users the uid tests run as (created once)."""
+    return ensure_users()
+
+
+@pytest.fixture
+def run_dir(users: dict[str, User]) -> Iterator[str]:
+    """Like systemd's /run/relayd: the daemon user's, under root's /run, open to enter."""
+    path = shared_dir(users[DAEMON], 0o755, parent="/run" if os.path.isdir("/run") else "/tmp")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

@@ -4,8 +4,6 @@ on every RPC (real users: see _users)."""
 from __future__ import annotations
 
 import os
-import shutil
-from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -19,26 +17,12 @@ from tests.adversarial._users import (
     STAGE,
     SUPP,
     User,
-    ensure_users,
     run_as,
     shared_dir,
 )
 from tests.faults._support import unique_node
 
 pytestmark = pytest.mark.timeout(180)
-
-
-@pytest.fixture
-def users() -> dict[str, User]:
-    return ensure_users()
-
-
-@pytest.fixture
-def run_dir(users: dict[str, User]) -> Iterator[str]:
-    """Like systemd's /run/relayd: the daemon user's, under root's /run, open to enter."""
-    path = shared_dir(users[DAEMON], 0o755, parent="/run" if os.path.isdir("/run") else "/tmp")
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def _daemon_as(user: User, where: str, *args: str) -> Daemon:

@@ -15,15 +15,10 @@ import pytest
 from relayd_client import PermissionDeniedError, RelayClient
 
 from tests._daemon import Daemon, wait_until
-from tests.adversarial._users import DAEMON, OTHER, STAGE, User, ensure_users, run_as, shared_dir
+from tests.adversarial._users import DAEMON, OTHER, STAGE, User, run_as, shared_dir
 from tests.faults._support import unique_node
 
 pytestmark = pytest.mark.timeout(180)
-
-
-@pytest.fixture
-def users() -> dict[str, User]:
-    return ensure_users()
 
 
 @pytest.fixture

@@ -10,10 +10,8 @@ import hashlib
 import json
 import os
 import select
-import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -26,7 +24,6 @@ from tests.adversarial._users import (
     STAGE,
     SUPP,
     User,
-    ensure_users,
     run_as,
     shared_dir,
 )
@@ -37,19 +34,6 @@ pytestmark = pytest.mark.timeout(180)
 KEY = "owned-1"
 # Bounds on the reader process: bound within the first, done within the second.
 BIND_TIMEOUT, READ_TIMEOUT = 60.0, 90.0
-
-
-@pytest.fixture
-def users() -> dict[str, User]:
-    return ensure_users()
-
-
-@pytest.fixture
-def run_dir(users: dict[str, User]) -> Iterator[str]:
-    """Like systemd's /run/relayd: the daemon user's, under root's /run, open to enter."""
-    path = shared_dir(users[DAEMON], 0o755, parent="/run" if os.path.isdir("/run") else "/tmp")
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def _daemon(users: dict[str, User], where: str) -> Daemon:

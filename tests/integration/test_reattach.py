@@ -17,7 +17,7 @@ import pytest
 import torch
 from relayd_client import RelayClient, SyncRelayClient
 
-from tests._daemon import Daemon, kill9, wait_until
+from tests._daemon import Daemon, kill9, restarted, wait_until
 from tests._daemon import drained as _drained
 from tests._workers import digest
 
@@ -40,13 +40,8 @@ def _tensor(seed: int) -> torch.Tensor:
     return torch.arange(MiB // 4, dtype=torch.int32) + seed
 
 
-def _restart(d: Daemon, tmp_path: object) -> Daemon:
-    kill9(d.proc)  # type: ignore[arg-type]
-    return Daemon(str(tmp_path)).start()  # same socket
-
-
 async def _restart_async(d: Daemon, tmp_path: object) -> Daemon:
-    """:func:`_restart` with the client's loop running, so it sees the daemon go."""
+    """``restarted`` with the client's loop running, so it sees the daemon go."""
     kill9(d.proc)  # type: ignore[arg-type]
     return await asyncio.to_thread(Daemon(str(tmp_path)).start)
 
@@ -87,7 +82,7 @@ def test_blocking_ref_right_after_a_daemon_restart_waits_for_the_reattach(
             first = w.ref(_tensor(1), consumer_stage="talker", request_id="before")
             assert digest(r.get(first.data_ref())) == digest(_tensor(1))
             old_epoch = w.daemon_epoch
-            d = _restart(d, tmp_path)
+            d = restarted(d, str(tmp_path))
             second = w.ref(_tensor(2), consumer_stage="talker", request_id="after")
             assert w.daemon_epoch != old_epoch
             assert digest(r.get(second.data_ref())) == digest(_tensor(2))
@@ -169,7 +164,7 @@ def test_a_zero_copy_view_stays_readable_after_the_daemon_restarts(tmp_path: obj
             reader.stdin.flush()
             before = reader.stdout.readline().strip()
             assert before == digest({"t": _tensor(7)})
-            d = _restart(d, tmp_path)
+            d = restarted(d, str(tmp_path))
             out, _ = reader.communicate("restarted\n", timeout=60)
         # -11 (SIGSEGV): the view pointed into an arena the client had unmapped.
         assert reader.returncode == 0, reader.returncode

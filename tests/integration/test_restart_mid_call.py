@@ -25,7 +25,7 @@ from relayd_client import (
     SyncRelayClient,
 )
 
-from tests._daemon import Daemon, async_wait_until, kill9, wait_until
+from tests._daemon import Daemon, async_wait_until, kill9, restarted, wait_until
 from tests._fixtures import separate_processes
 
 __all__ = ["separate_processes"]  # the autouse fixture: leases, as between processes
@@ -55,11 +55,6 @@ class _HeldCopy:
         monkeypatch.setattr(copies, name, held)
 
 
-def _restart(d: Daemon, tmp_path: object) -> Daemon:
-    kill9(d.proc)  # type: ignore[arg-type]
-    return Daemon(str(tmp_path)).start()  # same socket
-
-
 def test_a_large_put_whose_copy_spans_a_restart_fails(
     tmp_path: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -72,7 +67,7 @@ def test_a_large_put_whose_copy_spans_a_restart_fails(
         async with RelayClient("thinker", d.socket, timeout=20) as w:
             put = asyncio.create_task(w.put(payload, to_stage="talker", request_id="r"))
             assert await asyncio.to_thread(held.entered.wait, 30)
-            d = await asyncio.to_thread(_restart, d, tmp_path)
+            d = await asyncio.to_thread(restarted, d, str(tmp_path))
             await w.status()  # re-attached to the new daemon
             session = w.session_id
             held.go.set()
@@ -104,7 +99,7 @@ def test_a_blocking_put_whose_copy_spans_a_restart_fails(
         ):
             put = pool.submit(w.put, {"x": torch.ones(MiB)}, to_stage="talker", request_id="r")
             assert held.entered.wait(30)
-            d = _restart(d, tmp_path)
+            d = restarted(d, str(tmp_path))
             w.status()  # re-attached to the new daemon
             session = w.session_id
             held.go.set()
@@ -145,7 +140,7 @@ def test_a_put_planned_before_a_restart_and_leased_after_it_fails(
                 w.put({"x": torch.ones(MiB)}, to_stage="talker", request_id="r")
             )
             await asyncio.wait_for(asked.wait(), 30)
-            d = await asyncio.to_thread(_restart, d, tmp_path)
+            d = await asyncio.to_thread(restarted, d, str(tmp_path))
             await w.status()  # re-attached to the new daemon, the put still planned
             await r.status()
             go.set()
@@ -216,7 +211,7 @@ def test_restarts_in_a_row_leave_no_mappings_descriptors_or_threads_behind(
                     fds = len(os.listdir("/proc/self/fd"))
                     maps = _relayd_mappings()
                     threads = set(threading.enumerate())
-                d = _restart(d, tmp_path)
+                d = restarted(d, str(tmp_path))
                 ref = w.put({"x": torch.full((MiB,), i)}, to_stage="talker", request_id=f"a{i}")
                 got = r.get(ref)
                 assert torch.equal(got["x"], torch.full((MiB,), i))
@@ -280,7 +275,7 @@ def test_a_blocking_get_whose_copy_spans_a_restart_frees_nothing_of_the_new_daem
             held = _HeldCopy(monkeypatch, "unpack_from")  # the blocking get copies here
             get = pool.submit(r.get, ref)
             assert held.entered.wait(30)
-            d = _restart(d, tmp_path)
+            d = restarted(d, str(tmp_path))
             r.status()  # re-attached to the new daemon
             fresh = DataRef.from_bytes(bytes.fromhex(_put_elsewhere(d.socket)))
             held.go.set()

@@ -18,6 +18,7 @@ from relayd.pools.arena import Arena
 from relayd.pools.leases import LeaseManager
 from relayd.pools.sessions import Session
 from relayd.rpc.frames import frame_sink
+from tests._daemon import async_wait_until
 from tests.unit._pools import SLOT, unit_arena
 
 BOUND = 10.0  # no test waits this long unless the behaviour under test is broken
@@ -47,9 +48,10 @@ def test_a_grant_call_cancelled_as_it_is_served_gives_the_grant_back(arena: Aren
         assert arena.free_slots == 0
         r, x = _session(m, "talker"), _session(m, "critic")
         call = asyncio.ensure_future(m.grant(r, 8 * SLOT, BOUND))
-        await asyncio.sleep(0)  # the call is in the queue, waiting for space
         waits = asyncio.ensure_future(m.grant(x, 8 * SLOT, BOUND))
-        await asyncio.sleep(0)
+        await async_wait_until(
+            lambda: len(m.queue._waiters) == 2, BOUND, "both calls in the queue, waiting for space"
+        )
         assert not call.done() and not waits.done()
         m.return_grant(last, back.id)  # serves r's wait ...
         assert len(r.grants) == 1

@@ -18,6 +18,7 @@ from relayd_client.wire.dataref import VERSION
 from relayd_client.wire.proto import relay_pb2 as pb
 
 from relayd.keys import KeyIndex
+from tests._daemon import async_wait_until
 
 NAME = ("talker", "thinker", "k")
 LEASE_ID = (7 << 32) + 1
@@ -50,7 +51,7 @@ def test_an_abort_in_the_turn_of_a_hand_back_keeps_the_key_gone(transport: str) 
     async def scenario() -> None:
         keys = KeyIndex(max_stage_keys=4, ttl=60.0)
         gone_reader = asyncio.create_task(keys.take(NAME, BOUND))
-        await asyncio.sleep(0)  # one loop turn: the take now waits for the put
+        await async_wait_until(lambda: NAME in keys._waiters, BOUND, "the take to wait for the put")
         keys.add(ref, "k")  # handed to the take, which has not resumed yet
         keys.abort("r1")
         gone_reader.cancel()  # its connection ended in the same turn

@@ -20,6 +20,7 @@ from relayd.pools.arena import Arena
 from relayd.pools.events import Reclaim, SessionEvent
 from relayd.pools.leases import LeaseManager
 from relayd.pools.sessions import Session
+from tests._daemon import async_wait_until
 from tests.unit._pools import SLOT, unit_arena
 
 BOUND = 10.0  # no test waits this long unless the behaviour under test is broken
@@ -60,7 +61,9 @@ def test_a_wait_on_its_stage_quota_asks_the_readers_of_its_stage_leases(arena: A
             events.clear()
 
         call = asyncio.ensure_future(m.grant(writer, 8 * SLOT, BOUND))
-        await asyncio.sleep(0)  # the call is in the queue, waiting on the quota
+        await async_wait_until(
+            lambda: m.queue.space_short, BOUND, "the call in the queue, waiting on the quota"
+        )
         assert not call.done()
         told = {sid: sum(isinstance(e, Reclaim) for e in events) for sid, events in heard.items()}
         call.cancel()
