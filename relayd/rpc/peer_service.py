@@ -14,7 +14,12 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeAlias, TypeVar
 
-from relayd_client.wire.errors import InvalidArgumentError, PermissionDeniedError, RelayError
+from relayd_client.wire.errors import (
+    InvalidArgumentError,
+    PermissionDeniedError,
+    RelayError,
+    RelayTimeoutError,
+)
 from relayd_client.wire.names import MAX_SESSION_STAGES, REQUEST_ID_MAX, check_stage
 from relayd_client.wire.proto import relay_pb2 as pb
 from relayd_client.wire.proto import relay_pb2_grpc as pb_grpc
@@ -23,6 +28,7 @@ from ..peer_context import PeerHooks, PeerLeases
 from ..peer_links import PeerLinks
 from ..peer_notices import notice_count
 from ..push import PushManager
+from .deadlines import too_late
 from .errors import mapped
 
 log = logging.getLogger(__name__)
@@ -96,6 +102,19 @@ class PeerService(pb_grpc.PeerServicer):
         peer = self.links.by_node.get(request.node_id)
         if peer is None or not peer.up:
             raise PermissionDeniedError(f"node {request.node_id[:64]!r} is not a connected peer")
+        if too_late(context):
+            # Reached too late (a busy loop) for the answer to arrive: the writer's daemon
+            # has had its deadline, told the writer the put failed and freed the put's
+            # lease. Indexed now, the key would hand a reader that freed lease and
+            # refuse the writer's retry of the key. Nothing is indexed, as for any
+            # failed put. (An answer sent in time but received late fails the put the
+            # same way while the key stays here: gRPC does not tell this handler.)
+            log.info(
+                "keyed put of %r from node %r refused: its answer would come too late",
+                request.key[:64],
+                request.node_id[:64],
+            )
+            raise RelayTimeoutError("the keyed put came too late for the call's deadline")
         self.hooks.keyed_from_peer(request.node_id, request.key, request.data_ref)
         return pb.PeerKeyedPutResponse()
 

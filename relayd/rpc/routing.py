@@ -27,21 +27,10 @@ from ..pools.arena import Arena
 from ..pools.leases import LeaseManager
 from ..pools.sessions import Session, SessionState
 from ..routing.topology import Topology
+from .deadlines import within_deadline
 from .errors import mapped
 
 Ctx: TypeAlias = Any
-
-# A call that waits (for space, for a pull) stops this long before its deadline,
-# for the answer to reach the client in time.
-ANSWER_TIME_S = 0.05
-
-
-def within_deadline(timeout: float, context: Ctx) -> float:
-    """``timeout``, cut to end :data:`ANSWER_TIME_S` before the call's deadline."""
-    remaining: float | None = context.time_remaining()
-    if remaining is None:
-        return timeout
-    return min(timeout, max(remaining - ANSWER_TIME_S, 0.0))
 
 
 class RoutingService:

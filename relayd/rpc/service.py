@@ -31,9 +31,10 @@ from ..pools.leases import LeaseManager
 from ..pools.sessions import SessionState
 from ..routing.topology import Topology
 from .admission import Roles
+from .deadlines import too_late, within_deadline
 from .errors import mapped
 from .fetch import Fetcher
-from .routing import ANSWER_TIME_S, RoutingService, within_deadline
+from .routing import RoutingService
 
 log = logging.getLogger(__name__)
 
@@ -187,9 +188,7 @@ class RelayService(RoutingService, pb_grpc.RelayServicer):
         timeout = min(request.timeout_seconds, limit) if request.timeout_seconds > 0 else limit
         timeout = within_deadline(timeout, context)
         grant = await m.grant(session, request.min_bytes, timeout, request.pool or SHM_POOL)
-        remaining = context.time_remaining()
-        # A grant the handler gets to with less than half of ANSWER_TIME_S left is taken back.
-        if remaining is not None and remaining < ANSWER_TIME_S / 2:
+        if too_late(context):
             # Served, but resumed too late (a busy loop) for the answer to arrive: the
             # server's deadline (the client's timeout from the request's arrival) comes
             # no sooner than the client's, and a client that never learns the grant's id
@@ -234,9 +233,26 @@ class RelayService(RoutingService, pb_grpc.RelayServicer):
     async def Fetch(self, request: pb.FetchRequest, context: Ctx) -> pb.FetchResponse:
         """Cross-node read: pull a foreign DataRef into this arena (see relayd.peers).
         Clients use the session socket's FetchCall; this is the same work over gRPC."""
-        session = self.leases.authenticate(request.session_id, request.session_token)
+        m = self.leases
+        session = m.authenticate(request.session_id, request.session_token)
         timeout = within_deadline(self.fetcher.timeout(request.timeout_seconds), context)
-        return await self.fetcher.fetch(session, request.data_ref, timeout)
+        fetched = await self.fetcher.fetch(session, request.data_ref, timeout)
+        if too_late(context):
+            # Pulled, but resumed too late for the answer to arrive (as for Grant): a
+            # reader that never learns the local lease cannot release it, so it would
+            # stay held until its TTL. Released as the reader's Release would, before
+            # anything is sent. (A FetchCall on the session socket has no deadline
+            # here: its client releases an answer that comes after it gave up.)
+            lease = fetched.lease
+            log.info(
+                "fetched lease %d released: its answer would come too late",
+                lease.lease_id,
+                extra={"session_id": session.id},
+            )
+            m.on_release(session, lease)
+            m.flush()
+            raise RelayTimeoutError("the fetch came too late for the call's deadline")
+        return fetched
 
     @mapped
     async def Status(self, request: pb.StatusRequest, context: Ctx) -> pb.StatusResponse:

@@ -1,0 +1,40 @@
+"""A gRPC call's deadline, as the daemon's handlers that wait or hold something keep it.
+
+A handler that waits (for space, for a pull) stops :data:`ANSWER_TIME_S`
+before the call's deadline (:func:`within_deadline`), for its answer to reach
+the caller in time. One that gets to its answer with less than half of that
+left (:func:`too_late`: its loop was busy) answers a caller that has given up
+or is about to: whatever the answer would hand over (a grant, a lease, a
+keyed entry) is given back, or never made, and the call fails with
+RelayTimeoutError.
+
+The server's deadline is the caller's timeout from the request's arrival, so
+it comes no sooner than the caller's: a call this deems in time may still
+reach a caller that gave up (a stalled caller, an answer slow on the wire).
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeAlias
+
+# grpc ships no type stubs; the servicer context is untyped.
+Ctx: TypeAlias = Any
+
+# A call that waits stops this long before its deadline, for the answer to
+# reach the client in time.
+ANSWER_TIME_S = 0.05
+
+
+def within_deadline(timeout: float, context: Ctx) -> float:
+    """``timeout``, cut to end :data:`ANSWER_TIME_S` before the call's deadline."""
+    remaining: float | None = context.time_remaining()
+    if remaining is None:
+        return timeout
+    return min(timeout, max(remaining - ANSWER_TIME_S, 0.0))
+
+
+def too_late(context: Ctx) -> bool:
+    """The call has less than half of :data:`ANSWER_TIME_S` left: an answer sent
+    now would not reach its caller in time."""
+    remaining: float | None = context.time_remaining()
+    return remaining is not None and remaining < ANSWER_TIME_S / 2
