@@ -22,6 +22,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from relayd_client.wire.dataref import MAX_REF_BYTES
 from relayd_client.wire.framing import NOTICE_LINGER_S
+from relayd_client.wire.keepalive import KEEPALIVE_MS as CLIENT_KEEPALIVE_MS
 from relayd_client.wire.proto import relay_pb2_grpc as pb_grpc
 
 from . import __version__, preflight, rundir
@@ -55,11 +56,16 @@ HOUSEKEEPING_INTERVAL = 0.5
 # its DataRef (at most MAX_REF_BYTES) and framing.
 _MESSAGE_OVERHEAD = MAX_REF_BYTES + (64 << 10)
 # While a client has a call open, the server pings it every GRPC_KEEPALIVE_MS and
-# drops it when an answer takes over GRPC_KEEPALIVE_TIMEOUT_MS. The client's channel
-# sends no keepalive pings, so the server's ping policy (too_many_pings) has none
-# to refuse.
+# drops it when an answer takes over GRPC_KEEPALIVE_TIMEOUT_MS.
 GRPC_KEEPALIVE_MS = 60_000
 GRPC_KEEPALIVE_TIMEOUT_MS = 20_000
+# How often a client's channel may ping the daemon while nothing else crosses: it
+# pings after wire.keepalive.KEEPALIVE_MS of silence while a call of it waits, its
+# timer at times a little early, so half that. gRPC's default (5 minutes) takes the
+# third such ping for abuse and ends the connection (GOAWAY too_many_pings),
+# failing the waiting call. Pings on a connection without calls stay refused (no
+# keepalive_permit_without_calls): the client sends none.
+GRPC_CLIENT_PING_MIN_MS = CLIENT_KEEPALIVE_MS // 2
 
 
 def max_message_bytes(arena: Arena) -> int:
@@ -98,6 +104,7 @@ def grpc_server_options(settings: Settings, arena: Arena) -> list[tuple[str, int
         ("grpc.max_connection_idle_ms", deadline_ms),
         ("grpc.max_allowed_incoming_connections", settings.max_sessions + MAX_UNBOUND_SESSIONS),
         *keepalive_options(GRPC_KEEPALIVE_MS, GRPC_KEEPALIVE_TIMEOUT_MS),
+        ("grpc.http2.min_ping_interval_without_data_ms", GRPC_CLIENT_PING_MIN_MS),
     ]
 
 

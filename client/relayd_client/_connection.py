@@ -34,6 +34,7 @@ from .wire.errors import (
     SessionClosedError,
 )
 from .wire.framing import session_socket_path
+from .wire.keepalive import KEEPALIVE_MS, KEEPALIVE_TIMEOUT_MS
 from .wire.paths import default_socket_path
 from .wire.proto import relay_pb2 as pb
 from .wire.proto import relay_pb2_grpc as pb_grpc
@@ -51,10 +52,27 @@ RECONNECT_MAX_DELAY = 2.0
 RECONNECT_CALLER_DELAY = 0.1  # between attempts while a call waits for one
 # The socket fallback moves whole packed regions in one gRPC message.
 _MAX_MESSAGE = 1 << 30
-_CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", _MAX_MESSAGE),
-    ("grpc.max_receive_message_length", _MAX_MESSAGE),
-]
+
+
+def channel_options() -> list[tuple[str, int]]:
+    """The options of the channel to the daemon (read at each connect: tests shorten
+    the keepalive; see :mod:`relayd_client.wire.keepalive`)."""
+    return [
+        ("grpc.max_send_message_length", _MAX_MESSAGE),
+        ("grpc.max_receive_message_length", _MAX_MESSAGE),
+        ("grpc.keepalive_time_ms", KEEPALIVE_MS),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        # How long gRPC waits for any ping's answer: keepalive_timeout_ms alone
+        # leaves a keepalive ping's at a minute (grpcio 1.85).
+        ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        # A waiting call sends nothing: by default the channel stops pinging after
+        # two pings without data, and a daemon that froze later goes unnoticed.
+        ("grpc.http2.max_pings_without_data", 0),
+        # No pings between calls (the default, said here because the daemon's
+        # ping policy relies on it): nothing waits on the channel then, and the
+        # daemon takes pings on a connection without calls for abuse.
+        ("grpc.keepalive_permit_without_calls", 0),
+    ]
 
 
 class ClientState(enum.Enum):
@@ -240,7 +258,7 @@ class Connection:
         self._trusted = peercred.trusted_uids(self.socket, self._daemon_uid)
         self._pinned = peercred.PinnedSocket(self.socket, self._trusted, self.timeout)
         self._channel = grpc.aio.insecure_channel(
-            f"unix:{self._pinned.address}", options=_CHANNEL_OPTIONS
+            f"unix:{self._pinned.address}", options=channel_options()
         )
         self.stub = pb_grpc.RelayStub(self._channel)
         try:
