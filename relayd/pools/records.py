@@ -20,6 +20,8 @@ from .arena import Run
 GEN_SHIFT = LEASE_SEQ_BITS
 # Request ids and stage names kept in a record are cut to this length.
 NAME_KEEP = 256
+# A slot's byte in a grant's map, by whether a lease covers it.
+_FILL = (b"\x00", b"\x01")
 
 
 def slots_for(nbytes: int, slot_size: int) -> int:
@@ -82,6 +84,8 @@ class Grant:
     # One byte per slot of the run, set while a lease record covers it: no two
     # live leases of a grant may share a slot, or freeing both frees it twice.
     busy: bytearray = dataclasses.field(init=False, repr=False)
+    # ``busy`` written through (see mark()).
+    _busy_view: memoryview = dataclasses.field(init=False, repr=False)
     # Set at the first slot of each lease record, which ``starts`` maps to the
     # record: the leases a run overlaps are found without looking at every
     # lease, and marking costs the same at any lease size.
@@ -90,14 +94,20 @@ class Grant:
 
     def __post_init__(self) -> None:
         self.busy = bytearray(self.run.nslots)
+        self._busy_view = memoryview(self.busy)
         self.head = bytearray(self.run.nslots)
         self.starts = {}
 
     def mark(self, run: Run, lease: Lease | None) -> None:
         """``lease`` covers ``run``'s slots now (None: no lease does)."""
-        first = run.slot - self.run.slot
+        first, n = run.slot - self.run.slot, run.nslots
         covered = lease is not None
-        self.busy[first : first + run.nslots] = bytes((covered,)) * run.nslots
+        # Twice per transfer: an item, else a slice through a memoryview; a
+        # bytearray's own slice assignment costs three times as much.
+        if n == 1:
+            self.busy[first] = covered
+        else:
+            self._busy_view[first : first + n] = _FILL[covered] * n
         self.head[first] = covered
         if lease is not None:
             self.starts[first] = lease
@@ -125,7 +135,7 @@ class Grant:
         return (self.id << GEN_SHIFT) | 1
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(eq=False, slots=True)
 class Lease:
     id: int
     generation: int
