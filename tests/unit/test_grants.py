@@ -48,6 +48,18 @@ def test_steady_state_stop_and_wait_stays_on_one_run() -> None:
     assert len(slots) == 1
 
 
+def test_the_run_freed_last_is_reused_first_across_grants() -> None:
+    t = _table(8, 8)
+    leases = [t.cut(1) for _ in range(16)]
+    assert all(le is not None for le in leases)
+    older, newer = leases[3], leases[10]
+    assert older is not None and newer is not None and older.grant is not newer.grant
+    t.free(older.id)
+    t.free(newer.id)
+    again = t.cut(1)
+    assert again is not None and again.slot == newer.slot  # the newest, in whichever grant
+
+
 def test_a_recent_run_of_another_size_is_not_split() -> None:
     t = _table(16)
     big = t.cut(8)
@@ -154,4 +166,4 @@ def test_no_overlap_and_free_map_invariants(ops: list[tuple[bool, int, int]]) ->
         runs = g.alloc.free_runs()
         for (s1, l1), (s2, _) in itertools.pairwise(runs):
             assert s1 + l1 < s2, "free runs must be disjoint and coalesced"
-        assert len(g.recent) <= LIFO_DEPTH
+        assert len(t.recent) <= LIFO_DEPTH
