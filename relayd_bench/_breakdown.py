@@ -68,8 +68,9 @@ PUT_STEPS: tuple[tuple[str, str], ...] = (
     ("route (cached)", "routes:cached"),
     ("lease cut (allocator)", "grants:cut"),
     ("reserve notice", "notices:reserve"),
+    ("DataRef lease fields (before the copy)", "writer:_ref_for"),
     ("copy in", "_copies:pack_at"),
-    ("seal: slot header, lease fields, publish notice", "writer:seal"),
+    ("seal: slot header, publish notice", "writer:_seal_header"),
     ("DataRef serialize + crc (to_bytes)", "dataref:to_bytes"),
 )
 GET_STEPS: tuple[tuple[str, str], ...] = (

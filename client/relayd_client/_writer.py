@@ -547,7 +547,14 @@ class Writer:
         return self.seal(plan, lease)
 
     def fill_and_seal(self, plan: PutPlan, lease: Lease, start: int) -> DataRef:
-        """Copy into the lease on this thread, then seal it; a failed copy cancels it."""
+        """Copy into the lease on this thread, then seal it; a failed copy cancels it.
+
+        The DataRef is made before the copy: whatever runs after a copy of a
+        megabyte or more finds its objects evicted from the cache, and costs
+        several times what it does before (sealing took 26 us at 256 KiB,
+        142 at 4 MiB, measured).
+        """
+        ref, push = self._ref_for(plan, lease, start)
         with self._lock:  # a re-attach may have mapped another daemon's arena since the cut
             view = self._conn.arena(lease)[1]  # held: outlives a concurrent close
         try:
@@ -556,7 +563,8 @@ class Writer:
         except BaseException:
             self.cancel_lease(lease)
             raise
-        return self.seal(plan, lease)
+        self._seal_header(plan, lease, push)
+        return ref
 
     async def open_lease(self, plan: PutPlan, timeout: float | None) -> tuple[Lease, int]:
         """Reserve an arena lease for ``plan``; returns it and where its data starts in its segment."""
@@ -589,39 +597,31 @@ class Writer:
         self._notices.cancel(lease)
 
     def seal(self, plan: PutPlan, lease: Lease) -> DataRef:
-        """Stamp the generation, fill in the DataRef and publish it."""
+        """Stamp the generation, fill in the DataRef and publish it (the data is in)."""
+        with self._lock:
+            offset = self._conn.arena(lease)[0].slot_offset(lease.slot)
+        ref, push = self._ref_for(plan, lease, offset)
+        self._seal_header(plan, lease, push)
+        return ref
+
+    def _ref_for(self, plan: PutPlan, lease: Lease, offset: int) -> tuple[DataRef, bool]:
+        """The DataRef ``plan`` publishes in ``lease`` (its data at ``offset`` in its
+        segment), and whether the daemon pushes it to the consumer's node."""
         total, transport = plan.total, plan.transport
-        if plan.request_id in self._aborts:
-            self.cancel_lease(lease)
-            self._aborts.check(plan.request_id)
-        grant = lease.grant
-        gen = lease.id
         # Most clients route no stage to another node: no look-up then.
         remote = self._routes.remote_stages
         push = bool(remote) and (transport == pb.TRANSPORT_SHM and plan.to_stage in remote)
-        # With push, the daemon starts moving the bytes to the consumer's node
-        # when the notice arrives; a reader on the socket fallback reads through
-        # the daemon, which serves it once the notice is in: neither may linger.
-        now = push or transport == pb.TRANSPORT_SOCKET
-        conn = self._conn
-        with self._lock:  # a re-attach swaps the session and clears the leases under it
-            # The daemon went away during the copy: the lease died with it,
-            # and the new one's arena and session are not this lease's.
-            seg = conn.arena(lease)[0]
-            if not self._planned_here(plan, conn.attach):
-                self.cancel_lease(lease)
-                raise _restarted()
-            seg.write_header(lease.slot, gen, total)
-            self._notices.publish(lease, total, transport, ref=plan.is_ref, push=push, now=now)
-        offset = seg.slot_offset(lease.slot)
+        grant = lease.grant
+        gen = lease.id
         shape = plan.compact
         # A push's DataRef is read by another node's daemon too: a message,
         # which a peer of any version reads.
         if shape is not None and not push and transport == pb.TRANSPORT_SHM:
-            return compact_put(
+            ref = compact_put(
                 shape, plan.chunk_id, plan.request_id, plan.object_id,
                 (grant.segment, lease.slot, lease.nslots, offset, total, gen, lease.id),
             )  # fmt: skip
+            return ref, push
         msg = plan.msg
         msg.transport = transport
         out = msg.lease
@@ -635,7 +635,30 @@ class Writer:
         out.lease_id = lease.id
         if push:  # a fresh message's push is False already
             msg.push = True
-        return DataRef(msg)
+        return DataRef(msg), push
+
+    def _seal_header(self, plan: PutPlan, lease: Lease, push: bool) -> None:
+        """Stamp the lease's generation in its slot header and publish it: readers
+        may read it from here on. Raises, the lease cancelled, if its request was
+        aborted or its daemon went away meanwhile."""
+        transport = plan.transport
+        if plan.request_id in self._aborts:
+            self.cancel_lease(lease)
+            self._aborts.check(plan.request_id)
+        # With push, the daemon starts moving the bytes to the consumer's node
+        # when the notice arrives; a reader on the socket fallback reads through
+        # the daemon, which serves it once the notice is in: neither may linger.
+        now = push or transport == pb.TRANSPORT_SOCKET
+        conn = self._conn
+        with self._lock:  # a re-attach swaps the session and clears the leases under it
+            # The daemon went away during the copy: the lease died with it,
+            # and the new one's arena and session are not this lease's.
+            seg = conn.arena(lease)[0]
+            if not self._planned_here(plan, conn.attach):
+                self.cancel_lease(lease)
+                raise _restarted()
+            seg.write_header(lease.slot, lease.id, plan.total)
+            self._notices.publish(lease, plan.total, transport, ref=plan.is_ref, push=push, now=now)
 
     async def publish_socket(self, plan: PutPlan, timeout: float | None) -> DataRef:
         """Socket fallback: the daemon writes the packed region into a lease for us."""
