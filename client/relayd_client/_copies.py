@@ -46,7 +46,7 @@ def _check_region(region: torch.Tensor, what: str) -> None:
         region.dtype is not torch.uint8
         or region.dim() != 1
         or not region.is_contiguous()
-        or region.device.type != "cpu"
+        or not region.is_cpu
     ):
         raise InvalidArgumentError(
             f"{what} must be a 1-D contiguous uint8 CPU tensor, got {region.dtype} "
@@ -197,7 +197,9 @@ def _pack(
 
 def _plain(src: torch.Tensor) -> bool:
     """Its bytes are one contiguous run of host memory, as they read."""
-    return src.device.type == "cpu" and src.is_contiguous() and not (src.is_conj() or src.is_neg())
+    # is_cpu, not device.type: that builds a device object and its name, 1.5 us
+    # here against 0.2, on every tensor of every put.
+    return src.is_cpu and src.is_contiguous() and not (src.is_conj() or src.is_neg())
 
 
 def pack_bytes(tensors: Sequence[torch.Tensor], specs: Sequence[TensorSpec], total: int) -> bytes:
