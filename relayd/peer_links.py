@@ -246,13 +246,19 @@ class PeerLinks:
             if peer.channel is not None:
                 await peer.channel.close()
 
-    async def call(self, peer: PeerState, rpc: str, request: Any) -> Any:
+    async def call(
+        self, peer: PeerState, rpc: str, request: Any, timeout: float | None = None
+    ) -> Any:
         """One unary Peer call ``rpc`` to ``peer``, with our token, bounded by the peer
-        timeout; its failure is the grpc.RpcError."""
+        timeout (and ``timeout``, its own caller's, when shorter); its failure is the
+        grpc.RpcError."""
         if peer.stub is None:
             raise PeerUnavailableError(f"peer {peer.address} is not connected")
         method = getattr(peer.stub, rpc)
-        return await method(request, timeout=self.settings.peer_timeout, metadata=self.metadata())
+        limit = self.settings.peer_timeout
+        if timeout is not None:
+            limit = min(limit, timeout)
+        return await method(request, timeout=limit, metadata=self.metadata())
 
     def stub_for(self, address: str) -> pb_grpc.PeerStub | None:
         """The stub of a live peer, or None."""

@@ -26,7 +26,7 @@ from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
 import grpc
-from relayd_client.wire.errors import PeerUnavailableError
+from relayd_client.wire.errors import PeerUnavailableError, PermissionDeniedError
 from relayd_client.wire.framing import NOTICE_LINGER_S
 from relayd_client.wire.proto import relay_pb2 as pb
 from relayd_client.wire.proto import relay_pb2_grpc as pb_grpc
@@ -235,18 +235,23 @@ class PeerManager:
         """A live peer that serves ``stage`` (the first by address when several do)."""
         return self.links.serving(stage)
 
-    async def keyed_put(self, peer: PeerState, key: str, data_ref: bytes) -> None:
-        """Hand a keyed DataRef to the peer that serves its consumer; its errors are ours."""
+    async def keyed_put(
+        self, peer: PeerState, key: str, data_ref: bytes, timeout: float | None = None
+    ) -> None:
+        """Hand a keyed DataRef to the peer that serves its consumer, within ``timeout``
+        (None: the peer timeout); its errors are ours."""
         put = pb.PeerKeyedPutRequest(node_id=self.settings.node_id, key=key, data_ref=data_ref)
         try:
-            await self.links.call(peer, "KeyedPut", put)
+            await self.links.call(peer, "KeyedPut", put, timeout)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
 
-    async def release_now(self, m: pb.DataRef) -> bool:
-        """Free a lease of another node now (a discard); False when it was gone already.
-        A lease pushed here is freed here: the writer's node freed its own on landing."""
-        if self.push.landing.discard(m):
+    async def release_now(self, m: pb.DataRef, stages: tuple[str, ...]) -> bool:
+        """Free a lease of another node now (a discard by a session serving ``stages``);
+        False when it was gone already. A lease pushed here is freed here: the writer's
+        node freed its own on landing. The lease's record judges whether ``stages`` may
+        (PermissionDeniedError): the landed one here, the writer's daemon's there."""
+        if self.push.landing.discard(m, stages):
             return True
         peer = self.links.peer_for(m)
         release = pb.ReleaseRemoteRequest(
@@ -254,11 +259,16 @@ class PeerManager:
             generation=m.lease.generation,
             node_id=self.settings.node_id,
             discard=True,
+            stages=stages,
         )
         try:
             resp = await self.links.call(peer, "ReleaseRemote", release)
         except grpc.RpcError as exc:
             err = from_rpc_error(exc)
+            if isinstance(err, PermissionDeniedError):
+                # The writer's daemon refused the discarding session: its answer, not a
+                # peer that failed.
+                raise PermissionDeniedError(f"peer {peer.address}: {err.message or err}") from None
             raise PeerUnavailableError(
                 f"peer {peer.address} did not free the lease: {err.message or err}"
             ) from None

@@ -34,6 +34,7 @@ from relayd_client.wire.slots import SlotAllocator
 from .peer_context import PeerParts
 from .peer_links import PeerState
 from .pools.arena import Run
+from .pools.crossnode import check_discard
 from .pools.events import Landed
 from .pools.records import Lease, LeaseState
 from .pools.sessions import SessionState
@@ -424,13 +425,16 @@ class PushLanding:
         counts.reads_pulled += 1
         counts.pull_phases += phases
 
-    def discard(self, m: pb.DataRef) -> bool:
-        """Free the landed copy of DataRef ``m`` unread; False when none is here."""
+    def discard(self, m: pb.DataRef, stages: Sequence[str]) -> bool:
+        """Free the landed copy of DataRef ``m`` unread for a session serving ``stages``;
+        False when none is here. PermissionDeniedError, and it stays, unless the
+        stages the writer's daemon recorded for it name one of them (as there)."""
         key = _key_of(m)
         lease = self._landed.get(key)
         manager = self.parts.leases
         if lease is None or manager.leases.get(lease.id) is not lease:
             return False
+        check_discard(lease, stages)
         manager.crossnode.drop_pull(lease)
         manager.flush()
         return True

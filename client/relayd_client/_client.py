@@ -470,14 +470,16 @@ class RelayClient:
     async def discard(self, ref: DataRef | TensorRef | bytes) -> None:
         """Free what ``ref`` holds without reading it.
 
-        Holding the ref is the entitlement: any process with the DataRef or
-        TensorRef may discard it (a stage forwarding a payload it will not
-        read, a reader on another node), and the daemon checks its lease and
-        generation, not the caller's stage. Forwarded TensorRefs inside a
-        DataRef go with it. A ref read or discarded already raises
-        :class:`StaleRefError`; an inline one (nothing to free) is only marked
-        as read in this process, so that reading or discarding it again here
-        is the same error.
+        Only its writer's stage or the stage it is addressed to may, on any
+        node (a reader that gave up, a writer whose consumer will not come):
+        holding the ref is no entitlement, and the daemon judges by its own
+        record of the lease, not by the ref's fields. Any other stage gets
+        :class:`PermissionDeniedError` and nothing is freed. Forwarded
+        TensorRefs inside a DataRef go with it where this stage may free them
+        (the others stay for their consumer). A ref read or discarded already
+        raises :class:`StaleRefError`; an inline one (nothing to free) is only
+        marked as read in this process, so that reading or discarding it again
+        here is the same error.
         """
         self._conn.usable() or await self._conn.ready(None)
         await _keyed.discard(self._conn, self._checks, ref, self.timeout)

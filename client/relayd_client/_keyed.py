@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from . import _local
 from ._refs import TensorRef
 from .wire.dataref import KIND_DATA, DataRef
-from .wire.errors import InvalidArgumentError, RelayError, StaleRefError
+from .wire.errors import InvalidArgumentError, PermissionDeniedError, RelayError, StaleRefError
 from .wire.names import check_key
 from .wire.proto import relay_pb2 as pb
 from .wire.transport import Transport
@@ -36,8 +36,12 @@ _giving_back: set[asyncio.Task[None]] = set()
 
 async def index(conn: Connection, ref: DataRef, key: str, timeout: float) -> None:
     """Have the consumer's daemon index ``ref`` under ``key`` (after the put published it)."""
+    # The timeout goes along: the daemon hands the put to another node within
+    # it or fails the put (freeing its lease), so that it answers before this
+    # call gives up instead of indexing a put this caller was told failed.
+    call = pb.KeyedPut(key=key, data_ref=ref.to_bytes(), timeout_seconds=timeout)
     try:
-        await conn.session.keyed(pb.KeyedPut(key=key, data_ref=ref.to_bytes()), timeout)
+        await conn.session.keyed(call, timeout)
     except BaseException:
         # The put fails: what it left for a reader in this process goes too
         # (a leased one was freed by the daemon).
@@ -122,9 +126,11 @@ async def discard(
         # that a second discard, or a get, in this process is StaleRefError.
         checks.claim_inline(m, "this DataRef")
     # Forwarded tensors inside it would otherwise wait for their TTL; one
-    # that its consumer read already is no error here.
+    # that its consumer read already is no error here, nor one this stage may
+    # not free (it neither writes nor reads it): that one stays for its
+    # consumer, an abort or its TTL.
     for inner in m.refs:
-        with contextlib.suppress(StaleRefError):
+        with contextlib.suppress(StaleRefError, PermissionDeniedError):
             await discard(conn, checks, TensorRef(inner), timeout)
 
 

@@ -7,7 +7,9 @@ drain) and the slots go straight back to the arena. The lease stays RESERVED
 (invisible to readers, untouched by TTL and abort) while bytes may still land.
 A landed push is a PUBLISHED lease over part of a peer's standing push grant,
 whose run goes back to that grant. On the writer's side a peer's release
-frees a lease as its reader would, if it is addressed to the pulling reader.
+frees a lease as its reader would, if it is addressed to the pulling reader;
+a discard, local or a peer's, frees it unread if the discarding session serves
+its writer's or its reader's stage.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from .arena import Run
 from .early import Early, EarlyKind
 from .events import LocalLease
 from .lease_table import LeaseTable
-from .records import NAME_KEEP, Grant, Lease, LeaseState, ReclaimReason, slots_for
+from .records import NAME_KEEP, Grant, Lease, LeaseState, ReclaimReason, may_discard, slots_for
 from .sessions import Session
 
 
@@ -174,7 +176,7 @@ class CrossNodeLeases:
         t.hooks.transfer(Transport.MOONCAKE.value, 1, nbytes, lease.from_stage, lease.to_stage)
         return lease
 
-    # -- the writer's side of a pull ----------------------------------------------------
+    # -- the writer's side of a pull, and discards ----------------------------------------
 
     def release_from_peer(
         self, lease_id: int, generation: int, reader_stages: Collection[str] | None = None
@@ -185,11 +187,69 @@ class CrossNodeLeases:
         ``reader_stages``: the stages of the session the peer pulled for. As for
         a local reader, the lease must be addressed to one of them - its
         recorded to_stage, whatever the DataRef the peer was handed says - or
-        nothing is freed (PermissionDeniedError). None: a discard by a holder
-        of the DataRef, which may free it unread wherever it is.
+        nothing is freed (PermissionDeniedError). None: the daemon frees a
+        lease of its own accord (a put whose writer will never hand it on);
+        a session's discard is :meth:`discard`.
         """
-        t = self.table
         stages = tuple(reader_stages) if reader_stages is not None else None
+        kind = EarlyKind.OWN if stages is None else EarlyKind.PEER
+        lease = self._published(lease_id, generation, kind, stages or ())
+        if not isinstance(lease, Lease):
+            return lease
+        if stages is not None and not (lease.adopted or lease.to_stage in stages):
+            raise PermissionDeniedError(
+                f"lease {lease_id} is addressed to stage {lease.to_stage[:64]!r}, not to the "
+                "pulling reader's"
+            )
+        self._free(lease)
+        return True
+
+    async def discard(
+        self, lease_id: int, generation: int, stages: Collection[str], uid: int = -1
+    ) -> bool:
+        """A session serving ``stages`` (of ``uid``; -1: on a peer's node) frees this
+        lease unread; False: it was gone. See :meth:`discard_now`.
+
+        A lease whose Reserve may still linger on its writer's side has no record
+        to judge by yet: the discard waits for its Publish, briefly (as a socket
+        fallback read does, see ``publish_waits``), so that its caller hears the
+        verdict, not a promise."""
+        if self._unknown_yet(lease_id, generation):
+            await self.table.publish_waits.wait(lease_id, uid)
+        return self.discard_now(lease_id, generation, stages)
+
+    def _unknown_yet(self, lease_id: int, generation: int) -> bool:
+        """Whether a live writer may still announce ``lease_id`` (not the daemon's own)."""
+        grant = self.table.unannounced_in(lease_id)
+        if grant is None or lease_id != generation:
+            return False
+        return not grant.orphan and grant.returns is None
+
+    def discard_now(self, lease_id: int, generation: int, stages: Collection[str]) -> bool:
+        """A session serving ``stages`` frees this lease unread; False: it was gone.
+
+        Only a lease its record says one of them writes or reads (see
+        ``records.may_discard``); any other is PermissionDeniedError, and left
+        as it is. A lease with no record yet (its Reserve not arrived) is held
+        for its Publish and judged then: True now, a refusal then only logged.
+        """
+        stages = tuple(stages)
+        known = self.table.leases.get(lease_id)
+        if known is not None and known.generation == generation:
+            check_discard(known, stages)
+        lease = self._published(lease_id, generation, EarlyKind.DISCARD, stages)
+        if not isinstance(lease, Lease):
+            return lease
+        self._free(lease)
+        return True
+
+    def _published(
+        self, lease_id: int, generation: int, kind: EarlyKind, stages: tuple[str, ...]
+    ) -> Lease | bool:
+        """The published lease a release or discard of ``kind`` names, to free now;
+        else whether it holds: parked (True) until the lease is published, or
+        void (False)."""
+        t = self.table
         lease = t.leases.get(lease_id)
         if lease is None or lease.state is LeaseState.RESERVED:
             # The writer's notices linger: the peer may have read a lease whose
@@ -201,17 +261,23 @@ class CrossNodeLeases:
                 return False
             if lease is not None and t.sealed_length(lease) is None:
                 return False
-            kind = EarlyKind.DISCARD if stages is None else EarlyKind.PEER
-            return t.early.park(lease_id, Early(kind, "", generation, t.clock(), stages or ()))
+            return t.early.park(lease_id, Early(kind, "", generation, t.clock(), stages))
         if lease.generation != generation:
             return False
         if lease.state is not LeaseState.PUBLISHED:
             return False
-        if stages is not None and not (lease.adopted or lease.to_stage in stages):
-            raise PermissionDeniedError(
-                f"lease {lease_id} is addressed to stage {lease.to_stage[:64]!r}, not to the "
-                "pulling reader's"
-            )
-        t.free(lease, None)
-        t.flush()
-        return True
+        return lease
+
+    def _free(self, lease: Lease) -> None:
+        self.table.free(lease, None)
+        self.table.flush()
+
+
+def check_discard(lease: Lease, stages: Collection[str]) -> None:
+    """PermissionDeniedError unless a session serving ``stages`` may discard ``lease``."""
+    if not may_discard(lease, stages):
+        raise PermissionDeniedError(
+            f"lease {lease.id} is written by stage {lease.from_stage[:64]!r} for stage "
+            f"{lease.to_stage[:64]!r}; a discard frees only a lease of a stage the "
+            f"session serves ({', '.join(stages)[:256]})"
+        )

@@ -35,17 +35,18 @@ class EarlyKind(enum.Enum):
     CLAIM = "claim"
     RELEASE = "release"
     PEER = "peer"  # a peer pulled the lease for a reader of ``stages``
-    DISCARD = "discard"  # a holder of the DataRef discarded it unread
+    DISCARD = "discard"  # a session serving ``stages`` discarded it unread
+    OWN = "own"  # the daemon frees it itself (a put nobody will hear of)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Early:
     kind: EarlyKind
-    session_id: str  # "" from a peer or a discard
+    session_id: str  # "" from a peer, a discard or the daemon
     generation: int
     at: float
     stages: tuple[str, ...]  # the stages the notice was sent for
-    uid: int = -1  # the sending session's; -1 from a peer or a discard
+    uid: int = -1  # the sending session's; -1 from a peer, a discard or the daemon
 
 
 class EarlyNotices:

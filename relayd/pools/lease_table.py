@@ -41,12 +41,38 @@ from .records import (
     Pool,
     ReclaimReason,
     is_id_of,
+    may_discard,
 )
 from .requests import Requests
 from .returns import RunReturns
 from .sessions import Session, Sessions
 
 log = logging.getLogger(__name__)
+
+
+# Parked notices no live session stands behind: judged by their stages alone.
+_SESSIONLESS = (EarlyKind.PEER, EarlyKind.DISCARD, EarlyKind.OWN)
+
+
+def _entitled(lease: Lease, early: Early) -> bool:
+    """Whether a parked sessionless notice frees ``lease``, now that its record is known."""
+    if early.kind is EarlyKind.OWN:
+        return True
+    if early.kind is EarlyKind.PEER:
+        # A pull's release holds only for the stage the lease is addressed to.
+        return lease.adopted or lease.to_stage in early.stages
+    if may_discard(lease, early.stages):
+        return True
+    # Its discarder was answered when it parked: the refusal is only seen here.
+    log.warning(
+        "discard of lease %d refused as it was published: stage %r writes it for %r, "
+        "the discarding session serves %s",
+        lease.id,
+        lease.from_stage[:64],
+        lease.to_stage[:64],
+        ", ".join(early.stages)[:256],
+    )
+    return False
 
 
 class ReserveNotice(Protocol):
@@ -298,11 +324,8 @@ class LeaseTable:
     def _settle(self, lease: Lease, early: Early) -> None:
         """Judge a parked notice now that ``lease`` is published."""
         gen = early.generation
-        if early.kind in (EarlyKind.PEER, EarlyKind.DISCARD):
-            # A pull's release holds only for the stage the lease is addressed to.
-            if gen == lease.generation and (
-                early.kind is EarlyKind.DISCARD or lease.adopted or lease.to_stage in early.stages
-            ):
+        if early.kind in _SESSIONLESS:
+            if gen == lease.generation and _entitled(lease, early):
                 self.free(lease, None)
             return
         reader = self.sessions.get(early.session_id)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Protocol
 
 from relayd_client.wire.shm import LEASE_SEQ_BITS
@@ -155,6 +155,15 @@ class Lease:
     # reader that names its lease id and generation may read and release it.
     adopted: bool = False
     released: bool = False  # freed by a reader's release, not reclaimed (set as it is freed)
+
+
+def may_discard(lease: Lease, stages: Collection[str]) -> bool:
+    """Whether a session serving ``stages`` may free ``lease`` unread: its record
+    names one of them as its writer or its addressee. Never the DataRef's fields:
+    they are its holder's to fill, and its lease id and generation are guessable.
+    An adopted lease's stages are unknown and whoever names it may read it, which
+    frees it; a discard frees it no less."""
+    return lease.adopted or lease.from_stage in stages or lease.to_stage in stages
 
 
 @dataclasses.dataclass

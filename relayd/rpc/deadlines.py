@@ -11,6 +11,11 @@ RelayTimeoutError.
 The server's deadline is the caller's timeout from the request's arrival, so
 it comes no sooner than the caller's: a call this deems in time may still
 reach a caller that gave up (a stalled caller, an answer slow on the wire).
+
+A call on the session socket has no deadline of its own: one whose wait may
+outlast its caller (a keyed put handed to another node) carries the caller's
+timeout, cut the same way (:func:`within_timeout`); the client waits a grace
+longer than that timeout, for the answer's way back.
 """
 
 from __future__ import annotations
@@ -38,3 +43,11 @@ def too_late(context: Ctx) -> bool:
     now would not reach its caller in time."""
     remaining: float | None = context.time_remaining()
     return remaining is not None and remaining < ANSWER_TIME_S / 2
+
+
+def within_timeout(timeout: float) -> float | None:
+    """A session call's ``timeout`` (its caller's, from the frame's arrival), cut to end
+    :data:`ANSWER_TIME_S` before it; None: the call says none (<= 0 or NaN)."""
+    if not timeout > 0:
+        return None
+    return max(timeout - ANSWER_TIME_S, 0.0)

@@ -11,10 +11,19 @@ the peer that serves the stage and reports that peer's answer. The reader
 gets the DataRef from its own daemon and reads it like any other: a foreign
 one is pulled (Mooncake), as when the application carries it.
 
-Discard: holding a DataRef is the entitlement. The daemon checks the lease id
-and generation it names, not the caller's stage, and frees the lease as its
-reader would; a lease of another node is freed there through
-``Peer.ReleaseRemote``, as after a cross-node read.
+A put that fails leaves nothing behind: not indexed, its lease freed. The
+hand-over to a peer is the one wait, bounded by the writer's timeout when its
+``KeyedPut`` says one (see ``rpc/deadlines.py``), for the writer to hear how
+its put ended: a daemon that went on after its writer gave up would index a
+put that writer was told failed.
+
+Discard: holding a DataRef is no entitlement (its lease id and generation are
+guessable, its other fields its holder's to fill). The daemon frees the lease
+unread only for a session serving the stage that writes it or the stage it is
+addressed to, by the lease's own record, and refuses any other
+(PermissionDeniedError, logged). A lease of another node is judged and freed
+there through ``Peer.ReleaseRemote``, which carries the session's stages; a
+push landed here, by its landed record.
 """
 
 from __future__ import annotations
@@ -30,7 +39,7 @@ from relayd_client.wire.errors import (
     NotFoundError,
     PeerUnavailableError,
     PermissionDeniedError,
-    RelayError,
+    RelayTimeoutError,
     StaleEpochError,
     StaleRefError,
 )
@@ -40,6 +49,7 @@ from relayd_client.wire.proto import relay_pb2 as pb
 from ..keys import MAX_TAKE_TIMEOUT, KeyIndex, lease_of
 from ..pools.leases import LeaseManager
 from ..pools.sessions import Session
+from .deadlines import within_timeout
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +67,10 @@ class KeyedPeers(Protocol):
     def serving(self, stage: str) -> Any:
         """A live peer serving ``stage``, handed back to :meth:`keyed_put`; or None."""
 
-    async def keyed_put(self, peer: Any, key: str, data_ref: bytes) -> None: ...
-    async def release_now(self, m: pb.DataRef) -> bool: ...
+    async def keyed_put(
+        self, peer: Any, key: str, data_ref: bytes, timeout: float | None = None
+    ) -> None: ...
+    async def release_now(self, m: pb.DataRef, stages: tuple[str, ...]) -> bool: ...
 
 
 class KeyedCalls:
@@ -116,14 +128,20 @@ class KeyedCalls:
                     raise AbortedError(f"request {m.request_id!r} was aborted")
                 raise StaleRefError("the put's lease is gone (read, discarded or expired)")
         try:
-            await self._deliver(ref, key)
-        except RelayError:
-            # Nobody can find it by key now: the writer's put fails, so its lease goes.
+            await self._deliver(ref, key, within_timeout(call.timeout_seconds))
+        except BaseException:
+            # Not indexed: refused, out of time, or cancelled when the writer's session
+            # went while a peer was asked. Nobody can find it by key and the writer's put
+            # fails (or nobody hears of it), so its lease goes now, not at its TTL. A
+            # peer that indexed it before the cancel reached it keeps an entry naming a
+            # freed lease, as after a discard of a put indexed there: its reader's read
+            # ends StaleRefError, and the entry goes when read or at its TTL.
             if lease is not None and self.leases.release_from_peer(lease[1], m.lease.generation):
                 self.leases.flush()
             raise
 
-    async def _deliver(self, ref: DataRef, key: str) -> None:
+    async def _deliver(self, ref: DataRef, key: str, wait: float | None) -> None:
+        """Index ``ref`` here, or hand it to the peer serving its consumer within ``wait``."""
         to_stage = ref.proto.to_stage
         peers = self.peers
         if peers is None or self._served_here(to_stage):
@@ -133,8 +151,13 @@ class KeyedCalls:
         if peer is None:
             self.keys.add(ref, key)  # its reader may attach here later
             return
+        if wait is not None and wait <= 0:
+            raise RelayTimeoutError("the keyed put's timeout leaves no time to hand it to a peer")
         try:
-            await peers.keyed_put(peer, key, ref.to_v1_bytes())
+            # The peer's yes is kept even when this daemon gets to it late (a busy
+            # loop): the key is indexed there, and the client waits a grace past its
+            # timeout for this answer.
+            await peers.keyed_put(peer, key, ref.to_v1_bytes(), wait)
         except NotFoundError:
             # It stopped serving the stage since its last heartbeat.
             self.keys.add(ref, key)
@@ -167,23 +190,22 @@ class KeyedCalls:
         return wire or b""
 
     async def discard(self, session: Session, call: pb.DiscardCall) -> None:
-        """Free the lease a DataRef names, unread; StaleRefError if it is gone already."""
+        """Free the lease a DataRef names, unread, if the session serves its writer's or
+        its reader's stage (PermissionDeniedError); StaleRefError if it is gone already."""
         ref = DataRef.from_bytes(call.data_ref)
         m = ref.proto
         lease = lease_of(ref)
         if lease is None:
             return  # nothing of it lives in a daemon
-        if m.origin.node_id == self.node_id:
-            if m.origin.daemon_epoch != self.epoch:
-                raise StaleEpochError("the DataRef comes from an earlier run of this daemon")
-            released = self.leases.release_from_peer(lease[1], m.lease.generation)
-            self.leases.flush()
-        else:
-            if self.peers is None:
-                raise PeerUnavailableError(
-                    "this daemon has no peers; a DataRef of another node cannot be discarded here"
-                )
-            released = await self.peers.release_now(m)
+        try:
+            released = await self._discard(session, m, lease[1])
+        except PermissionDeniedError as err:
+            # Another stage's data, named by a guessed or passed-on DataRef: worth an
+            # operator's look, and nothing was freed.
+            log.warning(
+                "discard of lease %d refused: %s", lease[1], err, extra={"session_id": session.id}
+            )
+            raise
         if not released:
             req = self.leases.requests.get(m.request_id)
             if req is not None and req.aborted:
@@ -192,3 +214,18 @@ class KeyedCalls:
                 "the DataRef's lease was already read, discarded, expired or aborted"
             )
         self.keys.discarded(lease)
+
+    async def _discard(self, session: Session, m: pb.DataRef, lease_id: int) -> bool:
+        """Free lease ``lease_id`` of DataRef ``m`` for ``session`` where it lives;
+        False when it was gone already."""
+        if m.origin.node_id == self.node_id:
+            if m.origin.daemon_epoch != self.epoch:
+                raise StaleEpochError("the DataRef comes from an earlier run of this daemon")
+            return await self.leases.crossnode.discard(
+                lease_id, m.lease.generation, session.stages, session.uid
+            )
+        if self.peers is None:
+            raise PeerUnavailableError(
+                "this daemon has no peers; a DataRef of another node cannot be discarded here"
+            )
+        return await self.peers.release_now(m, session.stages)

@@ -3,15 +3,15 @@
 Served on ``--peer-address`` (TCP). Every call is authenticated first (the
 shared peer token, see :mod:`relayd.peer_links`); the work itself is the peer
 links' (handshake, heartbeat), the push's (grants, notices) or the lease
-table's (release a lease a peer pulled, abort a request), with the same rules
-as for local readers.
+table's (release a lease a peer pulled, discard one for a session there,
+abort a request), with the same rules as for local sessions.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeAlias, TypeVar
 
 from relayd_client.wire.errors import (
@@ -54,6 +54,13 @@ def _peer_call(
     return wrap
 
 
+def _stages(names: Sequence[str], what: str) -> tuple[str, ...]:
+    """The stages of a session on the peer's node, as a call names them, checked."""
+    if len(names) > MAX_SESSION_STAGES:
+        raise InvalidArgumentError(f"{what} names at most {MAX_SESSION_STAGES} stages")
+    return tuple(check_stage(s) for s in names)
+
+
 class PeerService(pb_grpc.PeerServicer):
     def __init__(
         self, *, links: PeerLinks, leases: PeerLeases, hooks: PeerHooks, push: PushManager
@@ -75,10 +82,26 @@ class PeerService(pb_grpc.PeerServicer):
     async def ReleaseRemote(
         self, request: pb.ReleaseRemoteRequest, context: Ctx
     ) -> pb.ReleaseRemoteResponse:
-        stages = None if request.discard else ()
-        released = self.leases.crossnode.release_from_peer(
-            request.lease_id, request.generation, stages
-        )
+        crossnode = self.leases.crossnode
+        if not request.discard:
+            released = crossnode.release_from_peer(request.lease_id, request.generation, ())
+            return pb.ReleaseRemoteResponse(released=released)
+        # The writer's daemon judges a discard by its own record of the lease. A peer
+        # that names no stages predates the check and vouches for none: only a lease
+        # anyone may read (adopted) goes, as a session serving no stage could free.
+        stages = _stages(request.stages, "a discard")
+        try:
+            released = await crossnode.discard(request.lease_id, request.generation, stages)
+        except PermissionDeniedError as err:
+            log.warning(
+                "discard of lease %d from peer %s (node %r) refused: %s%s",
+                request.lease_id,
+                context.peer(),
+                request.node_id[:64],
+                err,
+                "" if stages else " (the peer named no stages: it predates the check)",
+            )
+            raise
         return pb.ReleaseRemoteResponse(released=released)
 
     @_peer_call("abort")
@@ -87,9 +110,7 @@ class PeerService(pb_grpc.PeerServicer):
     ) -> pb.AbortRemoteResponse:
         if not request.request_id or len(request.request_id) > REQUEST_ID_MAX:
             raise InvalidArgumentError(f"request_id must be 1-{REQUEST_ID_MAX} characters")
-        if len(request.stages) > MAX_SESSION_STAGES:
-            raise InvalidArgumentError(f"an abort names at most {MAX_SESSION_STAGES} stages")
-        stages = tuple(check_stage(s) for s in request.stages)
+        stages = _stages(request.stages, "an abort")
         freed = self.leases.abort_from_peer(request.request_id, stages)
         self.hooks.aborted(request.request_id)
         self.push.landing.abort(request.request_id)

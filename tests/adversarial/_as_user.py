@@ -29,6 +29,21 @@ async def attach(socket: str, stage: str) -> dict[str, Any]:
         return {"ok": same, "socket_fallback": c.socket_fallback, "session": c.session_id}
 
 
+async def discard(socket: str, stage: str, *refs: str) -> dict[str, Any]:
+    """Discard each hex DataRef in ``refs`` as a session of ``stage``: what each got."""
+    from relayd_client import DataRef, RelayClient, RelayError
+
+    got = []
+    async with RelayClient(stage, socket, timeout=5) as c:
+        for ref in refs:
+            try:
+                await c.discard(DataRef.from_bytes(bytes.fromhex(ref)))
+                got.append("OK")
+            except RelayError as exc:
+                got.append(type(exc).__name__)
+    return {"discards": got}
+
+
 def map_segments(prefix: str) -> dict[str, Any]:
     """Open and map, read-write, every /dev/shm file whose name starts with ``prefix``."""
     mapped, denied = 0, 0
@@ -80,6 +95,8 @@ def main(argv: list[str]) -> int:
     try:
         if action == "attach":
             out = asyncio.run(asyncio.wait_for(attach(*args), 60))
+        elif action == "discard":
+            out = asyncio.run(asyncio.wait_for(discard(*args), 60))
         elif action == "operate":
             out = operate(*args)
         elif action == "map":

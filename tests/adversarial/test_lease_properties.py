@@ -295,12 +295,19 @@ def step(w: World, op: tuple[str, int, int, int, int]) -> None:
         gid = _pick(own, b) if own else b
         w.notice(s, m.return_grant, gid)
     elif kind == "peer":
-        # A pull's release names its reader's stages; a discard names none.
+        # A pull's release names its reader's stages, a discard its session's; the
+        # daemon's own free names none.
         lid = _pick(w.ids, b)
+        stages = [STAGES[d % 3]]
         try:
-            m.release_from_peer(lid, lid, None if c % 2 else [STAGES[d % 3]])  # type: ignore[arg-type]
+            if c % 3 == 0:
+                m.release_from_peer(lid, lid, None)  # type: ignore[arg-type]
+            elif c % 3 == 1:
+                m.release_from_peer(lid, lid, stages)  # type: ignore[arg-type]
+            else:
+                m.crossnode.discard_now(lid, lid, stages)  # type: ignore[arg-type]
         except RelayError:
-            pass  # not addressed to that reader: refused, nothing changed
+            pass  # not that reader's, or that stage's: refused, nothing changed
         m.flush()
     elif kind == "seal":
         # The writer's header for a lease (what a dead writer's grant is adopted by).

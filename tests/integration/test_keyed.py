@@ -11,9 +11,12 @@ from __future__ import annotations
 import pathlib
 
 import pytest
+import torch
+from relayd_client import DataRef, TensorRef
 
 from tests._daemon import running_daemon, wait_until
 from tests._keyed_worker import Stage
+from tests._workers import digest
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -158,17 +161,21 @@ def test_bad_keys_are_refused(tmp_path: pathlib.Path) -> None:
 # -- discard -------------------------------------------------------------------------------
 
 
-def test_discard_frees_a_lease_by_any_holder_once(tmp_path: pathlib.Path) -> None:
+def test_discard_frees_a_lease_for_its_writers_or_readers_stage_once(
+    tmp_path: pathlib.Path,
+) -> None:
     with running_daemon(str(tmp_path)) as d:
         writer, reader = Stage(d.socket, "thinker"), Stage(d.socket, "talker")
-        holder = Stage(d.socket, "vocoder")  # not the addressee: holding the ref is enough
-        ref, _digest, transport = _ok(writer.ask("put", "-", 1, LEASED, "r1", "talker"))
-        assert transport == "shm"
-        assert holder.ask("discard", ref) == "OK"
-        wait_until(lambda: _used(d) == 0, 10, "the discarded lease to be freed")
-        assert holder.ask("discard", ref).startswith("ERR StaleRefError")
-        assert reader.ask("discard", ref).startswith("ERR StaleRefError")
-        assert reader.ask("read", ref).startswith("ERR StaleRefError")
+        holder = Stage(d.socket, "vocoder")  # holds the ref, neither writes nor reads it
+        for who in (writer, reader):
+            ref, _digest, transport = _ok(writer.ask("put", "-", 1, LEASED, "r1", "talker"))
+            assert transport == "shm"
+            assert holder.ask("discard", ref).startswith("ERR PermissionDeniedError")
+            assert who.ask("discard", ref) == "OK"
+            wait_until(lambda: _used(d) == 0, 10, "the discarded lease to be freed")
+            for anyone in (writer, reader, holder):
+                assert anyone.ask("discard", ref).startswith("ERR StaleRefError")
+            assert reader.ask("read", ref).startswith("ERR StaleRefError")
 
 
 def test_discard_after_a_read_is_stale(tmp_path: pathlib.Path) -> None:
@@ -195,13 +202,37 @@ def test_discard_of_an_inline_ref_only_marks_it(tmp_path: pathlib.Path) -> None:
         assert other.ask("discard", ref).startswith("ERR StaleRefError")
 
 
+def _forwarded(payload: str) -> str:
+    """The hex DataRef of the one TensorRef a ``ref`` command's payload forwards."""
+    (inner,) = DataRef.from_bytes(bytes.fromhex(payload)).proto.refs
+    return TensorRef(inner).data_ref().to_bytes().hex()
+
+
 def test_discard_of_a_forwarded_tensor_ref(tmp_path: pathlib.Path) -> None:
     with running_daemon(str(tmp_path)) as d:
         a, b = Stage(d.socket, "thinker"), Stage(d.socket, "talker")
+        c = Stage(d.socket, "vocoder")
+        for who in (a, c):  # its writer, then its consumer
+            (payload,) = _ok(a.ask("ref", 5, LEASED, "vocoder", "r1", "talker"))
+            # b gets the payload (the TensorRef stays unread): forwarding it, b holds
+            # the TensorRef but neither writes nor reads it, so may not free it.
+            assert b.ask("discard-refs", payload).startswith("ERR PermissionDeniedError")
+            assert who.ask("discard", _forwarded(payload)) == "OK"
+            wait_until(lambda: _used(d) == 0, 10, "the forwarded tensor's lease to be freed")
+
+
+def test_a_discarded_payload_leaves_the_forwarded_refs_its_holder_may_not_free(
+    tmp_path: pathlib.Path,
+) -> None:
+    with running_daemon(str(tmp_path)) as d:
+        a, b = Stage(d.socket, "thinker"), Stage(d.socket, "talker")
         (payload,) = _ok(a.ask("ref", 5, LEASED, "vocoder", "r1", "talker"))
-        # b gets the payload (the TensorRef stays unread) and discards the tensor.
-        assert _ok(b.ask("discard-refs", payload)) == ["1"]
-        wait_until(lambda: _used(d) == 0, 10, "the forwarded tensor's lease to be freed")
+        # b frees its payload unread; the TensorRef inside is vocoder's and stays.
+        assert b.ask("discard", payload) == "OK"
+        g = torch.Generator().manual_seed(5)
+        sent = torch.randint(0, 256, (LEASED,), dtype=torch.uint8, generator=g)
+        assert _ok(Stage(d.socket, "vocoder").ask("read", _forwarded(payload))) == [digest(sent)]
+        wait_until(lambda: _used(d) == 0, 10, "the arena back to zero")
 
 
 def test_discard_of_a_keyed_ref_ends_the_key(tmp_path: pathlib.Path) -> None:

@@ -3,7 +3,8 @@
 The writer stage attaches to node A, its consumer to node B. A keyed put on A
 is handed to B's daemon (which holds the index, since B serves the consumer);
 B's reader finds it by key and pulls the bytes like any cross-node DataRef.
-A discard on B frees the writer's lease on A.
+A discard on B by the reader's stage frees the writer's lease on A; another
+stage's is refused there.
 """
 
 from __future__ import annotations
@@ -80,15 +81,15 @@ def test_cross_node_key_exists_and_abort(pair: tuple[Node, Node]) -> None:
 def test_discard_on_b_frees_the_lease_on_a(pair: tuple[Node, Node]) -> None:
     a, b = pair
     writer, reader = _stages(a, b, "thinker", "talker")
-    holder = Stage(b.daemon.socket, "vocoder")  # holds the ref, is not its addressee
+    holder = Stage(b.daemon.socket, "vocoder")  # holds the ref, neither writes nor reads it
     ref, _digest, transport = _ok(writer.ask("put", "-", 1, LEASED, "r1", "talker"))
     assert transport == "shm"
     # The lease is on A, or already pushed to B (A freed its own on landing).
     wait_until(lambda: _published(a) + _published(b) > 0, 10, "the writer's publish to reach A")
-    assert holder.ask("discard", ref) == "OK"
+    assert holder.ask("discard", ref).startswith("ERR PermissionDeniedError")
+    assert reader.ask("discard", ref) == "OK"  # so the holder's left it
     wait_until(lambda: _published(a) == 0, 10, "the writer's lease on A to be freed")
     wait_until(lambda: _published(b) == 0, 10, "a copy pushed to B to be freed")
-    assert holder.ask("discard", ref).startswith("ERR StaleRefError")
     assert reader.ask("discard", ref).startswith("ERR StaleRefError")
     assert reader.ask("read", ref).startswith("ERR StaleRefError")
     assert _published(b) == 0

@@ -50,10 +50,12 @@ class _PeerServing:
     def serving(self, stage: str) -> Any:
         return PEER if stage == self.stage else None
 
-    async def keyed_put(self, peer: Any, key: str, data_ref: bytes) -> None:
+    async def keyed_put(
+        self, peer: Any, key: str, data_ref: bytes, timeout: float | None = None
+    ) -> None:
         self.sent.append(key)
 
-    async def release_now(self, m: pb.DataRef) -> bool:
+    async def release_now(self, m: pb.DataRef, stages: tuple[str, ...]) -> bool:
         raise AssertionError("no discard here")
 
 

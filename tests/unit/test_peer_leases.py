@@ -130,7 +130,7 @@ def test_a_pulls_release_frees_only_a_lease_addressed_to_the_pulling_reader(
         reserve(early, 1)
         m.on_publish(w, pb.Publish(lease_id=early, nbytes=10, transport=pb.TRANSPORT_SHM))
         assert early in m.leases
-        # A discard (no reader stages) frees it unread, as a local discard does.
+        # The daemon's own free (no reader stages) frees it unread.
         assert m.release_from_peer(early, early)
         assert early not in m.leases
 

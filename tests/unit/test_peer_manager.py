@@ -60,6 +60,7 @@ class Node:
         push_attach_max: int = 0,
         peer_credits: int = 4,
         peer_notice_port: int = 0,
+        peer_timeout: float = PEER_TIMEOUT,
     ) -> None:
         self.name = name
         self.epoch = os.urandom(4).hex()
@@ -69,7 +70,7 @@ class Node:
             peer_address=self.address,
             peers=peers,
             peer_token_file=str(token),
-            peer_timeout=PEER_TIMEOUT,
+            peer_timeout=peer_timeout,
             peer_credits=peer_credits,
             push_grant_size=push_grant_size,
             push_attach_max=push_attach_max,
@@ -356,9 +357,9 @@ def test_a_discard_on_the_readers_node_frees_the_writers_lease_once(
             writer = a.session(WRITER)
             ref = await a.put(writer, os.urandom(SLOT))
             m = DataRef.from_bytes(ref).proto
-            assert await b.peers.release_now(m) is True
+            assert await b.peers.release_now(m, (READER,)) is True
             assert not a.leases.leases
-            assert await b.peers.release_now(m) is False  # gone already
+            assert await b.peers.release_now(m, (READER,)) is False  # gone already
 
     run(main())
 

@@ -26,9 +26,9 @@ event loop:
   and writers hear of it.
 * ``close()`` - the stage's comm engine at shutdown.
 
-A forwarding stage that will not read a relay object frees it with
-:meth:`RelaydRelay.discard` (relayd's discard: holding the metadata is the
-entitlement).
+A forwarding stage that will not read a relay object addressed to it frees
+it with :meth:`RelaydRelay.discard` (relayd's discard: only the object's
+writer's stage or the stage it is addressed to may free it unread).
 """
 
 from __future__ import annotations
@@ -335,8 +335,10 @@ class RelaydRelay(Relay):  # type: ignore[misc]  # sglang-omni is untyped
     async def discard(self, metadata: dict[str, Any]) -> None:
         """Free the object a put's ``metadata`` describes without reading it.
 
-        For a stage that forwards or drops data it will not read. A second
-        discard, or a discard after the read, raises :class:`StaleRefError`.
+        For a stage that forwards or drops data it will not read, addressed to
+        it or written by it (another stage's is :class:`PermissionDeniedError`).
+        A second discard, or a discard after the read, raises
+        :class:`StaleRefError`.
         """
         ref, _size = _ref_from(metadata)
         client = await self.client()

@@ -921,14 +921,16 @@ class LandedPush(_message.Message):
     def __init__(self, origin_node_id: _Optional[str] = ..., origin_daemon_epoch: _Optional[str] = ..., lease_id: _Optional[int] = ..., generation: _Optional[int] = ..., lease: _Optional[_Union[LeaseRef, _Mapping]] = ..., request_id: _Optional[str] = ..., to_stage: _Optional[str] = ...) -> None: ...
 
 class KeyedPut(_message.Message):
-    __slots__ = ("call_id", "key", "data_ref")
+    __slots__ = ("call_id", "key", "data_ref", "timeout_seconds")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     DATA_REF_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     call_id: int
     key: str
     data_ref: bytes
-    def __init__(self, call_id: _Optional[int] = ..., key: _Optional[str] = ..., data_ref: _Optional[bytes] = ...) -> None: ...
+    timeout_seconds: float
+    def __init__(self, call_id: _Optional[int] = ..., key: _Optional[str] = ..., data_ref: _Optional[bytes] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
 
 class KeyedTake(_message.Message):
     __slots__ = ("call_id", "key", "from_stage", "to_stage", "timeout_seconds")
@@ -1063,16 +1065,18 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., daemon_epoch: _Optional[str] = ..., stages: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReleaseRemoteRequest(_message.Message):
-    __slots__ = ("lease_id", "generation", "node_id", "discard")
+    __slots__ = ("lease_id", "generation", "node_id", "discard", "stages")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     DISCARD_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     generation: int
     node_id: str
     discard: bool
-    def __init__(self, lease_id: _Optional[int] = ..., generation: _Optional[int] = ..., node_id: _Optional[str] = ..., discard: _Optional[bool] = ...) -> None: ...
+    stages: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, lease_id: _Optional[int] = ..., generation: _Optional[int] = ..., node_id: _Optional[str] = ..., discard: _Optional[bool] = ..., stages: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReleaseRemoteResponse(_message.Message):
     __slots__ = ("released",)
