@@ -14,7 +14,7 @@ import contextlib
 import logging
 from typing import TYPE_CHECKING
 
-from . import _local
+from . import _local, _session
 from ._refs import TensorRef
 from .wire.dataref import KIND_DATA, DataRef
 from .wire.errors import InvalidArgumentError, PermissionDeniedError, RelayError, StaleRefError
@@ -38,8 +38,12 @@ async def index(conn: Connection, ref: DataRef, key: str, timeout: float) -> Non
     """Have the consumer's daemon index ``ref`` under ``key`` (after the put published it)."""
     # The timeout goes along: the daemon hands the put to another node within
     # it or fails the put (freeing its lease), so that it answers before this
-    # call gives up instead of indexing a put this caller was told failed.
-    call = pb.KeyedPut(key=key, data_ref=ref.to_bytes(), timeout_seconds=timeout)
+    # call gives up instead of indexing a put this caller was told failed. A
+    # put that asked not to wait still waits the answer's grace: the hand-over
+    # gets half of it (0 would tell the daemon nothing, and the peer timeout
+    # alone would bound it).
+    limit = timeout if timeout > 0 else _session._ANSWER_GRACE / 2
+    call = pb.KeyedPut(key=key, data_ref=ref.to_bytes(), timeout_seconds=limit)
     try:
         await conn.session.keyed(call, timeout)
     except BaseException:

@@ -100,8 +100,10 @@ class Writer:
     """The writer's client on its own thread and loop, once started: one keyed put, then
     its session stays open (a client that goes on) until :meth:`leave`."""
 
-    def __init__(self, path: pathlib.Path, session: Session, ref: bytes) -> None:
-        self.path, self.session, self.ref = path, session, ref
+    def __init__(
+        self, path: pathlib.Path, session: Session, ref: bytes, timeout: float = WRITER_TIMEOUT
+    ) -> None:
+        self.path, self.session, self.ref, self.timeout = path, session, ref, timeout
         self.outcome: list[RelayError | None] = []
         self.took = 0.0
         self.ended = threading.Event()  # the put was answered, or given up
@@ -116,7 +118,7 @@ class Writer:
         try:
             start = time.monotonic()
             try:
-                await _index(channel, self.ref, WRITER_TIMEOUT)
+                await _index(channel, self.ref, self.timeout)
                 self.outcome.append(None)
             except RelayError as exc:
                 self.outcome.append(exc)
@@ -178,18 +180,20 @@ async def _put_for_b(a: Node, b: Node) -> tuple[Session, bytes]:
     return reader, await a.put(a.session(WRITER), os.urandom(2 * SLOT))
 
 
+# 0: a put that asked not to wait still waits its answer's grace.
+@pytest.mark.parametrize("timeout", [WRITER_TIMEOUT, 0.0])
 def test_a_keyed_put_whose_writer_gave_up_is_neither_indexed_nor_kept(
-    tmp_path: pathlib.Path,
+    tmp_path: pathlib.Path, timeout: float
 ) -> None:
     # Else the Peer call's own deadline would end the put before the writer gives up.
-    assert PEER_TIMEOUT > WRITER_TIMEOUT + _session._ANSWER_GRACE
+    assert timeout + _session._ANSWER_GRACE < PEER_TIMEOUT
 
     async def main() -> None:
         async with keyed_nodes(tmp_path, peer_timeout=PEER_TIMEOUT) as (a, b, on_b):
             reader, ref = await _put_for_b(a, b)
             path = tmp_path / "a.sock"
             async with session_socket(a, keyed_calls(a), path) as protocols:
-                writer = Writer(path, _unbound(a, WRITER), ref)
+                writer = Writer(path, _unbound(a, WRITER), ref, timeout)
                 _stalled(b, writer)
                 writer.start()
                 try:
@@ -207,7 +211,7 @@ def test_a_keyed_put_whose_writer_gave_up_is_neither_indexed_nor_kept(
                     assert await on_b.take(reader, _poll(KEY)) == b""
                     # Refused by the writer's daemon within the writer's wait, not
                     # given up on by the writer itself.
-                    assert writer.took < WRITER_TIMEOUT + _session._ANSWER_GRACE, err
+                    assert writer.took < timeout + _session._ANSWER_GRACE, err
                 finally:
                     writer.leave()
 
