@@ -32,6 +32,7 @@ from relayd.pools.sessions import Session
 from relayd.rpc.admission import Roles
 from relayd.rpc.fetch import Fetcher
 from relayd.rpc.service import NodeFacts, RelayService
+from tests._raw_call import raw_call
 from tests.unit.test_peer_manager import READER, SLOT, WRITER, Node, run, two_nodes, until
 
 pytestmark = pytest.mark.timeout(60)
@@ -82,22 +83,10 @@ def _fetch_call(
     ended: threading.Event,
 ) -> threading.Thread:
     """A raw Fetch of ``ref`` on its own thread; its answer or its error goes in ``outcome``."""
-
-    def call() -> None:
-        request = pb.FetchRequest(
-            session_id=reader.id, session_token=reader.token, data_ref=ref, timeout_seconds=BOUND
-        )
-        try:
-            with grpc.insecure_channel(target) as channel:
-                outcome.append(pb_grpc.RelayStub(channel).Fetch(request, timeout=deadline))
-        except grpc.RpcError as exc:
-            outcome.append(exc)
-        finally:
-            ended.set()
-
-    thread = threading.Thread(target=call, daemon=True)
-    thread.start()
-    return thread
+    request = pb.FetchRequest(
+        session_id=reader.id, session_token=reader.token, data_ref=ref, timeout_seconds=BOUND
+    )
+    return raw_call(target, "Fetch", request, deadline, outcome, ended)
 
 
 def _held(node: Node) -> bool:

@@ -34,6 +34,7 @@ from relayd.rpc.fetch import Fetcher
 from relayd.rpc.frames import frame_sink
 from relayd.rpc.service import NodeFacts, RelayService
 from tests._daemon import async_wait_until
+from tests._raw_call import raw_call
 from tests.unit._pools import SLOT, unit_arena
 
 BOUND = 10.0  # no test waits this long unless the behaviour under test is broken
@@ -78,23 +79,11 @@ def _session(m: LeaseManager, stage: str) -> Session:
 def _grant_call(
     target: str, s: Session, deadline: float, outcome: list[object], ended: threading.Event
 ) -> threading.Thread:
-    """A raw Grant of one default grant on its own thread; its answer or status goes in ``outcome``."""
-
-    def call() -> None:
-        request = pb.GrantRequest(
-            session_id=s.id, session_token=s.token, min_bytes=8 * SLOT, timeout_seconds=BOUND
-        )
-        try:
-            with grpc.insecure_channel(target) as channel:
-                outcome.append(pb_grpc.RelayStub(channel).Grant(request, timeout=deadline))
-        except grpc.RpcError as exc:
-            outcome.append(exc.code())
-        finally:
-            ended.set()
-
-    thread = threading.Thread(target=call, daemon=True)
-    thread.start()
-    return thread
+    """A raw Grant of one default grant on its own thread; its answer or error goes in ``outcome``."""
+    request = pb.GrantRequest(
+        session_id=s.id, session_token=s.token, min_bytes=8 * SLOT, timeout_seconds=BOUND
+    )
+    return raw_call(target, "Grant", request, deadline, outcome, ended)
 
 
 async def _until(predicate: Callable[[], object], what: str) -> None:
@@ -134,7 +123,10 @@ def test_a_grant_served_after_its_callers_deadline_goes_back(arena: Arena, tmp_p
             m.return_grant(holder, held[0].id)  # serves the wait
             assert len(writer.grants) == 1
             await _until(lambda: not thread.is_alive(), "the client's call never ended")
-            assert outcome == [grpc.StatusCode.DEADLINE_EXCEEDED]
+            [err] = outcome
+            assert (
+                isinstance(err, grpc.RpcError) and err.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+            )
             for g in held[1:]:
                 m.return_grant(holder, g.id)
             await _until(

@@ -23,11 +23,11 @@ import grpc
 import pytest
 from relayd_client.wire.errors import RelayTimeoutError
 from relayd_client.wire.proto import relay_pb2 as pb
-from relayd_client.wire.proto import relay_pb2_grpc as pb_grpc
 from relayd_client.wire.status import from_rpc_error
 
 from relayd.pools.arena import Arena
 from relayd.pools.sessions import Session
+from tests._raw_call import raw_call
 from tests.unit._pools import SLOT
 from tests.unit.test_grant_answer_too_late import (
     BOUND,
@@ -51,28 +51,16 @@ def _put_call(
 ) -> threading.Thread:
     """A raw PutBytes of :data:`DATA` on its own thread; its answer or its error goes in
     ``outcome``."""
-
-    def call() -> None:
-        request = pb.PutBytesRequest(
-            session_id=s.id,
-            session_token=s.token,
-            data=DATA,
-            request_id="r1",
-            to_stage="talker",
-            from_stage="thinker",
-            timeout_seconds=BOUND,
-        )
-        try:
-            with grpc.insecure_channel(target) as channel:
-                outcome.append(pb_grpc.RelayStub(channel).PutBytes(request, timeout=deadline))
-        except grpc.RpcError as exc:
-            outcome.append(exc)
-        finally:
-            ended.set()
-
-    thread = threading.Thread(target=call, daemon=True)
-    thread.start()
-    return thread
+    request = pb.PutBytesRequest(
+        session_id=s.id,
+        session_token=s.token,
+        data=DATA,
+        request_id="r1",
+        to_stage="talker",
+        from_stage="thinker",
+        timeout_seconds=BOUND,
+    )
+    return raw_call(target, "PutBytes", request, deadline, outcome, ended)
 
 
 def test_a_put_published_after_its_callers_deadline_leaves_no_lease(
