@@ -19,14 +19,12 @@ from relayd_client.wire.dataref import DataRef
 from relayd_client.wire.errors import PermissionDeniedError, StaleRefError
 from relayd_client.wire.proto import relay_pb2 as pb
 
-from relayd.keys import KeyIndex
-from relayd.rpc.keyed import KeyedCalls
+from tests.unit.test_keyed_put_answer_too_late import _keyed
 from tests.unit.test_peer_manager import (
     BOUND,
     READER,
     SLOT,
     WRITER,
-    Node,
     _sha,
     pushing_nodes,
     run,
@@ -37,19 +35,6 @@ from tests.unit.test_peer_manager import (
 pytestmark = pytest.mark.timeout(60)
 
 INTRUDER = "vocoder"
-
-
-def _keyed(node: Node) -> KeyedCalls:
-    """``node``'s keyed calls, as the daemon builds them, with its peer layer."""
-    keyed = KeyedCalls(
-        node.settings.node_id,
-        node.epoch,
-        leases=node.leases,
-        keys=KeyIndex(max_stage_keys=16, ttl=30.0),
-        served_here=node.topology.registry.served_here,
-    )
-    keyed.peers = node.peers
-    return keyed
 
 
 def _discard(ref: bytes) -> pb.DiscardCall:
