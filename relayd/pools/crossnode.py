@@ -25,7 +25,7 @@ from relayd_client.wire.errors import (
 from relayd_client.wire.transport import Transport
 
 from .arena import Run
-from .early import Early, EarlyKind
+from .early import MAX_EARLY_PER_UID, Early, EarlyKind
 from .events import LocalLease
 from .lease_table import LeaseTable
 from .records import NAME_KEEP, Grant, Lease, LeaseState, ReclaimReason, may_discard, slots_for
@@ -216,7 +216,7 @@ class CrossNodeLeases:
         verdict, not a promise."""
         if self._unknown_yet(lease_id, generation):
             await self.table.publish_waits.wait(lease_id, uid)
-        return self.discard_now(lease_id, generation, stages)
+        return self.discard_now(lease_id, generation, stages, uid)
 
     def _unknown_yet(self, lease_id: int, generation: int) -> bool:
         """Whether a live writer may still announce ``lease_id`` (not the daemon's own)."""
@@ -225,7 +225,9 @@ class CrossNodeLeases:
             return False
         return not grant.orphan and grant.returns is None
 
-    def discard_now(self, lease_id: int, generation: int, stages: Collection[str]) -> bool:
+    def discard_now(
+        self, lease_id: int, generation: int, stages: Collection[str], uid: int = -1
+    ) -> bool:
         """A session serving ``stages`` frees this lease unread; False: it was gone.
 
         Only a lease its record says one of them writes or reads (see
@@ -237,14 +239,19 @@ class CrossNodeLeases:
         known = self.table.leases.get(lease_id)
         if known is not None and known.generation == generation:
             check_discard(known, stages)
-        lease = self._published(lease_id, generation, EarlyKind.DISCARD, stages)
+        lease = self._published(lease_id, generation, EarlyKind.DISCARD, stages, uid)
         if not isinstance(lease, Lease):
             return lease
         self._free(lease)
         return True
 
     def _published(
-        self, lease_id: int, generation: int, kind: EarlyKind, stages: tuple[str, ...]
+        self,
+        lease_id: int,
+        generation: int,
+        kind: EarlyKind,
+        stages: tuple[str, ...],
+        uid: int = -1,
     ) -> Lease | bool:
         """The published lease a release or discard of ``kind`` names, to free now;
         else whether it holds: parked (True) until the lease is published, or
@@ -261,7 +268,15 @@ class CrossNodeLeases:
                 return False
             if lease is not None and t.sealed_length(lease) is None:
                 return False
-            return t.early.park(lease_id, Early(kind, "", generation, t.clock(), stages))
+            if uid >= 0 and t.early.from_uid(uid) >= MAX_EARLY_PER_UID:
+                # A discard may name any id of a live grant not announced yet:
+                # one uid's must not fill the table every reader parks in.
+                raise ResourceExhaustedError(
+                    f"more than {MAX_EARLY_PER_UID} discards, claims and releases of leases "
+                    f"not yet published from the sessions of uid {uid}"
+                )
+            # Under the discarding session's uid, in that uid's share.
+            return t.early.park(lease_id, Early(kind, "", generation, t.clock(), stages, uid))
         if lease.generation != generation:
             return False
         if lease.state is not LeaseState.PUBLISHED:

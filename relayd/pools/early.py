@@ -14,9 +14,13 @@ import enum
 
 from ..shares import Shares
 
-# In all, for one lease, and from one session for one lease (a reader sends a
-# claim and a release; two reads of one DataRef racing in one process, twice
-# that). A session past its share is misbehaving and is closed.
+# In all; for one lease from the sessions of one uid (peers and discards from
+# other nodes share one such share); and from one session for one lease (a
+# reader sends a claim and a release; two reads of one DataRef racing in one
+# process, twice that). A session past its share is misbehaving and is closed.
+# The lease's share is per uid: the next id of a grant is easy to guess, and a
+# share for the lease in all let another uid's sessions fill it first, so the
+# early Release of the reader it is addressed to went unheard.
 MAX_EARLY = 1 << 16
 MAX_EARLY_PER_LEASE = 8
 MAX_EARLY_PER_SESSION = 4
@@ -67,7 +71,8 @@ class EarlyNotices:
     def park(self, lease_id: int, early: Early) -> bool:
         """Hold ``early`` until ``lease_id`` is published; False when full."""
         held = self._by_lease.setdefault(lease_id, [])
-        if len(held) >= MAX_EARLY_PER_LEASE or self._count >= MAX_EARLY:
+        uid = early.uid
+        if self._count >= MAX_EARLY or sum(e.uid == uid for e in held) >= MAX_EARLY_PER_LEASE:
             if not held:
                 del self._by_lease[lease_id]
             return False

@@ -8,11 +8,16 @@ import asyncio
 from collections.abc import Iterator
 
 import pytest
-from relayd_client import InvalidArgumentError
+from relayd_client import InvalidArgumentError, ResourceExhaustedError
 from relayd_client.wire.proto import relay_pb2 as pb
 
 from relayd.pools.arena import Arena
-from relayd.pools.early import MAX_EARLY, MAX_EARLY_PER_SESSION, MAX_EARLY_PER_UID
+from relayd.pools.early import (
+    MAX_EARLY,
+    MAX_EARLY_PER_LEASE,
+    MAX_EARLY_PER_SESSION,
+    MAX_EARLY_PER_UID,
+)
 from relayd.pools.leases import LeaseManager
 from relayd.pools.records import Hooks, LeaseState
 from relayd.pools.sessions import Session
@@ -70,3 +75,54 @@ def test_one_uid_cannot_fill_the_early_table_and_silence_other_readers(arena: Ar
     # Expired, the hostile notices stop counting against their uid.
     m.table.early.expire(1e9)
     assert m.table.early.from_uid(1000) == 0 and not m.table.early
+
+
+def test_another_uid_cannot_crowd_out_a_leases_early_release(arena: Arena) -> None:
+    # A lease's next id is easy to guess (ids go up by one in a grant): sessions of
+    # a hostile uid park what one lease would take before its Publish lands.
+    m = LeaseManager(
+        arena, grant_bytes=8 * SLOT, lease_ttl=10.0, stage_quota_bytes=24 * SLOT,
+        max_sessions=8, clock=lambda: 0.0, hooks=Hooks(),
+    )  # fmt: skip
+    writer = _bound(m, "thinker", uid=0)
+    grant = asyncio.run(m.grant(writer, SLOT, 1.0))
+    lease_id = m.new_generation_base(grant) + 1
+    for s in [_bound(m, "vocoder", uid=1000) for _ in range(2)]:
+        for _ in range(MAX_EARLY_PER_LEASE // 2):
+            m.on_claim(s, pb.Claim(lease_id=lease_id, generation=lease_id))
+    # The reader the lease is addressed to releases it before its Publish lands:
+    # still heard, and the lease is freed as it is published, not at its TTL.
+    reader = _bound(m, "talker", uid=2000)
+    m.on_release(reader, pb.Release(lease_id=lease_id, generation=lease_id))
+    m.on_reserve(writer, pb.Reserve(
+        lease_id=lease_id, grant_id=grant.id, slot=grant.run.slot, nslots=1,
+        generation=lease_id, request_id="r", to_stage="talker", from_stage="thinker",
+    ))  # fmt: skip
+    m.on_publish(writer, pb.Publish(lease_id=lease_id, nbytes=SLOT, transport=pb.TRANSPORT_SHM))
+    assert lease_id not in m.leases, "the addressed reader's early Release went unheard"
+
+
+def test_one_uids_early_discards_cannot_fill_the_early_table(arena: Arena) -> None:
+    # A discard of an id its writer has not announced yet is parked like a
+    # Release; one uid's, however many, take that uid's share only.
+    m = LeaseManager(
+        arena, grant_bytes=8 * SLOT, lease_ttl=10.0, stage_quota_bytes=24 * SLOT,
+        max_sessions=8, clock=lambda: 0.0, hooks=Hooks(),
+    )  # fmt: skip
+    writer = _bound(m, "thinker", uid=0)
+    grant = asyncio.run(m.grant(writer, SLOT, 1.0))
+    honest_id = m.new_generation_base(grant) + 1
+    lease_id = honest_id
+    with pytest.raises(ResourceExhaustedError):
+        for _ in range(MAX_EARLY):
+            lease_id += 1
+            m.crossnode.discard_now(lease_id, lease_id, ("vocoder",), 1000)
+    assert m.table.early.from_uid(1000) == MAX_EARLY_PER_UID
+    reader = _bound(m, "talker", uid=2000)
+    m.on_release(reader, pb.Release(lease_id=honest_id, generation=honest_id))
+    m.on_reserve(writer, pb.Reserve(
+        lease_id=honest_id, grant_id=grant.id, slot=grant.run.slot, nslots=1,
+        generation=honest_id, request_id="r", to_stage="talker", from_stage="thinker",
+    ))  # fmt: skip
+    m.on_publish(writer, pb.Publish(lease_id=honest_id, nbytes=SLOT, transport=pb.TRANSPORT_SHM))
+    assert honest_id not in m.leases, "the reader's early Release went unheard"
