@@ -267,9 +267,12 @@ def test_breakdown_prints_every_step_for_both_clients_warm_and_cold() -> None:
         assert all(float(v) == float(v) for v in rows["other"]), rows["other"]
         assert rows["transport"] == ["inline", "inline", "shm", "shm"]
         # The daemon's side, timed inside the daemon the bench started: inline
-        # puts give it no turn at all; leases give turns with every step timed.
+        # puts give it no turn of their own (only the clients' reports, a frame
+        # each REPORT_LINGER_S at most, as a slow run may show); leases give
+        # turns with every step timed.
         per_transfer = [float(v) for v in rows["daemon: turns on session frames per transfer"]]
-        assert per_transfer[:2] == [0.0, 0.0] and all(0 < v <= 4 for v in per_transfer[2:])
+        assert all(v <= 0.1 for v in per_transfer[:2]), per_transfer
+        assert all(0 < v <= 4 for v in per_transfer[2:]), per_transfer
         assert all(float(v) > 0 for v in rows["turns' CPU per transfer"][2:])
         for label, _ in _turns.STEPS:
             assert all(float(v) >= 0 for v in rows[label][2:]), label
