@@ -19,7 +19,7 @@ from relayd.pools.early import (
     MAX_EARLY_PER_UID,
 )
 from relayd.pools.leases import LeaseManager
-from relayd.pools.records import Hooks, LeaseState
+from relayd.pools.records import Grant, Hooks, LeaseState
 from relayd.pools.sessions import Session
 from relayd.rpc.frames import frame_sink
 from tests.unit._pools import SLOT, unit_arena
@@ -36,11 +36,27 @@ def _bound(m: LeaseManager, stage: str, uid: int) -> Session:
     return m.bind(s.id, s.token, frame_sink(lambda f: None), pid=1, uid=uid, gid=uid)
 
 
-def test_one_uid_cannot_fill_the_early_table_and_silence_other_readers(arena: Arena) -> None:
-    m = LeaseManager(
+def _manager(arena: Arena) -> LeaseManager:
+    return LeaseManager(
         arena, grant_bytes=8 * SLOT, lease_ttl=10.0, stage_quota_bytes=24 * SLOT,
         max_sessions=8, clock=lambda: 0.0, hooks=Hooks(),
     )  # fmt: skip
+
+
+def _reserve(m: LeaseManager, writer: Session, grant: Grant, lease_id: int) -> None:
+    """The writer's Reserve of ``lease_id``, the grant's first slot, for the talker."""
+    m.on_reserve(writer, pb.Reserve(
+        lease_id=lease_id, grant_id=grant.id, slot=grant.run.slot, nslots=1,
+        generation=lease_id, request_id="r", to_stage="talker", from_stage="thinker",
+    ))  # fmt: skip
+
+
+def _publish(m: LeaseManager, writer: Session, lease_id: int) -> None:
+    m.on_publish(writer, pb.Publish(lease_id=lease_id, nbytes=SLOT, transport=pb.TRANSPORT_SHM))
+
+
+def test_one_uid_cannot_fill_the_early_table_and_silence_other_readers(arena: Arena) -> None:
+    m = _manager(arena)
     writer = _bound(m, "thinker", uid=0)
     grant = asyncio.run(m.grant(writer, SLOT, 1.0))
     base = m.new_generation_base(grant)
@@ -65,12 +81,9 @@ def test_one_uid_cannot_fill_the_early_table_and_silence_other_readers(arena: Ar
     # its Publish lands: heard, and the lease is freed as it is published.
     reader = _bound(m, "talker", uid=2000)
     m.on_release(reader, pb.Release(lease_id=honest_id, generation=honest_id))
-    m.on_reserve(writer, pb.Reserve(
-        lease_id=honest_id, grant_id=grant.id, slot=grant.run.slot, nslots=1,
-        generation=honest_id, request_id="r", to_stage="talker", from_stage="thinker",
-    ))  # fmt: skip
+    _reserve(m, writer, grant, honest_id)
     assert m.leases[honest_id].state is LeaseState.RESERVED
-    m.on_publish(writer, pb.Publish(lease_id=honest_id, nbytes=SLOT, transport=pb.TRANSPORT_SHM))
+    _publish(m, writer, honest_id)
     assert honest_id not in m.leases  # not left published for the TTL
     # Expired, the hostile notices stop counting against their uid.
     m.table.early.expire(1e9)
@@ -80,10 +93,7 @@ def test_one_uid_cannot_fill_the_early_table_and_silence_other_readers(arena: Ar
 def test_another_uid_cannot_crowd_out_a_leases_early_release(arena: Arena) -> None:
     # A lease's next id is easy to guess (ids go up by one in a grant): sessions of
     # a hostile uid park what one lease would take before its Publish lands.
-    m = LeaseManager(
-        arena, grant_bytes=8 * SLOT, lease_ttl=10.0, stage_quota_bytes=24 * SLOT,
-        max_sessions=8, clock=lambda: 0.0, hooks=Hooks(),
-    )  # fmt: skip
+    m = _manager(arena)
     writer = _bound(m, "thinker", uid=0)
     grant = asyncio.run(m.grant(writer, SLOT, 1.0))
     lease_id = m.new_generation_base(grant) + 1
@@ -94,21 +104,15 @@ def test_another_uid_cannot_crowd_out_a_leases_early_release(arena: Arena) -> No
     # still heard, and the lease is freed as it is published, not at its TTL.
     reader = _bound(m, "talker", uid=2000)
     m.on_release(reader, pb.Release(lease_id=lease_id, generation=lease_id))
-    m.on_reserve(writer, pb.Reserve(
-        lease_id=lease_id, grant_id=grant.id, slot=grant.run.slot, nslots=1,
-        generation=lease_id, request_id="r", to_stage="talker", from_stage="thinker",
-    ))  # fmt: skip
-    m.on_publish(writer, pb.Publish(lease_id=lease_id, nbytes=SLOT, transport=pb.TRANSPORT_SHM))
+    _reserve(m, writer, grant, lease_id)
+    _publish(m, writer, lease_id)
     assert lease_id not in m.leases, "the addressed reader's early Release went unheard"
 
 
 def test_one_uids_early_discards_cannot_fill_the_early_table(arena: Arena) -> None:
     # A discard of an id its writer has not announced yet is parked like a
     # Release; one uid's, however many, take that uid's share only.
-    m = LeaseManager(
-        arena, grant_bytes=8 * SLOT, lease_ttl=10.0, stage_quota_bytes=24 * SLOT,
-        max_sessions=8, clock=lambda: 0.0, hooks=Hooks(),
-    )  # fmt: skip
+    m = _manager(arena)
     writer = _bound(m, "thinker", uid=0)
     grant = asyncio.run(m.grant(writer, SLOT, 1.0))
     honest_id = m.new_generation_base(grant) + 1
@@ -120,9 +124,6 @@ def test_one_uids_early_discards_cannot_fill_the_early_table(arena: Arena) -> No
     assert m.table.early.from_uid(1000) == MAX_EARLY_PER_UID
     reader = _bound(m, "talker", uid=2000)
     m.on_release(reader, pb.Release(lease_id=honest_id, generation=honest_id))
-    m.on_reserve(writer, pb.Reserve(
-        lease_id=honest_id, grant_id=grant.id, slot=grant.run.slot, nslots=1,
-        generation=honest_id, request_id="r", to_stage="talker", from_stage="thinker",
-    ))  # fmt: skip
-    m.on_publish(writer, pb.Publish(lease_id=honest_id, nbytes=SLOT, transport=pb.TRANSPORT_SHM))
+    _reserve(m, writer, grant, honest_id)
+    _publish(m, writer, honest_id)
     assert honest_id not in m.leases, "the reader's early Release went unheard"
