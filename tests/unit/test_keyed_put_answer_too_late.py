@@ -29,6 +29,7 @@ from relayd_client.wire.errors import RelayTimeoutError
 from relayd_client.wire.proto import relay_pb2 as pb
 
 from relayd.keys import KeyIndex
+from relayd.pools.sessions import Session
 from relayd.rpc.keyed import KeyedCalls
 from relayd.transports.loopback import Loopback
 from tests.unit.test_peer_manager import READER, SLOT, WRITER, Node, run, until
@@ -102,14 +103,19 @@ def _poll(key: str) -> pb.KeyedTake:
     return pb.KeyedTake(key=key, from_stage=WRITER, to_stage=READER, timeout_seconds=0)
 
 
+async def put_for_b(a: Node, b: Node) -> tuple[Session, Session, bytes]:
+    """A's writer, B's reader, and a put on A for it once A knows that B serves its stage."""
+    writer, reader = a.session(WRITER), b.session(READER)
+    await until(lambda: a.peers.serving(READER) is not None, "A to hear B's stages")
+    return writer, reader, await a.put(writer, os.urandom(2 * SLOT))
+
+
 def test_a_keyed_put_that_reaches_the_consumer_after_its_deadline_is_not_indexed(
     tmp_path: pathlib.Path,
 ) -> None:
     async def main() -> None:
         async with keyed_nodes(tmp_path) as (a, b, on_b):
-            writer, reader = a.session(WRITER), b.session(READER)
-            await until(lambda: a.peers.serving(READER) is not None, "A to hear B's stages")
-            ref = await a.put(writer, os.urandom(2 * SLOT))
+            writer, reader, ref = await put_for_b(a, b)
             _busy_until_deadline(b)
             with pytest.raises(RelayTimeoutError):
                 await _keyed(a).put(writer, pb.KeyedPut(call_id=1, key=KEY, data_ref=ref))
@@ -127,9 +133,7 @@ def test_a_keyed_put_handed_over_in_time_is_indexed_on_the_consumers_node(
 ) -> None:
     async def main() -> None:
         async with keyed_nodes(tmp_path) as (a, b, on_b):
-            writer, reader = a.session(WRITER), b.session(READER)
-            await until(lambda: a.peers.serving(READER) is not None, "A to hear B's stages")
-            ref = await a.put(writer, os.urandom(2 * SLOT))
+            writer, reader, ref = await put_for_b(a, b)
             await _keyed(a).put(writer, pb.KeyedPut(call_id=1, key=KEY, data_ref=ref))
             assert len(a.leases.leases) == 1  # held for the reader, who finds it by key
             assert await on_b.take(reader, _poll(KEY)) != b""

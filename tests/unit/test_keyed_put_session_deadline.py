@@ -39,9 +39,9 @@ from relayd.pools.sessions import Session
 from relayd.rpc.admission import Admission
 from relayd.rpc.keyed import KeyedCalls
 from relayd.rpc.session import SessionHooks, SessionProtocol
-from tests.unit.test_keyed_put_answer_too_late import KEY, _poll, keyed_nodes
+from tests.unit.test_keyed_put_answer_too_late import KEY, _poll, keyed_nodes, put_for_b
 from tests.unit.test_keyed_put_answer_too_late import _keyed as keyed_calls
-from tests.unit.test_peer_manager import READER, SLOT, WRITER, Node, run, until
+from tests.unit.test_peer_manager import WRITER, Node, run, until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -173,13 +173,6 @@ def _never_answered(node: Node) -> asyncio.Event:
     return asked
 
 
-async def _put_for_b(a: Node, b: Node) -> tuple[Session, bytes]:
-    """B's reader, and a put on A for it once A knows that B serves its stage."""
-    reader = b.session(READER)
-    await until(lambda: a.peers.serving(READER) is not None, "A to hear B's stages")
-    return reader, await a.put(a.session(WRITER), os.urandom(2 * SLOT))
-
-
 # 0: a put that asked not to wait still waits its answer's grace.
 @pytest.mark.parametrize("timeout", [WRITER_TIMEOUT, 0.0])
 def test_a_keyed_put_whose_writer_gave_up_is_neither_indexed_nor_kept(
@@ -190,7 +183,7 @@ def test_a_keyed_put_whose_writer_gave_up_is_neither_indexed_nor_kept(
 
     async def main() -> None:
         async with keyed_nodes(tmp_path, peer_timeout=PEER_TIMEOUT) as (a, b, on_b):
-            reader, ref = await _put_for_b(a, b)
+            _writer, reader, ref = await put_for_b(a, b)
             path = tmp_path / "a.sock"
             async with session_socket(a, keyed_calls(a), path) as protocols:
                 writer = Writer(path, _unbound(a, WRITER), ref, timeout)
@@ -223,7 +216,7 @@ def test_a_keyed_put_handed_over_within_its_writers_timeout_is_indexed(
 ) -> None:
     async def main() -> None:
         async with keyed_nodes(tmp_path, peer_timeout=PEER_TIMEOUT) as (a, b, on_b):
-            reader, ref = await _put_for_b(a, b)
+            _writer, reader, ref = await put_for_b(a, b)
             path = tmp_path / "a.sock"
             async with session_socket(a, keyed_calls(a), path):
                 writer = Writer(path, _unbound(a, WRITER), ref)
@@ -244,7 +237,7 @@ def test_a_keyed_put_whose_session_went_while_a_peer_was_asked_frees_its_lease(
 ) -> None:
     async def main() -> None:
         async with keyed_nodes(tmp_path) as (a, b, on_b):
-            _reader, ref = await _put_for_b(a, b)
+            _writer, _reader, ref = await put_for_b(a, b)
             path = tmp_path / "a.sock"
             asked = _never_answered(a)
             async with session_socket(a, keyed_calls(a), path) as protocols:
