@@ -20,7 +20,13 @@ longer than that timeout, for the answer's way back.
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from typing import Any, TypeAlias
+
+from relayd_client.wire.errors import RelayTimeoutError
+
+log = logging.getLogger(__name__)
 
 # grpc ships no type stubs; the servicer context is untyped.
 Ctx: TypeAlias = Any
@@ -43,6 +49,23 @@ def too_late(context: Ctx) -> bool:
     now would not reach its caller in time."""
     remaining: float | None = context.time_remaining()
     return remaining is not None and remaining < ANSWER_TIME_S / 2
+
+
+def give_back_if_too_late(
+    context: Ctx, what: str, taken_back: str, session_id: str, give_back: Callable[[], object]
+) -> None:
+    """When the call is :func:`too_late`: ``give_back()`` what its answer would hand
+    over (logged as ``taken_back``, "grant 7 taken back"), before anything is sent, so
+    no answer ever names it, and fail the call with RelayTimeoutError.
+
+    A caller that never learns what it was handed (a grant's id, a lease) cannot
+    give it back, and it would stay held until its session closes or its TTL.
+    """
+    if not too_late(context):
+        return
+    log.info("%s: its answer would come too late", taken_back, extra={"session_id": session_id})
+    give_back()
+    raise RelayTimeoutError(f"the {what} came too late for the call's deadline")
 
 
 def within_timeout(timeout: float) -> float | None:

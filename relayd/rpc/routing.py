@@ -15,11 +15,10 @@ a socket writer's put exactly like any other.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any, TypeAlias
 
-from relayd_client.wire.errors import InvalidArgumentError, RelayTimeoutError, SessionClosedError
+from relayd_client.wire.errors import InvalidArgumentError, SessionClosedError
 from relayd_client.wire.names import REQUEST_ID_MAX, STAGE_NAME_MAX
 from relayd_client.wire.proto import relay_pb2 as pb
 
@@ -28,10 +27,8 @@ from ..pools.arena import Arena
 from ..pools.leases import LeaseManager
 from ..pools.sessions import Session, SessionState
 from ..routing.topology import Topology
-from .deadlines import too_late, within_deadline
+from .deadlines import give_back_if_too_late, within_deadline
 from .errors import mapped
-
-log = logging.getLogger(__name__)
 
 Ctx: TypeAlias = Any
 
@@ -79,18 +76,13 @@ class RoutingService:
             from_stage=from_stage,
             timeout=timeout,
         )
-        if too_late(context):
-            # Published, but resumed too late (a busy loop, as for Grant) for the answer
-            # to arrive: a writer that never learns the DataRef hands it to nobody, and
-            # the lease would stay published until its TTL. Discarded, as a holder of
-            # its DataRef would (KeyedCalls.discard), before anything is sent.
-            log.info(
-                "put lease %d discarded: its answer would come too late",
-                lease.id,
-                extra={"session_id": session.id},
-            )
-            self.leases.release_from_peer(lease.id, lease.generation)
-            raise RelayTimeoutError("the put came too late for the call's deadline")
+        # Published, but maybe resumed too late (a busy loop, as for Grant): a writer
+        # that never learns the DataRef hands it to nobody. Discarded then, as a holder
+        # of its DataRef would (KeyedCalls.discard).
+        give_back_if_too_late(
+            context, "put", f"put lease {lease.id} discarded", session.id,
+            lambda: self.leases.release_from_peer(lease.id, lease.generation),
+        )  # fmt: skip
         if request.trace_id:
             log_trace(lease.id, request.trace_id, request.request_id)
         if request.ref:

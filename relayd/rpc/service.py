@@ -15,7 +15,6 @@ from typing import Any, Protocol, TypeAlias
 from relayd_client.wire.errors import (
     InvalidArgumentError,
     PermissionDeniedError,
-    RelayTimeoutError,
     SessionClosedError,
     VersionMismatchError,
 )
@@ -31,7 +30,7 @@ from ..pools.leases import LeaseManager
 from ..pools.sessions import SessionState
 from ..routing.topology import Topology
 from .admission import Roles
-from .deadlines import too_late, within_deadline
+from .deadlines import give_back_if_too_late, within_deadline
 from .errors import mapped
 from .fetch import Fetcher
 from .routing import RoutingService
@@ -188,19 +187,13 @@ class RelayService(RoutingService, pb_grpc.RelayServicer):
         timeout = min(request.timeout_seconds, limit) if request.timeout_seconds > 0 else limit
         timeout = within_deadline(timeout, context)
         grant = await m.grant(session, request.min_bytes, timeout, request.pool or SHM_POOL)
-        if too_late(context):
-            # Served, but resumed too late (a busy loop) for the answer to arrive: the
-            # server's deadline (the client's timeout from the request's arrival) comes
-            # no sooner than the client's, and a client that never learns the grant's id
-            # cannot give it back. Taken back as its ReturnGrant would, before anything
-            # is sent, so no answer ever names a grant given back.
-            log.info(
-                "grant %d taken back: its answer would come too late",
-                grant.id,
-                extra={"session_id": session.id},
-            )
-            m.return_grant(session, grant.id)
-            raise RelayTimeoutError("the grant came too late for the call's deadline")
+        # Served, but maybe resumed too late (a busy loop) for the answer to arrive: the
+        # server's deadline (the client's timeout from the request's arrival) comes no
+        # sooner than the client's. Taken back then as its ReturnGrant would.
+        give_back_if_too_late(
+            context, "grant", f"grant {grant.id} taken back", session.id,
+            lambda: m.return_grant(session, grant.id),
+        )  # fmt: skip
         # Once this returns, gRPC tells the handler nothing of the answer's fate: the
         # aio context's cancelled() reports only a status the handler set, and its done
         # callbacks run whether the answer was written or failed. An answer written in
@@ -237,21 +230,18 @@ class RelayService(RoutingService, pb_grpc.RelayServicer):
         session = m.authenticate(request.session_id, request.session_token)
         timeout = within_deadline(self.fetcher.timeout(request.timeout_seconds), context)
         fetched = await self.fetcher.fetch(session, request.data_ref, timeout)
-        if too_late(context):
-            # Pulled, but resumed too late for the answer to arrive (as for Grant): a
-            # reader that never learns the local lease cannot release it, so it would
-            # stay held until its TTL. Released as the reader's Release would, before
-            # anything is sent. (A FetchCall on the session socket has no deadline
-            # here: its client releases an answer that comes after it gave up.)
-            lease = fetched.lease
-            log.info(
-                "fetched lease %d released: its answer would come too late",
-                lease.lease_id,
-                extra={"session_id": session.id},
-            )
+        # Pulled, but maybe resumed too late (as for Grant): released then as the
+        # reader's Release would. (A FetchCall on the session socket has no deadline
+        # here: its client releases an answer that comes after it gave up.)
+        lease = fetched.lease
+
+        def release() -> None:
             m.on_release(session, lease)
             m.flush()
-            raise RelayTimeoutError("the fetch came too late for the call's deadline")
+
+        give_back_if_too_late(
+            context, "fetch", f"fetched lease {lease.lease_id} released", session.id, release
+        )
         return fetched
 
     @mapped
