@@ -210,20 +210,13 @@ class CrossNodeLeases:
         """A session serving ``stages`` (of ``uid``; -1: on a peer's node) frees this
         lease unread; False: it was gone. See :meth:`discard_now`.
 
-        A lease whose Reserve may still linger on its writer's side has no record
-        to judge by yet: the discard waits for its Publish, briefly (as a socket
-        fallback read does, see ``publish_waits``), so that its caller hears the
-        verdict, not a promise."""
-        if self._unknown_yet(lease_id, generation):
+        A lease its writer may still publish (its Reserve or Publish lingers on the
+        writer's side) waits for that Publish, briefly (as a socket fallback read
+        does, see ``publish_waits``), so that its caller hears the verdict, and
+        that the lease is freed, not a promise."""
+        if self.table.publish_may_come(lease_id, generation):
             await self.table.publish_waits.wait(lease_id, uid)
         return self.discard_now(lease_id, generation, stages, uid)
-
-    def _unknown_yet(self, lease_id: int, generation: int) -> bool:
-        """Whether a live writer may still announce ``lease_id`` (not the daemon's own)."""
-        grant = self.table.unannounced_in(lease_id)
-        if grant is None or lease_id != generation:
-            return False
-        return not grant.orphan and grant.returns is None
 
     def discard_now(
         self, lease_id: int, generation: int, stages: Collection[str], uid: int = -1

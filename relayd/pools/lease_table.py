@@ -392,6 +392,22 @@ class LeaseTable:
         grant = self.grants.get(lease_id >> GEN_SHIFT)
         return grant if grant is not None and lease_id > grant.last_lease else None
 
+    def publish_may_come(self, lease_id: int, generation: int) -> bool:
+        """Whether a writer may still publish ``lease_id`` at ``generation``: it is
+        reserved, or not announced yet in a live writer's grant (not a peer's push
+        grant, whose leases the daemon publishes itself)."""
+        lease = self.leases.get(lease_id)
+        if lease is not None:
+            return lease.state is LeaseState.RESERVED and lease.generation == generation
+        grant = self.unannounced_in(lease_id)
+        return (
+            grant is not None
+            and lease_id == generation
+            and is_id_of(lease_id, grant.id)
+            and not grant.orphan
+            and grant.returns is None
+        )
+
     def _reader_lease(
         self, session: Session, lease_id: int, generation: int, kind: EarlyKind
     ) -> Lease | None:

@@ -61,7 +61,6 @@ from .records import (
     LeaseState,
     Pool,
     ReclaimReason,
-    is_id_of,
     slots_for,
 )
 from .released import ReleaseRings
@@ -299,22 +298,9 @@ class LeaseManager:
     ) -> bytes:
         """:meth:`get_bytes`, once a Publish that may still be lingering on its
         writer's side has come (see :mod:`relayd.pools.publish_waits`)."""
-        if self._publish_may_come(lease_id, generation):
+        if self.table.publish_may_come(lease_id, generation):
             await self.table.publish_waits.wait(lease_id, session.uid)
         return self.get_bytes(session, lease_id, generation, request_id)
-
-    def _publish_may_come(self, lease_id: int, generation: int) -> bool:
-        """Whether ``lease_id`` is reserved, or not yet announced in a live writer's grant."""
-        lease = self.leases.get(lease_id)
-        if lease is not None:
-            return lease.state is LeaseState.RESERVED and lease.generation == generation
-        grant = self.table.unannounced_in(lease_id)
-        return (
-            grant is not None
-            and not grant.orphan
-            and grant.returns is None  # a peer's push grant: the daemon publishes those
-            and is_id_of(lease_id, grant.id)
-        )
 
     def get_bytes(self, session: Session, lease_id: int, generation: int, request_id: str) -> bytes:
         """Copy a published lease out for ``session`` and free it, as its reader would."""
