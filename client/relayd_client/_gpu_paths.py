@@ -20,6 +20,7 @@ from ._aborts import AbortedRequests
 from ._checks import ReadChecks, layout_specs
 from ._notices import Notices
 from ._reports import Reports
+from ._writer import planned_here, restarted_error
 from .wire.dataref import DataRef
 from .wire.errors import (
     CorruptRefError,
@@ -86,7 +87,7 @@ class GpuPaths:
         if not gpu.has_pool_for(facts):
             return None
         deadline = time.monotonic() + conn.rpc_timeout(timeout)
-        return await self._put_pool(msg, tensors, specs, total, deadline, streams)
+        return await self._put_pool(plan, deadline, streams)
 
     def _put_direct(
         self, msg: pb.DataRef, tensors: list[Any], specs: list[Any], streams: Sequence[Any] = ()
@@ -113,21 +114,24 @@ class GpuPaths:
         return False
 
     async def _put_pool(
-        self,
-        msg: pb.DataRef,
-        tensors: list[Any],
-        specs: list[Any],
-        total: int,
-        deadline: float,
-        streams: Sequence[Any] = (),
+        self, plan: PutPlan, deadline: float, streams: Sequence[Any] = ()
     ) -> DataRef:
         """cuda_ipc_pool: copy into a lease of the source GPU's pool, event in the DataRef."""
-        gpu = self._conn.gpu
+        msg, tensors, specs, total = plan.msg, plan.tensors, plan.specs, plan.total
+        conn = self._conn
+        gpu = conn.gpu
         assert gpu is not None
         source = _cuda_facts.leaf_gpu(next(s.device for s in specs if s.nbytes))
         desc = gpu.pools[source or ""]
-        lease = await self._conn.grants.reserve(total, deadline, desc.name)
+        lease = await conn.grants.reserve(total, deadline, desc.name)
         self._notices.reserve(lease, msg.request_id, msg.to_stage)
+        if conn.gpu is not gpu or not planned_here(plan, conn.attach):
+            # The daemon restarted while the lease was waited for: the lease is the
+            # new daemon's, but the pools mapped above and the DataRef's epoch are
+            # the old one's. The copy would land in memory no reader maps, under a
+            # DataRef every reader refuses as stale.
+            self._notices.cancel(lease)
+            raise restarted_error()
         try:
             region = gpu.pool_region(desc.name, lease.slot, total)
             event, handle = _cuda_pool.write_pool(region, tensors, specs, streams)

@@ -61,10 +61,17 @@ def check_names(to_stage: str, request_id: str) -> None:
 MAX_CHUNK = (1 << 63) - 1
 
 
-def _restarted() -> DaemonUnavailableError:
+def restarted_error() -> DaemonUnavailableError:
     """What a put planned before a restart and leased after it raises (see
-    :meth:`Writer._planned_here`)."""
+    :func:`planned_here`)."""
     return DaemonUnavailableError("relayd restarted during the put; nothing was published")
+
+
+def planned_here(plan: PutPlan, attach: pb.AttachResponse | None) -> bool:
+    """Whether ``plan`` was made under ``attach``, the session attached now. One
+    planned before a restart and leased after it (its route or grant spanned
+    the re-attach) would name the old daemon's epoch, which readers refuse."""
+    return plan.attach is None or plan.attach is attach
 
 
 def check_count(value: object, what: str) -> int:
@@ -586,13 +593,6 @@ class Writer:
             self._notices.reserve(lease, plan.request_id, plan.to_stage, plan.trace_id)
         return lease, seg.slot_offset(lease.slot)
 
-    @staticmethod
-    def _planned_here(plan: PutPlan, attach: pb.AttachResponse | None) -> bool:
-        """Whether ``plan`` was made under ``attach``, the session attached now. One
-        planned before a restart and leased after it (its route or grant spanned
-        the re-attach) would name the old daemon's epoch, which readers refuse."""
-        return plan.attach is None or plan.attach is attach
-
     def cancel_lease(self, lease: Lease) -> None:
         self._notices.cancel(lease)
 
@@ -654,9 +654,9 @@ class Writer:
             # The daemon went away during the copy: the lease died with it,
             # and the new one's arena and session are not this lease's.
             seg = conn.arena(lease)[0]
-            if not self._planned_here(plan, conn.attach):
+            if not planned_here(plan, conn.attach):
                 self.cancel_lease(lease)
-                raise _restarted()
+                raise restarted_error()
             seg.write_header(lease.slot, lease.id, plan.total)
             self._notices.publish(lease, plan.total, transport, ref=plan.is_ref, push=push, now=now)
 
@@ -669,8 +669,8 @@ class Writer:
         if plan.total:
             _copies.pack_into(torch.frombuffer(buf, dtype=torch.uint8), plan.tensors, plan.specs)
         wait = self._conn.rpc_timeout(timeout)
-        if not self._planned_here(plan, self._conn.require_open()):
-            raise _restarted()
+        if not planned_here(plan, self._conn.require_open()):
+            raise restarted_error()
         resp = await self._conn.call(
             "PutBytes",
             pb.PutBytesRequest(

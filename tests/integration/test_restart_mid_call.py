@@ -24,6 +24,9 @@ from relayd_client import (
     SessionClosedError,
     SyncRelayClient,
 )
+from relayd_client.wire.proto import relay_pb2 as pb
+from relayd_client.wire.shm import SHM_POOL
+from relayd_client.wire.transport import Transport
 
 from tests._daemon import Daemon, async_wait_until, kill9, restarted, wait_until
 from tests._fixtures import separate_processes
@@ -151,6 +154,66 @@ def test_a_put_planned_before_a_restart_and_leased_after_it_fails(
             ref = await w.put({"y": torch.ones(4)}, to_stage="talker", request_id="s")
             assert ref.fields.origin.daemon_epoch == d.epoch
             assert torch.equal((await r.get(ref))["y"], torch.ones(4))
+            await async_wait_until(
+                lambda: d.pool().get("used_bytes", 0) == 0, 30, "the cancelled lease freed"
+            )
+
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), 120))
+    finally:
+        d.stop()
+
+
+def test_a_gpu_pool_put_whose_lease_wait_spans_a_restart_fails(
+    tmp_path: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pool put's lease is the new daemon's, but the pools it mapped and its
+    DataRef's epoch are the old one's: its copy would land where no reader
+    looks, under a DataRef every reader refuses, while its writer was told it
+    worked. The GPU side is taken as given (this path's CUDA calls come after
+    the check); the lease, the restart and the re-attach are real."""
+    d = Daemon(str(tmp_path)).start()
+
+    async def scenario() -> None:
+        nonlocal d
+        async with RelayClient("thinker", d.socket, timeout=20) as w:
+            paths, conn = w._gpu_paths, w._conn
+            gpu = conn.gpu
+            assert gpu is not None  # a GPU side exists on any host that maps the arena
+
+            def old_pool(*args: Any) -> None:
+                raise AssertionError("the put copied into the old daemon's pool")
+
+            # A pool of the arena's name: the lease comes from a real grant.
+            monkeypatch.setattr(gpu, "pools", {"": pb.CudaPool(name=SHM_POOL)})
+            monkeypatch.setattr(gpu, "facts", lambda *a: object())
+            monkeypatch.setattr(gpu, "route", lambda *a: Transport.CUDA_IPC_POOL)
+            monkeypatch.setattr(gpu, "has_pool_for", lambda *a: True)
+            monkeypatch.setattr(gpu, "pool_region", old_pool)
+            monkeypatch.setattr(paths, "may_take", lambda plan: True)
+            asked, go = asyncio.Event(), asyncio.Event()
+            reserve = conn.grants.reserve
+
+            async def held_reserve(*args: Any) -> Any:
+                asked.set()
+                await asyncio.wait_for(go.wait(), 60)
+                return await reserve(*args)
+
+            monkeypatch.setattr(conn.grants, "reserve", held_reserve)
+            put = asyncio.create_task(
+                w.put({"x": torch.ones(MiB)}, to_stage="talker", request_id="r")
+            )
+            await asyncio.wait_for(asked.wait(), 30)
+            d = await asyncio.to_thread(restarted, d, str(tmp_path))
+            await w.status()  # re-attached to the new daemon, the put still waiting
+            go.set()
+            with pytest.raises(DaemonUnavailableError, match="restarted during the put"):
+                await asyncio.wait_for(put, 30)
+            monkeypatch.setattr(conn.grants, "reserve", reserve)
+            monkeypatch.setattr(paths, "may_take", lambda plan: False)
+            async with RelayClient("talker", d.socket, timeout=20) as r:
+                ref = await w.put({"y": torch.ones(4)}, to_stage="talker", request_id="s")
+                assert torch.equal((await r.get(ref))["y"], torch.ones(4))
             await async_wait_until(
                 lambda: d.pool().get("used_bytes", 0) == 0, 30, "the cancelled lease freed"
             )
