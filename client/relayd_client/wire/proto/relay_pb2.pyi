@@ -869,16 +869,18 @@ class Aborted(_message.Message):
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
 class Event(_message.Message):
-    __slots__ = ("kind", "code", "message", "registry_version")
+    __slots__ = ("kind", "code", "message", "registry_version", "answers_probes")
     KIND_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     REGISTRY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ANSWERS_PROBES_FIELD_NUMBER: _ClassVar[int]
     kind: EventKind
     code: ErrorCode
     message: str
     registry_version: int
-    def __init__(self, kind: _Optional[_Union[EventKind, str]] = ..., code: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ..., registry_version: _Optional[int] = ...) -> None: ...
+    answers_probes: bool
+    def __init__(self, kind: _Optional[_Union[EventKind, str]] = ..., code: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ..., registry_version: _Optional[int] = ..., answers_probes: _Optional[bool] = ...) -> None: ...
 
 class FetchCall(_message.Message):
     __slots__ = ("call_id", "data_ref", "timeout_seconds")
@@ -967,7 +969,7 @@ class KeyedResult(_message.Message):
     def __init__(self, call_id: _Optional[int] = ..., code: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ..., data_ref: _Optional[bytes] = ...) -> None: ...
 
 class SessionFrame(_message.Message):
-    __slots__ = ("bind", "reserve", "publish", "claim", "release", "cancel", "return_grant", "report", "fetch", "latency", "freed", "aborted", "event", "fetched", "landed", "keyed_put", "keyed_take", "discard", "keyed_result")
+    __slots__ = ("bind", "reserve", "publish", "claim", "release", "cancel", "return_grant", "report", "fetch", "latency", "freed", "aborted", "event", "fetched", "landed", "keyed_put", "keyed_take", "discard", "keyed_result", "probe", "probe_answer")
     BIND_FIELD_NUMBER: _ClassVar[int]
     RESERVE_FIELD_NUMBER: _ClassVar[int]
     PUBLISH_FIELD_NUMBER: _ClassVar[int]
@@ -987,6 +989,8 @@ class SessionFrame(_message.Message):
     KEYED_TAKE_FIELD_NUMBER: _ClassVar[int]
     DISCARD_FIELD_NUMBER: _ClassVar[int]
     KEYED_RESULT_FIELD_NUMBER: _ClassVar[int]
+    PROBE_FIELD_NUMBER: _ClassVar[int]
+    PROBE_ANSWER_FIELD_NUMBER: _ClassVar[int]
     bind: Bind
     reserve: _containers.RepeatedCompositeFieldContainer[Reserve]
     publish: _containers.RepeatedCompositeFieldContainer[Publish]
@@ -1006,7 +1010,9 @@ class SessionFrame(_message.Message):
     keyed_take: _containers.RepeatedCompositeFieldContainer[KeyedTake]
     discard: _containers.RepeatedCompositeFieldContainer[DiscardCall]
     keyed_result: _containers.RepeatedCompositeFieldContainer[KeyedResult]
-    def __init__(self, bind: _Optional[_Union[Bind, _Mapping]] = ..., reserve: _Optional[_Iterable[_Union[Reserve, _Mapping]]] = ..., publish: _Optional[_Iterable[_Union[Publish, _Mapping]]] = ..., claim: _Optional[_Iterable[_Union[Claim, _Mapping]]] = ..., release: _Optional[_Iterable[_Union[Release, _Mapping]]] = ..., cancel: _Optional[_Iterable[_Union[Cancel, _Mapping]]] = ..., return_grant: _Optional[_Iterable[_Union[ReturnGrant, _Mapping]]] = ..., report: _Optional[_Iterable[_Union[TransferReport, _Mapping]]] = ..., fetch: _Optional[_Iterable[_Union[FetchCall, _Mapping]]] = ..., latency: _Optional[_Iterable[_Union[EdgeLatencyReport, _Mapping]]] = ..., freed: _Optional[_Union[Freed, _Mapping]] = ..., aborted: _Optional[_Iterable[_Union[Aborted, _Mapping]]] = ..., event: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., fetched: _Optional[_Iterable[_Union[FetchResult, _Mapping]]] = ..., landed: _Optional[_Iterable[_Union[LandedPush, _Mapping]]] = ..., keyed_put: _Optional[_Iterable[_Union[KeyedPut, _Mapping]]] = ..., keyed_take: _Optional[_Iterable[_Union[KeyedTake, _Mapping]]] = ..., discard: _Optional[_Iterable[_Union[DiscardCall, _Mapping]]] = ..., keyed_result: _Optional[_Iterable[_Union[KeyedResult, _Mapping]]] = ...) -> None: ...
+    probe: bool
+    probe_answer: bool
+    def __init__(self, bind: _Optional[_Union[Bind, _Mapping]] = ..., reserve: _Optional[_Iterable[_Union[Reserve, _Mapping]]] = ..., publish: _Optional[_Iterable[_Union[Publish, _Mapping]]] = ..., claim: _Optional[_Iterable[_Union[Claim, _Mapping]]] = ..., release: _Optional[_Iterable[_Union[Release, _Mapping]]] = ..., cancel: _Optional[_Iterable[_Union[Cancel, _Mapping]]] = ..., return_grant: _Optional[_Iterable[_Union[ReturnGrant, _Mapping]]] = ..., report: _Optional[_Iterable[_Union[TransferReport, _Mapping]]] = ..., fetch: _Optional[_Iterable[_Union[FetchCall, _Mapping]]] = ..., latency: _Optional[_Iterable[_Union[EdgeLatencyReport, _Mapping]]] = ..., freed: _Optional[_Union[Freed, _Mapping]] = ..., aborted: _Optional[_Iterable[_Union[Aborted, _Mapping]]] = ..., event: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., fetched: _Optional[_Iterable[_Union[FetchResult, _Mapping]]] = ..., landed: _Optional[_Iterable[_Union[LandedPush, _Mapping]]] = ..., keyed_put: _Optional[_Iterable[_Union[KeyedPut, _Mapping]]] = ..., keyed_take: _Optional[_Iterable[_Union[KeyedTake, _Mapping]]] = ..., discard: _Optional[_Iterable[_Union[DiscardCall, _Mapping]]] = ..., keyed_result: _Optional[_Iterable[_Union[KeyedResult, _Mapping]]] = ..., probe: _Optional[bool] = ..., probe_answer: _Optional[bool] = ...) -> None: ...
 
 class ArenaSegment(_message.Message):
     __slots__ = ("index", "base", "size", "data_offset", "nslots")
