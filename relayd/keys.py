@@ -10,6 +10,11 @@ Who calls what (all on the daemon's event loop):
   a get with a deadline waits here for the put.
 * ``abort`` / ``discarded`` / ``reap`` - entries of an aborted request, of a
   discarded lease, and of expired ones (the lease TTL) go.
+* ``withdraw`` - the writer's daemon takes back a put it gave up on, or its
+  writer withdrew, while nobody read it: its entry goes, with no tombstone,
+  if it names that very lease (:func:`stamp_of`). A take-back that finds
+  nothing is remembered (bounded), so that the put it names is refused should
+  it arrive after all.
 
 An entry is named ``(to_stage, from_stage, key)``. What became of a key that
 is gone is remembered for a while (a bounded tombstone), so that a second read
@@ -53,6 +58,9 @@ MAX_TAKE_TIMEOUT = 3600.0
 
 Name = tuple[str, str, str]  # (to_stage, from_stage, key)
 LeaseKey = tuple[str, int]  # (origin node, lease id)
+# (origin node, origin daemon epoch, lease id, generation): one put's lease, across
+# its node's restarts (lease ids start over with each daemon run).
+LeaseStamp = tuple[str, str, int, int]
 
 
 class Gone(enum.Enum):
@@ -71,7 +79,9 @@ class Entry:
     request_id: str
     expires: float
     lease: LeaseKey | None  # None: nothing to free (inline, local_object, cuda_ipc_direct)
+    stamp: LeaseStamp | None = None  # with lease: which put of it
     aborted: bool = False  # its request was aborted while a take held it
+    withdrawn: bool = False  # its writer's daemon took it back while a take held it
 
     @property
     def to_stage(self) -> str:
@@ -92,6 +102,14 @@ def lease_of(ref: DataRef) -> LeaseKey | None:
     return ref.proto.origin.node_id, int(ref.proto.lease.lease_id)
 
 
+def stamp_of(ref: DataRef) -> LeaseStamp | None:
+    """Which put of which lease a DataRef names; None when it names no lease."""
+    if ref.transport not in _LEASED:
+        return None
+    m = ref.proto
+    return m.origin.node_id, m.origin.daemon_epoch, int(m.lease.lease_id), int(m.lease.generation)
+
+
 class KeyIndex:
     def __init__(
         self, *, max_stage_keys: int, ttl: float, clock: Callable[[], float] = time.monotonic
@@ -104,6 +122,11 @@ class KeyIndex:
         self.nbytes = 0
         self._by_lease: dict[LeaseKey, Name] = {}
         self._gone: collections.OrderedDict[Name, Gone] = collections.OrderedDict()
+        # Puts taken back before they were indexed here (see withdraw), the oldest
+        # forgotten first: one of them arriving after all is refused.
+        self._withdrawn: collections.OrderedDict[tuple[Name, LeaseStamp], None] = (
+            collections.OrderedDict()
+        )
         self._waiters: dict[Name, list[asyncio.Future[Entry]]] = {}
         # Entries handed to a take that has not resumed yet: out of the index,
         # but an abort must still reach them should the take hand them back.
@@ -122,12 +145,15 @@ class KeyIndex:
         """
         m = ref.proto
         name: Name = (m.to_stage, m.origin.stage, key)
+        stamp = stamp_of(ref)
+        if stamp is not None and (name, stamp) in self._withdrawn:
+            raise StaleRefError(f"key {key!r}: this put was taken back by its writer's daemon")
         if name in self.entries:
             raise KeyExistsError(
                 f"key {key!r} from {m.origin.stage!r} for {m.to_stage!r} is still unread"
             )
         wire = ref.to_bytes()
-        entry = Entry(name, wire, m.request_id, self.clock() + self.ttl, lease_of(ref))
+        entry = Entry(name, wire, m.request_id, self.clock() + self.ttl, lease_of(ref), stamp)
         waiter = self._first_waiter(name)
         if waiter is not None:
             # A reader is waiting: the entry is read the moment it exists
@@ -213,6 +239,9 @@ class KeyIndex:
         if entry.aborted:
             self._bury(name, Gone.ABORTED)
             return
+        if entry.withdrawn:
+            del self._gone[name]  # nobody read it: as if never put
+            return
         waiter = self._first_waiter(name)
         if waiter is not None:
             self._hand(waiter, entry)
@@ -253,6 +282,29 @@ class KeyIndex:
                 entry.aborted = True
         return len(doomed)
 
+    def withdraw(self, name: Name, stamp: LeaseStamp) -> bool:
+        """Take back the unread entry ``name`` if it names the lease ``stamp``: its
+        writer's daemon gave up on the put, or its writer withdrew it. False: no such
+        entry (read, gone, or another put's, which stays).
+
+        No tombstone is left, so that a reader waits for the writer's retry of the
+        key instead of hearing that it was read. A put not found is remembered: a
+        take-back may overtake the hand-over it takes back, which is then refused.
+        """
+        entry = self.entries.get(name)
+        if entry is not None and entry.stamp == stamp:
+            self._unstore(entry)
+            return True
+        handed = self._handed.get(name)
+        if handed is not None and handed.stamp == stamp:
+            # A take holds it: read, it stays read (its reader has the DataRef);
+            # handed back, it goes.
+            handed.withdrawn = True
+        self._withdrawn[(name, stamp)] = None
+        while len(self._withdrawn) > MAX_TOMBSTONES:
+            self._withdrawn.popitem(last=False)
+        return False
+
     def discarded(self, lease: LeaseKey) -> None:
         """The lease was discarded: its entry can never be read."""
         name = self._by_lease.get(lease)
@@ -272,14 +324,17 @@ class KeyIndex:
         return len(doomed)
 
     def _drop(self, entry: Entry, why: Gone) -> None:
+        self._unstore(entry)
+        self._bury(entry.name, why)
+        if why is not Gone.READ:
+            log.debug("key %r dropped: %s", entry.name[2], why.value)
+
+    def _unstore(self, entry: Entry) -> None:
         del self.entries[entry.name]
         self.per_stage.take(entry.to_stage)
         self.nbytes -= len(entry.wire)
         if entry.lease is not None:
             self._by_lease.pop(entry.lease, None)
-        self._bury(entry.name, why)
-        if why is not Gone.READ:
-            log.debug("key %r dropped: %s", entry.name[2], why.value)
 
     def _bury(self, name: Name, why: Gone) -> None:
         self._gone[name] = why

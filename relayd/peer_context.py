@@ -61,6 +61,8 @@ class PeerHooks:
     """How long a cross-node pull took (a histogram's observe)."""
     keyed_from_peer: Callable[[str, str, bytes], None] = lambda node, key, ref: None
     """A peer's keyed put (node id, key, DataRef bytes) for a stage served here."""
+    keyed_withdraw: Callable[[str, str, bytes], bool] = lambda node, key, ref: False
+    """A peer takes back its keyed put (node id, key, DataRef bytes): whether it went."""
     aborted: Callable[[str], object] = lambda request_id: None
     """A peer aborted a request: its keys here go too."""
 

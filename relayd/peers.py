@@ -10,7 +10,8 @@ Started by the daemon only when ``--peer-address`` is set. It then owns:
 * per-peer credits (:class:`~relayd.transports.credits.CreditPool`);
 * the pull (:mod:`relayd.pull`), the push (:mod:`relayd.push`) and the
   batched notices between daemons (:mod:`relayd.peer_notices`);
-* keyed puts, discards and aborts that reach other nodes.
+* keyed puts (handed over and, given up on, taken back:
+  :mod:`relayd.peer_keyed`), discards and aborts that reach other nodes.
 
 It receives the parts of the daemon it uses (:mod:`relayd.peer_context`),
 not the daemon.
@@ -35,6 +36,7 @@ from relayd_client.wire.version import PROTOCOL_VERSION
 
 from .peer_channel import NO_CHANNEL, NoticeListener
 from .peer_context import PeerHooks, PeerLeases, PeerParts
+from .peer_keyed import KeyedHandOver
 from .peer_links import PeerLinks, PeerState, server_options, split_address
 from .peer_notices import PeerNotifier
 from .pools.sessions import Session
@@ -92,6 +94,7 @@ class PeerManager:
             events=self,
         )
         self.notifier = PeerNotifier(self.links, NOTICE_LINGER_S)
+        self.keyed = KeyedHandOver(self.links, settings.node_id, settings.peer_timeout)
         self.parts = PeerParts(
             settings, epoch, arena, leases, self.hooks, transport, self.credits, self.links,
             self.notifier,
@@ -162,6 +165,7 @@ class PeerManager:
         log.info("notice channel on %s port %d", host, self.notice_port)
 
     async def close(self) -> None:
+        await self.keyed.close()
         await self.links.close()
         if self._notices_in is not None:
             await self._notices_in.close()
@@ -239,12 +243,14 @@ class PeerManager:
         self, peer: PeerState, key: str, data_ref: bytes, timeout: float | None = None
     ) -> None:
         """Hand a keyed DataRef to the peer that serves its consumer, within ``timeout``
-        (None: the peer timeout); its errors are ours."""
-        put = pb.PeerKeyedPutRequest(node_id=self.settings.node_id, key=key, data_ref=data_ref)
-        try:
-            await self.links.call(peer, "KeyedPut", put, timeout)
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from None
+        (None: the peer timeout); its errors are ours. Given up on without the peer's
+        answer, it is taken back there (see :mod:`relayd.peer_keyed`)."""
+        await self.keyed.put(peer, key, data_ref, timeout)
+
+    async def keyed_withdraw(self, peer: PeerState, key: str, data_ref: bytes) -> bool:
+        """Have ``peer`` drop its unread entry of the keyed put of ``data_ref`` under
+        ``key`` if it names that very lease: whether it did."""
+        return await self.keyed.withdraw(peer, key, data_ref)
 
     async def release_now(self, m: pb.DataRef, stages: tuple[str, ...]) -> bool:
         """Free a lease of another node now (a discard by a session serving ``stages``);

@@ -369,6 +369,7 @@ class Daemon:
                     peer_stages=self.topology.peer_stages,
                     pull_seconds=m.pull_seconds.observe,
                     keyed_from_peer=self.keyed.put_from_peer,
+                    keyed_withdraw=self.keyed.withdraw_from_peer,
                     aborted=self.keys.abort,
                 ),
             )

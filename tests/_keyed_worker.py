@@ -5,6 +5,8 @@ process, then get again), so this worker reads one command per stdin line
 and answers one line on stdout: ``OK ...``, ``NONE`` or ``ERR <class> <message>``.
 
     put KEY SEED SIZE RID TO      -> OK <hex DataRef> <digest> <transport>  (KEY "-": no key)
+    put-cancelled KEY SEED SIZE RID TO -> OK  (the keyed put's task cancelled once its
+                                    KeyedPut is out; answered once its withdrawal ended)
     get KEY FROM TIMEOUT          -> OK <digest>
     poll KEY FROM                 -> OK <digest> | NONE
     take KEY FROM TIMEOUT [TO]    -> OK <hex DataRef> | NONE
@@ -20,10 +22,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+import time
 from typing import Any
 
 import torch
-from relayd_client import DataRef, RelayClient, RelayError, SyncRelayClient, TensorRef
+from relayd_client import DataRef, RelayClient, RelayError, SyncRelayClient, TensorRef, _keyed
 
 from tests import _zygote
 from tests._daemon import _SPAWNED, REPO, read_line, send_line
@@ -80,6 +83,8 @@ async def _run(c: Any, words: list[str]) -> str:
         payload = make_payload(int(seed), int(size))
         ref = await c.put(payload, to_stage=to, request_id=rid, key=None if key == "-" else key)
         return f"OK {ref.to_bytes().hex()} {digest(payload)} {ref.transport.value}"
+    if cmd == "put-cancelled":
+        return await _put_cancelled(c, *args)
     if cmd == "get":
         key, source, timeout = args
         return f"OK {digest(await c.get_key(key, from_stage=source, timeout=float(timeout)))}"
@@ -115,6 +120,30 @@ async def _run(c: Any, words: list[str]) -> str:
     if cmd == "abort":
         return f"OK {await c.abort(args[0])}"
     return f"ERR ValueError unknown command {cmd!r}"
+
+
+async def _put_cancelled(c: RelayClient, key: str, seed: str, size: str, rid: str, to: str) -> str:
+    """A keyed put whose task is cancelled while it waits for the daemon's answer."""
+    payload = make_payload(int(seed), int(size))
+    session = c._conn.session
+    put = asyncio.ensure_future(c.put(payload, to_stage=to, request_id=rid, key=key))
+    deadline = time.monotonic() + ANSWER_TIMEOUT
+    while not session._keyed:  # its KeyedPut is out once its answer is awaited
+        if put.done() or time.monotonic() > deadline:
+            return "ERR RuntimeError the put ended before its KeyedPut was awaited"
+        await asyncio.sleep(0)  # no timer: the put's own steps run between
+    put.cancel()
+    try:
+        await put
+    except asyncio.CancelledError:
+        pass
+    else:
+        return "ERR RuntimeError the put was answered before the cancel"
+    while _keyed._giving_back:  # the withdrawal, answered (or failed, logged)
+        if time.monotonic() > deadline:
+            return "ERR RuntimeError the withdrawal did not end"
+        await asyncio.sleep(0.01)
+    return "OK"
 
 
 async def main() -> None:

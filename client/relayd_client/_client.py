@@ -202,8 +202,11 @@ class RelayClient:
         another node) and raises :class:`KeyExistsError` while the same key
         from this stage is still unread by ``to_stage``, or
         :class:`ResourceExhaustedError` when that stage has ``max_stage_keys``
-        unread keys; a failed keyed put leaves nothing behind. The entry goes
-        when it is read, when ``request_id`` is aborted and with the lease TTL.
+        unread keys; a failed keyed put leaves nothing behind. One whose call
+        is cancelled, or runs out of time, before the daemon's answer is
+        withdrawn (not indexed, its lease freed) unless a reader took the key
+        meanwhile: that put stands. The entry goes when it is read, when
+        ``request_id`` is aborted and with the lease TTL.
 
         ``trace_id`` (up to 128 printable ASCII characters) is the caller's
         own trace id: the daemon logs it at debug level with the lease it

@@ -5,6 +5,12 @@ Each is one call on the session socket (``KeyedPut``, ``KeyedTake``,
 ``DiscardCall``), answered by the daemon; nothing here touches the arena.
 A keyed get that waits, waits in the daemon, so the put that ends the wait
 costs no polling on either side.
+
+A keyed put whose caller stops waiting before the answer (its task
+cancelled, or no answer in time) is withdrawn: a ``DiscardCall`` naming the
+key, sent in the background, has the daemon end the put as failed, or take it
+out of the index if it was indexed already. A reader that took the key first
+keeps it: that put stands (see ``relayd.rpc.keyed``).
 """
 
 from __future__ import annotations
@@ -12,12 +18,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any
 
 from . import _local, _session
 from ._refs import TensorRef
 from .wire.dataref import KIND_DATA, DataRef
-from .wire.errors import InvalidArgumentError, PermissionDeniedError, RelayError, StaleRefError
+from .wire.errors import (
+    InvalidArgumentError,
+    PermissionDeniedError,
+    RelayError,
+    RelayTimeoutError,
+    StaleRefError,
+)
 from .wire.names import check_key
 from .wire.proto import relay_pb2 as pb
 from .wire.transport import Transport
@@ -30,7 +43,8 @@ log = logging.getLogger(__name__)
 
 # Transports whose bytes live in a daemon's lease: a discard frees it there.
 _LEASED = (Transport.SHM, Transport.SOCKET, Transport.CUDA_IPC_POOL)
-# Give-backs of late takes under way (a task nobody awaits must be held).
+# Give-backs of late takes and withdrawals of puts under way (a task nobody
+# awaits must be held).
 _giving_back: set[asyncio.Task[None]] = set()
 
 
@@ -46,12 +60,21 @@ async def index(conn: Connection, ref: DataRef, key: str, timeout: float) -> Non
     call = pb.KeyedPut(key=key, data_ref=ref.to_bytes(), timeout_seconds=limit)
     try:
         await conn.session.keyed(call, timeout)
-    except BaseException:
+    except BaseException as exc:
         # The put fails: what it left for a reader in this process goes too
         # (a leased one was freed by the daemon).
         if ref.transport is Transport.LOCAL_OBJECT:
             with contextlib.suppress(KeyError):
                 _local.take(ref.object_id)
+        elif ref.transport in _LEASED and (
+            not isinstance(exc, RelayError) or isinstance(exc, RelayTimeoutError)
+        ):
+            # Cancelled, or out of time: the daemon may not know, and may index
+            # the put after (or have indexed it before) this caller was told it
+            # failed. Withdrawn, it leaves nothing, as a failed put. (A timeout the
+            # daemon answered itself has freed the lease: the withdrawal finds
+            # nothing.)
+            _start(_withdraw(conn, ref, key, limit))
         raise
 
 
@@ -79,9 +102,7 @@ async def take(
         # what it holds now rather than at its TTL. The key stays read (the
         # daemon cannot be told to index it again), as it would had the
         # caller discarded it.
-        task = asyncio.get_running_loop().create_task(_give_back(conn, checks, wire, timeout))
-        _giving_back.add(task)
-        task.add_done_callback(_giving_back.discard)
+        _start(_give_back(conn, checks, wire, timeout))
 
     wire = await conn.session.keyed(
         pb.KeyedTake(
@@ -91,6 +112,24 @@ async def take(
         late,
     )
     return DataRef.from_bytes(wire) if wire else None
+
+
+def _start(work: Coroutine[Any, Any, None]) -> None:
+    """Run ``work`` on this loop, held until it ends, nobody awaiting it."""
+    task = asyncio.get_running_loop().create_task(work)
+    _giving_back.add(task)
+    task.add_done_callback(_giving_back.discard)
+
+
+async def _withdraw(conn: Connection, ref: DataRef, key: str, timeout: float) -> None:
+    """Withdraw the keyed put of ``ref`` under ``key``: its caller gave up on it."""
+    call = pb.DiscardCall(data_ref=ref.to_bytes(), key=key)
+    try:
+        await conn.session.keyed(call, max(timeout, _session._ANSWER_GRACE))
+    except RelayError as exc:
+        # Failed, read first (it stands), or the session went (the daemon ends
+        # a hand-over still under way itself).
+        log.debug("a keyed put given up on was not withdrawn: %s", exc)
 
 
 async def _give_back(conn: Connection, checks: ReadChecks, wire: bytes, timeout: float) -> None:

@@ -2,9 +2,10 @@
 
 Served on ``--peer-address`` (TCP). Every call is authenticated first (the
 shared peer token, see :mod:`relayd.peer_links`); the work itself is the peer
-links' (handshake, heartbeat), the push's (grants, notices) or the lease
+links' (handshake, heartbeat), the push's (grants, notices), the lease
 table's (release a lease a peer pulled, discard one for a session there,
-abort a request), with the same rules as for local sessions.
+abort a request) or the key index's (a keyed put, and taking one back), with
+the same rules as for local sessions.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeAlias, TypeVar
 
+from relayd_client.wire.dataref import DataRef
 from relayd_client.wire.errors import (
     InvalidArgumentError,
     PermissionDeniedError,
@@ -116,13 +118,17 @@ class PeerService(pb_grpc.PeerServicer):
         self.push.landing.abort(request.request_id)
         return pb.AbortRemoteResponse(leases_freed=freed)
 
+    def _connected(self, node_id: str) -> None:
+        """A keyed call names the node it comes from: one of our connected peers."""
+        peer = self.links.by_node.get(node_id)
+        if peer is None or not peer.up:
+            raise PermissionDeniedError(f"node {node_id[:64]!r} is not a connected peer")
+
     @_peer_call("keyed put")
     async def KeyedPut(
         self, request: pb.PeerKeyedPutRequest, context: Ctx
     ) -> pb.PeerKeyedPutResponse:
-        peer = self.links.by_node.get(request.node_id)
-        if peer is None or not peer.up:
-            raise PermissionDeniedError(f"node {request.node_id[:64]!r} is not a connected peer")
+        self._connected(request.node_id)
         if too_late(context):
             # Reached too late (a busy loop) for the answer to arrive: the writer's daemon
             # has had its deadline, told the writer the put failed and freed the put's
@@ -138,6 +144,22 @@ class PeerService(pb_grpc.PeerServicer):
             raise RelayTimeoutError("the keyed put came too late for the call's deadline")
         self.hooks.keyed_from_peer(request.node_id, request.key, request.data_ref)
         return pb.PeerKeyedPutResponse()
+
+    @_peer_call("keyed withdraw")
+    async def KeyedWithdraw(
+        self, request: pb.PeerKeyedWithdrawRequest, context: Ctx
+    ) -> pb.PeerKeyedWithdrawResponse:
+        # Only an entry naming that very lease of the sender's own node goes
+        # (``KeyedCalls.withdraw_from_peer``): a peer cannot take back another
+        # node's put, nor a later put of the same key.
+        self._connected(request.node_id)
+        withdrawn = self.hooks.keyed_withdraw(request.node_id, request.key, request.data_ref)
+        if withdrawn:
+            # Its bytes, if pushed here, wait for a reader that can no longer find
+            # them: freed now, not at the TTL. (Checked above: the sender's own put.)
+            m = DataRef.from_bytes(request.data_ref).proto
+            self.push.landing.discard(m, (m.origin.stage,))
+        return pb.PeerKeyedWithdrawResponse(withdrawn=withdrawn)
 
     @_peer_call("push grant")
     async def PushGrant(self, request: pb.PushGrantRequest, context: Ctx) -> pb.PushGrantResponse:

@@ -4,7 +4,9 @@ The writer stage attaches to node A, its consumer to node B. A keyed put on A
 is handed to B's daemon (which holds the index, since B serves the consumer);
 B's reader finds it by key and pulls the bytes like any cross-node DataRef.
 A discard on B by the reader's stage frees the writer's lease on A; another
-stage's is refused there.
+stage's is refused there. A keyed put its writer cancels while it waits is
+withdrawn: not indexed on B, its lease freed on A (a copy pushed to B stays
+there until an abort or its TTL, as for any failed keyed put).
 """
 
 from __future__ import annotations
@@ -93,3 +95,16 @@ def test_discard_on_b_frees_the_lease_on_a(pair: tuple[Node, Node]) -> None:
     assert reader.ask("discard", ref).startswith("ERR StaleRefError")
     assert reader.ask("read", ref).startswith("ERR StaleRefError")
     assert _published(b) == 0
+
+
+def test_a_keyed_put_cancelled_by_its_writer_is_not_delivered(pair: tuple[Node, Node]) -> None:
+    a, b = pair
+    writer, reader = _stages(a, b, "thinker", "talker")
+    assert writer.ask("put-cancelled", "k", 1, LEASED, "r1", "talker") == "OK"
+    # Not there, and no tombstone: the reader waits for the writer's retry.
+    assert reader.ask("poll", "k", "thinker") == "NONE"
+    wait_until(lambda: _published(a) == 0, 10, "the cancelled put's lease on A to be freed")
+    _r, retried, _transport = _ok(writer.ask("put", "k", 2, LEASED, "r1", "talker"))
+    assert _ok(reader.ask("get", "k", "thinker", 10)) == [retried]
+    _ok(writer.ask("abort", "r1"))  # and with it a copy of the first put pushed to B
+    wait_until(lambda: _published(a) == 0 and _published(b) == 0, 10, "both arenas at zero")

@@ -61,8 +61,8 @@ async def keyed_nodes(
     tmp_path: pathlib.Path, **kw: Any
 ) -> AsyncIterator[tuple[Node, Node, KeyedCalls]]:
     """The writer's node A and the reader's node B (``kw``: for both), handshaken both
-    ways; B takes A's keyed puts into B's index (the keyed calls of B, yielded) as a
-    daemon does."""
+    ways; B takes A's keyed puts into B's index (the keyed calls of B, yielded), and
+    takes them back, as a daemon does."""
     token = tmp_path / "token"
     token.write_bytes(os.urandom(32).hex().encode())
     token.chmod(0o600)
@@ -70,7 +70,9 @@ async def keyed_nodes(
     a = Node("a", loopback, token, **kw)
     b = Node("b", loopback, token, peers=(a.address,), **kw)
     on_b = _keyed(b)
-    b.peers.hooks = dataclasses.replace(b.peers.hooks, keyed_from_peer=on_b.put_from_peer)
+    b.peers.hooks = dataclasses.replace(
+        b.peers.hooks, keyed_from_peer=on_b.put_from_peer, keyed_withdraw=on_b.withdraw_from_peer
+    )
     try:
         await a.peers.start()
         await b.peers.start()

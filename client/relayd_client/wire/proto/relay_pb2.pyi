@@ -949,12 +949,14 @@ class KeyedTake(_message.Message):
     def __init__(self, call_id: _Optional[int] = ..., key: _Optional[str] = ..., from_stage: _Optional[str] = ..., to_stage: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
 
 class DiscardCall(_message.Message):
-    __slots__ = ("call_id", "data_ref")
+    __slots__ = ("call_id", "data_ref", "key")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     DATA_REF_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
     call_id: int
     data_ref: bytes
-    def __init__(self, call_id: _Optional[int] = ..., data_ref: _Optional[bytes] = ...) -> None: ...
+    key: str
+    def __init__(self, call_id: _Optional[int] = ..., data_ref: _Optional[bytes] = ..., key: _Optional[str] = ...) -> None: ...
 
 class KeyedResult(_message.Message):
     __slots__ = ("call_id", "code", "message", "data_ref")
@@ -1119,6 +1121,22 @@ class PeerKeyedPutRequest(_message.Message):
 class PeerKeyedPutResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class PeerKeyedWithdrawRequest(_message.Message):
+    __slots__ = ("node_id", "key", "data_ref")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    DATA_REF_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    key: str
+    data_ref: bytes
+    def __init__(self, node_id: _Optional[str] = ..., key: _Optional[str] = ..., data_ref: _Optional[bytes] = ...) -> None: ...
+
+class PeerKeyedWithdrawResponse(_message.Message):
+    __slots__ = ("withdrawn",)
+    WITHDRAWN_FIELD_NUMBER: _ClassVar[int]
+    withdrawn: bool
+    def __init__(self, withdrawn: _Optional[bool] = ...) -> None: ...
 
 class PushGrantRequest(_message.Message):
     __slots__ = ("node_id", "daemon_epoch", "nbytes")

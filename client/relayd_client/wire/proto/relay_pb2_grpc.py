@@ -485,6 +485,11 @@ class PeerStub:
                 request_serializer=relayd_dot_v1_dot_relay__pb2.PeerKeyedPutRequest.SerializeToString,
                 response_deserializer=relayd_dot_v1_dot_relay__pb2.PeerKeyedPutResponse.FromString,
                 _registered_method=True)
+        self.KeyedWithdraw = channel.unary_unary(
+                '/relayd.v1.Peer/KeyedWithdraw',
+                request_serializer=relayd_dot_v1_dot_relay__pb2.PeerKeyedWithdrawRequest.SerializeToString,
+                response_deserializer=relayd_dot_v1_dot_relay__pb2.PeerKeyedWithdrawResponse.FromString,
+                _registered_method=True)
         self.PushGrant = channel.unary_unary(
                 '/relayd.v1.Peer/PushGrant',
                 request_serializer=relayd_dot_v1_dot_relay__pb2.PushGrantRequest.SerializeToString,
@@ -532,6 +537,14 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KeyedWithdraw(self, request, context):
+        """Takes back a keyed put this node handed over (see PeerKeyedWithdrawRequest).
+        A peer that predates it answers UNIMPLEMENTED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def PushGrant(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -572,6 +585,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.KeyedPut,
                     request_deserializer=relayd_dot_v1_dot_relay__pb2.PeerKeyedPutRequest.FromString,
                     response_serializer=relayd_dot_v1_dot_relay__pb2.PeerKeyedPutResponse.SerializeToString,
+            ),
+            'KeyedWithdraw': grpc.unary_unary_rpc_method_handler(
+                    servicer.KeyedWithdraw,
+                    request_deserializer=relayd_dot_v1_dot_relay__pb2.PeerKeyedWithdrawRequest.FromString,
+                    response_serializer=relayd_dot_v1_dot_relay__pb2.PeerKeyedWithdrawResponse.SerializeToString,
             ),
             'PushGrant': grpc.unary_unary_rpc_method_handler(
                     servicer.PushGrant,
@@ -719,6 +737,33 @@ class Peer:
             '/relayd.v1.Peer/KeyedPut',
             relayd_dot_v1_dot_relay__pb2.PeerKeyedPutRequest.SerializeToString,
             relayd_dot_v1_dot_relay__pb2.PeerKeyedPutResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KeyedWithdraw(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/relayd.v1.Peer/KeyedWithdraw',
+            relayd_dot_v1_dot_relay__pb2.PeerKeyedWithdrawRequest.SerializeToString,
+            relayd_dot_v1_dot_relay__pb2.PeerKeyedWithdrawResponse.FromString,
             options,
             channel_credentials,
             insecure,
