@@ -313,6 +313,16 @@ def send_line(proc: subprocess.Popen[bytes], line: str) -> None:
     proc.stdin.flush()
 
 
+@contextlib.contextmanager
+def frozen(d: Daemon) -> Iterator[None]:
+    """The daemon stopped, as on a stalled host: its sockets open, nothing answered."""
+    os.kill(d.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(d.pid, signal.SIGCONT)
+
+
 def kill9(proc: subprocess.Popen[bytes]) -> None:
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=10)

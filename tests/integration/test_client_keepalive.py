@@ -15,9 +15,6 @@ client's pace, as in production).
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
-import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -26,7 +23,7 @@ import pytest
 import relayd_client._connection
 from relayd_client import DaemonUnavailableError, RelayClient, ResourceExhaustedError
 
-from tests._daemon import Daemon, async_wait_until
+from tests._daemon import Daemon, async_wait_until, frozen
 from tests._workers import make_payload
 
 pytestmark = pytest.mark.timeout(60)
@@ -72,16 +69,6 @@ def daemon(tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> Iterator[Daemon
     finally:
         if d.running():
             d.stop()
-
-
-@contextlib.contextmanager
-def frozen(d: Daemon) -> Iterator[None]:
-    """The daemon stopped, as on a stalled host: its sockets open, nothing answered."""
-    os.kill(d.pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.kill(d.pid, signal.SIGCONT)
 
 
 async def fill(w: RelayClient) -> None:

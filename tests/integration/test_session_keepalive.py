@@ -20,8 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
-import signal
 import time
 from collections.abc import Iterator
 
@@ -29,7 +27,7 @@ import pytest
 import relayd_client.wire.keepalive
 from relayd_client import DaemonUnavailableError, RelayClient, RelayTimeoutError
 
-from tests._daemon import Daemon, async_wait_until
+from tests._daemon import Daemon, async_wait_until, frozen
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -63,16 +61,6 @@ def daemon(tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> Iterator[Daemon
     finally:
         if d.running():
             d.stop()
-
-
-@contextlib.contextmanager
-def frozen(d: Daemon) -> Iterator[None]:
-    """The daemon stopped, as on a stalled host: its sockets open, nothing answered."""
-    os.kill(d.pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.kill(d.pid, signal.SIGCONT)
 
 
 def probes_answered(d: Daemon, session_id: str) -> int:
