@@ -64,6 +64,13 @@ MAX_FETCH_CALLS = 4096
 # Keyed puts, takes (a waiting get is one) and discards one session may have
 # in flight; more are refused, as for fetches.
 MAX_KEYED_CALLS = 4096
+# Frame bytes written to one connection that its client has not read yet. Past
+# this, the connection is dropped: every call and probe is answered, so a client
+# that sends them and reads nothing would make the daemon hold its answers
+# without end (one 4 MiB frame of fetch calls answers with ~40 MiB). A client
+# that reads falls nowhere near it: what the daemon sends is small (Freed,
+# events, answers naming leases), and most of it goes by the rings.
+MAX_UNREAD = MAX_FRAME
 # The SessionFrame fields a client sends, as keys of ``ListFields()``.
 _FIELD = pb.SessionFrame.DESCRIPTOR.fields_by_name
 _RESERVE, _PUBLISH, _CLAIM, _RELEASE, _CANCEL, _RETURN_GRANT = (
@@ -73,6 +80,7 @@ _REPORT, _LATENCY, _FETCH, _KEYED_PUT, _KEYED_TAKE, _DISCARD = (
     _FIELD[n] for n in ("report", "latency", "fetch", "keyed_put", "keyed_take", "discard")
 )
 _PROBE = _FIELD["probe"]
+_KEYED_CALLS = ((_KEYED_PUT, "put"), (_KEYED_TAKE, "take"), (_DISCARD, "discard"))
 _REFUSAL_CODES = {
     "uid": pb.ERROR_CODE_PERMISSION_DENIED,
     "stage_owner": pb.ERROR_CODE_PERMISSION_DENIED,
@@ -257,8 +265,24 @@ class SessionProtocol(asyncio.Protocol):
     # -- frames ---------------------------------------------------------------------
 
     def send(self, frame: pb.SessionFrame) -> None:
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(encode_frame(frame))
+        transport = self.transport
+        if transport is not None and not transport.is_closing():
+            transport.write(encode_frame(frame))
+            if transport.get_write_buffer_size() > MAX_UNREAD:
+                self._drop_unread(transport)
+
+    def _drop_unread(self, transport: asyncio.WriteTransport) -> None:
+        """The client leaves what the daemon writes unread (see MAX_UNREAD): drop the
+        connection, unsent frames and all (its session closes as on any hang-up)."""
+        log.warning(
+            "session connection dropped: %d bytes of frames unread",
+            transport.get_write_buffer_size(),
+            extra={"pid": self.creds[0]},
+        )
+        self.hooks.refused("unread")
+        transport.abort()  # not close(): that would wait to send what nobody reads
+        self.transport = None
+        self._buf = bytearray()
 
     def _send_with_rings(self, frame: pb.SessionFrame, session: Session, release: bool) -> None:
         """Send ``frame`` with new rings' descriptors (the Freed ring, and with
@@ -393,6 +417,8 @@ class SessionProtocol(asyncio.Protocol):
         # wait for nobody.
         for call in present.get(_FETCH, ()):
             self._start_fetch(session, call)
+            if self.transport is None:
+                return  # dropped (its answers went unread): the rest would be answered too
         cancels = present.get(_CANCEL, ())
         cancelled = {x.lease_id for x in cancels}
         for r in present.get(_RESERVE, ()):
@@ -425,12 +451,11 @@ class SessionProtocol(asyncio.Protocol):
         for lat in present.get(_LATENCY, ()):
             self.hooks.latency(session, lat)
         # After the notices: a keyed put's Publish travels in the same frame.
-        for kp in present.get(_KEYED_PUT, ()):
-            self._start_keyed(session, kp.call_id, "put", kp)
-        for kt in present.get(_KEYED_TAKE, ()):
-            self._start_keyed(session, kt.call_id, "take", kt)
-        for dc in present.get(_DISCARD, ()):
-            self._start_keyed(session, dc.call_id, "discard", dc)
+        for field, kind in _KEYED_CALLS:
+            for call in present.get(field, ()):
+                self._start_keyed(session, call.call_id, kind, call)
+                if self.transport is None:
+                    return  # dropped, as for fetches
 
     # -- cross-node reads -----------------------------------------------------------
 

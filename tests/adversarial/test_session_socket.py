@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import socket
@@ -12,7 +13,13 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 import pytest
-from relayd_client import DataRef, PeerUnavailableError, PermissionDeniedError, RelayClient
+from relayd_client import (
+    DataRef,
+    PeerUnavailableError,
+    PermissionDeniedError,
+    RelayClient,
+    SyncRelayClient,
+)
 from relayd_client.wire.framing import encode_frame
 from relayd_client.wire.proto import relay_pb2 as pb
 from relayd_client.wire.rings import CLAIM_BIT
@@ -337,3 +344,55 @@ def test_ids_scribbled_into_a_release_ring_free_nothing_of_another_stage(daemon:
             )
 
     asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+def test_a_session_that_reads_none_of_its_answers_is_dropped_not_buffered(
+    daemon: Daemon,
+) -> None:
+    """Each fetch call is answered, so a client that sends them and never reads
+    would make the daemon buffer answers without end: one 4 MiB frame of calls
+    holds about ten times that in answers. Past a bound the connection goes,
+    the daemon stays small, and other sessions go on."""
+    sess = RawSession(daemon.socket, "hoarder")
+    sess.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    rss_before = rss_bytes(daemon.pid)
+    calls = [pb.FetchCall(call_id=i, data_ref=b"\x00") for i in range(1, 200_001)]
+    frames = [pb.SessionFrame(fetch=calls[i : i + 50_000]) for i in range(0, len(calls), 50_000)]
+    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+        for f in frames:
+            sess.send(f)
+    wait_until(
+        lambda: "frames unread" in daemon.log(),
+        60,
+        "the daemon to drop the session it buffered for",
+    )
+    growth = rss_bytes(daemon.pid) - rss_before
+    record(
+        "unread answers",
+        f"{len(calls)} fetch calls never read; daemon RSS growth {growth >> 10} KiB",
+    )
+    assert growth < 64 * MiB
+    assert _closed_after_draining(sess.sock, 30), "the daemon kept the session that reads nothing"
+    sess.close()
+    assert metric(daemon.scrape(), "relayd_connections_refused_total", reason="unread") == 1
+    with (
+        SyncRelayClient("thinker", daemon.socket) as w,
+        SyncRelayClient("talker", daemon.socket) as r,
+    ):
+        ref = w.put(make_payload(7, 1024), to_stage="talker", request_id="after")
+        assert digest(r.get(ref)) == digest(make_payload(7, 1024))
+
+
+def _closed_after_draining(s: socket.socket, timeout: float) -> bool:
+    """Read whatever the daemon wrote until it closed the socket (True) or ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s.settimeout(max(deadline - time.monotonic(), 0.01))
+        try:
+            if not s.recv(1 << 20):
+                return True
+        except ConnectionResetError:
+            return True
+        except TimeoutError:
+            return False
+    return False
