@@ -289,22 +289,30 @@ class PeerManager:
         while len(self._origins) > _ABORT_ORIGINS:
             self._origins.popitem(last=False)
 
-    async def abort_remote(self, request_id: str, stages: tuple[str, ...] = ()) -> int:
+    async def abort_remote(
+        self, request_id: str, stages: tuple[str, ...] = (), narrow: bool = False
+    ) -> int:
         """Tell every live peer (the origins of this request's pulls first of all);
-        ``stages``: the aborting session's, for the peers to check (see AbortRemoteRequest)."""
-        self.push.landing.abort(request_id)
+        ``stages``: the aborting session's, for the peers to check, and with ``narrow``
+        the stages the abort is narrowed to (see AbortRemoteRequest)."""
+        if not narrow:  # a narrowed one leaves the waits to their pushes' fate
+            self.push.landing.abort(request_id)
         targets = {p.address for p in self.links.peers.values() if p.up}
         targets |= self._origins.pop(request_id, set())
         peers = self.links.peers
-        calls = [self._abort_one(peers[a], request_id, stages) for a in targets if a in peers]
+        calls = [
+            self._abort_one(peers[a], request_id, stages, narrow) for a in targets if a in peers
+        ]
         results = await asyncio.gather(*calls)
         return sum(results)
 
-    async def _abort_one(self, peer: PeerState, request_id: str, stages: tuple[str, ...]) -> int:
+    async def _abort_one(
+        self, peer: PeerState, request_id: str, stages: tuple[str, ...], narrow: bool
+    ) -> int:
         if peer.stub is None:
             return 0
         abort = pb.AbortRemoteRequest(
-            request_id=request_id, node_id=self.settings.node_id, stages=stages
+            request_id=request_id, node_id=self.settings.node_id, stages=stages, narrow=narrow
         )
         try:
             resp = await self.links.call(peer, "AbortRemote", abort)

@@ -241,7 +241,7 @@ class PushLanding:
             refuse = "names too long"
         elif m.to_stage not in self.parts.links.local_stages():
             refuse = f"stage {m.to_stage!r} is not served on this node"
-        elif req is not None and req.aborted:
+        elif req is not None and req.stops(m.from_stage, m.to_stage):
             refuse = f"request {m.request_id!r} was aborted"
         if refuse:
             log.info("push of lease %d from %s refused: %s", m.lease_id, peer.address, refuse)
@@ -369,7 +369,7 @@ class PushLanding:
                 # second copy of the DataRef, held for nobody until its TTL.
                 self._remember(key)
             req = self.parts.leases.requests.get(m.request_id)
-            if req is not None and req.aborted:
+            if req is not None and req.stops(m.origin.stage, m.to_stage):
                 raise AbortedError(f"request {m.request_id!r} was aborted")
             if key not in self._landed and not (
                 peer.up and self.parts.links.by_node.get(key[0]) is peer

@@ -235,7 +235,7 @@ class LeaseTable:
         )
         self.add(lease)
         grant.last_lease = max(grant.last_lease, lease_id)
-        req = self.requests.add(lease, lease.created)
+        req = self.requests.add(lease, lease.created, session.uid)
         if req.aborted and not req.stops(lease.from_stage, lease.to_stage):
             # A stage with no part in this lease cannot abort it ahead of time.
             req.aborted = False
@@ -313,7 +313,7 @@ class LeaseTable:
                 tally[1] += lease.nbytes
         else:
             self.hooks.transfer(transport, 1, lease.nbytes, lease.from_stage, lease.to_stage)
-        if self.requests.is_aborted(lease.request_id):
+        if self.requests.stops(lease.request_id, lease.from_stage, lease.to_stage):
             self.free(lease, ReclaimReason.ABORT)
             return
         for early in self.early.pop(lease.id):

@@ -39,6 +39,7 @@ from collections.abc import Callable, Mapping
 from relayd_client.wire.errors import (
     AbortedError,
     ErrorCode,
+    InvalidArgumentError,
     PermissionDeniedError,
     StaleRefError,
 )
@@ -183,6 +184,7 @@ class LeaseManager:
         self.release_from_peer = self.crossnode.release_from_peer
         self.abort = self.reclaim.abort
         self.check_abort = self.reclaim.check_abort
+        self.narrowed_to = self.reclaim.narrowed_to
         self.abort_request = self.reclaim.abort_request
         self.start_drain = self.reclaim.start_drain
         self.drop_all = self.reclaim.drop_all
@@ -329,13 +331,19 @@ class LeaseManager:
         if self.table.unhold(lease):
             self.flush()
 
-    def abort_from_peer(self, request_id: str, stages: tuple[str, ...] = ()) -> int:
+    def abort_from_peer(
+        self, request_id: str, stages: tuple[str, ...] = (), narrow: bool = False
+    ) -> int:
         """A peer aborted ``request_id``: free it here too. The peer was authenticated
         and checked its session's ``stages`` when it knew the request; when it did
-        not (``stages`` given), they are checked here (PermissionDeniedError)."""
+        not (``stages`` given), they are checked here (PermissionDeniedError).
+        ``narrow``: the abort was narrowed there (see ``Reclaimer.narrowed_to``), and
+        is here too, to ``stages``."""
+        if narrow and not stages:
+            raise InvalidArgumentError("a narrowed abort names the stages it is narrowed to")
         if stages:
             self.reclaim.check_abort(stages, request_id)
-        return self.reclaim.abort_request(request_id)[0]
+        return self.reclaim.abort_request(request_id, stages if narrow else None)[0]
 
     # -- abort, TTL, drain --------------------------------------------------------------
 

@@ -6,6 +6,15 @@ them, which must not reach uninvolved stages). An abort before any lease of
 the request exists leaves a tombstone (:mod:`relayd.pools.requests`). A
 published lease nobody reads is freed after the TTL; at the end of a drain
 whatever is left is freed.
+
+Whose request it is: request ids are the clients' to choose, and readable in
+any DataRef, so a stage of another uid could write one lease under a
+request id of yours and then abort "its" request. An abort frees the whole
+request only when every session that wrote it on this node ran as the
+aborting session's uid (or the aborter runs as root); otherwise it is narrowed
+to the aborter's own stages (:meth:`Reclaimer.narrowed_to`): only the leases
+they write or read are freed, only they are told, and only such leases are
+stopped later. A pipeline whose stages all run as one uid is never narrowed.
 """
 
 from __future__ import annotations
@@ -30,7 +39,16 @@ class Reclaimer:
     def abort(self, session: Session, request_id: str) -> tuple[int, int]:
         """``session`` aborts ``request_id``: (leases freed, their bytes)."""
         self.check_abort(session.stages, request_id)
-        return self.abort_request(request_id)
+        return self.abort_request(request_id, self.narrowed_to(session, request_id))
+
+    def narrowed_to(self, session: Session, request_id: str) -> tuple[str, ...] | None:
+        """The stages an abort of ``request_id`` by ``session`` is narrowed to: None (the
+        whole request) when only sessions of its uid wrote the request here, or it
+        runs as root; else its own stages."""
+        req = self.table.requests.get(request_id)
+        if session.uid == 0 or req is None or all(uid == session.uid for uid in req.uids):
+            return None
+        return session.stages
 
     def check_abort(self, stages: tuple[str, ...], request_id: str) -> bool:
         """Whether ``stages`` may abort ``request_id``: True when this node knows
@@ -48,20 +66,30 @@ class Reclaimer:
             )
         return True
 
-    def abort_request(self, request_id: str) -> tuple[int, int]:
-        """Free every published lease of ``request_id`` (whoever asked was checked)."""
+    def abort_request(
+        self, request_id: str, stages: tuple[str, ...] | None = None
+    ) -> tuple[int, int]:
+        """Free every published lease of ``request_id`` (whoever asked was checked), or
+        with ``stages`` (see :meth:`narrowed_to`) those they write or read."""
         t = self.table
-        req = t.requests.touch(request_id, t.clock())
+        now = t.clock()
+        if stages is not None:
+            t.requests.tombstone(request_id, stages, now)  # what it stops from now on
+        req = t.requests.touch(request_id, now)
         req.aborted = True
         n = nbytes = 0
         for lease_id in req.live_leases():
             lease = t.leases.get(lease_id)
-            if lease is not None and lease.state is not LeaseState.RESERVED:
+            if (
+                lease is not None
+                and lease.state is not LeaseState.RESERVED
+                and (stages is None or lease.from_stage in stages or lease.to_stage in stages)
+            ):
                 n += 1
                 nbytes += lease.nbytes
                 t.free(lease, ReclaimReason.ABORT)
-        involved = req.involved
-        t.sessions.tell_all(Aborted(request_id), stages=involved or None)
+        told = req.involved if stages is None else set(stages)
+        t.sessions.tell_all(Aborted(request_id), stages=told or None)
         t.flush()
         return n, nbytes
 

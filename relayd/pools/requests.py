@@ -52,7 +52,7 @@ class RequestInfo:
     over 65,536 records: ~15 ms as one object each, ~107 ms as six, measured).
     """
 
-    __slots__ = ("aborted", "aborters", "leases", "readers", "touched", "writers")
+    __slots__ = ("aborted", "aborters", "leases", "readers", "touched", "uids", "writers")
 
     def __init__(self, touched: float = 0.0) -> None:
         self.writers: Names = ()
@@ -61,6 +61,9 @@ class RequestInfo:
         # tombstone only binds leases those stages write or read.
         self.aborters: Names = ()
         self.leases: set[int] | None = None  # live lease ids; None when there are none
+        # The uids of the sessions that wrote it here (not the daemon's own leases:
+        # pulled, landed): whose request it is, for an abort (see Reclaimer).
+        self.uids: tuple[int, ...] = ()
         self.aborted = False
         self.touched = touched
 
@@ -91,6 +94,11 @@ class Requests:
         req = self.by_id.get(request_id)
         return req is not None and req.aborted
 
+    def stops(self, request_id: str, from_stage: str, to_stage: str) -> bool:
+        """Whether an abort of ``request_id`` stops a transfer ``from_stage`` -> ``to_stage``."""
+        req = self.by_id.get(request_id)
+        return req is not None and req.stops(from_stage, to_stage)
+
     def touch(self, request_id: str, now: float) -> RequestInfo:
         """The record of ``request_id``, moved to the young end."""
         req = self.by_id.pop(request_id, None) or RequestInfo()
@@ -98,9 +106,11 @@ class Requests:
         self.by_id[request_id] = req
         return req
 
-    def add(self, lease: Lease, now: float) -> RequestInfo:
-        """Record ``lease`` under its request."""
+    def add(self, lease: Lease, now: float, uid: int | None = None) -> RequestInfo:
+        """Record ``lease`` under its request (``uid``: of the session that wrote it)."""
         req = self.touch(lease.request_id, now)
+        if uid is not None and uid not in req.uids and len(req.uids) < MAX_NAMES:
+            req.uids = (*req.uids, uid)
         req.writers = _joined(req.writers, lease.from_stage)
         req.readers = _joined(req.readers, lease.to_stage)
         if req.leases is None:

@@ -141,7 +141,7 @@ class KeyedCalls:
                 or held.from_stage != m.origin.stage
             ):
                 req = self.leases.requests.get(m.request_id)
-                if req is not None and req.aborted:
+                if req is not None and req.stops(m.origin.stage, m.to_stage):
                     raise AbortedError(f"request {m.request_id!r} was aborted")
                 raise StaleRefError("the put's lease is gone (read, discarded or expired)")
         task = asyncio.current_task()
@@ -326,7 +326,7 @@ class KeyedCalls:
             raise
         if not released:
             req = self.leases.requests.get(m.request_id)
-            if req is not None and req.aborted:
+            if req is not None and req.stops(m.origin.stage, m.to_stage):
                 raise AbortedError(f"request {m.request_id!r} was aborted")
             raise StaleRefError(
                 "the DataRef's lease was already read, discarded, expired or aborted"

@@ -113,9 +113,10 @@ class PeerService(pb_grpc.PeerServicer):
         if not request.request_id or len(request.request_id) > REQUEST_ID_MAX:
             raise InvalidArgumentError(f"request_id must be 1-{REQUEST_ID_MAX} characters")
         stages = _stages(request.stages, "an abort")
-        freed = self.leases.abort_from_peer(request.request_id, stages)
+        freed = self.leases.abort_from_peer(request.request_id, stages, request.narrow)
         self.hooks.aborted(request.request_id)
-        self.push.landing.abort(request.request_id)
+        if not request.narrow:  # a narrowed one leaves the waits to their pushes' fate
+            self.push.landing.abort(request.request_id)
         return pb.AbortRemoteResponse(leases_freed=freed)
 
     def _connected(self, node_id: str) -> None:

@@ -86,7 +86,9 @@ class ServicePeers(Protocol):
 
     @property
     def transport(self) -> RemoteSession: ...
-    async def abort_remote(self, request_id: str, stages: tuple[str, ...] = ()) -> int: ...
+    async def abort_remote(
+        self, request_id: str, stages: tuple[str, ...] = (), narrow: bool = False
+    ) -> int: ...
 
 
 class Lifecycle(Protocol):
@@ -213,13 +215,15 @@ class RelayService(RoutingService, pb_grpc.RelayServicer):
         session = self._bound(request.session_id, request.session_token)
         check_request_id(request.request_id)
         vouched = self.leases.check_abort(session.stages, request.request_id)
-        n, nbytes = self.leases.abort_request(request.request_id)
+        # Narrowed to the session's stages when others' uids wrote the request here.
+        narrow = self.leases.narrowed_to(session, request.request_id)
+        n, nbytes = self.leases.abort_request(request.request_id, narrow)
         self.keys.abort(request.request_id, session.stages)
         if self.peers is not None:
             # abort frees the request on every node; peers never propagate it further.
             # A request unknown here could be any stage's there: they judge the stages.
-            stages = () if vouched else session.stages
-            n += await self.peers.abort_remote(request.request_id, stages)
+            stages = () if vouched and narrow is None else session.stages
+            n += await self.peers.abort_remote(request.request_id, stages, narrow is not None)
         return pb.AbortResponse(leases_freed=n, bytes_freed=nbytes)
 
     @mapped

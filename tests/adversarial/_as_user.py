@@ -44,6 +44,23 @@ async def discard(socket: str, stage: str, *refs: str) -> dict[str, Any]:
     return {"discards": got}
 
 
+async def hijack(socket: str, stage: str, request_id: str) -> dict[str, Any]:
+    """Write one lease of our own (for a stage nobody serves) under another stage's
+    ``request_id``, which makes ``stage`` one of the request's writers, then abort
+    the request."""
+    import torch
+    from relayd_client import RelayClient, RelayError
+
+    async with RelayClient(stage, socket, timeout=5) as c:
+        await c.put({"x": torch.arange(1 << 17, dtype=torch.int32)}, to_stage="critic",
+                    request_id=request_id)  # fmt: skip
+        try:
+            await c.abort(request_id)
+        except RelayError as exc:
+            return {"abort": type(exc).__name__}
+    return {"abort": "OK"}
+
+
 def map_segments(prefix: str) -> dict[str, Any]:
     """Open and map, read-write, every /dev/shm file whose name starts with ``prefix``."""
     mapped, denied = 0, 0
@@ -97,6 +114,8 @@ def main(argv: list[str]) -> int:
             out = asyncio.run(asyncio.wait_for(attach(*args), 60))
         elif action == "discard":
             out = asyncio.run(asyncio.wait_for(discard(*args), 60))
+        elif action == "hijack":
+            out = asyncio.run(asyncio.wait_for(hijack(*args), 60))
         elif action == "operate":
             out = operate(*args)
         elif action == "map":

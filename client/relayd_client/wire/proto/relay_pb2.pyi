@@ -1093,14 +1093,16 @@ class ReleaseRemoteResponse(_message.Message):
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class AbortRemoteRequest(_message.Message):
-    __slots__ = ("request_id", "node_id", "stages")
+    __slots__ = ("request_id", "node_id", "stages", "narrow")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
+    NARROW_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     node_id: str
     stages: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_id: _Optional[str] = ..., node_id: _Optional[str] = ..., stages: _Optional[_Iterable[str]] = ...) -> None: ...
+    narrow: bool
+    def __init__(self, request_id: _Optional[str] = ..., node_id: _Optional[str] = ..., stages: _Optional[_Iterable[str]] = ..., narrow: _Optional[bool] = ...) -> None: ...
 
 class AbortRemoteResponse(_message.Message):
     __slots__ = ("leases_freed",)

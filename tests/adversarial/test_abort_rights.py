@@ -1,0 +1,62 @@
+"""An abort frees a request's leases only as far as the request is the aborter's.
+
+Request ids are the clients' to choose and readable in any DataRef, so an
+admitted process of another uid can write one lease of its own under a
+victim's request id: that makes its stage one of the request's writers, which
+is what abort asks of a caller. Its abort must then free only what its own
+stages write or read: the victim's lease stays for its reader, and the
+victim's stages are not told the request was aborted (a client refuses its
+own puts to an aborted request). The daemon runs as its own user, the stages
+as root and the intruder as an admitted stage user (see _users).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from tests._daemon import Daemon
+from tests._keyed_worker import Stage
+from tests.adversarial._users import DAEMON, SUPP, User, run_as, shared_dir
+from tests.faults._support import unique_node
+
+pytestmark = pytest.mark.timeout(180)
+
+LEASED = 300_000  # bytes: held in an arena lease, not inline
+INTRUDER = "vocoder"
+
+
+def _ok(answer: str) -> list[str]:
+    assert answer.startswith("OK"), answer
+    return answer.split()[1:]
+
+
+def test_another_uids_abort_of_a_request_it_wrote_into_frees_only_its_own(
+    users: dict[str, User], run_dir: str
+) -> None:
+    logs = shared_dir()
+    d = Daemon(run_dir, node_id=unique_node())
+    d.args = users[DAEMON].argv(d.args)
+    d.log_path = os.path.join(logs, "daemon.log")
+    d.start()
+    try:
+        writer, reader = Stage(d.socket, "thinker"), Stage(d.socket, "talker")
+        ref, sent, transport = _ok(writer.ask("put", "-", 1, LEASED, "r1", "talker"))
+        assert transport == "shm"
+
+        assert run_as(users[SUPP], ["hijack", d.socket, INTRUDER, "r1"]) == {"abort": "OK"}
+
+        assert _ok(reader.ask("read", ref)) == [sent], "the intruder's abort freed the lease"
+        # Not told: the writer still puts under the request, and it is read.
+        ref2, sent2, _ = _ok(writer.ask("put", "-", 2, LEASED, "r1", "talker"))
+        assert _ok(reader.ask("read", ref2)) == [sent2]
+        # The request is still its own stages' to abort, whole.
+        ref3, _, _ = _ok(writer.ask("put", "-", 3, LEASED, "r1", "talker"))
+        assert _ok(writer.ask("abort", "r1")) == ["1"]  # ref3: the one left
+        assert reader.ask("read", ref3).split()[:2] == ["ERR", "AbortedError"]
+        assert d.pool()["used_bytes"] == 0
+    finally:
+        d.stop()
+        shutil.rmtree(logs, ignore_errors=True)
