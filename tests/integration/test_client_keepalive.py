@@ -31,7 +31,8 @@ pytestmark = pytest.mark.timeout(60)
 MiB = 1 << 20
 # gRPC pings at most once a second, whatever the keepalive time.
 KEEPALIVE_MS = 1000
-KEEPALIVE_TIMEOUT_MS = 1000
+# Generous: a loaded host may answer a live daemon's ping or probe late.
+KEEPALIVE_TIMEOUT_MS = 3000
 # A ping after KEEPALIVE_MS of silence (a timer that may have just been reset),
 # then KEEPALIVE_TIMEOUT_MS for its answer; plus slack for a busy host.
 NOTICED_WITHIN = (2 * KEEPALIVE_MS + KEEPALIVE_TIMEOUT_MS) / 1000 + 3.0
