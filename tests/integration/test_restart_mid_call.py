@@ -58,6 +58,23 @@ class _HeldCopy:
         monkeypatch.setattr(copies, name, held)
 
 
+def _held_call(
+    monkeypatch: pytest.MonkeyPatch, obj: object, name: str
+) -> tuple[Any, asyncio.Event, asyncio.Event]:
+    """Make the coroutine method ``obj.name`` wait, once called, until the test sets
+    ``go``: (the real method, ``asked``, set when it is called, ``go``)."""
+    asked, go = asyncio.Event(), asyncio.Event()
+    real = getattr(obj, name)
+
+    async def held(*args: Any) -> Any:
+        asked.set()
+        await asyncio.wait_for(go.wait(), 60)
+        return await real(*args)
+
+    monkeypatch.setattr(obj, name, held)
+    return real, asked, go
+
+
 def test_a_large_put_whose_copy_spans_a_restart_fails(
     tmp_path: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -130,15 +147,7 @@ def test_a_put_planned_before_a_restart_and_leased_after_it_fails(
             RelayClient("thinker", d.socket, timeout=20) as w,
             RelayClient("talker", d.socket, timeout=20) as r,
         ):
-            asked, go = asyncio.Event(), asyncio.Event()
-            ask = w._routes.ask
-
-            async def held_ask(*facts: Any) -> Any:
-                asked.set()
-                await asyncio.wait_for(go.wait(), 60)
-                return await ask(*facts)
-
-            monkeypatch.setattr(w._routes, "ask", held_ask)
+            ask, asked, go = _held_call(monkeypatch, w._routes, "ask")
             put = asyncio.create_task(
                 w.put({"x": torch.ones(MiB)}, to_stage="talker", request_id="r")
             )
@@ -191,15 +200,7 @@ def test_a_gpu_pool_put_whose_lease_wait_spans_a_restart_fails(
             monkeypatch.setattr(gpu, "has_pool_for", lambda *a: True)
             monkeypatch.setattr(gpu, "pool_region", old_pool)
             monkeypatch.setattr(paths, "may_take", lambda plan: True)
-            asked, go = asyncio.Event(), asyncio.Event()
-            reserve = conn.grants.reserve
-
-            async def held_reserve(*args: Any) -> Any:
-                asked.set()
-                await asyncio.wait_for(go.wait(), 60)
-                return await reserve(*args)
-
-            monkeypatch.setattr(conn.grants, "reserve", held_reserve)
+            reserve, asked, go = _held_call(monkeypatch, conn.grants, "reserve")
             put = asyncio.create_task(
                 w.put({"x": torch.ones(MiB)}, to_stage="talker", request_id="r")
             )
