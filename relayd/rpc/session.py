@@ -268,21 +268,11 @@ class SessionProtocol(asyncio.Protocol):
         transport = self.transport
         if transport is not None and not transport.is_closing():
             transport.write(encode_frame(frame))
-            if transport.get_write_buffer_size() > MAX_UNREAD:
-                self._drop_unread(transport)
-
-    def _drop_unread(self, transport: asyncio.WriteTransport) -> None:
-        """The client leaves what the daemon writes unread (see MAX_UNREAD): drop the
-        connection, unsent frames and all (its session closes as on any hang-up)."""
-        log.warning(
-            "session connection dropped: %d bytes of frames unread",
-            transport.get_write_buffer_size(),
-            extra={"pid": self.creds[0]},
-        )
-        self.hooks.refused("unread")
-        transport.abort()  # not close(): that would wait to send what nobody reads
-        self.transport = None
-        self._buf = bytearray()
+            unread = transport.get_write_buffer_size()
+            if unread > MAX_UNREAD:
+                # Unsent frames and all: the client reads none (its session closes as
+                # on any hang-up).
+                self._refuse("unread", f"{unread} bytes of frames unread", tell=False)
 
     def _send_with_rings(self, frame: pb.SessionFrame, session: Session, release: bool) -> None:
         """Send ``frame`` with new rings' descriptors (the Freed ring, and with
@@ -323,24 +313,30 @@ class SessionProtocol(asyncio.Protocol):
         if sent < len(data):
             transport.write(data[sent:])
 
-    def _refuse(self, reason: str, message: str, code: int | None = None) -> None:
+    def _refuse(
+        self, reason: str, message: str, code: int | None = None, *, tell: bool = True
+    ) -> None:
+        """End the connection for ``reason`` (a metric label); ``tell``: with an ERROR
+        event first, else at once (``abort``: ``close`` would wait to send frames the
+        client does not read)."""
         log.warning("session connection refused: %s", message, extra={"pid": self.creds[0]})
         self.hooks.refused(reason)
         if code is None:
             code = _REFUSAL_CODES.get(reason, pb.ERROR_CODE_INVALID_ARGUMENT)
-        if self.transport is not None:
-            self.send(
-                pb.SessionFrame(
-                    event=[
-                        pb.Event(
-                            kind=pb.EVENT_KIND_ERROR, code=cast(pb.ErrorCode, code), message=message
-                        )
-                    ]
-                )
+        transport = self.transport
+        if transport is None:
+            return
+        self.transport = None  # first: nothing sent from here on comes back here
+        self._buf = bytearray()
+        if not tell:
+            transport.abort()
+            return
+        if not transport.is_closing():
+            error = pb.Event(
+                kind=pb.EVENT_KIND_ERROR, code=cast(pb.ErrorCode, code), message=message
             )
-            self.transport.close()
-            self.transport = None
-            self._buf = bytearray()
+            transport.write(encode_frame(pb.SessionFrame(event=[error])))
+        transport.close()
 
     def _handle(self, f: pb.SessionFrame) -> None:
         m = self.manager
