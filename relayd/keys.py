@@ -102,6 +102,12 @@ def lease_of(ref: DataRef) -> LeaseKey | None:
     return ref.proto.origin.node_id, int(ref.proto.lease.lease_id)
 
 
+def name_of(ref: DataRef, key: str) -> Name:
+    """The entry name a keyed put of ``ref`` under ``key`` is indexed by."""
+    m = ref.proto
+    return m.to_stage, m.origin.stage, key
+
+
 def stamp_of(ref: DataRef) -> LeaseStamp | None:
     """Which put of which lease a DataRef names; None when it names no lease."""
     if ref.transport not in _LEASED:
@@ -144,7 +150,7 @@ class KeyIndex:
         unread; ResourceExhaustedError when the stage (or the index) is full.
         """
         m = ref.proto
-        name: Name = (m.to_stage, m.origin.stage, key)
+        name = name_of(ref, key)
         stamp = stamp_of(ref)
         if stamp is not None and (name, stamp) in self._withdrawn:
             raise StaleRefError(f"key {key!r}: this put was taken back by its writer's daemon")
@@ -282,15 +288,17 @@ class KeyIndex:
                 entry.aborted = True
         return len(doomed)
 
-    def withdraw(self, name: Name, stamp: LeaseStamp) -> bool:
-        """Take back the unread entry ``name`` if it names the lease ``stamp``: its
-        writer's daemon gave up on the put, or its writer withdrew it. False: no such
-        entry (read, gone, or another put's, which stays).
+    def withdraw(self, ref: DataRef, key: str, stamp: LeaseStamp) -> bool:
+        """Take back the unread entry of the keyed put of ``ref`` under ``key`` if it
+        names the lease ``stamp`` (``stamp_of(ref)``): its writer's daemon gave up on
+        the put, or its writer withdrew it. False: no such entry (read, gone, or
+        another put's, which stays).
 
         No tombstone is left, so that a reader waits for the writer's retry of the
         key instead of hearing that it was read. A put not found is remembered: a
         take-back may overtake the hand-over it takes back, which is then refused.
         """
+        name = name_of(ref, key)
         entry = self.entries.get(name)
         if entry is not None and entry.stamp == stamp:
             self._unstore(entry)

@@ -245,7 +245,7 @@ class KeyedCalls:
         """Take the entry of ``ref`` under ``key`` out of the index holding it, here or on
         the peer serving its consumer; False when it is not there unread."""
         m = ref.proto
-        if self.keys.withdraw((m.to_stage, m.origin.stage, key), stamp):
+        if self.keys.withdraw(ref, key, stamp):
             return True
         peers = self.peers
         peer = peers.serving(m.to_stage) if peers is not None else None
@@ -253,16 +253,23 @@ class KeyedCalls:
             return False
         return await peers.keyed_withdraw(peer, key, ref.to_v1_bytes())
 
-    def put_from_peer(self, node_id: str, key: str, data: bytes) -> None:
-        """A peer's keyed put for a stage served here (the peer was authenticated)."""
+    def _from_peer(self, node_id: str, key: str, data: bytes, what: str) -> tuple[str, DataRef]:
+        """The key and DataRef a peer sends of a keyed put, checked: a peer may only
+        ``what`` (index, take back) keyed puts of its own node."""
         key = check_key(key)
         ref = DataRef.from_bytes(data)
         m = ref.proto
-        if m.kind != KIND_DATA or not m.request_id:
-            raise InvalidArgumentError("a keyed put is a data put with a request id")
         check_stage(m.to_stage, "to_stage")
         if m.origin.node_id != node_id or node_id == self.node_id:
-            raise PermissionDeniedError("a peer may only index DataRefs of its own node")
+            raise PermissionDeniedError(f"a peer may only {what} keyed puts of its own node")
+        return key, ref
+
+    def put_from_peer(self, node_id: str, key: str, data: bytes) -> None:
+        """A peer's keyed put for a stage served here (the peer was authenticated)."""
+        key, ref = self._from_peer(node_id, key, data, "index")
+        m = ref.proto
+        if m.kind != KIND_DATA or not m.request_id:
+            raise InvalidArgumentError("a keyed put is a data put with a request id")
         if not self._served_here(m.to_stage):
             raise NotFoundError(f"stage {m.to_stage!r} is not served on {self.node_id!r}")
         self.keys.add(ref, key)
@@ -270,16 +277,11 @@ class KeyedCalls:
     def withdraw_from_peer(self, node_id: str, key: str, data: bytes) -> bool:
         """A peer takes back its keyed put (the peer was authenticated): whether the entry
         went. Only an entry naming that very lease of the peer's own node goes."""
-        key = check_key(key)
-        ref = DataRef.from_bytes(data)
-        m = ref.proto
-        check_stage(m.to_stage, "to_stage")
-        if m.origin.node_id != node_id or node_id == self.node_id:
-            raise PermissionDeniedError("a peer may only take back keyed puts of its own node")
+        key, ref = self._from_peer(node_id, key, data, "take back")
         stamp = stamp_of(ref)
         if stamp is None:
             raise InvalidArgumentError("only a keyed put with a lease is taken back")
-        withdrawn = self.keys.withdraw((m.to_stage, m.origin.stage, key), stamp)
+        withdrawn = self.keys.withdraw(ref, key, stamp)
         if withdrawn:
             log.info("keyed put of %r taken back by node %r", key[:64], node_id[:64])
         return withdrawn
