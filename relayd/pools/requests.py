@@ -97,7 +97,8 @@ class Requests:
     def stops(self, request_id: str, from_stage: str, to_stage: str) -> bool:
         """Whether an abort of ``request_id`` stops a transfer ``from_stage`` -> ``to_stage``."""
         req = self.by_id.get(request_id)
-        return req is not None and req.stops(from_stage, to_stage)
+        # Once per published transfer: the common answer without a method call.
+        return req is not None and req.aborted and req.stops(from_stage, to_stage)
 
     def touch(self, request_id: str, now: float) -> RequestInfo:
         """The record of ``request_id``, moved to the young end."""
