@@ -139,10 +139,12 @@ async def _put_cancelled(c: RelayClient, key: str, seed: str, size: str, rid: st
         pass
     else:
         return "ERR RuntimeError the put was answered before the cancel"
-    while _keyed._giving_back:  # the withdrawal, answered (or failed, logged)
-        if time.monotonic() > deadline:
+    # The withdrawal, answered (or failed, logged): its task exists once the put raised.
+    withdrawals = set(_keyed._giving_back)
+    if withdrawals:
+        _, pending = await asyncio.wait(withdrawals, timeout=max(deadline - time.monotonic(), 0))
+        if pending:
             return "ERR RuntimeError the withdrawal did not end"
-        await asyncio.sleep(0.01)
     return "OK"
 
 
