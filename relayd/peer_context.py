@@ -15,6 +15,7 @@ from .peer_links import PeerLinks
 from .peer_notices import PeerNotifier
 from .pools.arena import Arena
 from .pools.crossnode import CrossNodeLeases
+from .pools.reclaim import Aborter
 from .pools.records import Lease
 from .pools.requests import RequestInfo
 from .pools.sessions import Session
@@ -42,8 +43,12 @@ class PeerLeases(Protocol):
     def hold(self, lease: Lease) -> None: ...
     def unhold(self, lease: Lease) -> None: ...
     def abort_from_peer(
-        self, request_id: str, stages: tuple[str, ...] = (), narrow: bool = False
-    ) -> int: ...
+        self,
+        request_id: str,
+        stages: tuple[str, ...] = (),
+        narrow: bool = False,
+        by: Aborter | None = None,
+    ) -> tuple[int, tuple[str, ...] | None]: ...
     def flush(self) -> None: ...
     def wake(self) -> None:
         """Serve grant waiters: arena space came back past the lease table."""
@@ -65,8 +70,9 @@ class PeerHooks:
     """A peer's keyed put (node id, key, DataRef bytes) for a stage served here."""
     keyed_withdraw: Callable[[str, str, bytes], bool] = lambda node, key, ref: False
     """A peer takes back its keyed put (node id, key, DataRef bytes): whether it went."""
-    aborted: Callable[[str], object] = lambda request_id: None
-    """A peer aborted a request: its keys here go too."""
+    aborted: Callable[[str, tuple[str, ...] | None], object] = lambda request_id, stages: None
+    """A peer aborted a request: its keys here go too (with stages, only those to or
+    from them: the abort was narrowed to them)."""
 
 
 @dataclasses.dataclass(frozen=True)

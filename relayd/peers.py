@@ -39,6 +39,7 @@ from .peer_context import PeerHooks, PeerLeases, PeerParts
 from .peer_keyed import KeyedHandOver
 from .peer_links import PeerLinks, PeerState, server_options, split_address
 from .peer_notices import PeerNotifier
+from .pools.reclaim import Aborter
 from .pools.sessions import Session
 from .pull import Puller
 from .push import PushManager
@@ -290,30 +291,43 @@ class PeerManager:
             self._origins.popitem(last=False)
 
     async def abort_remote(
-        self, request_id: str, stages: tuple[str, ...] = (), narrow: bool = False
+        self,
+        request_id: str,
+        stages: tuple[str, ...] = (),
+        narrow: bool = False,
+        by: Aborter | None = None,
     ) -> int:
         """Tell every live peer (the origins of this request's pulls first of all);
         ``stages``: the aborting session's, for the peers to check, and with ``narrow``
-        the stages the abort is narrowed to (see AbortRemoteRequest)."""
+        the stages the abort is narrowed to; ``by``: who aborts, for the peers to
+        narrow it by their own writers' uids (see AbortRemoteRequest)."""
         if not narrow:  # a narrowed one leaves the waits to their pushes' fate
             self.push.landing.abort(request_id)
         targets = {p.address for p in self.links.peers.values() if p.up}
         targets |= self._origins.pop(request_id, set())
         peers = self.links.peers
         calls = [
-            self._abort_one(peers[a], request_id, stages, narrow) for a in targets if a in peers
+            self._abort_one(peers[a], request_id, stages, narrow, by) for a in targets if a in peers
         ]
         results = await asyncio.gather(*calls)
         return sum(results)
 
     async def _abort_one(
-        self, peer: PeerState, request_id: str, stages: tuple[str, ...], narrow: bool
+        self,
+        peer: PeerState,
+        request_id: str,
+        stages: tuple[str, ...],
+        narrow: bool,
+        by: Aborter | None,
     ) -> int:
         if peer.stub is None:
             return 0
         abort = pb.AbortRemoteRequest(
             request_id=request_id, node_id=self.settings.node_id, stages=stages, narrow=narrow
         )
+        if by is not None:
+            abort.aborter_uid = by.uid
+            abort.aborter_stages.extend(by.stages)
         try:
             resp = await self.links.call(peer, "AbortRemote", abort)
         except grpc.RpcError as exc:

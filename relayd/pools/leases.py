@@ -53,7 +53,7 @@ from .freed import FreedBatcher
 from .grant_queue import GrantQueue
 from .lease_table import LeaseTable
 from .orphans import Orphans
-from .reclaim import Reclaimer
+from .reclaim import Aborter, Reclaimer
 from .records import (
     GEN_SHIFT,
     Grant,
@@ -332,18 +332,29 @@ class LeaseManager:
             self.flush()
 
     def abort_from_peer(
-        self, request_id: str, stages: tuple[str, ...] = (), narrow: bool = False
-    ) -> int:
-        """A peer aborted ``request_id``: free it here too. The peer was authenticated
-        and checked its session's ``stages`` when it knew the request; when it did
-        not (``stages`` given), they are checked here (PermissionDeniedError).
-        ``narrow``: the abort was narrowed there (see ``Reclaimer.narrowed_to``), and
-        is here too, to ``stages``."""
+        self,
+        request_id: str,
+        stages: tuple[str, ...] = (),
+        narrow: bool = False,
+        by: Aborter | None = None,
+    ) -> tuple[int, tuple[str, ...] | None]:
+        """A peer aborted ``request_id``: free it here too; (leases freed, the stages
+        the abort was narrowed to here, None: none, the whole request). The peer was authenticated and checked its
+        session's ``stages`` when it knew the request; when it did not (``stages``
+        given), they are checked here (PermissionDeniedError). ``narrow``: the abort
+        was narrowed there (see ``Reclaimer.narrowed_to``), and is here too, to
+        ``stages``; else it is narrowed here by the same rule when the peer named
+        the aborter (``by``)."""
         if narrow and not stages:
             raise InvalidArgumentError("a narrowed abort names the stages it is narrowed to")
+        if by is not None and not by.stages:
+            raise InvalidArgumentError("an abort that names its aborter names its stages")
         if stages:
             self.reclaim.check_abort(stages, request_id)
-        return self.reclaim.abort_request(request_id, stages if narrow else None)[0]
+        to = stages if narrow else None
+        if to is None and by is not None:
+            to = self.reclaim.narrowed_to(by, request_id)
+        return self.reclaim.abort_request(request_id, to)[0], to
 
     # -- abort, TTL, drain --------------------------------------------------------------
 

@@ -15,11 +15,16 @@ aborting session's uid (or the aborter runs as root); otherwise it is narrowed
 to the aborter's own stages (:meth:`Reclaimer.narrowed_to`): only the leases
 they write or read are freed, only they are told, and only such leases are
 stopped later. A pipeline whose stages all run as one uid is never narrowed.
+A peer's abort is narrowed here by the same rule, against the uid and stages
+its node names for the aborter (:class:`Aborter`): uids mean something only
+per node, so a node whose own writers of the request all share the aborter's
+uid frees it whole, and one where another uid wrote it narrows it.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 from relayd_client.wire.errors import PermissionDeniedError
 
@@ -29,6 +34,13 @@ from .records import LeaseState, ReclaimReason
 from .sessions import Session
 
 log = logging.getLogger(__name__)
+
+
+class Aborter(NamedTuple):
+    """Who aborts a request, as narrowing sees it: a session's uid and stages."""
+
+    uid: int
+    stages: tuple[str, ...]
 
 
 class Reclaimer:
@@ -41,14 +53,14 @@ class Reclaimer:
         self.check_abort(session.stages, request_id)
         return self.abort_request(request_id, self.narrowed_to(session, request_id))
 
-    def narrowed_to(self, session: Session, request_id: str) -> tuple[str, ...] | None:
-        """The stages an abort of ``request_id`` by ``session`` is narrowed to: None (the
+    def narrowed_to(self, by: Session | Aborter, request_id: str) -> tuple[str, ...] | None:
+        """The stages an abort of ``request_id`` by ``by`` is narrowed to: None (the
         whole request) when only sessions of its uid wrote the request here, or it
         runs as root; else its own stages."""
         req = self.table.requests.get(request_id)
-        if session.uid == 0 or req is None or all(uid == session.uid for uid in req.uids):
+        if by.uid == 0 or req is None or all(uid == by.uid for uid in req.uids):
             return None
-        return session.stages
+        return by.stages
 
     def check_abort(self, stages: tuple[str, ...], request_id: str) -> bool:
         """Whether ``stages`` may abort ``request_id``: True when this node knows

@@ -29,6 +29,7 @@ from relayd_client.wire.proto import relay_pb2_grpc as pb_grpc
 from ..peer_context import PeerHooks, PeerLeases
 from ..peer_links import PeerLinks
 from ..peer_notices import notice_count
+from ..pools.reclaim import Aborter
 from ..push import PushManager
 from .deadlines import too_late
 from .errors import mapped
@@ -113,9 +114,14 @@ class PeerService(pb_grpc.PeerServicer):
         if not request.request_id or len(request.request_id) > REQUEST_ID_MAX:
             raise InvalidArgumentError(f"request_id must be 1-{REQUEST_ID_MAX} characters")
         stages = _stages(request.stages, "an abort")
-        freed = self.leases.abort_from_peer(request.request_id, stages, request.narrow)
-        self.hooks.aborted(request.request_id)
-        if not request.narrow:  # a narrowed one leaves the waits to their pushes' fate
+        by = None
+        if request.HasField("aborter_uid"):
+            by = Aborter(request.aborter_uid, _stages(request.aborter_stages, "an abort"))
+        freed, narrowed = self.leases.abort_from_peer(
+            request.request_id, stages, request.narrow, by
+        )
+        self.hooks.aborted(request.request_id, narrowed)
+        if narrowed is None:  # a narrowed one leaves the waits to their pushes' fate
             self.push.landing.abort(request.request_id)
         return pb.AbortRemoteResponse(leases_freed=freed)
 

@@ -27,6 +27,7 @@ from relayd_client.wire.version import PROTOCOL_VERSION
 from ..keys import KeyIndex
 from ..pools.arena import Arena
 from ..pools.leases import LeaseManager
+from ..pools.reclaim import Aborter
 from ..pools.sessions import SessionState
 from ..routing.topology import Topology
 from .admission import Roles
@@ -87,7 +88,11 @@ class ServicePeers(Protocol):
     @property
     def transport(self) -> RemoteSession: ...
     async def abort_remote(
-        self, request_id: str, stages: tuple[str, ...] = (), narrow: bool = False
+        self,
+        request_id: str,
+        stages: tuple[str, ...] = (),
+        narrow: bool = False,
+        by: Aborter | None = None,
     ) -> int: ...
 
 
@@ -223,7 +228,8 @@ class RelayService(RoutingService, pb_grpc.RelayServicer):
             # abort frees the request on every node; peers never propagate it further.
             # A request unknown here could be any stage's there: they judge the stages.
             stages = () if vouched and narrow is None else session.stages
-            n += await self.peers.abort_remote(request.request_id, stages, narrow is not None)
+            by = Aborter(session.uid, session.stages)  # each peer narrows by its own writers
+            n += await self.peers.abort_remote(request.request_id, stages, narrow is not None, by)
         return pb.AbortResponse(leases_freed=n, bytes_freed=nbytes)
 
     @mapped

@@ -8,19 +8,27 @@ stages write or read: the victim's lease stays for its reader, and the
 victim's stages are not told the request was aborted (a client refuses its
 own puts to an aborted request). The daemon runs as its own user, the stages
 as root and the intruder as an admitted stage user (see _users).
+
+Across nodes the same holds: the intruder's node knows only the intruder's
+lease of the request, so there the abort is whole, but the peers it tells
+narrow it to the intruder's stages when their own writers of the request are
+of another uid than the aborter's.
 """
 
 from __future__ import annotations
 
 import os
+import pathlib
 import shutil
 
 import pytest
 
-from tests._daemon import Daemon
+from tests._daemon import Daemon, free_port, wait_until
 from tests._keyed_worker import Stage
+from tests._mooncake import requires_mooncake
 from tests.adversarial._users import DAEMON, SUPP, User, run_as, shared_dir
 from tests.faults._support import unique_node
+from tests.multinode.test_two_daemons import TOKEN, Node, stop_pair
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -60,3 +68,51 @@ def test_another_uids_abort_of_a_request_it_wrote_into_frees_only_its_own(
     finally:
         d.stop()
         shutil.rmtree(logs, ignore_errors=True)
+
+
+@pytest.mark.multinode
+@requires_mooncake
+def test_another_uids_abort_on_another_node_frees_only_its_own_there(
+    users: dict[str, User], tmp_path: pathlib.Path
+) -> None:
+    """The victim's stages write and read on node B, as root; the intruder writes its
+    one lease of the request on node A (whose daemon runs as its own user, as in
+    the test above) and aborts it there."""
+    owner = users[DAEMON]
+    shared = pathlib.Path(shared_dir(owner, parent="/run" if os.path.isdir("/run") else "/tmp"))
+    token = shared / "token"
+    token.write_text(TOKEN + "\n")
+    token.chmod(0o600)
+    os.chown(token, owner.uid, owner.gid)
+    pa, pb_ = free_port(), free_port()
+    a = Node(shared, "node-a", pa, pb_, str(token), pool="64MiB")
+    os.chown(shared / "node-a", owner.uid, owner.gid)
+    a.daemon.args = owner.argv(a.daemon.args)
+    a.daemon.log_path = str(shared / "node-a.log")
+    b = Node(tmp_path, "node-b", pb_, pa, str(token), pool="64MiB")
+    a.daemon.start()
+    b.daemon.start()
+    try:
+        wait_until(lambda: a.sees(b) and b.sees(a), 15, "the two daemons to handshake")
+        writer, reader = Stage(b.daemon.socket, "thinker"), Stage(b.daemon.socket, "talker")
+        ref, sent, transport = _ok(writer.ask("put", "-", 1, LEASED, "r1", "talker"))
+        assert transport == "shm"
+        _, keyed, _ = _ok(writer.ask("put", "k1", 4, LEASED, "r1", "talker"))
+
+        assert run_as(users[SUPP], ["hijack", a.daemon.socket, INTRUDER, "r1"]) == {"abort": "OK"}
+
+        assert _ok(reader.ask("read", ref)) == [sent], "the intruder's abort freed the lease"
+        assert _ok(reader.ask("poll", "k1", "thinker")) == [keyed], "it dropped the key"
+        ref2, sent2, _ = _ok(writer.ask("put", "-", 2, LEASED, "r1", "talker"))
+        assert _ok(reader.ask("read", ref2)) == [sent2]
+        ref3, _, _ = _ok(writer.ask("put", "-", 3, LEASED, "r1", "talker"))
+        _ok(writer.ask("abort", "r1"))
+        assert reader.ask("read", ref3).split()[:2] == ["ERR", "AbortedError"]
+        wait_until(
+            lambda: a.daemon.pool()["used_bytes"] == 0 == b.daemon.pool()["used_bytes"],
+            10,
+            "both arenas at zero",
+        )
+    finally:
+        stop_pair(a, b)
+        shutil.rmtree(shared, ignore_errors=True)

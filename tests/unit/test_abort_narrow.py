@@ -13,6 +13,7 @@ from relayd_client.wire.proto import relay_pb2 as pb
 
 from relayd.pools.arena import Arena
 from relayd.pools.leases import LeaseManager
+from relayd.pools.reclaim import Aborter
 from relayd.pools.records import Grant, LeaseState
 from relayd.pools.sessions import Session
 from relayd.rpc.frames import frame_sink
@@ -112,6 +113,27 @@ def test_a_peers_narrowed_abort_frees_only_what_its_stages_write_or_read(arena: 
     n.put(vocoder, "critic")
     with pytest.raises(InvalidArgumentError):
         n.m.abort_from_peer("r", (), narrow=True)
-    assert n.m.abort_from_peer("r", ("vocoder",), narrow=True) == 1
+    assert n.m.abort_from_peer("r", ("vocoder",), narrow=True) == (1, ("vocoder",))
     assert list(n.m.leases) == [victims]
-    assert n.m.abort_from_peer("r", ("thinker",)) == 1  # not narrowed: the whole request
+    assert n.m.abort_from_peer("r", ("thinker",)) == (1, None)  # not narrowed: whole
+
+
+def test_a_peers_whole_abort_is_narrowed_here_by_this_nodes_writers_uids(arena: Arena) -> None:
+    """The aborter's node knew only the aborter's own lease of the request, so it sent
+    a whole abort; here the victim wrote the request, as another uid."""
+    n = _Node(arena)
+    thinker = n.session("thinker", VICTIM)
+    victims = n.put(thinker, "talker")
+    late = n.reserve(thinker, "talker")
+    intruder = Aborter(INTRUDER, ("vocoder",))
+    with pytest.raises(InvalidArgumentError):
+        n.m.abort_from_peer("r", by=Aborter(INTRUDER, ()))
+    assert n.m.abort_from_peer("r", by=intruder) == (0, ("vocoder",))
+    n.publish(thinker, late)
+    assert {n.m.leases[lid].state for lid in (victims, late)} == {LeaseState.PUBLISHED}
+    assert n.told["thinker"] == []
+    # The victim's uid, or root, on the aborting node: whole here too.
+    assert n.m.abort_from_peer("r", by=Aborter(VICTIM, ("talker",))) == (2, None)
+    n.put(thinker, "talker", "q")
+    assert n.m.abort_from_peer("q", by=Aborter(ROOT, ("vocoder",))) == (1, None)
+    assert not n.m.leases

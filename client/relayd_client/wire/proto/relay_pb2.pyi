@@ -1093,16 +1093,20 @@ class ReleaseRemoteResponse(_message.Message):
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class AbortRemoteRequest(_message.Message):
-    __slots__ = ("request_id", "node_id", "stages", "narrow")
+    __slots__ = ("request_id", "node_id", "stages", "narrow", "aborter_uid", "aborter_stages")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
     NARROW_FIELD_NUMBER: _ClassVar[int]
+    ABORTER_UID_FIELD_NUMBER: _ClassVar[int]
+    ABORTER_STAGES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     node_id: str
     stages: _containers.RepeatedScalarFieldContainer[str]
     narrow: bool
-    def __init__(self, request_id: _Optional[str] = ..., node_id: _Optional[str] = ..., stages: _Optional[_Iterable[str]] = ..., narrow: _Optional[bool] = ...) -> None: ...
+    aborter_uid: int
+    aborter_stages: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., node_id: _Optional[str] = ..., stages: _Optional[_Iterable[str]] = ..., narrow: _Optional[bool] = ..., aborter_uid: _Optional[int] = ..., aborter_stages: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class AbortRemoteResponse(_message.Message):
     __slots__ = ("leases_freed",)
