@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -13,6 +14,26 @@ from tests._figures import COUNTS, FIGURES
 def _reap_spawned_workers() -> Iterator[None]:
     yield
     reap_workers()
+
+
+# Under pytest-xdist each worker records its own figures: a worker hands them to
+# the controller as it finishes, which prints them all.
+_WORKER_KEY = "relayd_figures"
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    out = getattr(session.config, "workeroutput", None)
+    if out is not None:
+        out[_WORKER_KEY] = json.dumps({"figures": FIGURES, "counts": dict(COUNTS)})
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: object) -> None:
+    data = getattr(node, "workeroutput", {}).get(_WORKER_KEY)
+    if data:
+        got = json.loads(data)
+        FIGURES.extend((name, text) for name, text in got["figures"])
+        COUNTS.update(got["counts"])
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
