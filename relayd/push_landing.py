@@ -37,7 +37,7 @@ from .pools.arena import Run
 from .pools.crossnode import check_discard
 from .pools.events import Landed
 from .pools.records import Lease, LeaseState
-from .pools.sessions import SessionState
+from .pools.sessions import Session, SessionState
 
 log = logging.getLogger(__name__)
 
@@ -251,6 +251,7 @@ class PushLanding:
             return False
         if copy is not None:
             self.parts.arena.write(run, copy)
+        readers = self._readers(m.to_stage)
         try:
             lease = self.parts.leases.crossnode.adopt_push(
                 run,
@@ -259,6 +260,7 @@ class PushLanding:
                 from_stage=m.from_stage[:MAX_NAME],
                 to_stage=m.to_stage,
                 returns=functools.partial(self._returned, gin, key),
+                uids={s.uid for s in readers},
             )
         except RelayError as exc:  # draining
             log.info("push of lease %d from %s refused: %s", m.lease_id, peer.address, exc)
@@ -273,21 +275,26 @@ class PushLanding:
         awaited = key in self._waiters
         self._wake(key)
         if not awaited:
-            self._announce(peer, key, lease, m)
+            self._announce(peer, key, lease, m, readers)
         return True
 
-    def _announce(self, peer: PeerState, key: Key, lease: Lease, m: pb.PushLanded) -> None:
+    def _readers(self, stage: str) -> list[Session]:
+        """The bound sessions serving ``stage``: whose copy a push to it is."""
+        return [
+            s
+            for s in self.parts.leases.sessions.values()
+            if s.state is SessionState.BOUND and stage in s.stages
+        ]
+
+    def _announce(
+        self, peer: PeerState, key: Key, lease: Lease, m: pb.PushLanded, readers: list[Session]
+    ) -> None:
         """Tell the session serving ``m``'s stage where the push landed, so that its get
         reads the lease with no FetchCall: a round trip to this daemon, after the
         bytes are here, off the reader's path. Only when exactly one session serves
         the stage: with several, any of them may hold the DataRef, and waking them
         all for one read costs more than the fetch saves. A reader already waiting
         has its fetch answered instead."""
-        readers = [
-            s
-            for s in self.parts.leases.sessions.values()
-            if s.state is SessionState.BOUND and m.to_stage in s.stages
-        ]
         if len(readers) != 1:
             return
         where = self.parts.leases.crossnode.where(lease, lease.nbytes)

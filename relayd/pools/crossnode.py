@@ -46,8 +46,10 @@ class CrossNodeLeases:
         request_id: str,
         from_stage: str,
         to_stage: str,
+        uids: Collection[int],
     ) -> Lease:
-        """The one lease of a grant the daemon owns, recorded in the table and its request."""
+        """The one lease of a grant the daemon owns, recorded in the table and its request
+        as the ``uids``' (of the sessions it is read for: see ``RequestInfo.uids``)."""
         t = self.table
         lease_id = grant.first_lease_id()
         now = t.clock()
@@ -64,7 +66,9 @@ class CrossNodeLeases:
             created=now,
         )
         t.add(lease)
-        t.requests.add(lease, now)
+        req = t.requests.add(lease, now)
+        for uid in uids:
+            req.add_uid(uid)
         return lease
 
     # -- the reader's side of a pull ---------------------------------------------------
@@ -102,6 +106,7 @@ class CrossNodeLeases:
             request_id=request_id,
             from_stage=from_stage,
             to_stage=to_stage,
+            uids=(session.uid,),
         )
 
     def publish_pull(self, lease: Lease, nbytes: int) -> None:
@@ -153,10 +158,12 @@ class CrossNodeLeases:
         from_stage: str,
         to_stage: str,
         returns: Callable[[Lease], None],
+        uids: Collection[int],
     ) -> Lease:
         """A PUBLISHED lease over ``run``, a part of a push grant whose bytes a peer
         has written: read, expired and aborted like any lease; its run then goes
-        to ``returns``, not to the pool."""
+        to ``returns``, not to the pool. ``uids``: of the sessions serving
+        ``to_stage``, whose copy it is."""
         t = self.table
         if t.queue.draining:
             raise DrainingError("daemon is draining; no new leases")
@@ -169,6 +176,7 @@ class CrossNodeLeases:
             request_id=request_id,
             from_stage=from_stage,
             to_stage=to_stage,
+            uids=uids,
         )
         lease.published_at = lease.created
         lease.nbytes = nbytes

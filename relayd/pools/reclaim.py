@@ -11,10 +11,12 @@ Whose request it is: request ids are the clients' to choose, and readable in
 any DataRef, so a stage of another uid could write one lease under a
 request id of yours and then abort "its" request. An abort frees the whole
 request only when every session that wrote it on this node ran as the
-aborting session's uid (or the aborter runs as root); otherwise it is narrowed
-to the aborter's own stages (:meth:`Reclaimer.narrowed_to`): only the leases
-they write or read are freed, only they are told, and only such leases are
-stopped later. A pipeline whose stages all run as one uid is never narrowed.
+aborting session's uid (or the aborter runs as root), a copy the daemon pulled
+or that a push landed counting as written by the sessions it is read for (the
+intruder would otherwise be the only writer of record of a reader's node);
+otherwise it is narrowed to the aborter's own stages
+(:meth:`Reclaimer.narrowed_to`): only the leases they write or read are
+freed, only they are told, and only such leases are stopped later. A pipeline whose stages all run as one uid is never narrowed.
 A peer's abort is narrowed here by the same rule, against the uid and stages
 its node names for the aborter (:class:`Aborter`): uids mean something only
 per node, so a node whose own writers of the request all share the aborter's

@@ -61,11 +61,16 @@ class RequestInfo:
         # tombstone only binds leases those stages write or read.
         self.aborters: Names = ()
         self.leases: set[int] | None = None  # live lease ids; None when there are none
-        # The uids of the sessions that wrote it here (not the daemon's own leases:
-        # pulled, landed): whose request it is, for an abort (see Reclaimer).
+        # The uids of the sessions that wrote it here, and of those the daemon's
+        # own copies (pulled, landed) are read for: whose request it is, for an
+        # abort (see Reclaimer).
         self.uids: tuple[int, ...] = ()
         self.aborted = False
         self.touched = touched
+
+    def add_uid(self, uid: int) -> None:
+        if uid not in self.uids and len(self.uids) < MAX_NAMES:
+            self.uids = (*self.uids, uid)
 
     @property
     def involved(self) -> set[str]:
@@ -108,10 +113,11 @@ class Requests:
         return req
 
     def add(self, lease: Lease, now: float, uid: int | None = None) -> RequestInfo:
-        """Record ``lease`` under its request (``uid``: of the session that wrote it)."""
+        """Record ``lease`` under its request (``uid``: of the session that wrote it, or
+        that it is read for)."""
         req = self.touch(lease.request_id, now)
-        if uid is not None and uid not in req.uids and len(req.uids) < MAX_NAMES:
-            req.uids = (*req.uids, uid)
+        if uid is not None:
+            req.add_uid(uid)
         req.writers = _joined(req.writers, lease.from_stage)
         req.readers = _joined(req.readers, lease.to_stage)
         if req.leases is None:

@@ -72,12 +72,15 @@ def test_another_uids_abort_of_a_request_it_wrote_into_frees_only_its_own(
 
 @pytest.mark.multinode
 @requires_mooncake
+@pytest.mark.parametrize("reader_on", ["b", "a"])
 def test_another_uids_abort_on_another_node_frees_only_its_own_there(
-    users: dict[str, User], tmp_path: pathlib.Path
+    users: dict[str, User], tmp_path: pathlib.Path, reader_on: str
 ) -> None:
-    """The victim's stages write and read on node B, as root; the intruder writes its
-    one lease of the request on node A (whose daemon runs as its own user, as in
-    the test above) and aborts it there."""
+    """The victim's writer runs on node B, as root, and its reader on B or on node A;
+    the intruder writes its one lease of the request on node A (whose daemon runs
+    as its own user, as in the test above) and aborts it there. With the reader on
+    A, A holds the victim's copies that B pushed: they are the reader's uid's, not
+    nobody's, so the intruder is not the request's only owner there either."""
     owner = users[DAEMON]
     shared = pathlib.Path(shared_dir(owner, parent="/run" if os.path.isdir("/run") else "/tmp"))
     token = shared / "token"
@@ -94,10 +97,15 @@ def test_another_uids_abort_on_another_node_frees_only_its_own_there(
     b.daemon.start()
     try:
         wait_until(lambda: a.sees(b) and b.sees(a), 15, "the two daemons to handshake")
-        writer, reader = Stage(b.daemon.socket, "thinker"), Stage(b.daemon.socket, "talker")
+        writer = Stage(b.daemon.socket, "thinker")
+        reader = Stage((a if reader_on == "a" else b).daemon.socket, "talker")
+        if reader_on == "a":
+            wait_until(lambda: "talker" in b.peer(a.address).get("stages", []), 10, "B to learn")
         ref, sent, transport = _ok(writer.ask("put", "-", 1, LEASED, "r1", "talker"))
         assert transport == "shm"
         _, keyed, _ = _ok(writer.ask("put", "k1", 4, LEASED, "r1", "talker"))
+        if reader_on == "a":  # both pushed: A holds their copies
+            wait_until(lambda: int(a.peer(b.address).get("pushes_in", 0)) >= 2, 10, "the pushes")
 
         assert run_as(users[SUPP], ["hijack", a.daemon.socket, INTRUDER, "r1"]) == {"abort": "OK"}
 

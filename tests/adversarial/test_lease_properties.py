@@ -377,7 +377,7 @@ def step(w: World, op: tuple[str, int, int, int, int]) -> None:
         try:
             lease = m.crossnode.adopt_push(
                 run, c * 1000 + 1, request_id=f"r{b % 4}", from_stage="peer",
-                to_stage=STAGES[b % 3], returns=w.landed_returned,
+                to_stage=STAGES[b % 3], returns=w.landed_returned, uids=(s.uid,),
             )  # fmt: skip
         except RelayError:
             w.given_used.free(c % GIVEN_SLOTS, n)  # draining: refused, given back

@@ -137,3 +137,48 @@ def test_a_peers_whole_abort_is_narrowed_here_by_this_nodes_writers_uids(arena: 
     n.put(thinker, "talker", "q")
     assert n.m.abort_from_peer("q", by=Aborter(ROOT, ("vocoder",))) == (1, None)
     assert not n.m.leases
+
+
+def test_copies_the_daemon_made_for_a_reader_count_as_its_readers_uid(arena: Arena) -> None:
+    """A pulled or landed copy of another node's put is read for a session here: it is
+    that session's uid's, or an intruder that wrote the request here would be its
+    only writer of record and abort the victim's copies whole."""
+    n = _Node(arena)
+    talker = n.session("talker", VICTIM)
+    run = arena.allocate(1)
+    assert run is not None
+    landed = n.m.crossnode.adopt_push(
+        run, SLOT, request_id="r", from_stage="thinker", to_stage="talker",
+        returns=lambda lease: None, uids=(talker.uid,),
+    )  # fmt: skip
+    pulled = asyncio.run(
+        n.m.crossnode.reserve_for_pull(
+            talker, SLOT, 1.0, request_id="r", from_stage="thinker", to_stage="talker"
+        )
+    )
+    n.m.crossnode.publish_pull(pulled, SLOT)
+    vocoder = n.session("vocoder", INTRUDER)
+    own = n.put(vocoder, "critic")
+    assert n.m.abort(vocoder, "r") == (1, SLOT)
+    assert own not in n.m.leases
+    assert {n.m.leases[lease.id].state for lease in (landed, pulled)} == {LeaseState.PUBLISHED}
+    assert n.told["talker"] == []
+    # A peer's whole abort by the intruder is narrowed here too.
+    assert n.m.abort_from_peer("r", by=Aborter(INTRUDER, ("vocoder",))) == (0, ("vocoder",))
+    # The victim's own, from its node: the intruder wrote into the request here
+    # too, so it is narrowed in turn, to the victim's writer, whose copies they are.
+    assert n.m.abort_from_peer("r", by=Aborter(VICTIM, ("thinker",))) == (2, ("thinker",))
+    assert not n.m.leases
+
+
+def test_a_peers_abort_of_copies_read_for_its_uid_stays_whole(arena: Arena) -> None:
+    n = _Node(arena)
+    talker = n.session("talker", VICTIM)
+    pulled = asyncio.run(
+        n.m.crossnode.reserve_for_pull(
+            talker, SLOT, 1.0, request_id="r", from_stage="thinker", to_stage="talker"
+        )
+    )
+    n.m.crossnode.publish_pull(pulled, SLOT)
+    assert n.m.abort_from_peer("r", by=Aborter(VICTIM, ("thinker",))) == (1, None)
+    assert n.told["talker"] == ["r"]
