@@ -62,6 +62,16 @@ class Reclaimer:
         req = self.table.requests.get(request_id)
         if by.uid == 0 or req is None or all(uid == by.uid for uid in req.uids):
             return None
+        # Where a pipeline's uids differ, or an intruder tried: the operator's clue.
+        log.info(
+            "abort narrowed to the aborter's stages: other uids wrote the request here",
+            extra={
+                "request_id": request_id,
+                "uid": by.uid,
+                "stages": ",".join(by.stages),
+                "writer_uids": ",".join(map(str, req.uids)),
+            },
+        )
         return by.stages
 
     def check_abort(self, stages: tuple[str, ...], request_id: str) -> bool:

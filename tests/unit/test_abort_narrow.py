@@ -5,6 +5,7 @@ relayd.pools.reclaim). The real LeaseManager, with sessions of three uids."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Iterator
 
 import pytest
@@ -69,7 +70,10 @@ class _Node:
         return lid
 
 
-def test_another_uids_abort_frees_stops_and_tells_only_its_own_stages(arena: Arena) -> None:
+def test_another_uids_abort_frees_stops_and_tells_only_its_own_stages(
+    arena: Arena, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="relayd.pools.reclaim")
     n = _Node(arena)
     thinker, talker = n.session("thinker", VICTIM), n.session("talker", VICTIM)
     vocoder = n.session("vocoder", INTRUDER)
@@ -83,6 +87,9 @@ def test_another_uids_abort_frees_stops_and_tells_only_its_own_stages(arena: Are
     n.publish(thinker, late)
     assert n.m.leases[late].state is LeaseState.PUBLISHED, "a narrowed abort stopped it"
     assert n.told == {"thinker": [], "talker": [], "vocoder": ["r"]}
+    (logged,) = [r for r in caplog.records if r.getMessage().startswith("abort narrowed")]
+    assert (logged.request_id, logged.uid, logged.stages) == ("r", INTRUDER, "vocoder")
+    assert sorted(logged.writer_uids.split(",")) == sorted([str(VICTIM), str(INTRUDER)])
     # The victim's own abort: the intruder wrote into the request too, so it is
     # narrowed in turn, to the victim's stage, which is every lease left.
     assert n.m.abort(talker, "r") == (2, 2 * SLOT)
