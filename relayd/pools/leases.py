@@ -338,13 +338,15 @@ class LeaseManager:
         narrow: bool = False,
         by: Aborter | None = None,
     ) -> tuple[int, tuple[str, ...] | None]:
-        """A peer aborted ``request_id``: free it here too; (leases freed, the stages
-        the abort was narrowed to here, None: none, the whole request). The peer was authenticated and checked its
-        session's ``stages`` when it knew the request; when it did not (``stages``
-        given), they are checked here (PermissionDeniedError). ``narrow``: the abort
-        was narrowed there (see ``Reclaimer.narrowed_to``), and is here too, to
-        ``stages``; else it is narrowed here by the same rule when the peer named
-        the aborter (``by``)."""
+        """A peer aborted ``request_id``: free it here too. Returns the leases freed and
+        the stages the abort was narrowed to here (None: the whole request).
+
+        The peer was authenticated and checked its session's ``stages`` when it
+        knew the request; when it did not (``stages`` given), they are checked
+        here (PermissionDeniedError). ``narrow``: the abort was narrowed there
+        (see ``Reclaimer.narrowed_to``), and is here too, to ``stages``; else it
+        is narrowed here by the same rule when the peer named the aborter
+        (``by``)."""
         if narrow and not stages:
             raise InvalidArgumentError("a narrowed abort names the stages it is narrowed to")
         if by is not None and not by.stages:

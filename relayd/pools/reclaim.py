@@ -16,7 +16,9 @@ or that a push landed counting as written by the sessions it is read for (the
 intruder would otherwise be the only writer of record of a reader's node);
 otherwise it is narrowed to the aborter's own stages
 (:meth:`Reclaimer.narrowed_to`): only the leases they write or read are
-freed, only they are told, and only such leases are stopped later. A pipeline whose stages all run as one uid is never narrowed.
+freed, only they are told, and only such leases are stopped later. A pipeline
+whose stages all run as one uid is never narrowed.
+
 A peer's abort is narrowed here by the same rule, against the uid and stages
 its node names for the aborter (:class:`Aborter`): uids mean something only
 per node, so a node whose own writers of the request all share the aborter's
