@@ -45,6 +45,28 @@ _START_TIMEOUT = 120.0
 # --- the test process's side --------------------------------------------------------
 
 
+class _Ledger:
+    """The zygote's reports as the test process keeps them: pids forked, exit codes.
+
+    Pids wrap (at 32768 by default, threads' ids included), so a worker may get
+    the pid of one that exited earlier. The zygote reports a new worker's pid
+    before its exit, and the report clears the exit kept for that pid, or the
+    new worker would be taken for exited with its predecessor's code (a writer
+    once "exited" -9 as soon as it started).
+    """
+
+    def __init__(self) -> None:
+        self.pids: list[int] = []  # forked, not yet handed to the caller
+        self.exits: dict[int, int] = {}
+
+    def record(self, msg: dict[str, int]) -> None:
+        if "pid" in msg:
+            self.pids.append(msg["pid"])
+            self.exits.pop(msg["pid"], None)
+        else:
+            self.exits[msg["exit"]] = msg["code"]
+
+
 class _Zygote:
     """The test process's handle on the zygote: fork requests, exit reports."""
 
@@ -60,8 +82,7 @@ class _Zygote:
         theirs.close()
         self._lock = threading.Lock()  # one fork request at a time
         self._cond = threading.Condition()
-        self._pids: list[int] = []
-        self._exits: dict[int, int] = {}
+        self._ledger = _Ledger()
         self._gone = False
         ours.settimeout(_START_TIMEOUT)
         if json.loads(ours.recv(_MAX_MESSAGE)) != {"ready": True}:
@@ -80,11 +101,7 @@ class _Zygote:
                     self._gone = True
                     self._cond.notify_all()
                     return
-                msg = json.loads(data)
-                if "pid" in msg:
-                    self._pids.append(msg["pid"])
-                else:
-                    self._exits[msg["exit"]] = msg["code"]
+                self._ledger.record(json.loads(data))
                 self._cond.notify_all()
 
     def fork(self, argv: Sequence[str], fds: Sequence[int], cwd: str) -> int:
@@ -92,19 +109,21 @@ class _Zygote:
         with self._lock:
             socket.send_fds(self._sock, [request.encode()], list(fds))
             with self._cond:
-                if not self._cond.wait_for(lambda: self._pids or self._gone, _START_TIMEOUT):
+                pids = self._ledger.pids
+                if not self._cond.wait_for(lambda: pids or self._gone, _START_TIMEOUT):
                     raise RuntimeError("the worker zygote did not answer a fork request")
-                if not self._pids:
+                if not pids:
                     raise RuntimeError("the worker zygote is gone")
-                return self._pids.pop(0)
+                return pids.pop(0)
 
     def exit_code(self, pid: int, timeout: float | None) -> int | None:
         """``pid``'s exit code once the zygote reaped it, waiting up to ``timeout``."""
+        exits = self._ledger.exits
         with self._cond:
-            self._cond.wait_for(lambda: pid in self._exits or self._gone, timeout)
-            if pid not in self._exits and self._gone:
+            self._cond.wait_for(lambda: pid in exits or self._gone, timeout)
+            if pid not in exits and self._gone:
                 raise RuntimeError(f"the worker zygote died before worker {pid} ended")
-            return self._exits.get(pid)
+            return exits.get(pid)
 
     def alive(self) -> bool:
         return not self._gone and self._proc.poll() is None

@@ -50,3 +50,12 @@ def test_a_worker_sees_the_environment_of_the_moment_it_was_forked(
 def test_run_captures_output_and_the_exit_code() -> None:
     cp = _zygote.run("tests._echo_worker", [], cwd=REPO, input=b"echo x\nexit 3\n", timeout=BOUND)
     assert (cp.stdout, cp.stderr, cp.returncode) == (b"x\n", b"", 3)
+
+
+def test_a_reused_pid_is_not_taken_for_exited_with_its_predecessors_code() -> None:
+    ledger = _zygote._Ledger()
+    ledger.record({"exit": 4242, "code": -signal.SIGKILL})  # an earlier worker's
+    ledger.record({"pid": 4242})  # pids wrapped: a new worker has its pid
+    assert ledger.pids == [4242] and 4242 not in ledger.exits
+    ledger.record({"exit": 4242, "code": 0})
+    assert ledger.exits[4242] == 0
