@@ -41,6 +41,18 @@ def _ok(answer: str) -> list[str]:
     return answer.split()[1:]
 
 
+def _still_the_victims(writer: Stage, reader: Stage) -> list[str]:
+    """After the intruder's abort: the victim's stages were not told (its writer still
+    puts under the request, and it is read), and the request is still theirs to
+    abort, whole. Returns what the victim's abort answered."""
+    ref2, sent2, _ = _ok(writer.ask("put", "-", 2, LEASED, "r1", "talker"))
+    assert _ok(reader.ask("read", ref2)) == [sent2]
+    ref3, _, _ = _ok(writer.ask("put", "-", 3, LEASED, "r1", "talker"))
+    freed = _ok(writer.ask("abort", "r1"))
+    assert reader.ask("read", ref3).split()[:2] == ["ERR", "AbortedError"]
+    return freed
+
+
 def test_another_uids_abort_of_a_request_it_wrote_into_frees_only_its_own(
     users: dict[str, User], run_dir: str
 ) -> None:
@@ -57,13 +69,7 @@ def test_another_uids_abort_of_a_request_it_wrote_into_frees_only_its_own(
         assert run_as(users[SUPP], ["hijack", d.socket, INTRUDER, "r1"]) == {"abort": "OK"}
 
         assert _ok(reader.ask("read", ref)) == [sent], "the intruder's abort freed the lease"
-        # Not told: the writer still puts under the request, and it is read.
-        ref2, sent2, _ = _ok(writer.ask("put", "-", 2, LEASED, "r1", "talker"))
-        assert _ok(reader.ask("read", ref2)) == [sent2]
-        # The request is still its own stages' to abort, whole.
-        ref3, _, _ = _ok(writer.ask("put", "-", 3, LEASED, "r1", "talker"))
-        assert _ok(writer.ask("abort", "r1")) == ["1"]  # ref3: the one left
-        assert reader.ask("read", ref3).split()[:2] == ["ERR", "AbortedError"]
+        assert _still_the_victims(writer, reader) == ["1"]  # ref3: the one left
         assert d.pool()["used_bytes"] == 0
     finally:
         d.stop()
@@ -111,11 +117,7 @@ def test_another_uids_abort_on_another_node_frees_only_its_own_there(
 
         assert _ok(reader.ask("read", ref)) == [sent], "the intruder's abort freed the lease"
         assert _ok(reader.ask("poll", "k1", "thinker")) == [keyed], "it dropped the key"
-        ref2, sent2, _ = _ok(writer.ask("put", "-", 2, LEASED, "r1", "talker"))
-        assert _ok(reader.ask("read", ref2)) == [sent2]
-        ref3, _, _ = _ok(writer.ask("put", "-", 3, LEASED, "r1", "talker"))
-        _ok(writer.ask("abort", "r1"))
-        assert reader.ask("read", ref3).split()[:2] == ["ERR", "AbortedError"]
+        _still_the_victims(writer, reader)
         wait_until(
             lambda: a.daemon.pool()["used_bytes"] == 0 == b.daemon.pool()["used_bytes"],
             10,
