@@ -66,7 +66,47 @@ def test_a_recent_run_of_another_size_is_not_split() -> None:
     assert big is not None
     t.free(big.id)
     small = t.cut(2)
-    assert small is not None and small.slot == 0  # first fit; LIFO only for the same size
+    assert small is not None and small.slot == 8  # first fit; LIFO only for the same size
+    again = t.cut(8)
+    assert again is not None and again.slot == 0  # still whole, for a put of its size
+
+
+def test_runs_kept_aside_go_back_to_their_grant_when_nothing_else_fits() -> None:
+    t = _table(16)
+    halves = [t.cut(8), t.cut(8)]
+    for le in halves:
+        assert le is not None
+        t.free(le.id)
+    whole = t.cut(16)  # both halves were kept aside for 8-slot puts
+    assert whole is not None and whole.slot == 0 and not t.recent
+    t.free(whole.id)
+    assert t.cut(17) is None
+    assert t.grants[1].alloc.free_runs() == [(0, 16)]  # none lost, all coalesced
+
+
+def test_beyond_the_lifo_depth_the_oldest_run_goes_back_to_its_grant() -> None:
+    t = _table(LIFO_DEPTH + 8)
+    leases = [t.cut(1) for _ in range(LIFO_DEPTH + 8)]
+    for le in leases:
+        assert le is not None
+        t.free(le.id)
+    g = t.grants[1]
+    assert len(t.recent) == LIFO_DEPTH
+    assert g.alloc.free_slots == 8 and g.live == 0
+    assert leases[-1] is not None and t.recent[-1][1] == leases[-1].local
+
+
+def test_a_grant_given_back_takes_its_runs_kept_aside_with_it() -> None:
+    t = _table(8, 8)
+    leases = [t.cut(4) for _ in range(4)]
+    for le in leases:
+        assert le is not None
+        t.free(le.id)
+    assert t.drop(1) is not None
+    assert all(g.id == 2 for g, _, _ in t.recent)
+    again = [t.cut(4), t.cut(4)]
+    assert all(le is not None and le.grant.id == 2 for le in again)
+    assert t.cut(4) is None
 
 
 def test_ids_are_unique_and_carry_the_grant_base() -> None:
@@ -133,6 +173,7 @@ def test_cuts_from_many_threads_never_overlap() -> None:
     for th in threads:
         th.join(60)
     assert not t.leases
+    t.unpark()
     g = next(iter(t))
     assert g.alloc.free_slots == 256 and g.alloc.free_runs() == [(0, 256)] and g.live == 0
 
@@ -147,11 +188,12 @@ def test_no_overlap_and_free_map_invariants(ops: list[tuple[bool, int, int]]) ->
         if cut or not live:
             le = t.cut(n)
             if le is None:
+                assert not t.recent  # every run kept aside was tried
                 free = t.grants[1].alloc.free_runs()
                 assert all(length < n for _, length in free)
                 continue
             run = (le.local, le.nslots)
-            for s, c in live.values():
+            for s, c in [*live.values(), *((s, c) for _, s, c in t.recent)]:
                 assert s + c <= run[0] or run[0] + run[1] <= s, "leases overlap"
             assert run[0] >= 0 and run[0] + run[1] <= nslots
             live[le.id] = run
@@ -162,7 +204,8 @@ def test_no_overlap_and_free_map_invariants(ops: list[tuple[bool, int, int]]) ->
         g = t.grants[1]
         assert g.live == len(live)
         used = sum(c for _, c in live.values())
-        assert g.alloc.free_slots == nslots - used
+        aside = sum(c for _, _, c in t.recent)
+        assert g.alloc.free_slots + aside == nslots - used
         runs = g.alloc.free_runs()
         for (s1, l1), (s2, _) in itertools.pairwise(runs):
             assert s1 + l1 < s2, "free runs must be disjoint and coalesced"
