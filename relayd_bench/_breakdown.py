@@ -23,7 +23,9 @@ many turns it took on the clients' session frames and their CPU, and the
 median turn step by step (thread CPU, in the untimed pass).
 
 Two tables: warm, the calls back to back; and cold, each put and each get
-after :data:`COLD_PAUSE_S` asleep. Cold is what a stage sees: a stream's
+after :data:`COLD_PAUSE_S` asleep. A third gives the daemon's lease table
+alone, in this process (:mod:`relayd_bench._lease_steps`), for the sizes that
+take a lease. Cold is what a stage sees: a stream's
 chunks come 20 ms apart, and a stop-and-wait process sleeps a round trip
 between its calls. On a small VM a call made after an idle millisecond
 costs several times what it costs back to back, its caches and branch
@@ -48,7 +50,7 @@ from typing import Any
 
 import torch
 
-from relayd_bench import _daemon, _turns
+from relayd_bench import _daemon, _lease_steps, _turns
 from relayd_bench._coldcall import COLD_PAUSE_S, median_us
 from relayd_bench._table import fmt_size
 
@@ -335,7 +337,14 @@ def run(sizes: tuple[int, ...], scale: float, socket: str | None, pool: str) -> 
                     if r.window is not None:
                         r.daemon = r.window.summary(turns)
     warm, cold = tables
-    return render(sizes, warm, copies[0]) + "\n" + render(sizes, cold, copies[1], warm=warm)
+    leased = _lease_steps.leased(sizes)
+    return "\n".join(
+        [
+            render(sizes, warm, copies[0]),
+            render(sizes, cold, copies[1], warm=warm),
+            *([render_lease_table({s: _lease_steps.run(s) for s in leased})] if leased else []),
+        ]
+    )
 
 
 def _fmt(v: float | None, digits: int = 1) -> str:
@@ -385,6 +394,19 @@ def render(
     add("memcpy, same size" + (", hot" if warm is None else ""), [memcpy[s] for _, s in cols])
     rows.append(["distinct lease slots in steady state"] + [str(results[k].slots) for k in cols])
     rows.append(["transport"] + [results[k].transport for k in cols])
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    return "".join(_line(r, widths) for r in [head, *rows])
+
+
+def render_lease_table(figures: dict[int, dict[str, float]]) -> str:
+    """The daemon's lease table alone (:mod:`relayd_bench._lease_steps`), a column a size."""
+    sizes = sorted(figures)
+    head = [
+        f"the daemon's lease table alone (CPU us a transfer, {_lease_steps.BATCH} a frame, warm)"
+    ] + [fmt_size(s) for s in sizes]
+    rows = [
+        [f"  {label}"] + [_fmt(figures[s][key]) for s in sizes] for label, key in _lease_steps.STEPS
+    ]
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     return "".join(_line(r, widths) for r in [head, *rows])
 

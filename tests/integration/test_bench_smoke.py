@@ -246,8 +246,9 @@ def test_breakdown_prints_every_step_for_both_clients_warm_and_cold() -> None:
         timeout=110,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    warm_text, cold_text = proc.stdout.split("\n\n")  # two tables: back to back, then cold
-    from relayd_bench import _turns
+    # three tables: back to back, cold, and the daemon's lease table alone
+    warm_text, cold_text, lease_text = proc.stdout.split("\n\n")
+    from relayd_bench import _lease_steps, _turns
     from relayd_bench._breakdown import GET_STEPS, PUT_STEPS
 
     for text in (warm_text, cold_text):
@@ -279,6 +280,14 @@ def test_breakdown_prints_every_step_for_both_clients_warm_and_cold() -> None:
         assert float(rows["a turn (median)"][-1]) >= float(
             rows["notices: reserve, publish, claim, release, ..."][-1]
         )
+    # One column, 256 KiB (a 4 KiB put goes inline, past the lease table); the
+    # total is its steps' sum.
+    head, *lines = lease_text.splitlines()
+    assert head.split()[-1] == "256KiB"
+    table = {label: float(v) for label, v in (re.split(r"\s{2,}", ln.strip()) for ln in lines)}
+    assert list(table) == [label for label, _ in _lease_steps.STEPS]
+    assert all(v > 0 for v in table.values())
+    assert abs(table["total"] - sum(v for k, v in table.items() if k != "total")) < 0.2
     assert cold_text.startswith("cold: each call after 1 ms asleep")
     ratios = rows["put + get, cold / warm"]
     assert len(ratios) == 4 and all(float(v.removeprefix("x")) > 0 for v in ratios)
