@@ -234,7 +234,7 @@ class LeaseTable:
             created=self.clock(),
         )
         self.add(lease)
-        grant.last_lease = max(grant.last_lease, lease_id)
+        grant.last_lease = lease_id  # above the last one, checked
         req = self.requests.add(lease, lease.created, session.uid)
         if req.aborted and not req.stops(lease.from_stage, lease.to_stage):
             # A stage with no part in this lease cannot abort it ahead of time.
@@ -302,7 +302,8 @@ class LeaseTable:
         lease.state = LeaseState.PUBLISHED
         lease.published_at = self.clock()
         lease.nbytes = min(nbytes, lease.run.nslots * self.slot_size)
-        self.publish_waits.published(lease.id)  # they look again when they run
+        if self.publish_waits:  # rare: only a reader on the socket fallback waits
+            self.publish_waits.published(lease.id)  # they look again when they run
         if self._later:
             key = (transport, lease.from_stage, lease.to_stage)
             tally = self._counts.get(key)
@@ -315,6 +316,8 @@ class LeaseTable:
             self.hooks.transfer(transport, 1, lease.nbytes, lease.from_stage, lease.to_stage)
         if self.requests.stops(lease.request_id, lease.from_stage, lease.to_stage):
             self.free(lease, ReclaimReason.ABORT)
+            return
+        if not self.early:  # nothing came ahead of its Publish (the usual case)
             return
         for early in self.early.pop(lease.id):
             if self.leases.get(lease.id) is not lease:

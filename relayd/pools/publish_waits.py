@@ -35,6 +35,9 @@ class PublishWaits:
         self._count = 0  # the futures in _waiting, for the cap without a sum
         self._per_uid: Shares[int] = Shares()
 
+    def __bool__(self) -> bool:
+        return bool(self._waiting)
+
     def published(self, lease_id: int) -> None:
         futures = self._waiting.pop(lease_id, None)
         if futures is not None:
