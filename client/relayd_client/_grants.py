@@ -110,7 +110,8 @@ class LeaseTable:
         # (grant, local start, nslots) of runs freed lately, newest last, kept
         # aside: their grant's allocator still counts them taken, so a put of
         # the same size takes one back without a trip through the allocator
-        # (freeing and re-taking a run there cost ~5 us a put, measured).
+        # (freeing and re-taking a run there cost ~5 us a put, measured). Only
+        # runs of grants held: drop() and clear() take a grant's runs with it.
         self.recent: collections.deque[tuple[Grant, int, int]] = collections.deque()
 
     def add(self, grant: Grant) -> None:
@@ -138,15 +139,15 @@ class LeaseTable:
             return lease
 
     def _reuse(self, nslots: int, pool: str) -> tuple[Grant, int] | None:
-        """The newest run kept aside of ``nslots`` in a grant of ``pool`` still held."""
+        """The newest run kept aside of ``nslots`` in a grant of ``pool``."""
         recent = self.recent
         for i in range(len(recent) - 1, -1, -1):
             grant, local, count = recent[i]
             if count == nslots and grant.pool == pool:
                 del recent[i]
-                if not grant.spent and self.grants.get(grant.id) is grant:
+                if not grant.spent:
                     return grant, local
-                self._give_to_grant(grant, local, count)  # it cuts no more leases
+                grant.alloc.free(local, count)  # it cuts no more leases
         return None
 
     def _first_fit(self, nslots: int, pool: str) -> tuple[Grant, int] | None:
@@ -167,7 +168,8 @@ class LeaseTable:
             if self.grants.get(grant.id) is grant:
                 recent = self.recent
                 if len(recent) >= LIFO_DEPTH:
-                    self._give_to_grant(*recent.popleft())
+                    oldest, local, count = recent.popleft()
+                    oldest.alloc.free(local, count)
                 recent.append((grant, lease.local, lease.nslots))
             grant.live -= 1
             return lease
@@ -175,12 +177,9 @@ class LeaseTable:
     def unpark(self) -> None:
         """Give every run kept aside back to its grant's allocator."""
         with self.lock:
-            while self.recent:
-                self._give_to_grant(*self.recent.popleft())
-
-    def _give_to_grant(self, grant: Grant, local: int, nslots: int) -> None:
-        if self.grants.get(grant.id) is grant:
-            grant.alloc.free(local, nslots)
+            for grant, local, count in self.recent:
+                grant.alloc.free(local, count)
+            self.recent.clear()
 
     def idle_slots(self, pool: str) -> int:
         with self.lock:
