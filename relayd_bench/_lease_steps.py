@@ -38,7 +38,7 @@ STEPS = (
     ("Freed to the writer", "freed"),
     ("total", "total"),
 )
-_TIMED = ("reserve", "release", "freed")
+_TIMED = tuple(key for _, key in STEPS if key != "total")
 
 
 def leased(sizes: tuple[int, ...]) -> tuple[int, ...]:
