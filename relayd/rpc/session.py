@@ -227,7 +227,7 @@ class SessionProtocol(asyncio.Protocol):
         Publishes are in): what they free goes out with this turn's Freed."""
         try:
             self.manager.releases.take_all()
-            self.manager.releases.schedule()
+            self.manager.releases.schedule(restart=True)
         except Exception:  # another session's ring must not end this one: log it
             log.exception("taking Release rings failed")
 

@@ -156,3 +156,21 @@ def test_the_timer_backs_off_while_the_rings_stay_empty_and_keeps_up_when_they_f
     got = asyncio.run(scenario())
     assert got == [2 * LINGER, 4 * LINGER, 4 * LINGER, 4 * LINGER, LINGER]
     assert [lid for _, lid, _ in world.judge.seen] == [3]
+
+
+def test_a_turn_that_read_every_ring_starts_the_timer_over(world: World) -> None:
+    rings = world.rings
+
+    async def scenario() -> None:
+        rings.schedule()
+        first = rings._timer
+        assert first is not None
+        rings.schedule()  # a timed read, or a grant's: the armed timer stands
+        assert rings._timer is first
+        floor = asyncio.get_running_loop().time() + LINGER
+        rings.schedule(restart=True)  # a session frame's turn read every ring
+        assert first.cancelled()
+        assert rings._timer is not None and rings._timer.when() >= floor
+        rings.close()
+
+    asyncio.run(scenario())
