@@ -13,9 +13,13 @@ included (~0.2 us a step).
 
 Rows are medians over the measured transfers, in microseconds, for both
 clients (``RelayClient`` and ``SyncRelayClient``), next to a memcpy of the
-same size (the copy's own cost, timed like the table's calls) and the number
-of distinct lease slots the writer used in steady state (LIFO reuse keeps it
-small: warm memory).
+same size (the copy's own cost, timed like the table's calls), the number of
+distinct lease slots the writer used in steady state, and the same memcpy
+into that many buffers in turn. A writer reuses a run only once the daemon
+has heard its Release, which it reads when a frame wakes it; between frames
+the writer cuts fresh runs, and a copy into one that left the caches costs
+up to three times a hot one. The cycled memcpy says how much of the copy
+in's excess over the hot one is that.
 
 The daemon's side comes from the daemon the breakdown starts (not one named
 by ``--socket``), run through :mod:`relayd_bench._turns`: per transfer, how
@@ -40,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import statistics
 import sys
 import tempfile
@@ -188,6 +193,7 @@ class _Result:
         self.daemon: dict[str, float | None] = {}  # its turns in the window (see _turns)
         self.window: _turns.Window | None = None  # the untimed pass's measured transfers
         self.slots = 0
+        self.cycled_us: float | None = None  # the memcpy into `slots` buffers in turn
         self.transport = ""
         self._puts: list[int] = []
         self._gets: list[int] = []
@@ -293,10 +299,11 @@ async def _measure_async(sock: str, size: int, warmup: int, measured: int, pause
     return out
 
 
-def _memcpy_us(size: int, n: int, pause: float) -> float:
+def _memcpy_us(size: int, n: int, pause: float, buffers: int = 1) -> float:
+    """The median memcpy of ``size`` bytes into ``buffers`` destinations in turn."""
     src = _payload(size)["t"]
-    dst = torch.empty_like(src)
-    return median_us(lambda: dst.copy_(src), n, pause)
+    dst = itertools.cycle([torch.ones_like(src) for _ in range(buffers)]).__next__
+    return median_us(lambda: dst().copy_(src), n, pause)  # ones: every page faulted in
 
 
 def run(sizes: tuple[int, ...], scale: float, socket: str | None, pool: str) -> str:
@@ -329,6 +336,9 @@ def run(sizes: tuple[int, ...], scale: float, socket: str | None, pool: str) -> 
                 results["sync", size] = _measure_sync(socket, size, warmup, n, pause)
             tables.append(results)
             copies.append({size: _memcpy_us(size, int(measured * share), pause) for size in sizes})
+            for (_, size), r in results.items():
+                if r.slots:
+                    r.cycled_us = _memcpy_us(size, int(measured * share), pause, r.slots)
         if daemon is not None and turns_file is not None:
             daemon.stop()  # it writes its turns as it exits
             turns = _turns.read(turns_file)
@@ -393,6 +403,7 @@ def render(
     add("  turns' CPU per transfer", [results[k].daemon.get(_turns.CPU_PER_TRANSFER) for k in cols])
     add("memcpy, same size" + (", hot" if warm is None else ""), [memcpy[s] for _, s in cols])
     rows.append(["distinct lease slots in steady state"] + [str(results[k].slots) for k in cols])
+    add("memcpy into that many buffers in turn", [results[k].cycled_us for k in cols])
     rows.append(["transport"] + [results[k].transport for k in cols])
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     return "".join(_line(r, widths) for r in [head, *rows])

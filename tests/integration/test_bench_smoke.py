@@ -267,6 +267,10 @@ def test_breakdown_prints_every_step_for_both_clients_warm_and_cold() -> None:
         # what each call spent outside its steps, per transfer: a number in every cell
         assert all(float(v) == float(v) for v in rows["other"]), rows["other"]
         assert rows["transport"] == ["inline", "inline", "shm", "shm"]
+        # the memcpy into as many buffers as the writer's distinct slots: only where leases were
+        cycled = rows["memcpy into that many buffers in turn"]
+        assert cycled[:2] == ["-", "-"] and all(float(v) > 0 for v in cycled[2:]), cycled
+        assert all(int(v) >= 1 for v in rows["distinct lease slots in steady state"][2:])
         # The daemon's side, timed inside the daemon the bench started: inline
         # puts give it no turn of their own (only the clients' reports, a frame
         # each REPORT_LINGER_S at most, as a slow run may show); leases give
