@@ -158,18 +158,23 @@ def test_the_timer_backs_off_while_the_rings_stay_empty_and_keeps_up_when_they_f
     assert [lid for _, lid, _ in world.judge.seen] == [3]
 
 
-def test_a_turn_that_read_every_ring_starts_the_timer_over(world: World) -> None:
+def test_a_turn_that_read_every_ring_puts_off_a_timer_about_to_fire(world: World) -> None:
     rings = world.rings
+    rings._interval = 10.0  # seconds: nothing here waits for it
 
     async def scenario() -> None:
+        loop = asyncio.get_running_loop()
         rings.schedule()
-        first = rings._timer
-        assert first is not None
+        fresh = rings._timer
+        assert fresh is not None
         rings.schedule()  # a timed read, or a grant's: the armed timer stands
-        assert rings._timer is first
-        floor = asyncio.get_running_loop().time() + LINGER
-        rings.schedule(restart=True)  # a session frame's turn read every ring
-        assert first.cancelled()
+        rings.schedule(restart=True)  # a frame's read: a timer due in 10 s stands too
+        assert rings._timer is fresh and not fresh.cancelled()
+        fresh.cancel()
+        due = rings._timer = loop.call_later(0.001, rings._tick)  # due within half its wait
+        floor = loop.time() + rings._interval
+        rings.schedule(restart=True)
+        assert due.cancelled()
         assert rings._timer is not None and rings._timer.when() >= floor
         rings.close()
 
