@@ -35,7 +35,8 @@ NOTICE_LINGER_S = 0.025
 #: (measured; at 8 MiB: 14, 30 and 72, with the same latency). A writer holds
 #: the grants to cover it: one short of space asks for a grant, and that sends
 #: its notices at once. At 32 MiB the 4 MiB transfer cost ~40, and 1 MiB reads
-#: got slower (more distinct slots, cache-cold).
+#: got slower (more distinct slots, cache-cold). A transfer this large or
+#: larger waits for a second one (the client's ``SessionChannel._linger_ends``).
 NOTICE_LINGER_MAX_BYTES = 16 << 20
 #: The daemon's Freed to a writer goes at once from this many bytes: the daemon
 #: sends it in a turn it is awake for anyway, and a writer of large payloads needs
