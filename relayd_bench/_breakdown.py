@@ -22,7 +22,7 @@ up to three times a hot one. The cycled memcpy says how much of the copy
 in's excess over the hot one is that. It is one process's view, where the
 reader's copy out warms the writer's caches too; in two processes the lines
 sit in the reader's core either way (the floor measured the same rotating
-through 72 slots as through 4 at 256 KiB and 4 MiB, 10-15% slower at 1 MiB).
+through 72 slots as through 4 at 256 KiB and 4 MiB, 8-16% slower at 1 MiB).
 
 The daemon's side comes from the daemon the breakdown starts (not one named
 by ``--socket``), run through :mod:`relayd_bench._turns`: per transfer, how
