@@ -72,6 +72,11 @@ def channel_options() -> list[tuple[str, int]]:
         # ping policy relies on it): nothing waits on the channel then, and the
         # daemon takes pings on a connection without calls for abuse.
         ("grpc.keepalive_permit_without_calls", 0),
+        # Subchannels of this channel only. gRPC shares them process-wide by
+        # target, and the target (/proc/self/fd/N, see PinnedSocket) repeats:
+        # a re-attach's channel took over the closed one's failed subchannel
+        # and its Attach failed with that connect's error.
+        ("grpc.use_local_subchannel_pool", 1),
     ]
 
 

@@ -1,0 +1,87 @@
+"""A channel to the daemon never inherits another channel's failed connect.
+
+The client reaches the daemon's socket through ``/proc/self/fd/N`` (see
+``wire.peercred.PinnedSocket``), and N is reused: a re-attach closes the old
+channel and descriptor and opens new ones, which the kernel numbers alike. By
+default gRPC shares subchannels process-wide by target and options, so the
+new channel took over the old one's subchannel, failed connect and back-off
+included, and the re-attach's Attach failed with the old "connect failed ...
+No such file or directory" although the socket answered. The client's channel
+options keep each channel's subchannels to itself.
+
+A real gRPC server on a Unix socket, real channels with the client's options;
+the first channel's connect fails because its descriptor is closed, the second
+one's descriptor has the same number and leads to the live socket. A closed
+channel's subchannel outlives it for a moment, now and then: the first channel
+stays open here so that the second one meets it every time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import os
+import pathlib
+
+import grpc
+import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from relayd_client import _connection
+
+pytestmark = pytest.mark.timeout(60)
+
+CALL_BOUND = 10.0
+# Descriptors from here up are left alone by gRPC and the interpreter, which
+# take the lowest free ones: the test can reuse a number of its choosing.
+HIGH_FD = 512
+
+
+def _pin(path: pathlib.Path, number: int | None = None) -> int:
+    """``path`` open O_PATH at descriptor ``number`` (else the lowest free from HIGH_FD)."""
+    fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    try:
+        if number is None:
+            return fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, HIGH_FD)
+        os.dup2(fd, number)
+        return number
+    finally:
+        os.close(fd)
+
+
+async def _check(channel: grpc.aio.Channel) -> grpc.StatusCode:
+    stub = health_pb2_grpc.HealthStub(channel)
+    try:
+        await stub.Check(health_pb2.HealthCheckRequest(), timeout=CALL_BOUND)
+    except grpc.aio.AioRpcError as exc:
+        return exc.code()
+    return grpc.StatusCode.OK
+
+
+def _channel(target: str) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(target, options=_connection.channel_options())
+
+
+async def _reuse(tmp_path: pathlib.Path) -> None:
+    socket = tmp_path / "relayd.sock"
+    server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+    server.add_insecure_port(f"unix:{socket}")
+    await server.start()
+    try:
+        fd = _pin(socket)
+        target = f"unix:/proc/self/fd/{fd}"
+        os.close(fd)  # the old session's descriptor, gone: its channel's connect fails
+        async with _channel(target) as old:
+            assert await _check(old) is grpc.StatusCode.UNAVAILABLE
+            _pin(socket, fd)  # the re-attach's descriptor, with the same number
+            try:
+                async with _channel(target) as new:
+                    assert await _check(new) is grpc.StatusCode.OK
+            finally:
+                os.close(fd)
+    finally:
+        await server.stop(None)
+
+
+def test_a_channel_to_a_reused_descriptor_connects_afresh(tmp_path: pathlib.Path) -> None:
+    asyncio.run(asyncio.wait_for(_reuse(tmp_path), 4 * CALL_BOUND))
