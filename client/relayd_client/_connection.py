@@ -39,7 +39,7 @@ from .wire.paths import default_socket_path
 from .wire.proto import relay_pb2 as pb
 from .wire.proto import relay_pb2_grpc as pb_grpc
 from .wire.shm import PROBE_BYTES, SHM_POOL, MappedSegment
-from .wire.status import from_rpc_error
+from .wire.status import from_rpc_error, unanswered
 from .wire.version import PROTOCOL_VERSION
 
 log = logging.getLogger(__name__)
@@ -137,6 +137,7 @@ class Connection:
         self.state = ClientState.UNOPENED
         self._channel: grpc.aio.Channel | None = None
         self.stub: pb_grpc.RelayStub | None = None
+        self._retired: set[asyncio.Task[None]] = set()  # channels closing (see _renew_channel)
         self.lock: threading.RLock = table.lock
         self._on_frame = on_frame
         self._on_reset = on_reset
@@ -262,12 +263,9 @@ class Connection:
         # Again at every (re)connect: the socket's directory may appear after the client.
         self._trusted = peercred.trusted_uids(self.socket, self._daemon_uid)
         self._pinned = peercred.PinnedSocket(self.socket, self._trusted, self.timeout)
-        self._channel = grpc.aio.insecure_channel(
-            f"unix:{self._pinned.address}", options=channel_options()
-        )
-        self.stub = pb_grpc.RelayStub(self._channel)
+        stub = self._open_channel(self._pinned)
         try:
-            self.attach = a = await self.stub.Attach(
+            self.attach = a = await stub.Attach(
                 pb.AttachRequest(
                     protocol_version=PROTOCOL_VERSION,
                     stages=list(self.stages),
@@ -375,6 +373,8 @@ class Connection:
         if self._channel is not None:
             await self._channel.close()
             self._channel = None
+        if self._retired:
+            await asyncio.gather(*self._retired, return_exceptions=True)
         if self._pinned is not None:
             self._pinned.close()
             self._pinned = None
@@ -434,13 +434,42 @@ class Connection:
     async def call(self, method: str, request: Any, timeout: float) -> Any:
         """One gRPC call of this session: its id and token filled in, errors mapped."""
         a = self.require_open()
-        assert self.stub is not None
+        stub = self.stub
+        assert stub is not None
         request.session_id = a.session_id
         request.session_token = a.session_token
         try:
-            return await getattr(self.stub, method)(request, timeout=timeout)
+            return await getattr(stub, method)(request, timeout=timeout)
         except grpc.RpcError as exc:
+            if unanswered(exc):
+                self._renew_channel(stub)
             raise from_rpc_error(exc) from None
+
+    def _open_channel(self, pinned: peercred.PinnedSocket) -> pb_grpc.RelayStub:
+        self._channel = grpc.aio.insecure_channel(
+            f"unix:{pinned.address}", options=channel_options()
+        )
+        self.stub = stub = pb_grpc.RelayStub(self._channel)
+        return stub
+
+    def _renew_channel(self, failed: pb_grpc.RelayStub) -> None:
+        """A call through ``failed`` got no answer: later calls go on a new channel.
+
+        When the keepalive finds a frozen daemon, gRPC closes the connection
+        only once its pending write is done, which is when the daemon runs
+        again, and until then calls the connection READY and hands it the next
+        call, which fails at once. A new channel makes a new connection (its
+        subchannels are its own, see channel_options). The old one is closed:
+        a channel to a Unix socket has one connection, and whatever else was
+        on it got no answer either.
+        """
+        old, pinned = self._channel, self._pinned
+        if self.stub is not failed or old is None or pinned is None:
+            return  # renewed already, or torn down
+        self._open_channel(pinned)
+        task = asyncio.get_running_loop().create_task(old.close())
+        self._retired.add(task)
+        task.add_done_callback(self._retired.discard)
 
     # -- what the grant wait asks of the session (see _grants.GrantSource) ----------
 

@@ -54,6 +54,15 @@ _FALLBACK: dict[grpc.StatusCode, type[RelayError]] = {
 }
 
 
+def unanswered(exc: grpc.RpcError) -> bool:
+    """Whether ``exc`` is gRPC's own UNAVAILABLE: the call got no answer from the
+    daemon (its connection failed or died), not an error the daemon sent."""
+    if not hasattr(exc, "code") or exc.code() != grpc.StatusCode.UNAVAILABLE:
+        return False
+    trailing = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
+    return not any(key == ERROR_CODE_KEY for key, _ in trailing or ())
+
+
 def from_rpc_error(exc: grpc.RpcError) -> RelayError:
     """The RelayError a failed RPC stands for."""
     status = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN

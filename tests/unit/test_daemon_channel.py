@@ -1,4 +1,6 @@
-"""A channel to the daemon never inherits another channel's failed connect.
+"""The client's gRPC channel to the daemon: what it shares, and when it is renewed.
+
+A channel to the daemon never inherits another channel's failed connect.
 
 The client reaches the daemon's socket through ``/proc/self/fd/N`` (see
 ``wire.peercred.PinnedSocket``), and N is reused: a re-attach closes the old
@@ -14,6 +16,11 @@ the first channel's connect fails because its descriptor is closed, the second
 one's descriptor has the same number and leads to the live socket. A closed
 channel's subchannel outlives it for a moment, now and then: the first channel
 stays open here so that the second one meets it every time.
+
+A call that got no answer (gRPC's own UNAVAILABLE) renews the channel; one
+the daemon answered with a relayd error, UNAVAILABLE too (draining, a peer
+gone), does not. How the renewal serves the call after a frozen daemon runs
+again is tests/integration/test_client_keepalive.py.
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from relayd_client import _connection
+from relayd_client.wire.errors import ErrorCode
+from relayd_client.wire.status import ERROR_CODE_KEY, unanswered
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -85,3 +94,18 @@ async def _reuse(tmp_path: pathlib.Path) -> None:
 
 def test_a_channel_to_a_reused_descriptor_connects_afresh(tmp_path: pathlib.Path) -> None:
     asyncio.run(asyncio.wait_for(_reuse(tmp_path), 4 * CALL_BOUND))
+
+
+def _rpc_error(code: grpc.StatusCode, relayd_code: ErrorCode | None = None) -> grpc.RpcError:
+    trailing = grpc.aio.Metadata()
+    if relayd_code is not None:
+        trailing.add(ERROR_CODE_KEY, str(int(relayd_code)))
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing, "details")
+
+
+def test_only_a_call_the_daemon_did_not_answer_counts_as_unanswered() -> None:
+    assert unanswered(_rpc_error(grpc.StatusCode.UNAVAILABLE))
+    assert not unanswered(_rpc_error(grpc.StatusCode.UNAVAILABLE, ErrorCode.DRAINING))
+    assert not unanswered(_rpc_error(grpc.StatusCode.UNAVAILABLE, ErrorCode.PEER_UNAVAILABLE))
+    assert not unanswered(_rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED))
+    assert not unanswered(_rpc_error(grpc.StatusCode.CANCELLED))
