@@ -50,6 +50,10 @@ log = logging.getLogger(__name__)
 RECONNECT_FIRST_DELAY = 0.05
 RECONNECT_MAX_DELAY = 2.0
 RECONNECT_CALLER_DELAY = 0.1  # between attempts while a call waits for one
+# How long a channel given up on (see Connection._renew_channel) waits for its
+# calls before it cancels them: longer than any of them lasts, since each
+# ends by its own deadline or by the keepalive.
+RETIRED_CALLS_GRACE_S = 3600.0
 # The socket fallback moves whole packed regions in one gRPC message.
 _MAX_MESSAGE = 1 << 30
 
@@ -373,8 +377,8 @@ class Connection:
         if self._channel is not None:
             await self._channel.close()
             self._channel = None
-        if self._retired:
-            await asyncio.gather(*self._retired, return_exceptions=True)
+        if self._retired:  # calls still on a renewed channel end within their own deadlines
+            await asyncio.wait(set(self._retired), timeout=self.timeout)
         if self._pinned is not None:
             self._pinned.close()
             self._pinned = None
@@ -459,15 +463,15 @@ class Connection:
         only once its pending write is done, which is when the daemon runs
         again, and until then calls the connection READY and hands it the next
         call, which fails at once. A new channel makes a new connection (its
-        subchannels are its own, see channel_options). The old one is closed:
-        a channel to a Unix socket has one connection, and whatever else was
-        on it got no answer either.
+        subchannels are its own, see channel_options). The old one closes once
+        the calls still on it have ended by themselves: closing it now would
+        raise CancelledError in their callers.
         """
         old, pinned = self._channel, self._pinned
         if self.stub is not failed or old is None or pinned is None:
             return  # renewed already, or torn down
         self._open_channel(pinned)
-        task = asyncio.get_running_loop().create_task(old.close())
+        task = asyncio.get_running_loop().create_task(old.close(RETIRED_CALLS_GRACE_S))
         self._retired.add(task)
         task.add_done_callback(self._retired.discard)
 

@@ -19,7 +19,8 @@ stays open here so that the second one meets it every time.
 
 A call that got no answer (gRPC's own UNAVAILABLE) renews the channel; one
 the daemon answered with a relayd error, UNAVAILABLE too (draining, a peer
-gone), does not. How the renewal serves the call after a frozen daemon runs
+gone), does not. A call still on the old channel ends by itself, answered,
+not cancelled. How the renewal serves the call after a frozen daemon runs
 again is tests/integration/test_client_keepalive.py.
 """
 
@@ -34,7 +35,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from relayd_client import _connection
+from relayd_client.wire import peercred
 from relayd_client.wire.errors import ErrorCode
+from relayd_client.wire.proto import relay_pb2 as pb
 from relayd_client.wire.status import ERROR_CODE_KEY, unanswered
 
 pytestmark = pytest.mark.timeout(60)
@@ -109,3 +112,47 @@ def test_only_a_call_the_daemon_did_not_answer_counts_as_unanswered() -> None:
     assert not unanswered(_rpc_error(grpc.StatusCode.UNAVAILABLE, ErrorCode.PEER_UNAVAILABLE))
     assert not unanswered(_rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED))
     assert not unanswered(_rpc_error(grpc.StatusCode.CANCELLED))
+
+
+async def _renewal(tmp_path: pathlib.Path) -> None:
+    socket = tmp_path / "relayd.sock"
+    arrived, answer = asyncio.Event(), asyncio.Event()
+
+    async def status(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        arrived.set()
+        await answer.wait()
+        return pb.StatusResponse(node_id="here").SerializeToString()
+
+    server = grpc.aio.server()
+    handlers = {"Status": grpc.unary_unary_rpc_method_handler(status)}
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("relayd.v1.Relay", handlers),)
+    )
+    server.add_insecure_port(f"unix:{socket}")
+    await server.start()
+    # The parts of a Connection that the renewal uses, on a real pinned socket.
+    conn = _connection.Connection.__new__(_connection.Connection)
+    conn.timeout = CALL_BOUND
+    conn._retired = set()
+    conn._pinned = peercred.PinnedSocket(str(socket), frozenset({os.getuid()}), CALL_BOUND)
+    try:
+        old = conn._open_channel(conn._pinned)
+        waiting = asyncio.ensure_future(old.Status(pb.StatusRequest(), timeout=CALL_BOUND))
+        await asyncio.wait_for(arrived.wait(), CALL_BOUND)
+        conn._renew_channel(old)
+        assert conn.stub is not old
+        conn._renew_channel(old)  # a second failed call of the old channel: renewed already
+        assert len(conn._retired) == 1
+        answer.set()
+        assert (await asyncio.wait_for(waiting, CALL_BOUND)).node_id == "here"
+        await asyncio.wait_for(asyncio.gather(*conn._retired), CALL_BOUND)
+        assert (await conn.stub.Status(pb.StatusRequest(), timeout=CALL_BOUND)).node_id == "here"
+        assert conn._channel is not None
+        await conn._channel.close()
+    finally:
+        conn._pinned.close()
+        await server.stop(None)
+
+
+def test_a_renewed_channel_lets_the_calls_still_on_it_end_answered(tmp_path: pathlib.Path) -> None:
+    asyncio.run(asyncio.wait_for(_renewal(tmp_path), 4 * CALL_BOUND))
