@@ -374,9 +374,9 @@ class Connection:
             # GPU grants go back with the session: no copy may still be queued into them.
             await self.gpu.settle(self.timeout)
         await self.session.close()
-        if self._channel is not None:
-            await self._channel.close()
-            self._channel = None
+        channel, self._channel = self._channel, None  # no renewal from here on
+        if channel is not None:
+            await channel.close()
         if self._retired:  # calls still on a renewed channel end within their own deadlines
             await asyncio.wait(set(self._retired), timeout=self.timeout)
         if self._pinned is not None:
