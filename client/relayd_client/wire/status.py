@@ -9,6 +9,8 @@ mapped from their status alone.
 
 from __future__ import annotations
 
+import contextlib
+
 import grpc
 
 from .errors import (
@@ -54,26 +56,30 @@ _FALLBACK: dict[grpc.StatusCode, type[RelayError]] = {
 }
 
 
+def _status(exc: grpc.RpcError) -> grpc.StatusCode:
+    return exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+
+
+def _relayd_code(exc: grpc.RpcError) -> str | bytes | None:
+    """The relayd error code the daemon sent with ``exc``, as sent; None: none."""
+    trailing = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
+    return next((value for key, value in trailing or () if key == ERROR_CODE_KEY), None)
+
+
 def unanswered(exc: grpc.RpcError) -> bool:
     """Whether ``exc`` is gRPC's own UNAVAILABLE: the call got no answer from the
     daemon (its connection failed or died), not an error the daemon sent."""
-    if not hasattr(exc, "code") or exc.code() != grpc.StatusCode.UNAVAILABLE:
-        return False
-    trailing = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
-    return not any(key == ERROR_CODE_KEY for key, _ in trailing or ())
+    return _status(exc) == grpc.StatusCode.UNAVAILABLE and _relayd_code(exc) is None
 
 
 def from_rpc_error(exc: grpc.RpcError) -> RelayError:
     """The RelayError a failed RPC stands for."""
-    status = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    status = _status(exc)
     details = (exc.details() if hasattr(exc, "details") else "") or str(status)
-    trailing = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
-    for key, value in trailing or ():
-        if key == ERROR_CODE_KEY:
-            try:
-                return error_from_code(int(value), details)
-            except ValueError:
-                break
+    code = _relayd_code(exc)
+    if code is not None:
+        with contextlib.suppress(ValueError):
+            return error_from_code(int(code), details)
     cls = _FALLBACK.get(status, InternalError)
     if cls is DaemonUnavailableError:
         details = f"relayd daemon unavailable: {details}"
