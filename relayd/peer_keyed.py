@@ -8,7 +8,9 @@ late, or never), the connection dropped, or the call was cancelled because its
 writer's session went or the writer withdrew the put - may still have been
 indexed there, naming a lease the writer's daemon frees at once. It is taken
 back (``Peer.KeyedWithdraw``) in the background: the writer has its answer
-already, the call is bounded by the peer timeout, and a failure (an older
+already (a withdrawal that cancelled the call waits for the take-back, so
+that its writer hears of it only once the key is gone), the call is bounded
+by the peer timeout, and a failure (an older
 peer answers UNIMPLEMENTED) is logged, the entry then going when its reader's
 read fails (StaleRefError) or at its TTL. A clean refusal - the peer's handler
 answered with a relayd error code - indexed nothing and needs no take-back.
@@ -88,8 +90,13 @@ class KeyedHandOver:
             raise err from None
         except RelayError:
             raise  # not sent: the peer is not connected
-        except BaseException:
-            self._take_back(peer, key, data_ref, "its hand-over was cancelled")
+        except asyncio.CancelledError:
+            taking_back = self._take_back(peer, key, data_ref, "its hand-over was cancelled")
+            # Ended once the peer has taken back what it may have indexed (a second
+            # cancel leaves that to the background): the writer's withdrawal, which
+            # cancelled this call, is answered after, and a reader that polls once the
+            # writer heard it must not find the key.
+            await asyncio.wait({taking_back}, timeout=self.peer_timeout)
             raise
 
     async def withdraw(self, peer: PeerState, key: str, data_ref: bytes) -> bool:
@@ -107,7 +114,9 @@ class KeyedHandOver:
             raise from_rpc_error(exc) from None
         return bool(resp.withdrawn)
 
-    def _take_back(self, peer: PeerState, key: str, data_ref: bytes, why: str) -> None:
+    def _take_back(
+        self, peer: PeerState, key: str, data_ref: bytes, why: str
+    ) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(self._taken_back(peer, key, data_ref, why))
         slot = (peer.address, key)
         self._taking_back[slot] = task
@@ -117,6 +126,7 @@ class KeyedHandOver:
                 del self._taking_back[slot]
 
         task.add_done_callback(done)
+        return task
 
     async def _taken_back(self, peer: PeerState, key: str, data_ref: bytes, why: str) -> None:
         try:

@@ -236,6 +236,11 @@ class PeerManager:
         """:meth:`fetch`, answered now when the push has landed (see ``Puller.start``)."""
         return self.puller.start(session, data, timeout)
 
+    @property
+    def timeout(self) -> float:
+        """What bounds one call to a peer (``--peer-timeout``)."""
+        return self.settings.peer_timeout
+
     def serving(self, stage: str) -> PeerState | None:
         """A live peer that serves ``stage`` (the first by address when several do)."""
         return self.links.serving(stage)

@@ -24,8 +24,9 @@ lease.
 A writer whose call ended before it heard the answer (its task cancelled, its
 wait out of time) was told nothing was put; its client withdraws the put (a
 ``DiscardCall`` naming the key, :meth:`KeyedCalls.withdraw`). A hand-over
-still under way then ends as a failed put; a put indexed already is taken out
-of the index, here or on the peer, and its lease freed. One race is left: a
+still under way then ends as a failed put, and the withdrawal is answered once
+the peer took back what it may have indexed; a put indexed already is taken
+out of the index, here or on the peer, and its lease freed. One race is left: a
 reader that took the key before the withdrawal came holds the DataRef and
 may be reading it, so that put stands (the withdrawal answers StaleRefError).
 
@@ -77,6 +78,10 @@ class KeyedPeers(Protocol):
 
     @property
     def push(self) -> Landings: ...
+    @property
+    def timeout(self) -> float:
+        """What bounds one call to a peer (``--peer-timeout``)."""
+
     def serving(self, stage: str) -> Any:
         """A live peer serving ``stage``, handed back to :meth:`keyed_put`; or None."""
 
@@ -221,6 +226,11 @@ class KeyedCalls:
                 extra={"session_id": session.id},
             )
             handing.cancel()
+            # Answered once the hand-over has ended, with what the peer may have
+            # indexed taken back (``peer_keyed``; bounded by the peer timeout): the
+            # writer then retries, or tells its reader, and neither may find this put.
+            assert self.peers is not None  # a hand-over only goes to a peer
+            await asyncio.wait({handing}, timeout=self.peers.timeout)
             return
         held = self.leases.leases.get(lease_id)
         ours = (

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import os
 import pathlib
+from typing import Any
 
 import pytest
 from relayd_client import _keyed
@@ -159,6 +160,57 @@ def test_a_keyed_put_cancelled_as_it_is_sent_is_not_indexed(tmp_path: pathlib.Pa
                     assert wire and _sha(_read_here(a, wire)) == _sha(data)
                 finally:
                     await channel.close()
+
+    run(main())
+
+
+def _take_back_held(node: Node) -> tuple[asyncio.Event, asyncio.Event]:
+    """``node``'s next Peer KeyedWithdraw waits before it goes out: the first event is
+    set once it waits, and it goes once the second is set."""
+    links = node.peers.links
+    call = links.call
+    asked, release = asyncio.Event(), asyncio.Event()
+
+    async def held(peer: Any, rpc: str, request: Any, *args: Any, **kw: Any) -> Any:
+        if rpc == "KeyedWithdraw" and not asked.is_set():
+            asked.set()
+            await release.wait()
+        return await call(peer, rpc, request, *args, **kw)
+
+    links.call = held  # type: ignore[method-assign]
+    return asked, release
+
+
+def test_a_withdrawal_is_answered_once_the_peer_took_the_key_back(
+    tmp_path: pathlib.Path,
+) -> None:
+    """Withdrawn while the peer is asked: the writer hears its withdrawal ended only once
+    the peer has taken back the key it indexed, so a reader that polls next finds none."""
+
+    async def main() -> None:
+        async with keyed_nodes(tmp_path) as (a, b, on_b):
+            writer, reader, ref = await put_for_b(a, b)
+            answer = _answer_held(a)
+            asked, release = _take_back_held(a)
+            on_a = keyed_calls(a)
+            put = asyncio.ensure_future(on_a.put(writer, _put(ref)))
+            try:
+                await until(lambda: len(on_b.keys) == 1, "B to index the put", BOUND)
+                withdrawal = asyncio.ensure_future(on_a.discard(writer, _withdraw(ref)))
+                await asyncio.wait_for(asked.wait(), BOUND)
+                assert not withdrawal.done(), (
+                    "the withdrawal was answered before the peer took the key back"
+                )
+            finally:
+                release.set()
+                answer.set()
+            await asyncio.wait_for(withdrawal, BOUND)
+            assert await on_b.take(reader, _poll(KEY)) == b"", (
+                "a reader found the key of a put whose withdrawal its writer heard end"
+            )
+            with pytest.raises(asyncio.CancelledError):
+                await asyncio.wait_for(put, BOUND)
+            assert not a.leases.leases, "A kept the lease of a put its writer withdrew"
 
     run(main())
 
