@@ -90,8 +90,10 @@ class KeyedHandOver:
             raise err from None
         except RelayError:
             raise  # not sent: the peer is not connected
-        except asyncio.CancelledError:
+        except BaseException as exc:
             taking_back = self._take_back(peer, key, data_ref, "its hand-over was cancelled")
+            if not isinstance(exc, asyncio.CancelledError):
+                raise
             # Ended once the peer has taken back what it may have indexed (a second
             # cancel leaves that to the background): the writer's withdrawal, which
             # cancelled this call, is answered after, and a reader that polls once the
