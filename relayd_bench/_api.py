@@ -77,6 +77,9 @@ class BenchContext:
     # socketpair. Mooncake engines of the methods bind these addresses.
     netns: tuple[str, str] | None = None
     hosts: tuple[str, str] = (LOOPBACK, LOOPBACK)
+    # --timeline, for a cross-node method: the directory its writer and reader stamp
+    # their steps into (see relayd_bench._timeline).
+    timeline: str | None = None
 
     def segment_name(self, tag: str) -> str:
         """A /dev/shm name unique to this run, process and call; swept by the harness."""

@@ -37,10 +37,11 @@ import socket
 import time
 import traceback
 from collections.abc import Sequence
+from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from relayd_bench import _netns
+from relayd_bench import _netns, _timeline
 from relayd_bench import _wire as wire
 from relayd_bench._api import (
     METHOD_BASES,
@@ -62,6 +63,7 @@ from relayd_bench._api import (
 from relayd_bench._lanes import Reports, Start, in_threads
 from relayd_bench._payload import MIN_SIZE, Stamp, check_tensor, make_source
 from relayd_bench._procstat import ProcSample, proc_sample
+from relayd_bench._table import fmt_size
 from relayd_bench._wire import BenchFailure
 
 if TYPE_CHECKING:
@@ -436,6 +438,12 @@ def child_main(
         import torch
 
         torch.set_num_threads(1)  # as in the reference runs: one core per process
+        if spec.ctx.timeline is not None and role in (_timeline.WRITER, _timeline.READER):
+            first = spec.steps[0]
+            plan = first.sizes[0]
+            job = f"{first.method}, {fmt_size(plan.size)}"
+            probes = _timeline.CLIENT_PROBES
+            _timeline.install(Path(spec.ctx.timeline), probes, role, job, plan.warmup)
         for step in spec.steps:
             if any(p.size < MIN_SIZE or p.iterations < 1 for p in step.sizes):
                 raise BenchFailure(f"sizes must be >= {MIN_SIZE} with iterations >= 1: {step}")

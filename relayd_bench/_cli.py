@@ -170,6 +170,14 @@ def build_parser() -> argparse.ArgumentParser:
         "(cProfile) and write <method>-put.txt and <method>-get.txt to DIR",
     )
     p.add_argument(
+        "--timeline",
+        action="store_true",
+        help="the cross-node methods (relayd-mooncake...) run with probes in their four "
+        "processes, and a table per method and size says where a transfer's time went, "
+        "hop by hop (each probe costs ~2 us: the run's own medians come out higher); "
+        "one process pair per method and size, as without --quick",
+    )
+    p.add_argument(
         "--breakdown",
         action="store_true",
         help="instead: time each step of a put and a get of both clients, in one process, "
@@ -210,6 +218,8 @@ def _options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Optio
             _netns.check_available()
         except _netns.NetnsUnavailable as exc:
             parser.error(f"--netns: {exc}")
+    if args.timeline and (args.socket or args.reader_socket):
+        parser.error("--timeline starts its own daemons: not with --socket/--reader-socket")
     rate = None if args.netns_rate.lower() == "none" else args.netns_rate
     if rate is not None and not _RATE_RE.match(rate):
         parser.error(f"--netns-rate: not a tc rate: {rate!r} (examples: 10gbit, 800mbit)")
@@ -217,7 +227,8 @@ def _options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Optio
         sizes=sizes,
         methods=methods,
         scale=scale,
-        reuse_processes=args.quick or args.reuse_processes,
+        # A writer's probes say which method and size they timed: one per process.
+        reuse_processes=(args.quick or args.reuse_processes) and not args.timeline,
         socket=args.socket,
         reader_socket=args.reader_socket,
         shm_pool_size=args.shm_pool_size,
@@ -232,6 +243,7 @@ def _options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Optio
         netns=args.netns,
         netns_rate=rate,
         rounds=args.rounds,
+        timeline=args.timeline,
     )
 
 
@@ -303,6 +315,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     network = bench.network_line()
     if network:
         sys.stdout.write(network + "\n")
+    if bench.timeline:
+        sys.stdout.write("\n" + bench.timeline)
     if args.json:
         run = {
             "argv": list(argv) if argv is not None else sys.argv[1:],

@@ -168,10 +168,16 @@ def start(
 
 
 def start_pair(
-    tmpdir: Path, pool_size: str, timeout_s: float, node_prefix: str, netns: Netns | None = None
+    tmpdir: Path,
+    pool_size: str,
+    timeout_s: float,
+    node_prefix: str,
+    netns: Netns | None = None,
+    prefix: Sequence[str] = (),
 ) -> tuple[Daemon, Daemon]:
     """The writer's and the reader's daemon, Mooncake peers on loopback or across the
-    namespaces' link (see the module doc)."""
+    namespaces' link (see the module doc); ``prefix`` runs each through a wrapper
+    (``relayd_bench._timeline``), inside its namespace."""
     token = tmpdir / "peer-token"
     fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
@@ -186,8 +192,8 @@ def start_pair(
         for k, role in enumerate(("writer", "reader")):
             args = ["--node-id", f"{node_prefix}-{role}", "--peer-address", addresses[k]]
             args += ["--peers", addresses[1 - k], "--peer-token-file", str(token)]
-            prefix = netns.wrap(k) if netns is not None else []
-            daemons.append(_spawn(tmpdir, pool_size, f"relayd-{role}", args, prefix))
+            inside = netns.wrap(k) if netns is not None else []
+            daemons.append(_spawn(tmpdir, pool_size, f"relayd-{role}", args, [*inside, *prefix]))
         for d in daemons:  # both start up at once; each waits out what is left of the budget
             d._await_ready(max(deadline - time.monotonic(), 0.0))
         writer, reader = daemons

@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from relayd_bench import _coldcall, _daemon, _netns, _wake
+from relayd_bench import _coldcall, _daemon, _netns, _timeline, _wake
 from relayd_bench._api import BenchContext, JobSpec, Pace, SizePlan, Step, WriterReport
 from relayd_bench._harness import JobOutcome, run_jobs
 from relayd_bench._progress import Progress
@@ -93,6 +93,7 @@ class Options:
     netns: bool = False
     netns_rate: str | None = None
     rounds: int = 1
+    timeline: bool = False  # probes in the cross-node methods' four processes (_timeline)
 
 
 class Bench:
@@ -118,6 +119,8 @@ class Bench:
         self.netns: _netns.Netns | None = None
         self._namespaces = contextlib.ExitStack()
         self.link_bytes: tuple[int, int] | None = None  # what each veth end sent, at close
+        self.timeline_dir = self.tmpdir / "timeline"
+        self.timeline = ""  # --timeline: the tables, once the methods ran
 
     def run(self) -> None:
         """Raises ``_netns.NetnsUnavailable`` if ``netns`` is asked for and cannot be set up."""
@@ -134,6 +137,8 @@ class Bench:
             # every other round backwards, so that no method always runs first
             self.rounds.append(self._run_methods(entries if k % 2 == 0 else entries[::-1]))
         self.results = median_cells(self.rounds)
+        if self.opts.timeline:
+            self.timeline = _timeline.report(self.timeline_dir)
         if STREAM in self.opts.methods:
             self._run_streams([ENTRIES[n] for n in self.opts.stream_methods])
 
@@ -193,7 +198,9 @@ class Bench:
         rate = self.opts.netns_rate or "unshaped"
         return f"cross-node methods: two network namespaces, veth link {rate}{moved}"
 
-    def _ctx(self, stream_index: int = 0, cross_node: bool = False) -> BenchContext:
+    def _ctx(
+        self, stream_index: int = 0, cross_node: bool = False, stream: bool = False
+    ) -> BenchContext:
         d, r, ns = self.daemon, self.reader_daemon, self.netns
         ctx = BenchContext(
             run_id=self.run_id,
@@ -206,6 +213,8 @@ class Bench:
         )
         if ns and cross_node:
             ctx = dataclasses.replace(ctx, netns=ns.names, hosts=ns.addrs)
+        if self.opts.timeline and cross_node and not stream:  # stop-and-wait runs only
+            ctx = dataclasses.replace(ctx, timeline=str(self.timeline_dir))
         return ctx
 
     def _unavailable(self, entry: Entry) -> str | None:
@@ -266,6 +275,10 @@ class Bench:
         o = self.opts
         where = "one in each network namespace" if self.netns else "on loopback"
         self.progress.line(f"starting two relayd serve, Mooncake peers {where}")
+        prefix: list[str] = []
+        if o.timeline:
+            self.timeline_dir.mkdir(exist_ok=True)
+            prefix = _timeline.daemon_prefix(self.timeline_dir)
         try:
             self.daemon, self.reader_daemon = _daemon.start_pair(
                 self.tmpdir,
@@ -273,6 +286,7 @@ class Bench:
                 o.daemon_timeout_s,
                 f"bench-{self.run_id}",
                 self.netns,
+                prefix,
             )
         except _daemon.DaemonError as exc:
             self.reader_daemon_error = f"peer daemons unavailable: {exc}"
@@ -434,7 +448,7 @@ class Bench:
         for k, lanes in enumerate(self._stream_lanes(group[0])):
             # stream s (lane j of pair k) is due s / streams of a period after the start
             pace = Pace(period, first * period // o.streams, period // o.streams)
-            ctx = self._ctx(stream_index=k, cross_node=group[0].cross_node)
+            ctx = self._ctx(stream_index=k, cross_node=group[0].cross_node, stream=True)
             specs.append(JobSpec(steps, ctx, pace, measure_daemon=(k == 0), lanes=lanes))
             first += lanes
         outcomes = run_jobs(

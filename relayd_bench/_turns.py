@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
+
+from relayd_bench._timeline import wrapper_args
 
 # (row label, the step: a method of SessionProtocol, or the module's decode_frame)
 STEPS: tuple[tuple[str, str], ...] = (
@@ -76,18 +77,13 @@ def install(record: list[dict[str, int]]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``OUT python -m relayd ARGS...``: run relayd with the timers, write OUT at exit."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    out, command = Path(args[0]), args[1:]
-    if command[1:3] != ["-m", "relayd"]:
-        raise SystemExit(
-            f"usage: python -m relayd_bench._turns OUT python -m relayd ...; got {command}"
-        )
+    out, args = wrapper_args("relayd_bench._turns", argv)
     record: list[dict[str, int]] = []
     install(record)
     from relayd.cli import main as relayd_main
 
     try:
-        return relayd_main(command[3:])
+        return relayd_main(args)
     finally:
         out.write_text("".join(json.dumps(row) + "\n" for row in record))
 

@@ -220,6 +220,31 @@ def test_quick_late_pair_reads_announced_pushes_beside_a_late_raw_read(tmp_path:
     assert announced > 0  # the push had landed and the reader was told where
 
 
+@requires_mooncake
+def test_timeline_follows_a_cross_node_transfer_through_its_four_processes(
+    tmp_path: Path,
+) -> None:
+    """``--timeline``: the probes leave the transfers intact, and each of the four
+    processes stamps its steps, the reader's get ending last."""
+    doc, stdout = _bench(tmp_path, ["relayd-mooncake"], ["256K"], ["--timeline"])
+    [cell] = doc["results"]
+    _assert_ok(cell)
+    title, header, *lines = stdout[stdout.index("timeline, relayd-mooncake, 256KiB") :].splitlines()
+    # Every measured transfer but the last, which only ends the one before it.
+    assert f"over {cell['iterations'] - 1} transfers" in title
+    assert header.split() == ["process", "step", "at", "hop", "seen", "in"]
+    rows = {line[:41].strip(): line[41:].split() for line in lines if line.strip()}
+    sides = {key.split("  ")[0] for key in rows}
+    assert sides == {"writer", "writer's daemon", "reader's daemon", "reader"}, rows
+    assert rows["writer           put starts"][:1] == ["0.0"]
+    for key in ("writer           put returns", "writer's daemon  push starts",
+                "reader           get returns"):  # fmt: skip
+        assert rows[key][-1] == "100%", (key, rows[key])
+    at = {key: float(v[0]) for key, v in rows.items()}
+    assert max(at, key=at.__getitem__) == "reader           get returns"
+    assert at["writer's daemon  push starts"] > at["writer           put starts"]
+
+
 def test_quick_relayd_sync_beside_the_async_client(tmp_path: Path) -> None:
     methods = ["floor", "relayd-shm", "relayd-sync"]
     doc, _ = _bench(tmp_path, methods, list(SIZES))
