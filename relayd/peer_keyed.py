@@ -8,12 +8,12 @@ late, or never), the connection dropped, or the call was cancelled because its
 writer's session went or the writer withdrew the put - may still have been
 indexed there, naming a lease the writer's daemon frees at once. It is taken
 back (``Peer.KeyedWithdraw``) in the background: the writer has its answer
-already (a withdrawal that cancelled the call waits for the take-back, so
-that its writer hears of it only once the key is gone), the call is bounded
-by the peer timeout, and a failure (an older
-peer answers UNIMPLEMENTED) is logged, the entry then going when its reader's
-read fails (StaleRefError) or at its TTL. A clean refusal - the peer's handler
-answered with a relayd error code - indexed nothing and needs no take-back.
+already (but a withdrawal that cancelled the call waits for the take-back, so
+that its writer hears of it only once the key is gone), the call is bounded by
+the peer timeout, and a failure (an older peer answers UNIMPLEMENTED) is
+logged, the entry then going when its reader's read fails (StaleRefError) or
+at its TTL. A clean refusal - the peer's handler answered with a relayd error
+code - indexed nothing and needs no take-back.
 
 A put of a key that is being taken back from the same peer waits for that
 first (bounded by its own timeout): overtaking it, the writer's retry would
@@ -91,8 +91,10 @@ class KeyedHandOver:
         except RelayError:
             raise  # not sent: the peer is not connected
         except BaseException as exc:
-            taking_back = self._take_back(peer, key, data_ref, "its hand-over was cancelled")
-            if not isinstance(exc, asyncio.CancelledError):
+            cancelled = isinstance(exc, asyncio.CancelledError)
+            why = "its hand-over was cancelled" if cancelled else f"its hand-over failed: {exc!r}"
+            taking_back = self._take_back(peer, key, data_ref, why)
+            if not cancelled:
                 raise
             # Ended once the peer has taken back what it may have indexed (a second
             # cancel leaves that to the background): the writer's withdrawal, which
