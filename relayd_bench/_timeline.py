@@ -2,18 +2,19 @@
 
 A relayd-mooncake transfer crosses four processes: the writer, its daemon, the
 reader's daemon and the reader. ``--breakdown`` times one process's steps; this
-times the whole path. Each process stamps named steps (:data:`PROBES`) with
-``time.monotonic_ns``, one clock for every process of the host, into its own
-file; afterwards every transfer is cut out by the writer's put that starts it
-(the bench's transfers are stop-and-wait), and the table gives each step's
-median offset from that put and the median hop from the step before it.
+times the whole path. Each process stamps named steps (:data:`CLIENT_PROBES`,
+:data:`DAEMON_PROBES`) with ``time.monotonic_ns``, one clock for every process
+of the host, into its own file; afterwards every transfer is cut out by the
+writer's put that starts it (the bench's transfers are stop-and-wait), and the
+table gives each step's median offset from that put and the median hop from
+the step before it.
 
-Neither relayd nor its client carries a probe: the processes are started
-through :func:`install` (the daemons through ``python -m relayd_bench._timeline
-DIR python -m relayd serve ...``, the bench's writers and readers when their
-``BenchContext.timeline`` names a directory), which wraps the named functions. A probe costs a clock read and a line written
-(~2 µs here), so the timed medians run above an untimed run's, and a step
-that starts or ends a wait shows where the wait went, not its CPU.
+Neither relayd nor its client carries a probe: :func:`install` wraps the named
+functions in the daemons (started through ``python -m relayd_bench._timeline DIR
+python -m relayd serve ...``) and in the bench's writers and readers (when their
+``BenchContext.timeline`` names a directory). A step is the start or the end of
+such a call. A probe costs a clock read and a line written (~2 µs here), so the
+timed medians run above an untimed run's.
 """
 
 from __future__ import annotations
@@ -52,24 +53,26 @@ class Probe:
 
 
 # The writer's and the reader's probes go into the bench's children, the daemons'
-# into both daemons (a daemon's side is told by what it did: see _side).
+# into both daemons (a daemon's side is told by what it did: see _read).
 CLIENT_PROBES = (
     Probe("relayd_client._client", "RelayClient.put", ANCHOR, "put returns"),
     Probe("relayd_client._session", "SessionChannel._write_bytes", "session frame written"),
     Probe("relayd_client._client", "RelayClient.get", "get starts", "get returns"),
     Probe("relayd_client._reader", "Reader._fetch", "fetch call", "fetch answered"),
     Probe("relayd_client._client", "RelayClient._on_frame", "session frame read"),
-    Probe("relayd_client._reader", "Reader.read_region", "copy out", "copied out"),
+    Probe("relayd_client._reader", "Reader.read_region", "copying out", "copied out"),
 )
 DAEMON_PROBES = (
     Probe("relayd.rpc.session", "SessionProtocol.data_received", "session frame read"),
     Probe("relayd.rpc.session", "SessionProtocol.send", "session frame written"),
     Probe("relayd.push", "PushManager.on_publish", "push starts"),
-    Probe("relayd.peer_notices", "PeerNotifier.send_attached", "bytes sent", "bytes handed over"),
+    Probe(
+        "relayd.peer_notices", "PeerNotifier.send_attached", "sending bytes", "bytes handed over"
+    ),
     Probe("relayd.push", "PushManager._push", "Mooncake WRITE", "Mooncake WRITE done"),
     Probe("relayd.peer_channel", "_Inbound.buffer_updated", "notice bytes read"),
-    Probe("relayd.push", "PushManager.on_notices", "notices handled"),
-    Probe("relayd.push_landing", "PushLanding._announce", "landing announced"),
+    Probe("relayd.push", "PushManager.on_notices", "handling notices"),
+    Probe("relayd.push_landing", "PushLanding._announce", "announcing the landing"),
 )
 _WRITER_DAEMON_STEP = "push starts"
 
