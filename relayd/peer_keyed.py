@@ -34,7 +34,7 @@ from relayd_client.wire.errors import (
     RelayTimeoutError,
 )
 from relayd_client.wire.proto import relay_pb2 as pb
-from relayd_client.wire.status import ERROR_CODE_KEY, from_rpc_error
+from relayd_client.wire.status import from_rpc_error, relayd_code
 
 from .peer_links import PeerLinks, PeerState
 
@@ -45,10 +45,8 @@ def _refused(exc: grpc.RpcError) -> bool:
     """The peer's handler answered the call with a refusal (its relayd error code rides
     the status), so it indexed nothing. Any other failure (gRPC's own deadline on this
     side, a dropped connection, a bug there) may come after the peer indexed."""
-    for key, value in exc.trailing_metadata() or ():
-        if key == ERROR_CODE_KEY:
-            return bool(value != str(int(ErrorCode.INTERNAL)))
-    return False
+    code = relayd_code(exc)
+    return code is not None and code != str(int(ErrorCode.INTERNAL))
 
 
 class KeyedHandOver:

@@ -60,7 +60,7 @@ def _status(exc: grpc.RpcError) -> grpc.StatusCode:
     return exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
 
 
-def _relayd_code(exc: grpc.RpcError) -> str | bytes | None:
+def relayd_code(exc: grpc.RpcError) -> str | bytes | None:
     """The relayd error code the daemon sent with ``exc``, as sent; None: none."""
     trailing = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
     return next((value for key, value in trailing or () if key == ERROR_CODE_KEY), None)
@@ -69,14 +69,14 @@ def _relayd_code(exc: grpc.RpcError) -> str | bytes | None:
 def unanswered(exc: grpc.RpcError) -> bool:
     """Whether ``exc`` is gRPC's own UNAVAILABLE: the call got no answer from the
     daemon (its connection failed or died), not an error the daemon sent."""
-    return _status(exc) == grpc.StatusCode.UNAVAILABLE and _relayd_code(exc) is None
+    return _status(exc) == grpc.StatusCode.UNAVAILABLE and relayd_code(exc) is None
 
 
 def from_rpc_error(exc: grpc.RpcError) -> RelayError:
     """The RelayError a failed RPC stands for."""
     status = _status(exc)
     details = (exc.details() if hasattr(exc, "details") else "") or str(status)
-    code = _relayd_code(exc)
+    code = relayd_code(exc)
     if code is not None:
         with contextlib.suppress(ValueError):
             return error_from_code(int(code), details)
