@@ -34,7 +34,7 @@ import asyncio
 import collections
 import dataclasses
 import logging
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import grpc
@@ -203,10 +203,17 @@ class PeerNotifier:
         self._failures.pop(peer.address, None)
         log.info("notice channel to peer %s open (port %d)", peer.address, port)
 
-    def send_attached(self, address: str, landed: pb.PushLanded, data: bytes | memoryview) -> bool:
+    def send_attached(
+        self,
+        address: str,
+        landed: pb.PushLanded,
+        data: bytes | memoryview,
+        sent: Callable[[], object],
+    ) -> bool:
         """One Landed notice with its push's bytes right after it, on ``address``'s
-        notice channel, now (``data`` may be reused once this returns); False (and
-        nothing sent) when they cannot go there."""
+        notice channel, now; False (and nothing sent) when they cannot go there.
+        ``data`` is read where it lies until ``sent`` is called (see
+        :meth:`NoticeLink.send`), which is never when this returns False."""
         link = self._channels.get(address)
         if (
             link is None
@@ -217,7 +224,7 @@ class PeerNotifier:
             return False
         batch = self._stamped(pb.PeerNotices())
         batch.landed.append(landed)
-        if not link.send(batch, (data,)):
+        if not link.send(batch, (data,), sent):
             self._channel_closed(address)
             return False
         self._channel_sent(address)

@@ -300,25 +300,26 @@ class PushManager:
         a backlog on it); the caller pushes by Mooncake.
 
         W's lease stays published until the peer's receipt (:meth:`_received`):
-        the bytes are in the kernel's hands or copied, but if the channel breaks
-        or the peer's daemon dies before they are published there, its reader
-        pulls them from W's lease after the peer timeout, as after a failed
-        WRITE. Nothing reads W's run any more, so it is no longer held.
+        if the channel breaks or the peer's daemon dies before the bytes are
+        published there, its reader pulls them from W's lease after the peer
+        timeout, as after a failed WRITE. W's run stays held until the kernel
+        has taken the bytes from it (what it cannot take at once waits in the
+        channel's queue, uncopied), so an abort or the TTL meanwhile frees the
+        lease but not the slots under the send.
         """
         nbytes, address = lease.nbytes, peer.address
         if nbytes > self.settings.push_attach_max:
             return False
-        # Straight from W's run: the channel copies what the kernel does not take
-        # at once, so the run may be reused as soon as the lease goes.
         data = self.parts.arena.view(lease.run, nbytes)
         try:
             notice = self._notice(out, lease, start, nbytes)
-            sent = self.parts.notifier.send_attached(address, notice, data)
+            sent = self.parts.notifier.send_attached(
+                address, notice, data, functools.partial(self.parts.leases.unhold, lease)
+            )
         finally:
-            data.release()
+            data.release()  # the channel's queue keeps views of its own
         if not sent:
             return False
-        self.parts.leases.unhold(lease)
         self._await_receipt(address, lease)
         self.counts[address].attached += 1
         return True

@@ -21,7 +21,7 @@ import pytest
 from relayd_client.wire.framing import LENGTH_BYTES
 from relayd_client.wire.proto import relay_pb2 as pb
 
-from relayd import peer_channel
+from relayd import loops, peer_channel
 from relayd.config import ConfigError, Settings
 from relayd.peer_channel import (
     ACCEPTED,
@@ -87,10 +87,27 @@ class Harness:
     def release(self, views: Sequence[memoryview]) -> None:
         self.given_back += len(views)
 
-    async def dial(self, node: str = NODE, epoch: str = EPOCH, token: bytes = TOKEN) -> NoticeLink:
-        link = await NoticeLink.open("127.0.0.1", self.port, token, _hello(node, epoch), WAIT_S)
+    async def dial(
+        self,
+        node: str = NODE,
+        epoch: str = EPOCH,
+        token: bytes = TOKEN,
+        stall_timeout: float = peer_channel.STALL_TIMEOUT_S,
+    ) -> NoticeLink:
+        link = await NoticeLink.open(
+            "127.0.0.1", self.port, token, _hello(node, epoch), WAIT_S, stall_timeout
+        )
         self.links.append(link)
         return link
+
+    def reading(self, on: bool) -> None:
+        """Pause or resume the listener's reads on every connection it holds."""
+        for inbound in self.listener.conns:
+            if inbound.transport is not None:
+                if on:
+                    inbound.transport.resume_reading()
+                else:
+                    inbound.transport.pause_reading()
 
     async def raw(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bytes]:
         """A bare connection and the challenge it was sent."""
@@ -142,7 +159,9 @@ async def _closed(reader: asyncio.StreamReader) -> bool:
         return True
 
 
-def run(body: Callable[[Harness], Awaitable[None]]) -> Harness:
+def run(body: Callable[[Harness], Awaitable[None]], loop: str = "asyncio") -> Harness:
+    """``body`` against a fresh listener, on ``loop`` (``auto``: the daemon's own)."""
+
     async def main() -> Harness:
         h = Harness()
         await h.start()
@@ -156,7 +175,8 @@ def run(body: Callable[[Harness], Awaitable[None]]) -> Harness:
             await h.listener.close()
         return h
 
-    return asyncio.run(main())
+    with asyncio.Runner(loop_factory=loops.loop_factory(loop)) as runner:
+        return runner.run(main())
 
 
 @pytest.fixture(autouse=True)
@@ -246,27 +266,103 @@ def test_a_large_push_is_read_in_large_reads_and_its_tail_and_the_next_batch_sti
     assert asked[-1] == 1
 
 
-def test_attached_bytes_may_be_reused_once_send_returns() -> None:
-    """A sender hands over views of memory it overwrites at once (a writer's
-    run, reused as soon as its lease goes): each batch still brings the bytes
-    that were there when it was sent, also those the kernel did not take yet."""
-    size, batches = 4 << 20, 3  # more than the kernel takes at once on loopback
-    memory = bytearray(size)
+# More than the kernel takes at once from a sender whose listener is not reading.
+QUEUED = MAX_ATTACHED
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "auto"])
+def test_attached_bytes_may_change_once_the_link_says_they_went(loop: str) -> None:
+    """A sender hands over views of memory it overwrites as soon as it may (a
+    writer's run, held until ``sent``): ``sent`` comes only once the kernel has
+    taken the bytes, and each batch brings the bytes that were there when it
+    was sent, also those that waited in the sender's queue."""
+    batches = 3
+    memory = bytearray(QUEUED)
 
     async def body(h: Harness) -> None:
         link = await h.dial()
+        went: list[int] = []
         for k in range(batches):
-            memory[:] = bytes([k + 1]) * size
+            await h.until(lambda k=k: len(went) == k, "the last batch's bytes to go")
+            memory[:] = bytes([k + 1]) * QUEUED
+            if k == 0:
+                h.reading(False)
             with memoryview(memory) as view:
-                assert link.send(_batch(10 * k, attached=(size,)), (view,))
-        memory[:] = bytes(size)
-        assert link.backlog > 0  # some of it waits in the sender's transport
+                assert link.send(
+                    _batch(10 * k, attached=(QUEUED,)), (view,), lambda k=k: went.append(k)
+                )
+            if k == 0:
+                assert link.backlog > 0  # some of it waits in the sender's queue...
+                assert not went  # ...so its memory may not change yet
+                h.reading(True)
+        await h.until(lambda: len(went) == batches, "every batch's bytes to go")
+        assert went == list(range(batches))
+        assert link.backlog == 0
+        memory[:] = bytes(QUEUED)
         await h.until(lambda: len(h.handled) == batches, "every batch")
         assert [[_sha(blob) for blob in got] for got in h.attached] == [
-            [_sha(bytes([k + 1]) * size)] for k in range(batches)
+            [_sha(bytes([k + 1]) * QUEUED)] for k in range(batches)
         ]
 
-    run(body)
+    run(body, loop)
+
+
+def test_the_daemons_loop_sends_queued_attached_bytes_from_where_they_lie() -> None:
+    """No copy on the daemon's loop: a change to the memory before ``sent``
+    reaches the peer (the contract that makes a pushed run stay held until then)."""
+    pytest.importorskip("uvloop")  # asyncio's transport copies what it queues (3.11)
+    memory = bytearray(b"\x01" * QUEUED)
+
+    async def body(h: Harness) -> None:
+        link = await h.dial()
+        h.reading(False)
+        went: list[bool] = []
+        with memoryview(memory) as view:
+            assert link.send(_batch(1, attached=(QUEUED,)), (view,), lambda: went.append(True))
+        assert link.backlog > 0 and not went
+        memory[-1:] = b"\x02"  # still in the queue: read from here
+        h.reading(True)
+        await h.until(lambda: bool(h.handled) and bool(went), "the batch")
+        assert h.attached[0][0][-1:] == b"\x02"
+
+    run(body, "auto")
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "auto"])
+def test_a_link_closed_with_bytes_queued_says_they_went(loop: str) -> None:
+    """Closing the link ends the wait of whoever held memory for its queue."""
+
+    async def body(h: Harness) -> None:
+        link = await h.dial()
+        h.reading(False)
+        went: list[bool] = []
+        assert link.send(_batch(1, attached=(QUEUED,)), (bytes(QUEUED),), lambda: went.append(True))
+        assert link.backlog > 0 and not went
+        link.close()
+        await h.until(lambda: bool(went), "the closed link to let go of the bytes")
+        assert went == [True]
+        assert not link.alive
+        assert not link.send(_batch(2), (), lambda: went.append(False))
+        assert went == [True]
+
+    run(body, loop)
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "auto"])
+def test_a_link_whose_peer_stops_reading_is_dropped_after_the_stall_timeout(loop: str) -> None:
+    """A listener that takes nothing more cannot keep a sender's memory for good:
+    once its queue has not emptied for the stall timeout, the link goes and says so."""
+
+    async def body(h: Harness) -> None:
+        link = await h.dial(stall_timeout=0.3)
+        h.reading(False)
+        went: list[bool] = []
+        assert link.send(_batch(1, attached=(QUEUED,)), (bytes(QUEUED),), lambda: went.append(True))
+        assert link.backlog > 0 and not went
+        await h.until(lambda: bool(went), "the stalled link to be dropped")
+        assert not link.alive
+
+    run(body, loop)
 
 
 def test_an_answer_and_batches_in_one_write_are_all_taken() -> None:

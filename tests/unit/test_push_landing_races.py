@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import socket
 from typing import Any
 
 import pytest
@@ -59,8 +60,9 @@ def test_an_attached_landed_that_comes_after_the_reader_pulled_is_not_published(
             real = notifier.send_attached
             held: list[tuple[str, pb.PushLanded, bytes]] = []
 
-            def hold(address: str, landed: pb.PushLanded, data: Any) -> bool:
+            def hold(address: str, landed: pb.PushLanded, data: Any, sent: Any) -> bool:
                 held.append((address, landed, bytes(data)))
+                sent()  # copied: the writer's run may change
                 return True
 
             monkeypatch.setattr(notifier, "send_attached", hold)
@@ -83,7 +85,7 @@ def test_an_attached_landed_that_comes_after_the_reader_pulled_is_not_published(
                 lambda address, keys: (received.extend(keys), real_received(address, keys)),
             )
             address, landed, attached = held[0]
-            assert real(address, landed, attached)
+            assert real(address, landed, attached, lambda: None)
             grant = push_a.out[b.address]
             await until(
                 lambda: counts.into == 1 or grant.alloc.free_runs() == [(0, grant.nslots)],
@@ -162,9 +164,9 @@ def test_a_landed_notice_lost_on_a_broken_notice_channel_loses_no_data(
             real_send = link.send
             broken: list[pb.PeerNotices] = []
 
-            def send(batch: pb.PeerNotices, attached: Any = ()) -> bool:
+            def send(batch: pb.PeerNotices, attached: Any = (), sent: Any = None) -> bool:
                 if not batch.landed or broken:
-                    return bool(real_send(batch, attached))
+                    return bool(real_send(batch, attached, sent))
                 broken.append(batch)
                 body = batch.SerializeToString()
                 half = len(body) // 2
@@ -185,6 +187,59 @@ def test_a_landed_notice_lost_on_a_broken_notice_channel_loses_no_data(
             # The run A cut for it in B's grant stays out until that grant is
             # renewed: B never took it, and A cannot tell a lost Landed from a
             # late one, whose refusal gives the run back.
+            _close(a, writer, a_used)
+            _close(b, reader, b_used)
+
+    run(main())
+
+
+def _reading(node: Node, on: bool) -> None:
+    """Pause or resume ``node``'s reads on its notice listener's connections."""
+    listener = node.peers._notices_in
+    assert listener is not None
+    for inbound in listener.conns:
+        assert inbound.transport is not None
+        if on:
+            inbound.transport.resume_reading()
+        else:
+            inbound.transport.pause_reading()
+
+
+def test_an_attached_push_holds_the_writers_run_until_its_bytes_went(
+    tmp_path: pathlib.Path,
+) -> None:
+    """The bytes of an attached push that the kernel did not take at once wait in
+    the notice channel's queue as a view of W's run, uncopied: an abort meanwhile
+    frees W's lease at once, but its run stays held (no Freed for the writer to
+    refill it under the send) until they went. B then reads what was put."""
+
+    async def main() -> None:
+        async with pushing_nodes(tmp_path, push_attach_max=16 * SLOT) as (a, b, reader):
+            await until(lambda: a.peers.notifier.has_channel(b.address), "A's notice channel")
+            await until(lambda: b.peers._notices_in.conns, "B's end of the channel")
+            a_used, b_used = _held(a), _held(b)
+            link = a.peers.notifier._channels[b.address]
+            # A slow peer: the kernel takes little at a time, and B takes nothing yet.
+            sock = link._writer.transport.get_extra_info("socket")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+            _reading(b, False)
+            writer = a.session(WRITER)
+            data = os.urandom(16 * SLOT)
+            ref = await a.put(writer, data, push=True)
+            assert a.peers.push.counts[b.address].attached == 1
+            assert link.backlog > 0
+            lease_id = DataRef.from_bytes(ref).proto.lease.lease_id
+            table = a.leases.table
+            assert a.leases.abort(writer, "r1")[0] == 1
+            assert not a.leases.leases
+            assert lease_id in table.held  # freed, but its run is still being sent
+            _reading(b, True)
+            await until(lambda: lease_id not in table.held, "the bytes to go, then the run")
+            assert link.backlog == 0
+            got = await b.peers.fetch(reader, ref, BOUND)
+            assert _sha(b.read(got)) == _sha(data)
+            b.release(reader, got)
+            await until(lambda: not b.leases.leases, "B's lease freed")
             _close(a, writer, a_used)
             _close(b, reader, b_used)
 
