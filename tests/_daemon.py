@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from relayd.launch import DaemonProcess, serve_argv
+from relayd.peer_channel import NoticeListener
 from tests import _zygote
 
 READY_TIMEOUT = 30.0
@@ -119,6 +120,17 @@ async def async_wait_until(
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
         await asyncio.sleep(interval)
+
+
+def listener_reading(listener: NoticeListener, on: bool) -> None:
+    """Pause or resume a peer notice listener's reads on every connection it holds:
+    a peer that stops taking what it is sent, then takes it again."""
+    for inbound in listener.conns:
+        assert inbound.transport is not None
+        if on:
+            inbound.transport.resume_reading()
+        else:
+            inbound.transport.pause_reading()
 
 
 class Daemon(DaemonProcess):

@@ -37,7 +37,7 @@ from relayd.peer_channel import (
 )
 from relayd.peer_links import PeerState
 from relayd.peer_notices import PeerNotifier
-from tests._daemon import async_wait_until
+from tests._daemon import async_wait_until, listener_reading
 from tests._figures import count
 
 TOKEN = b"0123456789abcdef-shared-peer-token"
@@ -101,13 +101,7 @@ class Harness:
         return link
 
     def reading(self, on: bool) -> None:
-        """Pause or resume the listener's reads on every connection it holds."""
-        for inbound in self.listener.conns:
-            if inbound.transport is not None:
-                if on:
-                    inbound.transport.resume_reading()
-                else:
-                    inbound.transport.pause_reading()
+        listener_reading(self.listener, on)
 
     async def raw(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bytes]:
         """A bare connection and the challenge it was sent."""

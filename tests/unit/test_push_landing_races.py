@@ -16,6 +16,7 @@ from relayd_client.wire.proto import relay_pb2 as pb
 
 from relayd.peer_channel import frame
 from relayd.pools.sessions import Session
+from tests._daemon import listener_reading
 from tests.unit.test_peer_manager import (
     BOUND,
     SLOT,
@@ -193,18 +194,6 @@ def test_a_landed_notice_lost_on_a_broken_notice_channel_loses_no_data(
     run(main())
 
 
-def _reading(node: Node, on: bool) -> None:
-    """Pause or resume ``node``'s reads on its notice listener's connections."""
-    listener = node.peers._notices_in
-    assert listener is not None
-    for inbound in listener.conns:
-        assert inbound.transport is not None
-        if on:
-            inbound.transport.resume_reading()
-        else:
-            inbound.transport.pause_reading()
-
-
 def test_an_attached_push_holds_the_writers_run_until_its_bytes_went(
     tmp_path: pathlib.Path,
 ) -> None:
@@ -222,7 +211,7 @@ def test_an_attached_push_holds_the_writers_run_until_its_bytes_went(
             # A slow peer: the kernel takes little at a time, and B takes nothing yet.
             sock = link._writer.transport.get_extra_info("socket")
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-            _reading(b, False)
+            listener_reading(b.peers._notices_in, False)
             writer = a.session(WRITER)
             data = os.urandom(16 * SLOT)
             ref = await a.put(writer, data, push=True)
@@ -233,7 +222,7 @@ def test_an_attached_push_holds_the_writers_run_until_its_bytes_went(
             assert a.leases.abort(writer, "r1")[0] == 1
             assert not a.leases.leases
             assert lease_id in table.held  # freed, but its run is still being sent
-            _reading(b, True)
+            listener_reading(b.peers._notices_in, True)
             await until(lambda: lease_id not in table.held, "the bytes to go, then the run")
             assert link.backlog == 0
             got = await b.peers.fetch(reader, ref, BOUND)
