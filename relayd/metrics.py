@@ -109,6 +109,12 @@ class StateCollector(Collector):
                 "1 while notices to the peer go on its notice channel, 0 on Peer.Notify",
                 "notice_channel",
             ),
+            (
+                "relayd_peer_notice_channel_queued_bytes",
+                "Bytes queued on the peer's notice channel, not yet taken by the kernel; "
+                "attached pushes among them hold their writers' arena runs",
+                "notice_channel_queued",
+            ),
         ):
             fam = GaugeMetricFamily(name, help_, labels=["peer"])
             for peer, value in sorted(snap.get(key, {}).items()):

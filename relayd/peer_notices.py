@@ -149,6 +149,12 @@ class PeerNotifier:
         lost (or may have: a stream's end, those written on it lately)."""
         return self._lost[address]
 
+    def queued(self, address: str) -> int:
+        """Bytes queued on ``address``'s notice channel that its kernel has not
+        taken yet (attached pushes among them hold their writers' runs)."""
+        link = self._channels.get(address)
+        return link.backlog if link is not None else 0
+
     def has_channel(self, address: str) -> bool:
         link = self._channels.get(address)
         return link is not None and link.alive

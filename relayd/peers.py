@@ -353,17 +353,20 @@ class PeerManager:
         capacity: dict[str, float] = {}
         up: dict[str, float] = {}
         channel: dict[str, float] = {}
+        queued: dict[str, float] = {}
         for address, peer in self.links.others():
             c = credits.get(address)
             in_use[address] = c.in_use if c else 0
             capacity[address] = self.credits.capacity(address)
             up[address] = 1 if peer.up else 0
             channel[address] = 1 if self.notifier.has_channel(address) else 0
+            queued[address] = self.notifier.queued(address)
         return {
             "credits_in_use": in_use,
             "credits_capacity": capacity,
             "peer_up": up,
             "notice_channel": channel,
+            "notice_channel_queued": queued,
             "pushes": {address: self.push.status(address) for address, _ in self.links.others()},
         }
 

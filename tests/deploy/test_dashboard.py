@@ -28,6 +28,7 @@ METRICS: dict[str, set[str]] = {
     "relayd_mooncake_credits_capacity": {"peer"},
     "relayd_peer_up": {"peer"},
     "relayd_peer_notice_channel": {"peer"},
+    "relayd_peer_notice_channel_queued_bytes": {"peer"},
     "relayd_mooncake_pull_seconds": set(),
     "relayd_edge_transfers_total": {"from_stage", "to_stage", "transport"},
     "relayd_edge_bytes_total": {"from_stage", "to_stage", "transport"},

@@ -10,10 +10,12 @@ import socket
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry
 from relayd_client.wire.dataref import DataRef
 from relayd_client.wire.errors import StaleRefError
 from relayd_client.wire.proto import relay_pb2 as pb
 
+from relayd.metrics import Metrics
 from relayd.peer_channel import frame
 from relayd.pools.sessions import Session
 from tests._daemon import listener_reading
@@ -194,6 +196,16 @@ def test_a_landed_notice_lost_on_a_broken_notice_channel_loses_no_data(
     run(main())
 
 
+def _queued_gauge(a: Node, b: Node) -> float | None:
+    """``relayd_peer_notice_channel_queued_bytes`` for B, as A's metrics show it."""
+    registry = CollectorRegistry()
+    metrics = Metrics(registry)
+    metrics.attach_state(
+        lambda: {"pools": [], "leases": {}, "sessions": 0, "serving": 1, **a.peers.snapshot()}
+    )
+    return registry.get_sample_value("relayd_peer_notice_channel_queued_bytes", {"peer": b.address})
+
+
 def test_an_attached_push_holds_the_writers_run_until_its_bytes_went(
     tmp_path: pathlib.Path,
 ) -> None:
@@ -217,6 +229,7 @@ def test_an_attached_push_holds_the_writers_run_until_its_bytes_went(
             ref = await a.put(writer, data, push=True)
             assert a.peers.push.counts[b.address].attached == 1
             assert link.backlog > 0
+            assert _queued_gauge(a, b) == link.backlog  # what an operator sees
             lease_id = DataRef.from_bytes(ref).proto.lease.lease_id
             table = a.leases.table
             assert a.leases.abort(writer, "r1")[0] == 1
@@ -225,6 +238,7 @@ def test_an_attached_push_holds_the_writers_run_until_its_bytes_went(
             listener_reading(b.peers._notices_in, True)
             await until(lambda: lease_id not in table.held, "the bytes to go, then the run")
             assert link.backlog == 0
+            assert _queued_gauge(a, b) == 0
             got = await b.peers.fetch(reader, ref, BOUND)
             assert _sha(b.read(got)) == _sha(data)
             b.release(reader, got)
