@@ -511,12 +511,12 @@ class NoticeLink:
         called when this returns False.
         """
         transport = self._writer.transport
-        if not self.alive or transport.get_write_buffer_size() > MAX_BUFFERED:
+        if not self.alive or self.backlog > MAX_BUFFERED:
             transport.abort()
             return False
         parts = [frame(batch.SerializeToString()), *attached]
         taken = 0
-        if transport.get_write_buffer_size() == 0:
+        if self.backlog == 0:
             # Nothing queued, so nothing to overtake: the kernel takes them from
             # where they lie, in one call (the transport's writelines joins them
             # into one more copy first, before 3.12). Its socket is open while
@@ -540,7 +540,7 @@ class NoticeLink:
         return True
 
     def _when_sent(self, callback: Callable[[], object]) -> None:
-        if self._writer.transport.get_write_buffer_size() == 0:
+        if self.backlog == 0:
             callback()
             return
         self._on_sent.append(callback)
@@ -553,7 +553,7 @@ class NoticeLink:
         deadline = asyncio.timeout(self._stall_timeout)
         try:
             async with deadline:
-                while transport.get_write_buffer_size() > 0:
+                while self.backlog > 0:
                     # Returns once the queue has emptied; more may be queued by then.
                     await self._writer.drain()
         except (OSError, RuntimeError):
