@@ -126,6 +126,9 @@ class Bench:
         """Raises ``_netns.NetnsUnavailable`` if ``netns`` is asked for and cannot be set up."""
         self.cold_call = _coldcall.probe()
         self.wake = _wake.probe()
+        if self.opts.timeline:
+            # Before any method: a baseline may run before the daemons start.
+            self.timeline_dir.mkdir(exist_ok=True)
         if self.opts.netns:
             rate = self.opts.netns_rate
             self.progress.line(f"creating two network namespaces, veth at {rate or 'full speed'}")
@@ -275,10 +278,7 @@ class Bench:
         o = self.opts
         where = "one in each network namespace" if self.netns else "on loopback"
         self.progress.line(f"starting two relayd serve, Mooncake peers {where}")
-        prefix: list[str] = []
-        if o.timeline:
-            self.timeline_dir.mkdir(exist_ok=True)
-            prefix = _timeline.daemon_prefix(self.timeline_dir)
+        prefix = _timeline.daemon_prefix(self.timeline_dir) if o.timeline else []
         try:
             self.daemon, self.reader_daemon = _daemon.start_pair(
                 self.tmpdir,

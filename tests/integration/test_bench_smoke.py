@@ -227,10 +227,16 @@ def test_timeline_follows_a_cross_node_transfer_through_its_four_processes(
     """``--timeline``: the probes leave the transfers intact, and each of the four
     processes stamps its steps, the reader's get ending after the push started and
     after the steps inside it. (Lingering notices, the reader's Release or a
-    daemon's word about earlier transfers, may come later still.)"""
-    doc, stdout = _bench(tmp_path, ["relayd-mooncake"], ["256K"], ["--timeline"])
-    [cell] = doc["results"]
-    _assert_ok(cell)
+    daemon's word about earlier transfers, may come later still.) The raw
+    baseline runs first beside it, as in ``--methods mooncake-raw,relayd-mooncake``,
+    and gets no table: it stamps no relayd step."""
+    methods = ["mooncake-raw", "relayd-mooncake"]
+    doc, stdout = _bench(tmp_path, methods, ["256K"], ["--timeline"])
+    cells = {r["method"]: r for r in doc["results"]}
+    for r in cells.values():
+        _assert_ok(r)
+    cell = cells["relayd-mooncake"]
+    assert stdout.count("timeline, ") == 1
     title, header, *lines = stdout[stdout.index("timeline, relayd-mooncake, 256KiB") :].splitlines()
     # Every measured transfer but the last, which only ends the one before it.
     assert f"over {cell['iterations'] - 1} transfers" in title
