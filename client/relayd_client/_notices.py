@@ -11,6 +11,11 @@ reads the ring when it is awake anyway; so does the Claim before a large copy,
 which the daemon needs only if this process dies copying. Not a Release of a
 lease this client claimed by frame (a view it holds): the Release must not
 overtake the Claim, and the daemon judges a frame's notices before the ring.
+
+Not the Publish or Release of a lease of
+:data:`~relayd_client.wire.framing.PROMPT_NOTICE_BYTES` or more either: those
+go at once, in a frame, so that the writer gets the run back before its next
+put and copies into memory still in cache.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import threading
 from typing import TYPE_CHECKING
 
 from .wire.compact import LeaseFields, RefFields
-from .wire.framing import NOTICE_LINGER_S
+from .wire.framing import NOTICE_LINGER_S, PROMPT_NOTICE_BYTES
 from .wire.proto import relay_pb2 as pb
 from .wire.rings import CLAIM_BIT
 
@@ -83,7 +88,8 @@ class Notices:
         push: bool = False,
         now: bool = False,
     ) -> None:
-        """Announce a sealed lease; ``now``: the daemon acts on it, so it must not linger.
+        """Announce a sealed lease; ``now``: the daemon acts on it, so it must not
+        linger (nor does the Publish of a large lease: see the module).
 
         While the lease's Reserve still waits in the pending frame (the usual
         case: a Reserve alone sends nothing), the Publish rides in it
@@ -106,7 +112,7 @@ class Notices:
                 session.pending.publish.add(
                     lease_id=lease.id, nbytes=nbytes, transport=transport, ref=ref, push=push
                 )
-            if now:
+            if now or nbytes >= PROMPT_NOTICE_BYTES:
                 session.mark(flush=True)
             else:
                 # One daemon wakeup per batch, not per put. The slot header just
@@ -144,19 +150,26 @@ class Notices:
         ``ring=False`` for a lease landed from another node: on a reader's node no
         writer's frames come that would take the Release ring, and the run must go
         back to the peer's push grant, so the Release rides a (lingering) frame.
+        A large lease's Release goes in a frame at once (see the module).
         """
         lease = m.lease
         lease_id = lease.lease_id
+        prompt = lease.length >= PROMPT_NOTICE_BYTES
         with self._lock:
             if m.origin.daemon_epoch != self._conn.daemon_epoch:
                 return  # the daemon restarted during the read: the lease went with it
             self._checks.remember_released(lease_id)
             session = self._conn.session
-            if ring and lease_id not in self._claimed and _into_ring(session, lease, lease_id):
+            if (
+                ring
+                and not prompt
+                and lease_id not in self._claimed
+                and _into_ring(session, lease, lease_id)
+            ):
                 return
             self._claimed.discard(lease_id)
             session.pending.release.add(lease_id=lease_id, generation=lease.generation)
-            session.mark(linger=NOTICE_LINGER_S, holds=lease.length)
+            session.mark(flush=prompt, linger=NOTICE_LINGER_S, holds=lease.length)
 
 
 def _into_ring(session: SessionChannel, lease: pb.LeaseRef | LeaseFields, word: int) -> bool:

@@ -206,19 +206,13 @@ class SessionChannel:
 
     def _linger_ends(self, loop: asyncio.AbstractEventLoop, linger: float, holds: int) -> bool:
         """Count one more lingering notice holding ``holds`` bytes; whether the
-        frame must go now instead of lingering on.
-
-        The byte cap is at least two notices' worth: one transfer of the cap
-        or more (16 MiB) waits for a second, so no such transfer wakes the
-        daemon alone. A frame of one cost the daemon a turn each, ~400 us
-        cache-cold at 16 MiB; two a frame took its CPU per transfer 30-37% down
-        with the same latency (measured).
-        """
+        frame must go now instead of lingering on. (A notice of a lease of
+        ``PROMPT_NOTICE_BYTES`` or more never lingers: see ``Notices``.)"""
         self._lingered += 1
         self._lingered_bytes += holds
         return (
             self._lingered >= LINGER_MAX_NOTICES
-            or self._lingered_bytes >= max(NOTICE_LINGER_MAX_BYTES, 2 * holds)
+            or self._lingered_bytes >= NOTICE_LINGER_MAX_BYTES
             or loop.time() - self._sent_at >= linger
         )
 

@@ -1,11 +1,12 @@
 """Release rings: the Releases readers write into memory, taken when the daemon is awake anyway.
 
 A Release frame wakes the daemon, and a wake-up, cache-cold, costs it more CPU
-than the notices it carries; at 4 MiB a reader's Releases alone wake it every
-other transfer. Nobody waits for a Release, though: only a writer short of
-space needs the slots back. So a session that took a Release ring
-(:mod:`relayd_client.wire.rings`) writes its Releases there, and the daemon
-takes them:
+than the notices it carries. Nobody waits for a Release, though: only a writer
+short of space needs the slots back (or, from
+:data:`~relayd_client.wire.framing.PROMPT_NOTICE_BYTES`, a writer that would
+copy into cold memory: those Releases come by frame, at once). So a session
+that took a Release ring (:mod:`relayd_client.wire.rings`) writes its other
+Releases there, and the daemon takes them:
 
 - after each session frame it handles (the writer's Publish frames come at
   least as often as a reader's Release frames would), after that frame's own

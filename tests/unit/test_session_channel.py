@@ -145,51 +145,18 @@ def test_a_sooner_notice_takes_the_lingering_ones_along() -> None:
     run(scenario)
 
 
-def test_lingering_releases_go_at_once_when_they_hold_enough_bytes() -> None:
-    async def scenario(channel: SessionChannel, daemon: Daemon) -> None:
-        busy(channel, daemon)
-        release(channel, 1)
-        channel.mark(linger=LONG, holds=NOTICE_LINGER_MAX_BYTES // 2)
-        await turns()
-        assert daemon.ready() == []
-        release(channel, 2)
-        channel.mark(linger=LONG, holds=NOTICE_LINGER_MAX_BYTES // 2)
-        frame = await daemon.next()
-        assert [r.lease_id for r in frame.release] == [1, 2]
-
-    run(scenario)
-
-
-def test_4_mib_transfers_notices_linger_for_company() -> None:
-    """Each frame a client sends wakes the daemon; a whole frame per 4 MiB transfer
-    was most of the daemon's CPU for it. Four of them share one frame."""
-
-    async def scenario(channel: SessionChannel, daemon: Daemon) -> None:
-        busy(channel, daemon)
-        for lease_id in (1, 2, 3):
-            release(channel, lease_id)
-            channel.mark(linger=LONG, holds=4 << 20)
-            await turns()
-            assert daemon.ready() == []
-        release(channel, 4)
-        channel.mark(linger=LONG, holds=4 << 20)
-        frame = await daemon.next()
-        assert [r.lease_id for r in frame.release] == [1, 2, 3, 4]
-
-    run(scenario)
-
-
 @pytest.mark.parametrize("caller", ["loop", "thread"])
-def test_a_transfer_of_the_byte_cap_or_more_lingers_for_a_second(caller: str) -> None:
-    """A frame for each such transfer woke the daemon once a transfer (~400 us
-    of its CPU at 16 MiB); two share one instead, from the event loop or from a
-    blocking client's thread alike."""
+def test_lingering_releases_go_at_once_when_they_hold_enough_bytes(caller: str) -> None:
+    """From the event loop or from a blocking client's thread alike. (A lease of
+    ``PROMPT_NOTICE_BYTES`` or more is not marked lingering at all: see
+    test_prompt_notices.)"""
 
     async def mark(channel: SessionChannel) -> None:
+        holds = NOTICE_LINGER_MAX_BYTES // 2
         if caller == "loop":
-            channel.mark(linger=LONG, holds=NOTICE_LINGER_MAX_BYTES)
+            channel.mark(linger=LONG, holds=holds)
         else:
-            await asyncio.to_thread(channel.mark, linger=LONG, holds=NOTICE_LINGER_MAX_BYTES)
+            await asyncio.to_thread(channel.mark, linger=LONG, holds=holds)
 
     async def scenario(channel: SessionChannel, daemon: Daemon) -> None:
         busy(channel, daemon)

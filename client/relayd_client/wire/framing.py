@@ -30,14 +30,25 @@ NOTICE_LINGER_S = 0.025
 #: ... unless a client's lingering notices (Publish, Claim, Release) hold back
 #: this many bytes of a writer's arena. Each frame a client sends wakes the
 #: daemon, at ~100 us of CPU cache-cold, against ~16 us for a transfer's
-#: notices. At this cap four 4 MiB transfers share a frame, and a stop-and-wait
-#: transfer costs the daemon ~12 us at 256 KiB, ~23 at 1 MiB and ~50 at 4 MiB
-#: (measured; at 8 MiB: 14, 30 and 72, with the same latency). A writer holds
-#: the grants to cover it: one short of space asks for a grant, and that sends
-#: its notices at once. At 32 MiB the 4 MiB transfer cost ~40, and 1 MiB reads
-#: got slower (more distinct slots, cache-cold). A transfer this large or
-#: larger waits for a second one (the client's ``SessionChannel._linger_ends``).
+#: notices. At this cap a stop-and-wait transfer costs the daemon ~12 us at
+#: 256 KiB and ~23 at 1 MiB (measured; at 8 MiB: 14 and 30, with the same
+#: latency). A writer holds the grants to cover it: one short of space asks for
+#: a grant, and that sends its notices at once. At 32 MiB 1 MiB reads got slower
+#: (more distinct slots, cache-cold).
 NOTICE_LINGER_MAX_BYTES = 16 << 20
+#: A client's Publish and Release of a lease this large go at once, never
+#: lingering: the daemon frees the run before the writer's next put, which
+#: copies into it again while it is still in cache. A Release that reaches the
+#: daemon before its lease's Publish waits for it, so both must go: while
+#: either lingered, a stop-and-wait writer of 4 MiB went through 6 runs, 24 MiB
+#: of cold memory (1 MiB: 18). A 4 MiB copy into a run last written six
+#: transfers ago costs about 2.5 times one into the run just read (a writer
+#: and reader without a daemon, measured: 370-410 against 120-160 us). With
+#: both at once the writer alternates between at most two runs, and transfers
+#: of 4 and 16 MiB took 10-25% less time, for two wake-ups of the daemon a
+#: transfer instead of a quarter (its CPU per 4 MiB transfer 95 -> 115-150
+#: us). At 1 MiB the wake-ups cost more than the warmer copies saved.
+PROMPT_NOTICE_BYTES = 4 << 20
 #: The daemon's Freed to a writer goes at once from this many bytes: the daemon
 #: sends it in a turn it is awake for anyway, and a writer of large payloads needs
 #: its space back before its grant (8 MiB by default) is all in flight.

@@ -1,0 +1,143 @@
+"""The Publish and Release of a large lease go at once; a small lease's linger.
+
+A Release that reaches the daemon before its lease's Publish waits for it, so a
+writer gets a large run back before its next put only when neither notice
+lingers; the rest batch, the Release by the session's ring (see
+:mod:`relayd_client._notices`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections.abc import Iterator
+
+import pytest
+from relayd_client._checks import ReadChecks
+from relayd_client._grants import Grant as ClientGrant
+from relayd_client._grants import Lease as ClientLease
+from relayd_client._notices import Notices
+from relayd_client._session import SessionChannel
+from relayd_client.wire.framing import PROMPT_NOTICE_BYTES
+from relayd_client.wire.proto import relay_pb2 as pb
+from relayd_client.wire.rings import CLAIM_BIT, IdRing
+
+EPOCH = "e1"
+SMALL = PROMPT_NOTICE_BYTES - 1
+
+
+class _Conn:
+    """What Notices uses of a connection."""
+
+    def __init__(self, session: SessionChannel) -> None:
+        self.session = session
+        self.daemon_epoch = EPOCH
+
+    def free_lease(self, lease: ClientLease) -> None:
+        pass
+
+
+class Client:
+    def __init__(self) -> None:
+        lock = threading.RLock()
+        self.channel = SessionChannel(lambda f: None, lambda: None, lock)
+        self.frames: list[pb.SessionFrame] = []
+        self.channel._write = self.frames.append  # type: ignore[method-assign]
+        self.channel.reserve_publishes = True
+        # The daemon's end of the session's Release ring, and the client's.
+        self.daemon_ring, fd = IdRing.create("relayd-release")
+        self.channel.release_ring = IdRing.map(fd)
+        os.close(fd)
+        self.notices = Notices(_Conn(self.channel), lock, "thinker", ReadChecks(lock, False))  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        assert self.channel.release_ring is not None
+        self.channel.release_ring.close()
+        self.daemon_ring.close()
+
+    def releases_sent(self) -> list[int]:
+        return [r.lease_id for f in self.frames for r in f.release]
+
+    def published(self) -> list[int]:
+        carried = [r.lease_id for f in self.frames for r in f.reserve if r.HasField("publish")]
+        return carried + [p.lease_id for f in self.frames for p in f.publish]
+
+
+@pytest.fixture
+def client() -> Iterator[Client]:
+    c = Client()
+    yield c
+    c.close()
+
+
+def _lease(n: int) -> ClientLease:
+    grant = ClientGrant(7, 0, 100, 16, 7 << 32, "")
+    return ClientLease(grant, n, 1, 7 << 32 | (n + 1))
+
+
+def _read(lease_id: int, length: int) -> pb.DataRef:
+    """A reader's DataRef of a lease whose generation is its id, as a ring word needs."""
+    return pb.DataRef(
+        origin=pb.Origin(daemon_epoch=EPOCH),
+        lease=pb.LeaseRef(lease_id=lease_id, generation=lease_id, length=length),
+    )
+
+
+@pytest.mark.parametrize("nbytes", [PROMPT_NOTICE_BYTES, 64 << 20])
+def test_a_large_leases_publish_goes_at_once(client: Client, nbytes: int) -> None:
+    async def put() -> None:
+        lease = _lease(0)
+        client.notices.reserve(lease, "r", "talker")
+        client.notices.publish(lease, nbytes, pb.TRANSPORT_SHM)
+        # Written before publish returned: no turn of the loop, no linger timer.
+        assert client.published() == [lease.id]
+
+    asyncio.run(put())
+
+
+def test_a_smaller_leases_publish_lingers(client: Client) -> None:
+    async def put() -> None:
+        lease = _lease(0)
+        client.notices.reserve(lease, "r", "talker")
+        client.notices.publish(lease, SMALL, pb.TRANSPORT_SHM)
+        assert client.frames == []
+        client.channel.flush()  # as its linger would
+        assert client.published() == [lease.id]
+
+    asyncio.run(put())
+
+
+def test_a_large_leases_release_goes_in_a_frame_at_once_not_the_ring(client: Client) -> None:
+    async def read() -> None:
+        client.notices.release(_read(41, PROMPT_NOTICE_BYTES))
+        assert client.releases_sent() == [41]
+        assert client.daemon_ring.take() == []
+
+    asyncio.run(read())
+
+
+def test_a_smaller_leases_release_goes_in_the_ring_and_wakes_nobody(client: Client) -> None:
+    async def read() -> None:
+        client.notices.release(_read(42, SMALL))
+        assert client.frames == []
+        assert client.daemon_ring.take() == [42]
+
+    asyncio.run(read())
+
+
+def test_a_large_release_after_its_claim_in_the_ring_keeps_the_claim_first(
+    client: Client,
+) -> None:
+    """The claim before a large copy goes by the ring; the daemon takes a session's
+    ring before it judges the Releases of that session's next frame."""
+
+    async def read() -> None:
+        m = _read(43, PROMPT_NOTICE_BYTES)
+        client.notices.claim(m, ring=True)
+        client.notices.release(m)
+        assert client.releases_sent() == [43]
+        (claim,) = client.daemon_ring.take()
+        assert claim == 43 | CLAIM_BIT
+
+    asyncio.run(read())
