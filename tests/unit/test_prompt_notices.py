@@ -15,13 +15,14 @@ from collections.abc import Iterator
 
 import pytest
 from relayd_client._checks import ReadChecks
-from relayd_client._grants import Grant as ClientGrant
 from relayd_client._grants import Lease as ClientLease
 from relayd_client._notices import Notices
 from relayd_client._session import SessionChannel
 from relayd_client.wire.framing import PROMPT_NOTICE_BYTES
 from relayd_client.wire.proto import relay_pb2 as pb
 from relayd_client.wire.rings import CLAIM_BIT, IdRing
+
+from tests.unit.test_reserve_publish import _lease
 
 EPOCH = "e1"
 SMALL = PROMPT_NOTICE_BYTES - 1
@@ -69,11 +70,6 @@ def client() -> Iterator[Client]:
     c = Client()
     yield c
     c.close()
-
-
-def _lease(n: int) -> ClientLease:
-    grant = ClientGrant(7, 0, 100, 16, 7 << 32, "")
-    return ClientLease(grant, n, 1, 7 << 32 | (n + 1))
 
 
 def _read(lease_id: int, length: int) -> pb.DataRef:
