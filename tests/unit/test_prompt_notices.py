@@ -15,28 +15,23 @@ from collections.abc import Iterator
 
 import pytest
 from relayd_client._checks import ReadChecks
-from relayd_client._grants import Lease as ClientLease
 from relayd_client._notices import Notices
 from relayd_client._session import SessionChannel
 from relayd_client.wire.framing import PROMPT_NOTICE_BYTES
 from relayd_client.wire.proto import relay_pb2 as pb
 from relayd_client.wire.rings import CLAIM_BIT, IdRing
 
+from tests.unit.test_reserve_publish import _Conn as _PublishConn
 from tests.unit.test_reserve_publish import _lease
 
 EPOCH = "e1"
 SMALL = PROMPT_NOTICE_BYTES - 1
 
 
-class _Conn:
-    """What Notices uses of a connection."""
+class _Conn(_PublishConn):
+    """The Reserve/Publish tests' connection, with the epoch a Release checks."""
 
-    def __init__(self, session: SessionChannel) -> None:
-        self.session = session
-        self.daemon_epoch = EPOCH
-
-    def free_lease(self, lease: ClientLease) -> None:
-        pass
+    daemon_epoch = EPOCH
 
 
 class Client:
