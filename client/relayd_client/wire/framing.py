@@ -45,8 +45,8 @@ NOTICE_LINGER_MAX_BYTES = 16 << 20
 #: transfers ago costs about 2.5 times one into the run just read (a writer
 #: and reader without a daemon, measured: 370-410 against 120-160 us). With
 #: both at once the writer alternates between at most two runs, and transfers
-#: of 4 and 16 MiB took 10-25% less time, for two wake-ups of the daemon a
-#: transfer instead of a quarter (its CPU per 4 MiB transfer 95 -> 115-150
+#: of 4 and 16 MiB took 10-35% less time, for two wake-ups of the daemon a
+#: transfer instead of a quarter (its CPU per 4 MiB transfer 105-120 -> 135-170
 #: us). At 1 and 2 MiB that tripled its CPU for no clear latency gain.
 PROMPT_NOTICE_BYTES = 4 << 20
 #: The daemon's Freed to a writer goes at once from this many bytes: the daemon
