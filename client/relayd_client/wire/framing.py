@@ -47,7 +47,12 @@ NOTICE_LINGER_MAX_BYTES = 16 << 20
 #: both at once the writer alternates between at most two runs, and transfers
 #: of 4 and 16 MiB took 10-35% less time, for two wake-ups of the daemon a
 #: transfer instead of a quarter (its CPU per 4 MiB transfer 105-120 -> 135-170
-#: us). At 1 and 2 MiB that tripled its CPU for no clear latency gain.
+#: us). At 1 and 2 MiB that tripled its CPU for no clear latency gain. Nor
+#: did the Publish alone from 256 KiB, the Release left in its ring (taken at
+#: the next Publish's wake-up): the writer reused 2-12 runs instead of 17-72,
+#: but the daemon, woken at the end of every put, held a core as the DataRef
+#: went to the reader: the blocking client's trip grew from 38-40 to 98-104 us
+#: at 256 KiB and 1 MiB, the daemon's CPU from 13-28 to 77-86 us a transfer.
 PROMPT_NOTICE_BYTES = 4 << 20
 #: The daemon's Freed to a writer goes at once from this many bytes: the daemon
 #: sends it in a turn it is awake for anyway, and a writer of large payloads needs
