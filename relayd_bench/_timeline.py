@@ -59,8 +59,17 @@ CLIENT_PROBES = (
     Probe("relayd_client._session", "SessionChannel._write_bytes", "session frame written"),
     Probe("relayd_client._client", "RelayClient.get", "get starts", "get returns"),
     Probe("relayd_client._reader", "Reader._fetch", "fetch call", "fetch answered"),
+    # The reader's wake-up, then its frame decoded, apart: each is a hop of its own.
+    Probe("relayd_client._session", "_Frames.data_received", "daemon's bytes read"),
     Probe("relayd_client._client", "RelayClient._on_frame", "session frame read"),
+    Probe(
+        "relayd_client._reader",
+        "Reader._answer_from_announcement",
+        "announcement handled",
+        "answered from it",
+    ),
     Probe("relayd_client._reader", "Reader.read_region", "copying out", "copied out"),
+    Probe("relayd_client._reader", "Reader.end_read", "header re-check", "release noted"),
 )
 DAEMON_PROBES = (
     Probe("relayd.rpc.session", "SessionProtocol.data_received", "session frame read"),
