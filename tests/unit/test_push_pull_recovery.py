@@ -68,6 +68,10 @@ def test_a_writer_that_took_the_reader_for_lost_never_writes_over_a_landed_push(
             first, second = os.urandom(2 * SLOT), os.urandom(2 * SLOT)
             ref1 = await a.put(writer, first, push=True, request_id="r1")
             await until(lambda: b.peers.push.counts[a.address].into == 1, "the first push")
+            # ...and B's receipt of it at A: sent in the window where A takes B for
+            # lost, it would be refused, and W's lease kept until its TTL.
+            counts = a.peers.push.counts[b.address]
+            await until(lambda: counts.out == 1, "the first push received at A")
             old = a.peers.push.out[b.address]
             failed = _fail_one_heartbeat(a, monkeypatch)
             await until(lambda: failed, "A's failed heartbeat")
@@ -77,7 +81,6 @@ def test_a_writer_that_took_the_reader_for_lost_never_writes_over_a_landed_push(
             )
             assert b.peers.links.peers[a.address].up  # B never took A for lost
             ref2 = await a.put(writer, second, push=True, request_id="r2")
-            counts = a.peers.push.counts[b.address]
             await until(lambda: counts.out + counts.declined == 2, "the second push to end at A")
             got1 = await b.peers.fetch(reader, ref1, BOUND)
             assert _sha(b.read(got1)) == _sha(first)
