@@ -7,7 +7,8 @@ naming the right generation. Notices that break a rule of the table raise
 (the session socket closes that session); notices that are merely wrong for
 a lease (a stale generation, another stage's lease) are ignored or answered
 with a :class:`~relayd.pools.events.SessionError`. Freeing a lease zeroes its
-slot header before the slots can be reused, then gives the slots to whoever
+slot header before the slots can be reused (unless its reader marked it read
+already, see :meth:`LeaseTable._read_first`), then gives the slots to whoever
 owns the grant: the writer (through a Freed notice), the pool (an orphan), or
 a peer's push grant.
 """
@@ -52,6 +53,8 @@ log = logging.getLogger(__name__)
 
 # Parked notices no live session stands behind: judged by their stages alone.
 _SESSIONLESS = (EarlyKind.PEER, EarlyKind.DISCARD, EarlyKind.OWN)
+# The states of a lease a reader may have read and marked (see _read_first).
+_READ_STATES = (LeaseState.PUBLISHED, LeaseState.CLAIMED)
 
 
 def _entitled(lease: Lease, early: Early) -> bool:
@@ -209,7 +212,11 @@ class LeaseTable:
             raise InvalidArgumentError(
                 f"lease id {lease_id} was used already in grant {grant.id}; ids go upward"
             )
-        if not grant.is_free(slot, nslots) and not self._cancel_first(session, grant, r, cancelled):
+        if (
+            not grant.is_free(slot, nslots)
+            and not self._cancel_first(session, grant, r, cancelled)
+            and not self._read_first(session, grant, slot, nslots)
+        ):
             raise InvalidArgumentError(
                 f"lease {lease_id} (slots {slot}+{nslots}) would overlap a live lease "
                 f"of grant {grant.id}"
@@ -263,6 +270,37 @@ class LeaseTable:
         for lease in clash:
             self.forget(lease, cancelled=True)
         return grant.is_free(r.slot, r.nslots)  # none of them kept its slots (hold())
+
+    def _read_first(self, session: Session, grant: Grant, slot: int, nslots: int) -> bool:
+        """Free the leases a Reserve at ``slot`` overlaps if their reader is done with each.
+
+        A reader marks a lease's slot header read (:meth:`MappedSegment.mark_read
+        <relayd_client.wire.shm.MappedSegment.mark_read>`) before its Release, and
+        the writer cuts its next lease from the run as soon as it sees the mark:
+        in the cache still, and without waiting for this daemon to wake, take the
+        Release and send a Freed. Its Reserve may then come before that Release.
+        The header no longer naming the lease is what frees it here: the writer
+        overwrites only its own published leases, which it could scribble over
+        anyway, and a DataRef of a lease whose header names another fails its
+        reader's check, so no reader gets the new bytes for the old lease. Not a
+        lease a push or pull reads (:meth:`hold`): those slots are the daemon's
+        until it stops. The Release that comes later finds no lease and is
+        dropped (:meth:`_reader_lease`).
+        """
+        clash = grant.overlapping(slot, nslots)
+        pool = self.pools[grant.run.pool]
+        if not all(
+            self.leases.get(lease.id) is lease
+            and lease.writer == session.id
+            and lease.state in _READ_STATES
+            and lease.id not in self._holds
+            and pool.header(lease.run.segment, lease.run.slot)[0] != lease.generation
+            for lease in clash
+        ):
+            return False
+        for lease in clash:
+            self.free(lease, None)
+        return grant.is_free(slot, nslots)
 
     def on_publish(self, session: Session, p: PublishNotice) -> None:
         """The writer sealed a lease; with ``push`` set, the push starts if it is still live."""
@@ -416,10 +454,10 @@ class LeaseTable:
     ) -> Lease | None:
         lease = self.leases.get(lease_id)
         if lease is None or lease.state is LeaseState.RESERVED:
-            if lease is None and (
-                generation != lease_id or lease_id >> GEN_SHIFT not in self.grants
-            ):
-                return None  # not an id of a live grant: nothing will come to settle it
+            if lease is None and (generation != lease_id or self.unannounced_in(lease_id) is None):
+                # Not an id of a live grant, or one its writer announced and that
+                # is gone (read, superseded, reclaimed): nothing will settle it.
+                return None
             if self.early.from_session(lease_id, session.id) >= MAX_EARLY_PER_SESSION:
                 raise InvalidArgumentError(
                     f"more than {MAX_EARLY_PER_SESSION} claims/releases of lease {lease_id} "
@@ -499,7 +537,11 @@ class LeaseTable:
 
     def return_slots(self, lease: Lease, *, clear: bool = True) -> None:
         if clear:
-            self.pools[lease.run.pool].clear_header(lease.run.segment, lease.run.slot)
+            # Only a header that still names the lease: its reader's mark, or the
+            # next lease its writer cut there on seeing it, stays (see _read_first).
+            pool, run = self.pools[lease.run.pool], lease.run
+            if pool.header(run.segment, run.slot)[0] == lease.generation:
+                pool.clear_header(run.segment, run.slot)
         grant = lease.grant
         grant.mark(lease.run, None)
         if grant.returns is not None:

@@ -178,6 +178,7 @@ class RelayService(RoutingService, pb_grpc.RelayServicer):
             mooncake_session=self.peers.transport.session_id if self.peers is not None else "",
             reserve_publishes=True,
             compact_refs=True,
+            reserve_over_read=True,
         )
 
     @mapped

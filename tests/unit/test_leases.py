@@ -147,12 +147,13 @@ def test_writer_death_publishes_what_it_sealed_but_never_announced(arena: Arena)
     reserved = base + 1
     _reserve(m, w, grant, 0, 2, reserved)
     _seal(arena, grant, 0, reserved, 2 * SLOT - 5)
-    # Neither notice arrived: 3 slots at 2 (a header on slot 2 only).
-    unknown = base + 2
-    _seal(arena, grant, 2, unknown, 2 * SLOT + 1)
     # Reserved, never sealed: dropped as before.
-    dropped = base + 3
+    dropped = base + 2
     _reserve(m, w, grant, 5, 1, dropped)
+    # Neither notice arrived (notices go in order: nor those of any later
+    # lease): 3 slots at 2 (a header on slot 2 only).
+    unknown = base + 3
+    _seal(arena, grant, 2, unknown, 2 * SLOT + 1)
     # Headers that are not this grant's sealed leases are left alone.
     _seal(arena, grant, 6, (grant.id + 1) << 32 | 7, 10)  # another grant's generation
     _seal(arena, grant, 7, base + 4, 9 * SLOT)  # would run past the grant

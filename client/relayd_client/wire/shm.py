@@ -8,7 +8,11 @@ A slot header holds ``(generation: u64, length: u64)`` (:data:`SLOT_HEADER`);
 only the first slot of a lease's run is used. The writer stamps it before publishing, the daemon
 zeroes it when it frees the lease, and a reader compares it with the
 DataRef's generation before and after copying (a seqlock): a stale DataRef
-can never deliver reused memory. The probe holds a random nonce the daemon
+can never deliver reused memory. A reader done with a lease marks it read,
+``(0, lease id)``, before its Release: no DataRef matches that any more, and
+the writer, which watches the headers of its latest leases, cuts its next
+lease from the run at once, while it is still in cache (the daemon takes the
+Release when it is awake anyway, up to 16 MiB of transfers later). The probe holds a random nonce the daemon
 writes at start; a client echoes what it reads there to prove it maps the
 daemon's memory (same IPC namespace), not a same-named file of its own.
 Each mapping is made once per process with
@@ -126,6 +130,14 @@ class MappedSegment:
 
     def write_header(self, slot: int, generation: int, length: int) -> None:
         SLOT_HEADER.pack_into(self.mm, slot * HEADER_STRIDE, generation, length)
+
+    def mark_read(self, slot: int, lease_id: int) -> None:
+        """Say in ``slot``'s header that lease ``lease_id`` was read (see the module)."""
+        SLOT_HEADER.pack_into(self.mm, slot * HEADER_STRIDE, 0, lease_id)
+
+    def read_marked(self, slot: int, lease_id: int) -> bool:
+        """Whether ``slot``'s header says lease ``lease_id`` was read."""
+        return SLOT_HEADER.unpack_from(self.mm, slot * HEADER_STRIDE) == (0, lease_id)
 
     def slot_offset(self, slot: int) -> int:
         return self.data_offset + slot * self.slot_size

@@ -268,7 +268,7 @@ class Segment(_message.Message):
     def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., index: _Optional[int] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
-    __slots__ = ("protocol_version", "session_id", "session_token", "session_socket", "node_id", "daemon_epoch", "slot_size", "header_offset", "header_stride", "data_offset", "segments", "default_grant_bytes", "lease_ttl_seconds", "peer_address", "mooncake_session", "cuda_pools", "pin_host_memory", "probe_offset", "reserve_publishes", "compact_refs")
+    __slots__ = ("protocol_version", "session_id", "session_token", "session_socket", "node_id", "daemon_epoch", "slot_size", "header_offset", "header_stride", "data_offset", "segments", "default_grant_bytes", "lease_ttl_seconds", "peer_address", "mooncake_session", "cuda_pools", "pin_host_memory", "probe_offset", "reserve_publishes", "compact_refs", "reserve_over_read")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -289,6 +289,7 @@ class AttachResponse(_message.Message):
     PROBE_OFFSET_FIELD_NUMBER: _ClassVar[int]
     RESERVE_PUBLISHES_FIELD_NUMBER: _ClassVar[int]
     COMPACT_REFS_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_OVER_READ_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     session_id: str
     session_token: bytes
@@ -309,7 +310,8 @@ class AttachResponse(_message.Message):
     probe_offset: int
     reserve_publishes: bool
     compact_refs: bool
-    def __init__(self, protocol_version: _Optional[int] = ..., session_id: _Optional[str] = ..., session_token: _Optional[bytes] = ..., session_socket: _Optional[str] = ..., node_id: _Optional[str] = ..., daemon_epoch: _Optional[str] = ..., slot_size: _Optional[int] = ..., header_offset: _Optional[int] = ..., header_stride: _Optional[int] = ..., data_offset: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., default_grant_bytes: _Optional[int] = ..., lease_ttl_seconds: _Optional[float] = ..., peer_address: _Optional[str] = ..., mooncake_session: _Optional[str] = ..., cuda_pools: _Optional[_Iterable[_Union[CudaPool, _Mapping]]] = ..., pin_host_memory: _Optional[str] = ..., probe_offset: _Optional[int] = ..., reserve_publishes: _Optional[bool] = ..., compact_refs: _Optional[bool] = ...) -> None: ...
+    reserve_over_read: bool
+    def __init__(self, protocol_version: _Optional[int] = ..., session_id: _Optional[str] = ..., session_token: _Optional[bytes] = ..., session_socket: _Optional[str] = ..., node_id: _Optional[str] = ..., daemon_epoch: _Optional[str] = ..., slot_size: _Optional[int] = ..., header_offset: _Optional[int] = ..., header_stride: _Optional[int] = ..., data_offset: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., default_grant_bytes: _Optional[int] = ..., lease_ttl_seconds: _Optional[float] = ..., peer_address: _Optional[str] = ..., mooncake_session: _Optional[str] = ..., cuda_pools: _Optional[_Iterable[_Union[CudaPool, _Mapping]]] = ..., pin_host_memory: _Optional[str] = ..., probe_offset: _Optional[int] = ..., reserve_publishes: _Optional[bool] = ..., compact_refs: _Optional[bool] = ..., reserve_over_read: _Optional[bool] = ...) -> None: ...
 
 class CudaPool(_message.Message):
     __slots__ = ("name", "gpu_uuid", "nslots", "slot_size", "storage", "headers")
