@@ -547,7 +547,7 @@ class RelayClient:
     def _on_frame(self, frame: pb.SessionFrame) -> None:
         if frame.HasField("freed"):
             for lease_id in frame.freed.lease_ids:
-                lease = self._table.leases.get(lease_id)
+                lease = self._grants.freed(lease_id)
                 if lease is not None:
                     self._conn.free_lease(lease)
             self._grants.collect()  # an empty Freed: a waiting put's ids are in the ring

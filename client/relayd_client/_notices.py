@@ -87,9 +87,14 @@ class Notices:
         ref: bool = False,
         push: bool = False,
         now: bool = False,
-    ) -> None:
+    ) -> bool:
         """Announce a sealed lease; ``now``: the daemon acts on it, so it must not
         linger (nor does the Publish of a large lease: see the module).
+
+        Returns whether the Publish rode in the lease's Reserve and lingers:
+        the writer may then take the run back on its reader's mark
+        (:meth:`LeaseTable.watch <relayd_client._grants.LeaseTable.watch>`). A
+        prompt one's reader releases it at once too, and the Freed follows.
 
         While the lease's Reserve still waits in the pending frame (the usual
         case: a Reserve alone sends nothing), the Publish rides in it
@@ -99,7 +104,8 @@ class Notices:
         with self._lock:
             session = self._conn.session
             reserved, lease.reserve = lease.reserve, None
-            if reserved is not None and reserved[0] is session.pending:
+            carried = reserved is not None and reserved[0] is session.pending
+            if reserved is not None and carried:
                 p = reserved[1].publish
                 p.lease_id = lease.id
                 p.nbytes = nbytes
@@ -114,13 +120,14 @@ class Notices:
                 )
             if now or nbytes >= PROMPT_NOTICE_BYTES:
                 session.mark(flush=True)
-            else:
-                # One daemon wakeup per batch, not per put. The slot header just
-                # written, not the daemon, makes the data safe to read meanwhile:
-                # a claim or release that overtakes the Publish is held until it
-                # lands, and if this process dies first the daemon publishes
-                # what the header says was sealed.
-                session.mark(linger=NOTICE_LINGER_S, holds=nbytes)
+                return False
+            # One daemon wakeup per batch, not per put. The slot header just
+            # written, not the daemon, makes the data safe to read meanwhile:
+            # a claim or release that overtakes the Publish is held until it
+            # lands, and if this process dies first the daemon publishes
+            # what the header says was sealed.
+            session.mark(linger=NOTICE_LINGER_S, holds=nbytes)
+            return carried
 
     def claim(self, m: RefFields, flush: bool = True, *, ring: bool = False) -> None:
         """The daemon learns that this session reads ``m``'s lease (and frees it at

@@ -383,6 +383,8 @@ class Reader:
         if seg.read_header(lease.slot)[0] != lease.generation:
             raise StaleRefError("the lease was reclaimed while it was being read; data discarded")
         if copy:
+            # Before the Release: the writer may cut from the run once it sees this.
+            seg.mark_read(lease.slot, lease.lease_id)
             self._notices.release(m, ring=not landed)
         else:
             self.held.add(lease.lease_id)
@@ -393,7 +395,23 @@ class Reader:
         if m.lease.lease_id not in self.held:
             raise StaleRefError("this DataRef is not held by a zero-copy get (released twice?)")
         self.held.discard(m.lease.lease_id)
+        if ref.transport is Transport.SHM:
+            self._mark_read(m)
         self._notices.release(m, ring=fetched is None)
+
+    def _mark_read(self, m: RefFields) -> None:
+        """Mark a view's lease read in its slot header (see :mod:`.wire.shm`), while
+        the header still names it: an abort may have freed it, and its run may
+        hold the writer's next lease by now."""
+        conn = self._conn
+        lease = m.lease
+        with conn.lock:  # as in lease_region: this attach's arena, or none
+            segments = conn.segments
+            if m.origin.daemon_epoch != conn.daemon_epoch or lease.segment >= len(segments):
+                return
+            seg = segments[lease.segment]
+            if lease.slot < seg.nslots and seg.read_header(lease.slot)[0] == lease.generation:
+                seg.mark_read(lease.slot, lease.lease_id)
 
     def holds_views(self, ref: DataRef) -> bool:
         """Whether a zero-copy get of ``ref`` holds a lease that view() must release."""

@@ -658,7 +658,10 @@ class Writer:
                 self.cancel_lease(lease)
                 raise restarted_error()
             seg.write_header(lease.slot, lease.id, plan.total)
-            self._notices.publish(lease, plan.total, transport, ref=plan.is_ref, push=push, now=now)
+            if self._notices.publish(
+                lease, plan.total, transport, ref=plan.is_ref, push=push, now=now
+            ):
+                self._grants.table.watch(lease, seg)
 
     async def publish_socket(self, plan: PutPlan, timeout: float | None) -> DataRef:
         """Socket fallback: the daemon writes the packed region into a lease for us."""

@@ -33,8 +33,10 @@ NOTICE_LINGER_S = 0.025
 #: notices. At this cap a stop-and-wait transfer costs the daemon ~12 us at
 #: 256 KiB and ~23 at 1 MiB (measured; at 8 MiB: 14 and 30, with the same
 #: latency). A writer holds the grants to cover it: one short of space asks for
-#: a grant, and that sends its notices at once. At 32 MiB 1 MiB reads got slower
-#: (more distinct slots, cache-cold).
+#: a grant, and that sends its notices at once. A writer takes a run back when
+#: its reader marks the lease read (relayd_client._grants), not on the Freed
+#: this cap delays, so it does not decide how many runs the writer cycles
+#: through (waiting for the Freed, a 1 MiB writer used 18, cache-cold).
 NOTICE_LINGER_MAX_BYTES = 16 << 20
 #: A client's Publish and Release of a lease this large go at once, never
 #: lingering: the daemon frees the run before the writer's next put, which

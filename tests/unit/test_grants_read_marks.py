@@ -1,0 +1,131 @@
+"""The writer takes a run back when its reader marks the lease read: no daemon.
+
+A reader writes ``(0, lease id)`` into the slot header before its Release.
+The writer watches the headers of its latest lingering leases and, at its next
+cut, puts a marked one's run aside as a freed one (the same LIFO reuse). The
+daemon's Freed of it comes later and only confirms it: until then the grant is
+not idle, so it is never given back while the daemon may still count the
+lease. These run on a real segment in /dev/shm.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+from relayd_client._grants import WATCH_DEPTH, Grants, LeaseTable
+from relayd_client.wire.shm import MappedSegment
+
+from tests.unit.test_grant_wait import SLOT, Closed, FakeSource, _grants
+
+NSLOTS = 64
+
+
+@pytest.fixture
+def seg() -> Iterator[MappedSegment]:
+    name = f"relayd-test-marks-{os.getpid()}-{os.urandom(4).hex()}"
+    s = MappedSegment(name, NSLOTS * (SLOT + 64) + 8192, 0, SLOT, create=True)
+    try:
+        yield s
+    finally:
+        s.close()
+        os.unlink(f"/dev/shm/{name}")
+
+
+def _writer(source: FakeSource) -> Grants:
+    g = _grants(source)
+    g.table.reclaims_read = True
+    g.add(source.grant(NSLOTS))
+    return g
+
+
+def _put(g: Grants, seg: MappedSegment, nslots: int = 4):  # type: ignore[no-untyped-def]
+    """Cut, seal and watch a lease, as the writer does."""
+    lease = g.cut(nslots * SLOT)
+    assert lease is not None
+    seg.write_header(lease.slot, lease.id, nslots * SLOT)
+    g.table.watch(lease, seg)
+    return lease
+
+
+def test_stop_and_wait_stays_on_the_run_its_reader_just_read(seg: MappedSegment) -> None:
+    g = _writer(FakeSource())
+    slots = set()
+    for _ in range(50):
+        lease = _put(g, seg)
+        slots.add(lease.slot)
+        seg.mark_read(lease.slot, lease.id)  # the reader is done; no Freed comes yet
+    assert slots == {0}
+
+
+def test_without_the_mark_the_run_waits_for_the_daemons_freed(seg: MappedSegment) -> None:
+    g = _writer(FakeSource())
+    first = _put(g, seg)
+    second = _put(g, seg)
+    assert second.slot != first.slot  # unread: still the reader's
+    # A mark of another lease (an older one in the run) is no mark of this one.
+    seg.mark_read(second.slot, first.id)
+    assert _put(g, seg).slot not in (first.slot, second.slot)
+    assert g.freed(first.id) is first  # the daemon's Freed, as before
+    g.slots_back(first)
+    assert _put(g, seg).slot == first.slot
+
+
+def test_an_older_daemon_gets_no_watch(seg: MappedSegment) -> None:
+    g = _writer(FakeSource())
+    g.table.reclaims_read = False
+    first = _put(g, seg)
+    seg.mark_read(first.slot, first.id)
+    assert _put(g, seg).slot != first.slot and not g.table.watched
+
+
+def test_the_grant_is_not_idle_until_the_daemon_confirms(seg: MappedSegment) -> None:
+    source = FakeSource()
+    g = _writer(source)
+    grant = next(iter(g.table))
+    lease = _put(g, seg)
+    seg.mark_read(lease.slot, lease.id)
+    assert g.table.reclaim_read() == 1
+    assert grant.live == 0 and not grant.idle and g.table.idle() == []
+    g.return_idle()
+    assert source.returned == []  # the daemon may still count the lease
+    assert g.freed(lease.id) is None  # its Freed: a confirmation, no lease to free
+    assert grant.idle and g.freed(lease.id) is None  # twice: nothing more
+    g.return_idle()
+    assert source.returned == [grant.id]
+
+
+def test_a_spent_grant_goes_back_when_its_last_lease_is_confirmed(seg: MappedSegment) -> None:
+    source = FakeSource()
+    g = _writer(source)
+    grant = next(iter(g.table))
+    lease = _put(g, seg)
+    grant.next_seq = 1 << 40  # it numbered its last lease id
+    seg.mark_read(lease.slot, lease.id)
+    assert g.table.reclaim_read() == 1 and source.returned == []
+    g.freed(lease.id)
+    assert source.returned == [grant.id]
+
+
+def test_only_the_latest_leases_are_watched(seg: MappedSegment) -> None:
+    g = _writer(FakeSource())
+    leases = [_put(g, seg, 1) for _ in range(WATCH_DEPTH + 4)]
+    assert len(g.table.watched) == WATCH_DEPTH
+    for lease in leases:
+        seg.mark_read(lease.slot, lease.id)
+    assert g.table.reclaim_read() == WATCH_DEPTH  # the oldest four wait for their Freed
+    assert all(lease.id in g.table.leases for lease in leases[:4])
+
+
+def test_a_re_attach_forgets_what_it_watched(seg: MappedSegment) -> None:
+    g = _writer(FakeSource())
+    lease = _put(g, seg)
+    seg.mark_read(lease.slot, lease.id)
+    g.table.clear()
+    assert not g.table.watched and g.table.reclaim_read() == 0
+
+
+def test_a_writer_that_is_not_watching_pays_nothing() -> None:
+    g = Grants(LeaseTable(), FakeSource(), Closed())
+    assert g.table.reclaim_read() == 0 and not g.table.watched
