@@ -104,9 +104,11 @@ class Notices:
         with self._lock:
             session = self._conn.session
             reserved, lease.reserve = lease.reserve, None
-            carried = reserved is not None and reserved[0] is session.pending
-            if reserved is not None and carried:
-                p = reserved[1].publish
+            carrier = (
+                reserved[1] if reserved is not None and reserved[0] is session.pending else None
+            )
+            if carrier is not None:
+                p = carrier.publish
                 p.lease_id = lease.id
                 p.nbytes = nbytes
                 p.transport = transport
@@ -127,7 +129,7 @@ class Notices:
             # lands, and if this process dies first the daemon publishes
             # what the header says was sealed.
             session.mark(linger=NOTICE_LINGER_S, holds=nbytes)
-            return carried
+            return carrier is not None
 
     def claim(self, m: RefFields, flush: bool = True, *, ring: bool = False) -> None:
         """The daemon learns that this session reads ``m``'s lease (and frees it at
