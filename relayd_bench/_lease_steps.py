@@ -21,6 +21,7 @@ import statistics
 import time
 
 from relayd_client.wire.proto import relay_pb2 as pb
+from relayd_client.wire.shm import data_offset_for
 from relayd_client.wire.transport import fits_inline
 
 from relayd.config import Settings
@@ -51,11 +52,13 @@ def run(nbytes: int) -> dict[str, float]:
     slot = Settings().slot_size
     nslots = max(1, -(-nbytes // slot))
     grant_slots = nslots * BATCH
+    # One segment that holds the grant's slots with their headers, exactly.
+    size = data_offset_for(grant_slots) + grant_slots * slot
     arena = Arena(
         node_id=f"bench-lease-steps-{os.getpid()}",
         epoch=os.urandom(4).hex(),
-        total_bytes=(grant_slots + 1) * slot,
-        segment_bytes=(grant_slots + 1) * slot,
+        total_bytes=size,
+        segment_bytes=size,
         slot_size=slot,
     )
     try:
