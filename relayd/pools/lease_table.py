@@ -268,7 +268,7 @@ class LeaseTable:
         ):
             return False
         for lease in clash:
-            self.forget(lease, cancelled=True)
+            self.forget(lease)
         return grant.is_free(r.slot, r.nslots)  # none of them kept its slots (hold())
 
     def _read_first(self, session: Session, grant: Grant, slot: int, nslots: int) -> bool:
@@ -422,7 +422,7 @@ class LeaseTable:
     def on_cancel(self, session: Session, c: CancelNotice) -> None:
         lease = self.leases.get(c.lease_id)
         if lease is not None and lease.writer == session.id and lease.state is LeaseState.RESERVED:
-            self.forget(lease, cancelled=True)
+            self.forget(lease)
 
     # -- readers' notices -------------------------------------------------------------
 
@@ -516,13 +516,8 @@ class LeaseTable:
 
     # -- freeing ----------------------------------------------------------------------
 
-    def forget(self, lease: Lease, *, cancelled: bool = False) -> None:
-        """Drop a lease record; the slots go back to whoever owns the grant.
-
-        ``cancelled``: its writer cancelled it, and has cut its next lease from
-        these slots already, without waiting for the daemon; the header there
-        may be that lease's, sealed, so it is left as it is.
-        """
+    def forget(self, lease: Lease) -> None:
+        """Drop a lease record; the slots go back to whoever owns the grant."""
         self.leases.pop(lease.id, None)
         lease.grant.leases.pop(lease.id, None)
         self.requests.remove(lease)
@@ -533,15 +528,16 @@ class LeaseTable:
         if lease.id in self._holds:
             self.held[lease.id] = lease  # the slots wait for unhold()
             return
-        self.return_slots(lease, clear=not cancelled)
+        self.return_slots(lease)
 
-    def return_slots(self, lease: Lease, *, clear: bool = True) -> None:
-        if clear:
-            # Only a header that still names the lease: its reader's mark, or the
-            # next lease its writer cut there on seeing it, stays (see _read_first).
-            pool, run = self.pools[lease.run.pool], lease.run
-            if pool.header(run.segment, run.slot)[0] == lease.generation:
-                pool.clear_header(run.segment, run.slot)
+    def return_slots(self, lease: Lease) -> None:
+        # Only a header that still names the lease. What else is there stays: its
+        # reader's read mark, or the next lease its writer cut from the run
+        # without waiting for the daemon (on that mark, see _read_first, or
+        # over a lease it cancelled, see _cancel_first), sealed already.
+        pool, run = self.pools[lease.run.pool], lease.run
+        if pool.header(run.segment, run.slot)[0] == lease.generation:
+            pool.clear_header(run.segment, run.slot)
         grant = lease.grant
         grant.mark(lease.run, None)
         if grant.returns is not None:
