@@ -158,6 +158,7 @@ class NoticeListener:
         self.conns: set[_Inbound] = set()
         self.by_node: dict[str, _Inbound] = {}
         self.refused = 0
+        self.closed = False
         self._server: asyncio.AbstractServer | None = None
 
     async def start(self, host: str, port: int) -> int:
@@ -173,6 +174,7 @@ class NoticeListener:
             conn.drop("its node was taken for lost", logging.INFO)
 
     async def close(self) -> None:
+        self.closed = True
         if self._server is not None:
             self._server.close()
             for conn in list(self.conns):
@@ -210,6 +212,9 @@ class _Inbound(asyncio.BufferedProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass
         lst = self.listener
+        if lst.closed:  # accepted before the stop, made after it: not in conns to close
+            self.drop(STOPPING)
+            return
         lst.conns.add(self)
         if lst.pending >= MAX_PENDING:
             self.drop(f"more than {MAX_PENDING} connections waiting to authenticate")

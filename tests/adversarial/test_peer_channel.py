@@ -583,6 +583,32 @@ def test_stopping_closes_every_connection_authenticated_or_not(
     asyncio.run(main())
 
 
+def test_a_connection_accepted_as_the_listener_stops_is_closed_not_served(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The loop makes an accepted connection's protocol a step before it calls
+    ``connection_made``; a stop between the two must still close it, not leave it
+    waiting for an answer (and its transport unclosed) after the listener is gone."""
+    monkeypatch.setattr(peer_channel, "HELLO_TIMEOUT_S", 60.0)  # only the stop may close it
+
+    async def main() -> None:
+        h = Harness()
+        await h.start()
+        await h.listener.close()
+        ours, theirs = socket.socketpair()
+        with ours:
+            # What the loop does with a socket accepted just before the stop.
+            transport, _ = await asyncio.get_running_loop().connect_accepted_socket(
+                lambda: peer_channel._Inbound(h.listener), theirs
+            )
+            assert transport.is_closing()
+            assert h.listener.conns == set() and h.listener.pending == 0
+            ours.settimeout(WAIT_S)
+            assert ours.recv(1) == b""  # closed without a challenge
+
+    asyncio.run(main())
+
+
 def test_a_channel_that_will_not_open_is_tried_less_and_less_and_warned_of_rarely(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
