@@ -153,7 +153,7 @@ def _push_families(pushes: dict[str, dict[str, int]]) -> Iterator[Metric]:
         yield counter
     unreceived = GaugeMetricFamily(
         "relayd_peer_pushes_unreceived",
-        "Attached pushes to the peer not received yet: their writers' leases stay",
+        "Pushes to the peer not received yet: their writers' leases stay",
         labels=["peer"],
     )
     reads = CounterMetricFamily(

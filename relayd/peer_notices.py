@@ -56,7 +56,7 @@ _NOTICE_FRAMING = 6
 # The kinds of notices in the order the receiver handles a batch's
 # (``PushManager.on_notices``): the messages a batch is cut into, handled one
 # after the other, do what it would.
-_KINDS = ("released", "freed", "declined", "received", "landed")
+_KINDS = ("released", "freed", "declined", "received", "unreceived", "landed")
 # Unsent bytes on a peer's notice channel past which a push no longer rides it
 # (it goes as a Mooncake WRITE): below the backlog that drops the channel
 # (MAX_BUFFERED), leaving room for the notices queued behind it.

@@ -205,6 +205,7 @@ class PeerManager:
 
     async def beat(self, peer: PeerState) -> None:
         self.notifier.ensure_channel(peer)
+        self.push.ask_unreceived(peer)
         if self.push.enabled and peer.address not in self.push.out:
             # Right after the handshake, then on each beat until the peer has room
             # (it may not have dialled us back yet).

@@ -22,6 +22,10 @@ The message flow (writer W on node A, reader R on node B)::
     B -> A  Notify{received: the key} (lingering, off every path): A frees
             W's lease; until then a Landed lost on the way (the notice
             channel broke) leaves B's reader a lease to pull
+    A -> B  after a broken link is back, Notify{unreceived: keys} on each
+            beat while A holds leases B has not said it received (its
+            receipts may have been lost with the link); B answers received
+            for those it published
     B -> R  LandedPush(key, local lease) on the session socket, when R's session
             alone serves the stage and no fetch of it waits: R's get reads the
             lease with no call (the slot header decides, as for any lease)
@@ -87,6 +91,9 @@ log = logging.getLogger(__name__)
 RECEIPT_LINGER_MAX_BYTES = FREED_LINGER_MAX_BYTES
 
 
+Unreceived = collections.OrderedDict[tuple[int, int], Lease]
+
+
 @dataclasses.dataclass(eq=False)
 class GrantOut:
     """Our standing push grant at one peer (the writer's side)."""
@@ -111,8 +118,11 @@ class PushManager:
         self.landing = PushLanding(parts, self.counts)
         # Leases whose push landed (and so were freed here), by id.
         self._pushed: collections.OrderedDict[int, int] = collections.OrderedDict()
-        # Attached pushes sent but not yet received, by peer: (lease id, generation) -> lease.
-        self._unreceived: dict[str, collections.OrderedDict[tuple[int, int], Lease]] = {}
+        # Pushes sent but not yet received, by peer: (lease id, generation) -> lease.
+        self._unreceived: dict[str, Unreceived] = {}
+        # Those of a peer whose link broke before it said: its epoch then, and
+        # them, to ask it about once it is up again (:meth:`ask_unreceived`).
+        self._unasked: dict[str, tuple[str, Unreceived]] = {}
         # The attached bytes of the receipts lingering for each peer.
         self._receipt_bytes: collections.Counter[str] = collections.Counter()
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -160,22 +170,58 @@ class PushManager:
     def grant_void(self, peer: PeerState) -> None:
         """``peer`` retired the grant it gave us (it took us for lost): pushes still
         in flight into it decline, and the next heartbeat asks for a new one.
-        Attached pushes it will not receive stay published here for its pulls.
+        Pushes it has not said it received stay published here for its pulls,
+        and the next heartbeat asks it about them (it forgot its receipts for us).
 
         It dropped the grant we gave it too, and asks anew with a free allocator of
         its own: that grant is void here as well, or its next WRITE could land on a
         push we hold unread, or meet one of its writes still in flight."""
-        self._unreceived.pop(peer.address, None)
+        self._unasked_from(peer)
         self.landing.void_given(peer.node_id)
         if self.out.pop(peer.address, None) is not None:
             log.info("peer %s voided its push grant; asking again", peer.address)
 
     def peer_down(self, peer: PeerState) -> None:
-        """Its grant and whatever it gave us are void; readers waiting on it stop."""
+        """Its grant and whatever it gave us are void; readers waiting on it stop.
+        Pushes it has not said it received wait to be asked about (its receipts
+        sent meanwhile are refused here)."""
         self.out.pop(peer.address, None)
-        self._unreceived.pop(peer.address, None)
+        self._unasked_from(peer)
         self._receipt_bytes.pop(peer.address, None)
         self.landing.peer_lost(peer.node_id)
+
+    def _unasked_from(self, peer: PeerState) -> None:
+        unreceived = self._unreceived.pop(peer.address, None)
+        if unreceived:
+            asked = self._unasked.get(peer.address)
+            if asked is not None and asked[0] == peer.epoch:  # a second outage, unasked
+                asked[1].update(unreceived)
+                unreceived = asked[1]
+                while len(unreceived) > REMEMBER:
+                    unreceived.popitem(last=False)
+            self._unasked[peer.address] = (peer.epoch, unreceived)
+
+    def ask_unreceived(self, peer: PeerState) -> None:
+        """On each beat while the link is up again: ask ``peer`` about the pushes
+        it had not said it received when the link broke and that are still
+        published here. Its ``received`` answers free them as receipts do (the
+        first ask may reach it before it takes us for up again, and is refused:
+        hence each beat). The others stay for their readers' pulls, or their TTL.
+        A peer that restarted since holds none of them."""
+        asked = self._unasked.get(peer.address)
+        if asked is None:
+            return
+        epoch, leases = asked
+        table = self.parts.leases.crossnode.table
+        for key in [k for k, lease in leases.items() if not table.still_published(lease)]:
+            del leases[key]
+        if epoch != peer.epoch or not leases:
+            del self._unasked[peer.address]
+            return
+        box = self.parts.notifier.box(peer.address)
+        for lease_id, generation in leases:
+            box.unreceived.add(lease_id=lease_id, generation=generation)
+        self.parts.notifier.send(peer.address, added=len(leases))
 
     def on_publish(self, lease: Lease) -> None:
         """LeaseManager hook: ``lease`` was published with Publish.push set."""
@@ -332,14 +378,16 @@ class PushManager:
             unreceived.popitem(last=False)
 
     def _received(self, address: str, keys: Sequence[pb.LeaseKey]) -> None:
-        """``address`` published the bytes of these attached pushes: W's leases go,
-        unless an abort, the TTL or a pull freed them meanwhile. Keys of leases
-        not pushed to that peer, or already received, change nothing."""
+        """``address`` published the bytes of these pushes: W's leases go, unless an
+        abort, the TTL or a pull freed them meanwhile. Keys of leases not pushed
+        to that peer, or already received, change nothing."""
         unreceived = self._unreceived.get(address)
-        if unreceived is None:
-            return
+        asked = self._unasked.get(address)
         for k in keys:
-            lease = unreceived.pop((k.lease_id, k.generation), None)
+            key = k.lease_id, k.generation
+            lease = unreceived.pop(key, None) if unreceived is not None else None
+            if lease is None and asked is not None:
+                lease = asked[1].pop(key, None)
             if lease is not None and self.parts.leases.crossnode.free_pushed(lease):
                 self._landed(address, lease)
 
@@ -440,12 +488,24 @@ class PushManager:
             self.on_freed(peer.address, n.freed)
         self.landing.on_declined(n)
         self._received(peer.address, n.received)
+        self._answer_unreceived(peer, n.unreceived)
         data = iter(attached)
         for landed in n.landed:
             got = next(data, None) if landed.attached else None
             if self.landing.on_landed(peer, landed, got):
                 self._receipt(peer.address, landed)
         return released
+
+    def _answer_unreceived(self, peer: PeerState, keys: Sequence[pb.LeaseKey]) -> None:
+        """``peer`` asks which of these pushes of its own were published here."""
+        box = self.parts.notifier.box(peer.address)
+        answered = 0
+        for k in keys:
+            if self.landing.published((peer.node_id, peer.epoch, k.lease_id, k.generation)):
+                box.received.add(lease_id=k.lease_id, generation=k.generation)
+                answered += 1
+        if answered:
+            self.parts.notifier.send(peer.address, urgent=False, added=answered)
 
     def _receipt(self, address: str, landed: pb.PushLanded) -> None:
         """Tell the writer's daemon a push is published here: lingering, riding
@@ -486,7 +546,8 @@ class PushManager:
             "pull_phases": c.pull_phases,
             "pushes_attached": c.attached,
             "reads_attached": c.reads_attached,
-            "pushes_unreceived": len(self._unreceived.get(address, ())),
+            "pushes_unreceived": len(self._unreceived.get(address, ()))
+            + len(self._unasked.get(address, ("", ()))[1]),
             "pushes_announced": c.announced,
             "reads_announced": c.reads_announced,
         }

@@ -335,6 +335,10 @@ class PushLanding:
         while len(self._declined) > REMEMBER:
             self._declined.popitem(last=False)
 
+    def published(self, key: Key) -> bool:
+        """Whether the push ``key`` was published here (and may have been read since)."""
+        return key in self._landed or self._declined.get(key, False)
+
     def _wake(self, key: Key) -> None:
         self._waiting_for.pop(key, None)
         for fut in self._waiters.pop(key, ()):

@@ -95,6 +95,43 @@ def test_a_writer_that_took_the_reader_for_lost_never_writes_over_a_landed_push(
     run(main())
 
 
+@pytest.mark.parametrize("failing", ["writer's node", "reader's node"])
+def test_a_receipt_lost_with_the_link_is_asked_for_again_once_the_peers_are_back(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, failing: str
+) -> None:
+    """B published A's push, but its receipt is lost: one side's heartbeat times
+    out, it takes the other for lost, and a receipt in flight then is refused or
+    forgotten. Once they have handshaken again, A asks B which of its pushes B
+    published, and frees W's lease on B's word, not at the lease's TTL."""
+
+    async def main() -> None:
+        async with pushing_nodes(tmp_path) as (a, b, reader):
+            held: list[pb.PushLanded] = []  # B's receipts, lost
+            monkeypatch.setattr(b.peers.push, "_receipt", lambda address, m: held.append(m))
+            data = os.urandom(2 * SLOT)
+            ref = await a.put(a.session(WRITER), data, push=True)
+            await until(lambda: held, "B to publish the push")
+            pushed = DataRef.from_bytes(ref).proto.lease
+            assert pushed.lease_id in a.leases.leases  # kept for a pull until B's word
+            old = a.peers.push.out[b.address]
+            failed = _fail_one_heartbeat(a if failing == "writer's node" else b, monkeypatch)
+            await until(lambda: failed, "the failed heartbeat")
+            await until(
+                lambda: a.peers.push.out.get(b.address) not in (None, old),
+                "A to hold a push grant of B's again",
+            )
+            # B answers from what it landed, read or not: here the read comes first.
+            got = await b.peers.fetch(reader, ref, BOUND)
+            assert _sha(b.read(got)) == _sha(data)
+            assert b.transport.transfers == 0  # the landed copy, not a pull
+            b.release(reader, got)
+            await until(lambda: not a.leases.leases, "A to free the writer's lease")
+            assert len(held) == 1 and a.peers.push.counts[b.address].out == 1
+            assert a.peers.push.status(b.address)["pushes_unreceived"] == 0
+
+    run(main())
+
+
 def test_a_push_whose_peer_goes_before_it_starts_gives_back_its_credit_and_lease(
     tmp_path: pathlib.Path,
 ) -> None:

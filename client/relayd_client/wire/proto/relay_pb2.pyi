@@ -1223,7 +1223,7 @@ class LeaseKey(_message.Message):
     def __init__(self, lease_id: _Optional[int] = ..., generation: _Optional[int] = ..., reader_stages: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PeerNotices(_message.Message):
-    __slots__ = ("node_id", "daemon_epoch", "landed", "declined", "freed", "released", "received")
+    __slots__ = ("node_id", "daemon_epoch", "landed", "declined", "freed", "released", "received", "unreceived")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     DAEMON_EPOCH_FIELD_NUMBER: _ClassVar[int]
     LANDED_FIELD_NUMBER: _ClassVar[int]
@@ -1231,6 +1231,7 @@ class PeerNotices(_message.Message):
     FREED_FIELD_NUMBER: _ClassVar[int]
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    UNRECEIVED_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     daemon_epoch: str
     landed: _containers.RepeatedCompositeFieldContainer[PushLanded]
@@ -1238,7 +1239,8 @@ class PeerNotices(_message.Message):
     freed: _containers.RepeatedCompositeFieldContainer[PushFreed]
     released: _containers.RepeatedCompositeFieldContainer[LeaseKey]
     received: _containers.RepeatedCompositeFieldContainer[LeaseKey]
-    def __init__(self, node_id: _Optional[str] = ..., daemon_epoch: _Optional[str] = ..., landed: _Optional[_Iterable[_Union[PushLanded, _Mapping]]] = ..., declined: _Optional[_Iterable[_Union[PushDeclined, _Mapping]]] = ..., freed: _Optional[_Iterable[_Union[PushFreed, _Mapping]]] = ..., released: _Optional[_Iterable[_Union[LeaseKey, _Mapping]]] = ..., received: _Optional[_Iterable[_Union[LeaseKey, _Mapping]]] = ...) -> None: ...
+    unreceived: _containers.RepeatedCompositeFieldContainer[LeaseKey]
+    def __init__(self, node_id: _Optional[str] = ..., daemon_epoch: _Optional[str] = ..., landed: _Optional[_Iterable[_Union[PushLanded, _Mapping]]] = ..., declined: _Optional[_Iterable[_Union[PushDeclined, _Mapping]]] = ..., freed: _Optional[_Iterable[_Union[PushFreed, _Mapping]]] = ..., released: _Optional[_Iterable[_Union[LeaseKey, _Mapping]]] = ..., received: _Optional[_Iterable[_Union[LeaseKey, _Mapping]]] = ..., unreceived: _Optional[_Iterable[_Union[LeaseKey, _Mapping]]] = ...) -> None: ...
 
 class PeerNoticesAck(_message.Message):
     __slots__ = ("released",)
