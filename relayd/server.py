@@ -430,8 +430,7 @@ class Daemon:
         if self._session_server is not None:
             self._session_server.close()
             for proto in list(self._protocols):
-                if proto.transport is not None:
-                    proto.transport.close()
+                proto.stop()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._session_server.wait_closed(), timeout=2)
         # Mooncake must stop writing into the arena before it is unmapped.

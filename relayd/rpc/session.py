@@ -140,12 +140,24 @@ class SessionProtocol(asyncio.Protocol):
         # Shared by every connection: who may operate, who is the CLI.
         self.roles = roles if roles is not None else Roles()
         self.groups: frozenset[int] = frozenset()
+        self._stopped = False
+
+    def stop(self) -> None:
+        """The daemon stops: end the connection now, or as soon as it is made (the
+        loop makes the protocol of an accepted connection a step before that)."""
+        self._stopped = True
+        if self.transport is not None:
+            self.transport.close()
 
     # -- asyncio.Protocol -----------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement the interface without subclassing it.
-        self.transport = cast(asyncio.Transport, transport)
+        made = cast(asyncio.Transport, transport)
+        if self._stopped:
+            made.abort()
+            return
+        self.transport = made
         sock = transport.get_extra_info("socket")
         try:
             self.creds = peer_credentials(sock)
