@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import pathlib
+import types
 from typing import Any
 
 import grpc
@@ -128,6 +129,31 @@ def test_a_receipt_lost_with_the_link_is_asked_for_again_once_the_peers_are_back
             await until(lambda: not a.leases.leases, "A to free the writer's lease")
             assert len(held) == 1 and a.peers.push.counts[b.address].out == 1
             assert a.peers.push.status(b.address)["pushes_unreceived"] == 0
+
+    run(main())
+
+
+def test_a_peer_that_restarted_is_not_asked_about_the_pushes_it_lost(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """B's daemon restarted (a new epoch) after A lost its receipt: the new one
+    holds none of A's pushes, so A asks it nothing and forgets them; W's lease
+    stays for its readers' pulls, or its TTL."""
+
+    async def main() -> None:
+        async with pushing_nodes(tmp_path) as (a, b, _reader):
+            held: list[pb.PushLanded] = []
+            monkeypatch.setattr(b.peers.push, "_receipt", lambda address, m: held.append(m))
+            ref = await a.put(a.session(WRITER), os.urandom(2 * SLOT), push=True)
+            await until(lambda: held, "B to publish the push")
+            push, peer = a.peers.push, a.peers.links.peers[b.address]
+            push.peer_down(peer)  # its receipt refused from here on
+            assert push.status(b.address)["pushes_unreceived"] == 1
+            restarted = types.SimpleNamespace(address=b.address, epoch="a-new-epoch")
+            push.ask_unreceived(restarted)  # type: ignore[arg-type]
+            assert not a.peers.notifier.box(b.address).unreceived
+            assert push.status(b.address)["pushes_unreceived"] == 0
+            assert DataRef.from_bytes(ref).proto.lease.lease_id in a.leases.leases
 
     run(main())
 
