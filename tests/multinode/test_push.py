@@ -285,8 +285,17 @@ def test_hostile_push_notices_are_refused(nodes: tuple[Node, Node]) -> None:
                                   length=10, request_id="h", from_stage="thinker",
                                   to_stage="talker", attached=10),
                 ]  # fmt: skip
+                # ...and a flood of questions about pushes it never made here:
+                # each is looked up, none answered.
+                asked = [pb.LeaseKey(lease_id=i, generation=i) for i in range(1, 20_000)]
                 stub.Notify(
-                    iter([pb.PeerNotices(node_id="node-a", daemon_epoch=epoch, landed=bad)]),
+                    iter(
+                        [
+                            pb.PeerNotices(
+                                node_id="node-a", daemon_epoch=epoch, landed=bad, unreceived=asked
+                            )
+                        ]
+                    ),
                     timeout=5,
                     metadata=meta,
                 )
