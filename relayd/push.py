@@ -208,20 +208,32 @@ class PushManager:
         first ask may reach it before it takes us for up again, and is refused:
         hence each beat). The others stay for their readers' pulls, or their TTL.
         A peer that restarted since holds none of them."""
-        asked = self._unasked.get(peer.address)
+        asked = self._still_unasked(peer.address)
         if asked is None:
             return
         epoch, leases = asked
-        table = self.parts.leases.crossnode.table
-        for key in [k for k, lease in leases.items() if not table.still_published(lease)]:
-            del leases[key]
-        if epoch != peer.epoch or not leases:
+        if epoch != peer.epoch:
             del self._unasked[peer.address]
             return
         box = self.parts.notifier.box(peer.address)
         for lease_id, generation in leases:
             box.unreceived.add(lease_id=lease_id, generation=generation)
         self.parts.notifier.send(peer.address, added=len(leases))
+
+    def _still_unasked(self, address: str) -> tuple[str, Unreceived] | None:
+        """What there is to ask ``address`` about: its pushes still published here
+        (an abort, the TTL or a pull frees the others, asked or not)."""
+        asked = self._unasked.get(address)
+        if asked is None:
+            return None
+        leases = asked[1]
+        table = self.parts.leases.crossnode.table
+        for key in [k for k, lease in leases.items() if not table.still_published(lease)]:
+            del leases[key]
+        if not leases:
+            del self._unasked[address]
+            return None
+        return asked
 
     def on_publish(self, lease: Lease) -> None:
         """LeaseManager hook: ``lease`` was published with Publish.push set."""
@@ -534,6 +546,7 @@ class PushManager:
     def status(self, address: str) -> dict[str, int]:
         c = self.counts.get(address, PushCounts())
         out = self.out.get(address)
+        asked = self._still_unasked(address)
         size = out.nslots * self.parts.arena.slot_size if out is not None else 0
         return {
             "pushes_out": c.out,
@@ -547,7 +560,7 @@ class PushManager:
             "pushes_attached": c.attached,
             "reads_attached": c.reads_attached,
             "pushes_unreceived": len(self._unreceived.get(address, ()))
-            + len(self._unasked.get(address, ("", ()))[1]),
+            + (len(asked[1]) if asked is not None else 0),
             "pushes_announced": c.announced,
             "reads_announced": c.reads_announced,
         }

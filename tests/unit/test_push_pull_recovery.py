@@ -158,6 +158,33 @@ def test_a_peer_that_restarted_is_not_asked_about_the_pushes_it_lost(
     run(main())
 
 
+def test_pushes_of_a_peer_gone_for_good_are_not_counted_once_freed(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """B's node is lost and never comes back: A's pushes B had not said it received
+    wait to be asked about, and count as unreceived only while their leases are
+    still published (an abort here frees one)."""
+
+    async def main() -> None:
+        async with pushing_nodes(tmp_path) as (a, b, _reader):
+            held: list[pb.PushLanded] = []
+            monkeypatch.setattr(b.peers.push, "_receipt", lambda address, m: held.append(m))
+            writer = a.session(WRITER)
+            await a.put(writer, os.urandom(2 * SLOT), push=True, request_id="kept")
+            await a.put(writer, os.urandom(2 * SLOT), push=True, request_id="doomed")
+            await until(lambda: len(held) == 2, "B to publish both pushes")
+            push = a.peers.push
+            push.peer_down(a.peers.links.peers[b.address])
+            assert push.status(b.address)["pushes_unreceived"] == 2
+            assert a.leases.abort_from_peer("doomed")[0] == 1
+            assert push.status(b.address)["pushes_unreceived"] == 1
+            assert a.leases.abort_from_peer("kept")[0] == 1
+            assert push.status(b.address)["pushes_unreceived"] == 0
+            assert b.address not in push._unasked  # nothing left of them
+
+    run(main())
+
+
 def test_a_push_whose_peer_goes_before_it_starts_gives_back_its_credit_and_lease(
     tmp_path: pathlib.Path,
 ) -> None:
