@@ -22,7 +22,7 @@ room was cut first-fit before a newer run freed in the next one was looked at.
 A run comes back as soon as its reader has marked the lease read in its slot
 header (:meth:`LeaseTable.reclaim_read`), not when the daemon's Freed comes:
 the daemon takes Releases only when it is awake anyway, and while a writer
-waited for that (up to 16 MiB of transfers) it walked through 18 runs of
+waited for that (then up to 16 MiB of transfers) it walked through 18 runs of
 1 MiB, 70 of 256 KiB. The daemon frees the lease when the Reserve over it
 comes (``relayd.pools.lease_table``); until its Freed confirms that, the
 lease's grant is not idle, so it is never given back with it.

@@ -30,14 +30,18 @@ NOTICE_LINGER_S = 0.025
 #: ... unless a client's lingering notices (Publish, Claim, Release) hold back
 #: this many bytes of a writer's arena. Each frame a client sends wakes the
 #: daemon, at ~100 us of CPU cache-cold, against ~16 us for a transfer's
-#: notices. At this cap a stop-and-wait transfer costs the daemon ~12 us at
-#: 256 KiB and ~23 at 1 MiB (measured; at 8 MiB: 14 and 30, with the same
-#: latency). A writer holds the grants to cover it: one short of space asks for
-#: a grant, and that sends its notices at once. A writer takes a run back when
-#: its reader marks the lease read (relayd_client._grants), not on the Freed
-#: this cap delays, so it does not decide how many runs the writer cycles
-#: through (waiting for the Freed, a 1 MiB writer used 18, cache-cold).
-NOTICE_LINGER_MAX_BYTES = 16 << 20
+#: notices, so the fewer frames, the less daemon CPU a transfer costs. A writer
+#: takes a run back when its reader marks the lease read (relayd_client._grants),
+#: not on the Freed this cap delays, so the cap no longer decides how many runs
+#: the writer cycles through (waiting for the Freed, a 1 MiB writer used 18,
+#: cache-cold); it bounds what a writer whose readers do not mark (views, older
+#: clients) holds back. In three alternating pairs of stop-and-wait runs at
+#: 1 MiB, 16 MiB (a wake-up per 16 transfers) cost the daemon 21-41 us a
+#: transfer and 64 MiB (one per 40-60) 18-27 us, with latency and the 16-stream
+#: workload's p50 and p99 the same within the host's noise. A writer holds the
+#: grants to cover it: one short of space asks for a grant, and that sends its
+#: notices at once.
+NOTICE_LINGER_MAX_BYTES = 64 << 20
 #: A client's Publish and Release of a lease this large go at once, never
 #: lingering: the daemon frees the run before the writer's next put, which
 #: copies into it again while it is still in cache. A Release that reaches the

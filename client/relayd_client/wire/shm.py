@@ -12,7 +12,7 @@ can never deliver reused memory. A reader done with a lease marks it read,
 ``(0, lease id)``, before its Release: no DataRef matches that any more, and
 the writer, which watches the headers of its latest leases, cuts its next
 lease from the run at once, while it is still in cache (the daemon takes the
-Release when it is awake anyway, up to 16 MiB of transfers later).
+Release when it is awake anyway, up to 64 MiB of transfers later).
 
 The probe holds a random nonce the daemon writes at start; a client echoes
 what it reads there to prove it maps the daemon's memory (same IPC
