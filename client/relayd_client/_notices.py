@@ -12,10 +12,12 @@ which the daemon needs only if this process dies copying. Not a Release of a
 lease this client claimed by frame (a view it holds): the Release must not
 overtake the Claim, and the daemon judges a frame's notices before the ring.
 
-Not the Publish or Release of a lease of
+To a daemon that takes no Reserve over a lease its reader marked read (an
+older one), not the Publish or Release of a lease of
 :data:`~relayd_client.wire.framing.PROMPT_NOTICE_BYTES` or more either: those
 go at once, in a frame, so that the writer gets the run back before its next
-put and copies into memory still in cache.
+put and copies into memory still in cache. With a daemon that does, the
+writer takes the run back on the mark, and they linger as the rest do.
 """
 
 from __future__ import annotations
@@ -89,7 +91,8 @@ class Notices:
         now: bool = False,
     ) -> bool:
         """Announce a sealed lease; ``now``: the daemon acts on it, so it must not
-        linger (nor does the Publish of a large lease: see the module).
+        linger (nor does the Publish of a large lease to an older daemon: see
+        the module).
 
         Returns whether the Publish rode in the lease's Reserve and lingers:
         the writer may then take the run back on its reader's mark
@@ -120,7 +123,7 @@ class Notices:
                 session.pending.publish.add(
                     lease_id=lease.id, nbytes=nbytes, transport=transport, ref=ref, push=push
                 )
-            if now or nbytes >= PROMPT_NOTICE_BYTES:
+            if now or (nbytes >= PROMPT_NOTICE_BYTES and not session.reserve_over_read):
                 session.mark(flush=True)
                 return False
             # One daemon wakeup per batch, not per put. The slot header just
@@ -159,16 +162,17 @@ class Notices:
         ``ring=False`` for a lease landed from another node: on a reader's node no
         writer's frames come that would take the Release ring, and the run must go
         back to the peer's push grant, so the Release rides a (lingering) frame.
-        A large lease's Release goes in a frame at once (see the module).
+        To an older daemon, a large lease's Release goes in a frame at once (see
+        the module).
         """
         lease = m.lease
         lease_id = lease.lease_id
-        prompt = lease.length >= PROMPT_NOTICE_BYTES
         with self._lock:
             if m.origin.daemon_epoch != self._conn.daemon_epoch:
                 return  # the daemon restarted during the read: the lease went with it
             self._checks.remember_released(lease_id)
             session = self._conn.session
+            prompt = lease.length >= PROMPT_NOTICE_BYTES and not session.reserve_over_read
             if (
                 ring
                 and not prompt

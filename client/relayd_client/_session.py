@@ -99,6 +99,9 @@ class SessionChannel:
         # The daemon takes a Publish inside its lease's Reserve (its
         # AttachResponse.reserve_publishes): see Notices.publish.
         self.reserve_publishes = False
+        # It takes a Reserve over a lease its reader marked read (its
+        # AttachResponse.reserve_over_read): large leases' notices linger too.
+        self.reserve_over_read = False
         self._calls: dict[int, asyncio.Future[pb.FetchResponse]] = {}
         self._keyed: dict[int, asyncio.Future[bytes]] = {}
         # Calls whose caller gave up before the answer came. The daemon does not
@@ -206,8 +209,8 @@ class SessionChannel:
 
     def _linger_ends(self, loop: asyncio.AbstractEventLoop, linger: float, holds: int) -> bool:
         """Count one more lingering notice holding ``holds`` bytes; whether the
-        frame must go now instead of lingering on. (A notice of a lease of
-        ``PROMPT_NOTICE_BYTES`` or more never lingers: see ``Notices``.)"""
+        frame must go now instead of lingering on. (Nor does a notice of a lease
+        of ``PROMPT_NOTICE_BYTES`` or more, to an older daemon: see ``Notices``.)"""
         self._lingered += 1
         self._lingered_bytes += holds
         return (

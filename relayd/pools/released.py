@@ -2,9 +2,8 @@
 
 A Release frame wakes the daemon, and a wake-up, cache-cold, costs it more CPU
 than the notices it carries. Nobody waits for a Release, though: only a writer
-short of space needs the slots back (or, from
-:data:`~relayd_client.wire.framing.PROMPT_NOTICE_BYTES`, a writer that would
-copy into cold memory: those Releases come by frame, at once). So a session
+short of space needs the slots back (a writer takes a run back on its reader's
+read mark in the slot header, not on the daemon's Freed). So a session
 that took a Release ring (:mod:`relayd_client.wire.rings`) writes its other
 Releases there, and the daemon takes them:
 

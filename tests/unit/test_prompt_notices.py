@@ -1,9 +1,11 @@
-"""The Publish and Release of a large lease go at once; a small lease's linger.
+"""To an older daemon, the Publish and Release of a large lease go at once; a
+small lease's linger. To one that takes a Reserve over a read lease, all linger.
 
 A Release that reaches the daemon before its lease's Publish waits for it, so a
-writer gets a large run back before its next put only when neither notice
-lingers; the rest batch, the Release by the session's ring (see
-:mod:`relayd_client._notices`).
+writer that waits for the daemon's Freed gets a large run back before its next
+put only when neither notice lingers; the rest batch, the Release by the
+session's ring (see :mod:`relayd_client._notices`). A writer that takes the
+run back on its reader's read mark waits for neither.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class Client:
         self.frames: list[pb.SessionFrame] = []
         self.channel._write = self.frames.append  # type: ignore[method-assign]
         self.channel.reserve_publishes = True
+        self.channel.reserve_over_read = False  # an older daemon, unless a test says
         # The daemon's end of the session's Release ring, and the client's.
         self.daemon_ring, fd = IdRing.create("relayd-release")
         self.channel.release_ring = IdRing.map(fd)
@@ -115,6 +118,26 @@ def test_a_smaller_leases_release_goes_in_the_ring_and_wakes_nobody(client: Clie
         assert client.daemon_ring.take() == [42]
 
     asyncio.run(read())
+
+
+@pytest.mark.parametrize("nbytes", [PROMPT_NOTICE_BYTES, 64 << 20])
+def test_a_large_lease_lingers_to_a_daemon_that_takes_a_reserve_over_a_read_one(
+    client: Client, nbytes: int
+) -> None:
+    """Its writer takes the run back on the reader's mark: neither notice need hurry."""
+    client.channel.reserve_over_read = True
+
+    async def transfer() -> None:
+        lease = _lease(0)
+        client.notices.reserve(lease, "r", "talker")
+        assert client.notices.publish(lease, nbytes, pb.TRANSPORT_SHM)  # watched
+        client.notices.release(_read(44, nbytes))
+        assert client.frames == []
+        assert client.daemon_ring.take() == [44]
+        client.channel.flush()  # as its linger would
+        assert client.published() == [lease.id]
+
+    asyncio.run(transfer())
 
 
 def test_a_large_release_after_its_claim_in_the_ring_keeps_the_claim_first(

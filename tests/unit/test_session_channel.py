@@ -147,9 +147,9 @@ def test_a_sooner_notice_takes_the_lingering_ones_along() -> None:
 
 @pytest.mark.parametrize("caller", ["loop", "thread"])
 def test_lingering_releases_go_at_once_when_they_hold_enough_bytes(caller: str) -> None:
-    """From the event loop or from a blocking client's thread alike. (A lease of
-    ``PROMPT_NOTICE_BYTES`` or more is not marked lingering at all: see
-    test_prompt_notices.)"""
+    """From the event loop or from a blocking client's thread alike. (To an older
+    daemon, a lease of ``PROMPT_NOTICE_BYTES`` or more is not marked lingering at
+    all: see test_prompt_notices.)"""
 
     async def mark(channel: SessionChannel) -> None:
         holds = NOTICE_LINGER_MAX_BYTES // 2
