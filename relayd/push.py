@@ -80,7 +80,7 @@ from relayd_client.wire.slots import SlotAllocator
 from .peer_context import PeerParts
 from .peer_links import PeerState
 from .pools.records import Lease
-from .push_landing import REMEMBER, PushCounts, PushLanding
+from .push_landing import PushCounts, PushLanding, forget_oldest
 from .transports.base import PullError, split_ops
 
 log = logging.getLogger(__name__)
@@ -197,8 +197,7 @@ class PushManager:
             if asked is not None and asked[0] == peer.epoch:  # a second outage, unasked
                 asked[1].update(unreceived)
                 unreceived = asked[1]
-                while len(unreceived) > REMEMBER:
-                    unreceived.popitem(last=False)
+                forget_oldest(unreceived)
             self._unasked[peer.address] = (peer.epoch, unreceived)
 
     def ask_unreceived(self, peer: PeerState) -> None:
@@ -386,8 +385,7 @@ class PushManager:
         """W's pushed ``lease`` stays published until ``address`` says it has it."""
         unreceived = self._unreceived.setdefault(address, collections.OrderedDict())
         unreceived[lease.id, lease.generation] = lease
-        while len(unreceived) > REMEMBER:  # a peer that never answers: those wait for a pull
-            unreceived.popitem(last=False)
+        forget_oldest(unreceived)  # a peer that never answers: those wait for a pull
 
     def _received(self, address: str, keys: Sequence[pb.LeaseKey]) -> None:
         """``address`` published the bytes of these pushes: W's leases go, unless an
@@ -422,8 +420,7 @@ class PushManager:
         """W's pushed lease was freed here: counted, and remembered for :meth:`landed`."""
         self.counts[address].out += 1
         self._pushed[lease.id] = lease.generation
-        while len(self._pushed) > REMEMBER:
-            self._pushed.popitem(last=False)
+        forget_oldest(self._pushed)
 
     def landed(self, lease_id: int, generation: int) -> bool:
         """Whether this writer's lease was freed here because its push landed.

@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 from relayd_client.wire.dataref import MAX_NAME
 from relayd_client.wire.errors import (
@@ -48,6 +49,13 @@ log = logging.getLogger(__name__)
 REMEMBER = 1 << 14
 # Peer timeouts the free part of a grant given to a lost peer stays out of use.
 QUARANTINE_TIMEOUTS = 4
+
+
+def forget_oldest(remembered: collections.OrderedDict[Any, Any]) -> None:
+    """Drop the oldest entries of ``remembered`` past :data:`REMEMBER`."""
+    while len(remembered) > REMEMBER:
+        remembered.popitem(last=False)
+
 
 Key = tuple[str, str, int, int]  # (origin node, its epoch, lease id, generation)
 
@@ -332,8 +340,7 @@ class PushLanding:
     def _remember(self, key: Key, *, read: bool = False) -> None:
         self._declined[key] = read or self._declined.get(key, False)
         self._declined.move_to_end(key)
-        while len(self._declined) > REMEMBER:
-            self._declined.popitem(last=False)
+        forget_oldest(self._declined)
 
     def published(self, key: Key) -> bool:
         """Whether the push ``key`` was published here (and may have been read since)."""
@@ -465,4 +472,11 @@ def _key_of(m: pb.DataRef) -> Key:
     return (m.origin.node_id, m.origin.daemon_epoch, int(m.lease.lease_id), int(m.lease.generation))
 
 
-__all__ = ["QUARANTINE_TIMEOUTS", "REMEMBER", "GrantIn", "PushCounts", "PushLanding"]
+__all__ = [
+    "QUARANTINE_TIMEOUTS",
+    "REMEMBER",
+    "GrantIn",
+    "PushCounts",
+    "PushLanding",
+    "forget_oldest",
+]
