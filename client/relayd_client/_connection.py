@@ -282,7 +282,6 @@ class Connection:
             self.grants.configure(a.slot_size, a.default_grant_bytes)
             self.session.reserve_publishes = a.reserve_publishes
             self.session.reserve_over_read = a.reserve_over_read
-            self.grants.table.reclaims_read = a.reserve_over_read
             nonce = self._map_segments(a)
             await self.session.connect(
                 session_socket_path(self.socket),

@@ -139,9 +139,6 @@ class LeaseTable:
         # daemon's Freed of each comes (see freed).
         self.watched: collections.deque[tuple[Lease, MappedSegment]] = collections.deque()
         self.unconfirmed: dict[int, Grant] = {}
-        # Whether the daemon takes a Reserve over a lease marked read
-        # (AttachResponse.reserve_over_read); an older one's writers wait for Freed.
-        self.reclaims_read = False
 
     def add(self, grant: Grant) -> None:
         with self.lock:
@@ -206,12 +203,12 @@ class LeaseTable:
     def watch(self, lease: Lease, seg: MappedSegment) -> None:
         """Look for the read mark of ``lease``, just sealed in ``seg``, from now on.
 
-        Only a lease whose Publish rode in its Reserve: the daemon judges a
+        Only a lease whose Publish rode in its Reserve, to a daemon that takes a
+        Reserve over a read lease (:meth:`Notices.publish
+        <relayd_client._notices.Notices.publish>` says which): the daemon judges a
         frame's Reserves before its Publishes, and takes a Reserve over a read
-        lease only once it is published.
+        lease only once it is published; an older one's writers wait for Freed.
         """
-        if not self.reclaims_read:
-            return
         with self.lock:
             watched = self.watched
             if len(watched) >= WATCH_DEPTH:

@@ -94,10 +94,11 @@ class Notices:
         linger (nor does the Publish of a large lease to an older daemon: see
         the module).
 
-        Returns whether the Publish rode in the lease's Reserve and lingers:
-        the writer may then take the run back on its reader's mark
-        (:meth:`LeaseTable.watch <relayd_client._grants.LeaseTable.watch>`). A
-        prompt one's reader releases it at once too, and the Freed follows.
+        Returns whether the Publish rode in the lease's Reserve and lingers, to a
+        daemon that takes a Reserve over a read lease: the writer may then take
+        the run back on its reader's mark (:meth:`LeaseTable.watch
+        <relayd_client._grants.LeaseTable.watch>`). A prompt one's reader
+        releases it at once too, and the Freed follows.
 
         While the lease's Reserve still waits in the pending frame (the usual
         case: a Reserve alone sends nothing), the Publish rides in it
@@ -132,7 +133,7 @@ class Notices:
             # lands, and if this process dies first the daemon publishes
             # what the header says was sealed.
             session.mark(linger=NOTICE_LINGER_S, holds=nbytes)
-            return carrier is not None
+            return carrier is not None and session.reserve_over_read
 
     def claim(self, m: RefFields, flush: bool = True, *, ring: bool = False) -> None:
         """The daemon learns that this session reads ``m``'s lease (and frees it at

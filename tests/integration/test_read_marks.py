@@ -45,7 +45,7 @@ def test_a_blocking_writer_stays_on_the_run_its_reader_just_read(
             SyncRelayClient("thinker", d.socket) as w,
             SyncRelayClient("talker", d.socket) as r,
         ):
-            assert w._client._grants.table.reclaims_read
+            assert w._client._conn.session.reserve_over_read
             slots = set()
             for i in range(ROUNDS):
                 payload = make_payload(i, size)
@@ -95,7 +95,7 @@ def test_a_writer_without_marks_from_its_daemon_waits_for_the_freed(tmp_path: ob
             SyncRelayClient("thinker", d.socket) as w,
             SyncRelayClient("talker", d.socket) as r,
         ):
-            w._client._grants.table.reclaims_read = False
+            w._client._conn.session.reserve_over_read = False
             slots = set()
             for i in range(ROUNDS):
                 payload = make_payload(i, 256 * KiB)

@@ -35,7 +35,6 @@ def seg() -> Iterator[MappedSegment]:
 
 def _writer(source: FakeSource) -> Grants:
     g = _grants(source)
-    g.table.reclaims_read = True
     g.add(source.grant(NSLOTS))
     return g
 
@@ -70,14 +69,6 @@ def test_without_the_mark_the_run_waits_for_the_daemons_freed(seg: MappedSegment
     assert g.freed(first.id) is first  # the daemon's Freed, as before
     g.slots_back(first)
     assert _put(g, seg).slot == first.slot
-
-
-def test_an_older_daemon_gets_no_watch(seg: MappedSegment) -> None:
-    g = _writer(FakeSource())
-    g.table.reclaims_read = False
-    first = _put(g, seg)
-    seg.mark_read(first.slot, first.id)
-    assert _put(g, seg).slot != first.slot and not g.table.watched
 
 
 def test_the_grant_is_not_idle_until_the_daemon_confirms(seg: MappedSegment) -> None:

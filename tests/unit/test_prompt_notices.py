@@ -140,6 +140,19 @@ def test_a_large_lease_lingers_to_a_daemon_that_takes_a_reserve_over_a_read_one(
     asyncio.run(transfer())
 
 
+def test_an_older_daemon_gets_no_watch(client: Client) -> None:
+    """A lingering Publish in its Reserve, but the daemon would refuse a Reserve
+    over the lease once read: the writer waits for the Freed, not the mark."""
+
+    async def put() -> None:
+        lease = _lease(0)
+        client.notices.reserve(lease, "r", "talker")
+        assert not client.notices.publish(lease, SMALL, pb.TRANSPORT_SHM)
+        assert client.frames == []  # it lingers all the same
+
+    asyncio.run(put())
+
+
 def test_a_large_release_after_its_claim_in_the_ring_keeps_the_claim_first(
     client: Client,
 ) -> None:
