@@ -137,7 +137,7 @@ class LeaseTable:
         # Sealed arena leases and the segment their header is in, oldest first
         # (see reclaim_read), and the ids taken back there, by grant, until the
         # daemon's Freed of each comes (see freed).
-        self.watched: collections.deque[tuple[Lease, MappedSegment]] = collections.deque()
+        self.watched: collections.deque[tuple[Lease, MappedSegment, int]] = collections.deque()
         self.unconfirmed: dict[int, Grant] = {}
 
     def add(self, grant: Grant) -> None:
@@ -200,8 +200,9 @@ class LeaseTable:
             grant.live -= 1
             return lease
 
-    def watch(self, lease: Lease, seg: MappedSegment) -> None:
-        """Look for the read mark of ``lease``, just sealed in ``seg``, from now on.
+    def watch(self, lease: Lease, seg: MappedSegment, mark: int) -> None:
+        """Look for ``mark``, the read mark of ``lease`` just sealed in ``seg``
+        (:func:`~relayd_client.wire.shm.read_mark` of its object id), from now on.
 
         Only a lease whose Publish rode in its Reserve, to a daemon that takes a
         Reserve over a read lease (:meth:`Notices.publish
@@ -213,7 +214,7 @@ class LeaseTable:
             watched = self.watched
             if len(watched) >= WATCH_DEPTH:
                 watched.popleft()
-            watched.append((lease, seg))
+            watched.append((lease, seg, mark))
 
     def reclaim_read(self) -> int:
         """Take back the watched leases whose reader marked them read; how many.
@@ -225,15 +226,16 @@ class LeaseTable:
             watched = self.watched
             taken = 0
             for _ in range(len(watched)):
-                lease, seg = watched.popleft()
+                entry = watched.popleft()
+                lease, seg, mark = entry
                 if self.leases.get(lease.id) is not lease:
                     continue  # freed by the daemon meanwhile (or its grant dropped)
                 try:
-                    read = seg.read_marked(lease.slot, lease.id)
+                    read = seg.read_marked(lease.slot, mark)
                 except ValueError:  # unmapped: a re-attach took its session's leases
                     continue
                 if not read:
-                    watched.append((lease, seg))
+                    watched.append(entry)
                     continue
                 self.free(lease.id)
                 lease.grant.unconfirmed += 1

@@ -35,7 +35,7 @@ from .wire.errors import (
     StaleRefError,
 )
 from .wire.proto import relay_pb2 as pb
-from .wire.shm import MappedSegment
+from .wire.shm import MappedSegment, read_mark
 from .wire.transport import Transport
 
 if TYPE_CHECKING:
@@ -384,7 +384,7 @@ class Reader:
             raise StaleRefError("the lease was reclaimed while it was being read; data discarded")
         if copy:
             # Before the Release: the writer may cut from the run once it sees this.
-            seg.mark_read(lease.slot, lease.lease_id)
+            seg.mark_read(lease.slot, read_mark(m.object_id))
             self._notices.release(m, ring=not landed)
         else:
             self.held.add(lease.lease_id)
@@ -411,7 +411,7 @@ class Reader:
                 return
             seg = segments[lease.segment]
             if lease.slot < seg.nslots and seg.read_header(lease.slot)[0] == lease.generation:
-                seg.mark_read(lease.slot, lease.lease_id)
+                seg.mark_read(lease.slot, read_mark(m.object_id))
 
     def holds_views(self, ref: DataRef) -> bool:
         """Whether a zero-copy get of ``ref`` holds a lease that view() must release."""

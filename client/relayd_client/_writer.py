@@ -34,7 +34,7 @@ from .wire.dataref import KIND_DATA, VERSION, DataRef, compact_put
 from .wire.errors import DaemonUnavailableError, DrainingError, InvalidArgumentError
 from .wire.names import check_request_id, check_stage
 from .wire.proto import relay_pb2 as pb
-from .wire.shm import SHM_POOL
+from .wire.shm import SHM_POOL, read_mark
 from .wire.transport import fits_inline
 
 if TYPE_CHECKING:
@@ -661,7 +661,7 @@ class Writer:
             if self._notices.publish(
                 lease, plan.total, transport, ref=plan.is_ref, push=push, now=now
             ):
-                self._grants.table.watch(lease, seg)
+                self._grants.table.watch(lease, seg, read_mark(plan.object_id))
 
     async def publish_socket(self, plan: PutPlan, timeout: float | None) -> DataRef:
         """Socket fallback: the daemon writes the packed region into a lease for us."""

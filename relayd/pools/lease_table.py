@@ -284,8 +284,11 @@ class LeaseTable:
         anyway, and a DataRef of a lease whose header names another fails its
         reader's check, so no reader gets the new bytes for the old lease. Not a
         lease a push or pull reads (:meth:`hold`): those slots are the daemon's
-        until it stops. The Release that comes later finds no lease and is
-        dropped (:meth:`_reader_lease`).
+        until it stops, and the writer's session is closed. No neighbour can
+        lead an honest writer there: the mark it takes is one only a holder of
+        the DataRef can write (:func:`~relayd_client.wire.shm.read_mark`). The
+        Release that comes later finds no lease and is dropped
+        (:meth:`_reader_lease`).
         """
         clash = grant.overlapping(slot, nslots)
         pool = self.pools[grant.run.pool]

@@ -1,6 +1,8 @@
 """The writer takes a run back when its reader marks the lease read: no daemon.
 
-A reader writes ``(0, lease id)`` into the slot header before its Release.
+A reader writes ``(0, read_mark(object id))`` into the slot header before its
+Release, a hash of its DataRef's object id that only a holder of the DataRef
+can write.
 The writer watches the headers of its latest lingering leases and, at its next
 cut, puts a marked one's run aside as a freed one (the same LIFO reuse). The
 daemon's Freed of it comes later and only confirms it: until then the grant is
@@ -15,7 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 from relayd_client._grants import WATCH_DEPTH, Grants, LeaseTable
-from relayd_client.wire.shm import MappedSegment
+from relayd_client.wire.shm import MappedSegment, read_mark
 
 from tests.unit.test_grant_wait import SLOT, Closed, FakeSource, _grants
 
@@ -39,12 +41,17 @@ def _writer(source: FakeSource) -> Grants:
     return g
 
 
+def _mark(lease) -> int:  # type: ignore[no-untyped-def]
+    """The read mark of ``lease``'s DataRef: its object id here is made of its id."""
+    return read_mark(f"3f2a9c1b7d4e-{lease.id}")
+
+
 def _put(g: Grants, seg: MappedSegment, nslots: int = 4):  # type: ignore[no-untyped-def]
     """Cut, seal and watch a lease, as the writer does."""
     lease = g.cut(nslots * SLOT)
     assert lease is not None
     seg.write_header(lease.slot, lease.id, nslots * SLOT)
-    g.table.watch(lease, seg)
+    g.table.watch(lease, seg, _mark(lease))
     return lease
 
 
@@ -54,7 +61,7 @@ def test_stop_and_wait_stays_on_the_run_its_reader_just_read(seg: MappedSegment)
     for _ in range(50):
         lease = _put(g, seg)
         slots.add(lease.slot)
-        seg.mark_read(lease.slot, lease.id)  # the reader is done; no Freed comes yet
+        seg.mark_read(lease.slot, _mark(lease))  # the reader is done; no Freed comes yet
     assert slots == {0}
 
 
@@ -64,11 +71,31 @@ def test_without_the_mark_the_run_waits_for_the_daemons_freed(seg: MappedSegment
     second = _put(g, seg)
     assert second.slot != first.slot  # unread: still the reader's
     # A mark of another lease (an older one in the run) is no mark of this one.
-    seg.mark_read(second.slot, first.id)
+    seg.mark_read(second.slot, _mark(first))
     assert _put(g, seg).slot not in (first.slot, second.slot)
     assert g.freed(first.id) is first  # the daemon's Freed, as before
     g.slots_back(first)
     assert _put(g, seg).slot == first.slot
+
+
+@pytest.mark.parametrize(
+    "forged",
+    [
+        pytest.param(lambda lease: lease.id, id="lease-id"),
+        pytest.param(lambda lease: read_mark(""), id="empty-object-id"),
+        pytest.param(lambda lease: read_mark(f"{lease.id}"), id="other-object-id"),
+    ],
+)
+def test_a_mark_only_the_arena_could_tell_is_no_mark(seg: MappedSegment, forged) -> None:  # type: ignore[no-untyped-def]
+    """A neighbour maps the arena, not the DataRef: what it can write in a
+    header (the lease id it reads there, a guess) never gives the run back."""
+    g = _writer(FakeSource())
+    lease = _put(g, seg)
+    seg.mark_read(lease.slot, forged(lease))
+    assert g.table.reclaim_read() == 0
+    assert lease.id in g.table.leases and len(g.table.watched) == 1  # still watched
+    seg.mark_read(lease.slot, _mark(lease))  # its reader, later
+    assert g.table.reclaim_read() == 1
 
 
 def test_the_grant_is_not_idle_until_the_daemon_confirms(seg: MappedSegment) -> None:
@@ -76,7 +103,7 @@ def test_the_grant_is_not_idle_until_the_daemon_confirms(seg: MappedSegment) -> 
     g = _writer(source)
     grant = next(iter(g.table))
     lease = _put(g, seg)
-    seg.mark_read(lease.slot, lease.id)
+    seg.mark_read(lease.slot, _mark(lease))
     assert g.table.reclaim_read() == 1
     assert grant.live == 0 and not grant.idle and g.table.idle() == []
     g.return_idle()
@@ -93,7 +120,7 @@ def test_a_spent_grant_goes_back_when_its_last_lease_is_confirmed(seg: MappedSeg
     grant = next(iter(g.table))
     lease = _put(g, seg)
     grant.next_seq = 1 << 40  # it numbered its last lease id
-    seg.mark_read(lease.slot, lease.id)
+    seg.mark_read(lease.slot, _mark(lease))
     assert g.table.reclaim_read() == 1 and source.returned == []
     g.freed(lease.id)
     assert source.returned == [grant.id]
@@ -104,7 +131,7 @@ def test_only_the_latest_leases_are_watched(seg: MappedSegment) -> None:
     leases = [_put(g, seg, 1) for _ in range(WATCH_DEPTH + 4)]
     assert len(g.table.watched) == WATCH_DEPTH
     for lease in leases:
-        seg.mark_read(lease.slot, lease.id)
+        seg.mark_read(lease.slot, _mark(lease))
     assert g.table.reclaim_read() == WATCH_DEPTH  # the oldest four wait for their Freed
     assert all(lease.id in g.table.leases for lease in leases[:4])
 
@@ -112,7 +139,7 @@ def test_only_the_latest_leases_are_watched(seg: MappedSegment) -> None:
 def test_a_re_attach_forgets_what_it_watched(seg: MappedSegment) -> None:
     g = _writer(FakeSource())
     lease = _put(g, seg)
-    seg.mark_read(lease.slot, lease.id)
+    seg.mark_read(lease.slot, _mark(lease))
     g.table.clear()
     assert not g.table.watched and g.table.reclaim_read() == 0
 

@@ -9,10 +9,16 @@ only the first slot of a lease's run is used. The writer stamps it before publis
 zeroes it when it frees the lease, and a reader compares it with the
 DataRef's generation before and after copying (a seqlock): a stale DataRef
 can never deliver reused memory. A reader done with a lease marks it read,
-``(0, lease id)``, before its Release: no DataRef matches that any more, and
-the writer, which watches the headers of its latest leases, cuts its next
-lease from the run at once, while it is still in cache (the daemon takes the
-Release when it is awake anyway, up to 64 MiB of transfers later).
+``(0, read_mark(object id))``, before its Release: no DataRef matches that any
+more, and the writer, which watches the headers of its latest leases, cuts its
+next lease from the run at once, while it is still in cache (the daemon takes
+the Release when it is awake anyway, up to 64 MiB of transfers later).
+
+The mark is a hash of the DataRef's object id, not anything the arena holds:
+every admitted client maps the arena and can write any header, but only a
+holder of the DataRef can write the mark its writer takes. A header a
+neighbour scribbles on costs that lease's reader the lease, as scribbling on
+its bytes would; it never makes the writer reuse a run early.
 
 The probe holds a random nonce the daemon writes at start; a client echoes
 what it reads there to prove it maps the daemon's memory (same IPC
@@ -23,6 +29,7 @@ MAP_POPULATE so no page faults land on the hot path.
 
 from __future__ import annotations
 
+import hashlib
 import mmap
 import os
 import struct
@@ -72,6 +79,17 @@ def segment_nslots(segment_bytes: int, slot_size: int) -> int:
 
 def _map_flags() -> int:
     return mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+
+
+def read_mark(object_id: str) -> int:
+    """The read mark of the lease of the DataRef with ``object_id`` (see the module).
+
+    A one-way hash: marks left in headers tell a neighbour nothing of the next
+    lease's, and a writer's object ids carry a random prefix of its own.
+    Never 0, which a cleared header holds.
+    """
+    digest = hashlib.blake2b(object_id.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") | 1
 
 
 class MappedSegment:
@@ -133,13 +151,14 @@ class MappedSegment:
     def write_header(self, slot: int, generation: int, length: int) -> None:
         SLOT_HEADER.pack_into(self.mm, slot * HEADER_STRIDE, generation, length)
 
-    def mark_read(self, slot: int, lease_id: int) -> None:
-        """Say in ``slot``'s header that lease ``lease_id`` was read (see the module)."""
-        SLOT_HEADER.pack_into(self.mm, slot * HEADER_STRIDE, 0, lease_id)
+    def mark_read(self, slot: int, mark: int) -> None:
+        """Say in ``slot``'s header that its lease was read: ``mark`` is
+        :func:`read_mark` of its DataRef's object id (see the module)."""
+        SLOT_HEADER.pack_into(self.mm, slot * HEADER_STRIDE, 0, mark)
 
-    def read_marked(self, slot: int, lease_id: int) -> bool:
-        """Whether ``slot``'s header says lease ``lease_id`` was read."""
-        return SLOT_HEADER.unpack_from(self.mm, slot * HEADER_STRIDE) == (0, lease_id)
+    def read_marked(self, slot: int, mark: int) -> bool:
+        """Whether ``slot``'s header holds the read mark ``mark``."""
+        return SLOT_HEADER.unpack_from(self.mm, slot * HEADER_STRIDE) == (0, mark)
 
     def slot_offset(self, slot: int) -> int:
         return self.data_offset + slot * self.slot_size
