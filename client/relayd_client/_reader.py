@@ -384,7 +384,7 @@ class Reader:
             raise StaleRefError("the lease was reclaimed while it was being read; data discarded")
         if copy:
             # Before the Release: the writer may cut from the run once it sees this.
-            seg.mark_read(lease.slot, read_mark(m.object_id))
+            seg.mark_read(lease.slot, read_mark(m.object_id, lease.lease_id))
             self._notices.release(m, ring=not landed)
         else:
             self.held.add(lease.lease_id)
@@ -411,7 +411,7 @@ class Reader:
                 return
             seg = segments[lease.segment]
             if lease.slot < seg.nslots and seg.read_header(lease.slot)[0] == lease.generation:
-                seg.mark_read(lease.slot, read_mark(m.object_id))
+                seg.mark_read(lease.slot, read_mark(m.object_id, lease.lease_id))
 
     def holds_views(self, ref: DataRef) -> bool:
         """Whether a zero-copy get of ``ref`` holds a lease that view() must release."""

@@ -35,7 +35,7 @@ from .wire.dataref import KIND_DATA, VERSION, DataRef, compact_put
 from .wire.errors import DaemonUnavailableError, DrainingError, InvalidArgumentError
 from .wire.names import check_request_id, check_stage
 from .wire.proto import relay_pb2 as pb
-from .wire.shm import SHM_POOL, read_mark
+from .wire.shm import MARK_DIGITS, SHM_POOL, read_mark
 from .wire.transport import fits_inline
 
 if TYPE_CHECKING:
@@ -264,12 +264,12 @@ class ObjectIds:
     """The object ids of one client's puts: unique, and each unguessable from the others.
 
     A random prefix of the client's, a sequence number (unique without a uuid4
-    per put), and a random part of the put's own: a lease's read mark is a hash
-    of its object id (:func:`~relayd_client.wire.shm.read_mark`), so a stage
-    holding one DataRef of this writer must learn nothing from it of another's.
-    The random parts are drawn in batches, each slice for one sequence number
-    only (a ``getrandom`` per put costs ~0.6 us, this ~0.3), without a lock:
-    puts come from any thread, and ``setdefault`` keeps one batch per number.
+    per put), and 64 random bits of the put's own, last: its lease's read mark
+    (:func:`~relayd_client.wire.shm.read_mark`), which a stage holding another
+    DataRef of this writer must not be able to tell. They are drawn in batches,
+    each part for one sequence number only (a ``getrandom`` per put costs
+    ~0.6 us, this ~0.3), without a lock: puts come from any thread, and
+    ``setdefault`` keeps one batch per number.
     """
 
     BATCH = 1024
@@ -282,15 +282,16 @@ class ObjectIds:
 
     def next(self) -> str:
         n = next(self._seq)
-        first, nonces = self._current
+        first, parts = self._current
         i = n - first
         if not 0 <= i < self.BATCH:
             first = n - n % self.BATCH
-            nonces = self._batches.setdefault(first, os.urandom(8 * self.BATCH).hex())
+            parts = self._batches.setdefault(first, os.urandom(MARK_DIGITS // 2 * self.BATCH).hex())
             self._batches.pop(first - 2 * self.BATCH, None)
-            self._current = (first, nonces)
+            self._current = (first, parts)
             i = n - first
-        return f"{self._prefix}{n}-{nonces[16 * i : 16 * i + 16]}"
+        at = MARK_DIGITS * i
+        return f"{self._prefix}{n}-{parts[at : at + MARK_DIGITS]}"
 
 
 class Writer:
@@ -693,7 +694,7 @@ class Writer:
             if self._notices.publish(
                 lease, plan.total, transport, ref=plan.is_ref, push=push, now=now
             ):
-                self._grants.table.watch(lease, seg, read_mark(plan.object_id))
+                self._grants.table.watch(lease, seg, read_mark(plan.object_id, lease.id))
 
     async def publish_socket(self, plan: PutPlan, timeout: float | None) -> DataRef:
         """Socket fallback: the daemon writes the packed region into a lease for us."""

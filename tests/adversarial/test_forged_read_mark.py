@@ -1,12 +1,12 @@
 """A read mark forged by another process gives no writer its run back.
 
 Every admitted client maps the arena, so any of them can write a slot header.
-The mark a writer takes is a hash of the DataRef's object id, which the arena
-does not hold: a neighbour that writes what it can read there (the lease id,
-the mark's old form) scribbles on the header, and that costs the lease's
-reader the lease (``StaleRefError``, as scribbling on its bytes would) but
-never makes the writer cut its next lease from the run. Had it done so, a
-lease a push or pull was reading would have had the writer's next Reserve
+The mark a writer takes is the random part the DataRef's object id ends with,
+which the arena does not hold: a neighbour that writes what it can read there
+(the lease id, the mark's old form) scribbles on the header, and that costs
+the lease's reader the lease (``StaleRefError``, as scribbling on its bytes
+would) but never makes the writer cut its next lease from the run. On a lease
+a push or pull was reading, that would have had the writer's next Reserve
 refused and its session closed. The sessions go on, and the arena ends empty.
 """
 

@@ -1,8 +1,8 @@
 """The writer takes a run back when its reader marks the lease read: no daemon.
 
-A reader writes ``(0, read_mark(object id))`` into the slot header before its
-Release, a hash of its DataRef's object id that only a holder of the DataRef
-can write.
+A reader writes ``(0, read_mark(object id, lease id))`` into the slot header
+before its Release: the random part its DataRef's object id ends with, which
+only a holder of the DataRef can know.
 The writer watches the headers of its latest lingering leases and, at its next
 cut, puts a marked one's run aside as a freed one (the same LIFO reuse). The
 daemon's Freed of it comes later and only confirms it: until then the grant is
@@ -41,9 +41,14 @@ def _writer(source: FakeSource) -> Grants:
     return g
 
 
+def _object_id(lease_id: int) -> str:
+    """An object id as a writer makes it, its random part here made of the lease id."""
+    return f"3f2a9c1b7d4e-{lease_id}-{lease_id * 0x9E3779B97F4A7C15 % (1 << 64):016x}"
+
+
 def _mark(lease) -> int:  # type: ignore[no-untyped-def]
-    """The read mark of ``lease``'s DataRef: its object id here is made of its id."""
-    return read_mark(f"3f2a9c1b7d4e-{lease.id}")
+    """The read mark of ``lease``'s DataRef."""
+    return read_mark(_object_id(lease.id), lease.id)
 
 
 def _put(g: Grants, seg: MappedSegment, nslots: int = 4):  # type: ignore[no-untyped-def]
@@ -82,8 +87,8 @@ def test_without_the_mark_the_run_waits_for_the_daemons_freed(seg: MappedSegment
     "forged",
     [
         pytest.param(lambda lease: lease.id, id="lease-id"),
-        pytest.param(lambda lease: read_mark(""), id="empty-object-id"),
-        pytest.param(lambda lease: read_mark(f"{lease.id}"), id="other-object-id"),
+        pytest.param(lambda lease: read_mark(_object_id(lease.id + 1), lease.id), id="another-put"),
+        pytest.param(lambda lease: 1, id="a-guess"),
     ],
 )
 def test_a_mark_only_the_arena_could_tell_is_no_mark(seg: MappedSegment, forged) -> None:  # type: ignore[no-untyped-def]

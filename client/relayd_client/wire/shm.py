@@ -9,16 +9,18 @@ only the first slot of a lease's run is used. The writer stamps it before publis
 zeroes it when it frees the lease, and a reader compares it with the
 DataRef's generation before and after copying (a seqlock): a stale DataRef
 can never deliver reused memory. A reader done with a lease marks it read,
-``(0, read_mark(object id))``, before its Release: no DataRef matches that any
-more, and the writer, which watches the headers of its latest leases, cuts its
-next lease from the run at once, while it is still in cache (the daemon takes
-the Release when it is awake anyway, up to 64 MiB of transfers later).
+``(0, read_mark(object id, lease id))``, before its Release: no DataRef
+matches that any more, and the writer, which watches the headers of its latest
+leases, cuts its next lease from the run at once, while it is still in cache
+(the daemon takes the Release when it is awake anyway, up to 64 MiB of
+transfers later).
 
-The mark is a hash of the DataRef's object id, not anything the arena holds:
-every admitted client maps the arena and can write any header, but only a
-holder of the DataRef can write the mark its writer takes. A header a
-neighbour scribbles on costs that lease's reader the lease, as scribbling on
-its bytes would; it never makes the writer reuse a run early.
+The mark is the random part a writer ends each object id with, which nothing
+in the arena holds until the mark itself: every admitted client maps the arena
+and can write any header, but only a holder of the DataRef can write the mark
+its writer takes. A header a neighbour scribbles on costs that lease's reader
+the lease, as scribbling on its bytes would; it never makes the writer reuse a
+run early.
 
 The probe holds a random nonce the daemon writes at start; a client echoes
 what it reads there to prove it maps the daemon's memory (same IPC
@@ -29,7 +31,6 @@ MAP_POPULATE so no page faults land on the hot path.
 
 from __future__ import annotations
 
-import hashlib
 import mmap
 import os
 import struct
@@ -46,6 +47,9 @@ MAX_SLOT_SIZE = 1 << 30
 PROBE_BYTES = 16
 #: A slot header: (generation, length) of the lease whose run starts at that slot.
 SLOT_HEADER = struct.Struct("<QQ")
+#: The hex digits of random an object id ends with: its lease's read mark.
+MARK_DIGITS = 16
+_MARK_MASK = (1 << 64) - 1
 #: A lease id is ``grant id << LEASE_SEQ_BITS | n`` with ``1 <= n <= MAX_LEASE_SEQ``,
 #: and the same number is its generation: one u64 on the wire and in a slot header.
 #: So a grant numbers at most MAX_LEASE_SEQ leases, and a daemon numbers grants
@@ -81,15 +85,20 @@ def _map_flags() -> int:
     return mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 
-def read_mark(object_id: str) -> int:
-    """The read mark of the lease of the DataRef with ``object_id`` (see the module).
+def read_mark(object_id: str, lease_id: int) -> int:
+    """The read mark of lease ``lease_id`` of the DataRef with ``object_id`` (see the module).
 
-    A one-way hash: marks left in headers tell a neighbour nothing of the next
-    lease's, and a writer's object ids carry a random prefix of its own.
-    Never 0, which a cleared header holds.
+    The last :data:`MARK_DIGITS` hex digits of the id: a writer ends each id
+    with 64 random bits of that put's own (``_writer.ObjectIds``), so a mark
+    left in a header tells nothing of the next one. An id without them (an
+    older writer's) is marked with its lease id, as that writer expects.
+    Never 0, which a cleared header holds; whatever a writer puts there, a
+    number that fits the header.
     """
-    digest = hashlib.blake2b(object_id.encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") | 1
+    try:
+        return int(object_id[-MARK_DIGITS:], 16) & _MARK_MASK | 1
+    except ValueError:
+        return lease_id
 
 
 class MappedSegment:
