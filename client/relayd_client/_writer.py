@@ -267,9 +267,9 @@ class ObjectIds:
     per put), and 64 random bits of the put's own, last: its lease's read mark
     (:func:`~relayd_client.wire.shm.read_mark`), which a stage holding another
     DataRef of this writer must not be able to tell. They are drawn in batches,
-    each part for one sequence number only (a ``getrandom`` per put costs
-    ~0.6 us, this ~0.3), without a lock: puts come from any thread, and
-    ``setdefault`` keeps one batch per number.
+    each part for one sequence number only (an id costs ~0.3 us so, ~0.75 with
+    a ``getrandom`` of its own, ~0.1 with none), without a lock: puts come
+    from any thread, and ``setdefault`` keeps one batch per number.
     """
 
     BATCH = 1024
