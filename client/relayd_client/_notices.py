@@ -40,6 +40,13 @@ if TYPE_CHECKING:
     from ._session import SessionChannel
 
 
+def _prompt(session: SessionChannel, nbytes: int) -> bool:
+    """Whether a lease of ``nbytes`` has its Publish and Release sent at once:
+    from ``PROMPT_NOTICE_BYTES``, to a daemon that takes no Reserve over a read
+    lease (see the module)."""
+    return nbytes >= PROMPT_NOTICE_BYTES and not session.reserve_over_read
+
+
 class Notices:
     """Notices of one client, on whatever session its connection holds now."""
 
@@ -124,7 +131,7 @@ class Notices:
                 session.pending.publish.add(
                     lease_id=lease.id, nbytes=nbytes, transport=transport, ref=ref, push=push
                 )
-            if now or (nbytes >= PROMPT_NOTICE_BYTES and not session.reserve_over_read):
+            if now or _prompt(session, nbytes):
                 session.mark(flush=True)
                 return False
             # One daemon wakeup per batch, not per put. The slot header just
@@ -173,7 +180,7 @@ class Notices:
                 return  # the daemon restarted during the read: the lease went with it
             self._checks.remember_released(lease_id)
             session = self._conn.session
-            prompt = lease.length >= PROMPT_NOTICE_BYTES and not session.reserve_over_read
+            prompt = _prompt(session, lease.length)
             if (
                 ring
                 and not prompt
