@@ -8,7 +8,7 @@ import threading
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from relayd_client._grants import LIFO_DEPTH, Grant, LeaseTable
+from relayd_client._grants import BEHIND_NEWEST_MAX, LIFO_DEPTH, Grant, Grants, LeaseTable
 from relayd_client.wire.shm import LEASE_SEQ_BITS, MAX_LEASE_SEQ
 
 
@@ -46,6 +46,71 @@ def test_steady_state_stop_and_wait_stays_on_one_run() -> None:
         slots.add(le.slot)
         t.free(le.id)
     assert len(slots) == 1
+
+
+def test_not_newest_leaves_the_run_freed_last_for_a_later_cut() -> None:
+    t = _table(32)
+    a, b, c = t.cut(2), t.cut(2), t.cut(2)
+    assert a is not None and b is not None and c is not None
+    t.free(a.id)
+    t.free(b.id)
+    again = t.cut(2, newest=False)
+    assert again is not None and again.slot == a.slot  # b, freed last, stays aside
+    fresh = t.cut(2, newest=False)
+    assert fresh is not None and fresh.slot == 6  # b is the only one: first fit
+    assert [local for _, local, _ in t.recent] == [b.local]
+    assert t.cut(2) is not None and not t.recent  # the newest, when asked for
+
+
+def test_not_newest_falls_back_to_the_run_kept_aside_when_nothing_else_fits() -> None:
+    t = _table(4)
+    le = t.cut(4)
+    assert le is not None
+    t.free(le.id)
+    again = t.cut(4, newest=False)  # the only run there is: taken back after all
+    assert again is not None and again.slot == le.slot
+
+
+def test_stop_and_wait_not_newest_alternates_two_runs() -> None:
+    t = _table(64)
+    slots = []
+    for _ in range(100):
+        le = t.cut(4, newest=False)
+        assert le is not None
+        slots.append(le.slot)
+        t.free(le.id)
+    assert len(set(slots)) == 2
+    assert all(x != y for x, y in itertools.pairwise(slots))
+
+
+def _grants(slot_size: int, nslots: int, pool: str = "shm") -> Grants:
+    g = Grants(LeaseTable(), None, lambda: None)  # type: ignore[arg-type]  # cut() asks nobody
+    g.configure(slot_size, slot_size * nslots)
+    g.table.add(Grant(1, 0, 0, nslots, 1 << 32, pool))
+    return g
+
+
+@pytest.mark.parametrize(
+    ("nbytes", "pool", "runs"),
+    [
+        (256 << 10, "shm", 2),
+        (BEHIND_NEWEST_MAX, "shm", 2),
+        (BEHIND_NEWEST_MAX + 1, "shm", 1),
+        (4 << 20, "shm", 1),
+        (256 << 10, "gpu0", 1),  # a GPU pool's runs are no host memory
+    ],
+)
+def test_a_writer_in_steady_state_copies_into_two_runs_up_to_the_bound(
+    nbytes: int, pool: str, runs: int
+) -> None:
+    g = _grants(64 << 10, 512, pool)
+    slots = set()
+    for _ in range(20):
+        le = g.cut(nbytes, pool)
+        assert le is not None
+        slots.add(le.slot)
+        g.table.free(le.id)
+    assert len(slots) == runs
 
 
 def test_the_run_freed_last_is_reused_first_across_grants() -> None:
@@ -179,14 +244,19 @@ def test_cuts_from_many_threads_never_overlap() -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.booleans(), st.integers(1, 9), st.integers(0, 1000)), max_size=120))
-def test_no_overlap_and_free_map_invariants(ops: list[tuple[bool, int, int]]) -> None:
+@given(
+    st.lists(
+        st.tuples(st.booleans(), st.integers(1, 9), st.integers(0, 1000), st.booleans()),
+        max_size=120,
+    )
+)
+def test_no_overlap_and_free_map_invariants(ops: list[tuple[bool, int, int, bool]]) -> None:
     nslots = 48
     t = _table(nslots)
     live: dict[int, tuple[int, int]] = {}
-    for cut, n, pick in ops:
+    for cut, n, pick, newest in ops:
         if cut or not live:
-            le = t.cut(n)
+            le = t.cut(n, newest=newest)
             if le is None:
                 assert not t.recent  # every run kept aside was tried
                 free = t.grants[1].alloc.free_runs()

@@ -4,7 +4,7 @@ A reader writes ``(0, read_mark(object id, lease id))`` into the slot header
 before its Release: the random part its DataRef's object id ends with, which
 only a holder of the DataRef can know.
 The writer watches the headers of its latest lingering leases and, at its next
-cut, puts a marked one's run aside as a freed one (the same LIFO reuse). The
+cut, puts a marked one's run aside as a freed one (the same reuse). The
 daemon's Freed of it comes later and only confirms it: until then the grant is
 not idle, so it is never given back while the daemon may still count the
 lease. These run on a real segment in /dev/shm.
@@ -12,10 +12,12 @@ lease. These run on a real segment in /dev/shm.
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Iterator
 
 import pytest
+from relayd_client import _grants as _grants_module
 from relayd_client._grants import WATCH_DEPTH, Grants, LeaseTable
 from relayd_client.wire.shm import MappedSegment, read_mark
 
@@ -60,17 +62,32 @@ def _put(g: Grants, seg: MappedSegment, nslots: int = 4):  # type: ignore[no-unt
     return lease
 
 
-def test_stop_and_wait_stays_on_the_run_its_reader_just_read(seg: MappedSegment) -> None:
-    g = _writer(FakeSource())
-    slots = set()
+def _stop_and_wait(g: Grants, seg: MappedSegment) -> list[int]:
+    slots = []
     for _ in range(50):
         lease = _put(g, seg)
-        slots.add(lease.slot)
+        slots.append(lease.slot)
         seg.mark_read(lease.slot, _mark(lease))  # the reader is done; no Freed comes yet
-    assert slots == {0}
+    return slots
 
 
-def test_without_the_mark_the_run_waits_for_the_daemons_freed(seg: MappedSegment) -> None:
+def test_stop_and_wait_takes_turns_on_two_runs_its_reader_marked_read(seg: MappedSegment) -> None:
+    slots = _stop_and_wait(_writer(FakeSource()), seg)
+    assert set(slots) == {0, 4}  # never a third: each comes back on its reader's mark
+    assert all(a != b for a, b in itertools.pairwise(slots))  # not the one just read
+
+
+def test_stop_and_wait_above_the_bound_stays_on_the_run_its_reader_just_read(
+    seg: MappedSegment, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_grants_module, "BEHIND_NEWEST_MAX", 0)  # as a 4 MiB lease
+    assert set(_stop_and_wait(_writer(FakeSource()), seg)) == {0}
+
+
+def test_without_the_mark_the_run_waits_for_the_daemons_freed(
+    seg: MappedSegment, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_grants_module, "BEHIND_NEWEST_MAX", 0)  # the run freed last, reused
     g = _writer(FakeSource())
     first = _put(g, seg)
     second = _put(g, seg)
