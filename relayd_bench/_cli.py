@@ -310,6 +310,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         machine["cold_call"] = dataclasses.asdict(bench.cold_call)
     if bench.wake is not None:
         machine["wake"] = dataclasses.asdict(bench.wake)
+    if bench.handoff is not None:
+        machine["handoff"] = dataclasses.asdict(bench.handoff)
     per_round = round_ratios(bench.rounds) if opts.rounds > 1 else []
     sys.stdout.write(render_table(bench.results, bench.streams, machine, rounds=per_round))
     network = bench.network_line()

@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from relayd_bench import _coldcall, _daemon, _netns, _timeline, _wake
+from relayd_bench import _coldcall, _daemon, _handoff, _netns, _timeline, _wake
 from relayd_bench._api import BenchContext, JobSpec, Pace, SizePlan, Step, WriterReport
 from relayd_bench._harness import JobOutcome, run_jobs
 from relayd_bench._progress import Progress
@@ -116,6 +116,7 @@ class Bench:
         self.loadavg_at_start = [round(x, 2) for x in os.getloadavg()]
         self.cold_call: _coldcall.ColdCall | None = None
         self.wake: _wake.Wake | None = None
+        self.handoff: _handoff.Handoff | None = None
         self.netns: _netns.Netns | None = None
         self._namespaces = contextlib.ExitStack()
         self.link_bytes: tuple[int, int] | None = None  # what each veth end sent, at close
@@ -126,6 +127,7 @@ class Bench:
         """Raises ``_netns.NetnsUnavailable`` if ``netns`` is asked for and cannot be set up."""
         self.cold_call = _coldcall.probe()
         self.wake = _wake.probe()
+        self.handoff = _handoff.probe()
         if self.opts.timeline:
             # Before any method: a baseline may run before the daemons start.
             self.timeline_dir.mkdir(exist_ok=True)

@@ -11,6 +11,7 @@ from typing import Any
 
 from relayd_bench import _rtt
 from relayd_bench._coldcall import ColdCall
+from relayd_bench._handoff import Handoff
 from relayd_bench._rounds import RoundRatios
 from relayd_bench._stats import (
     COMPARISONS,
@@ -139,13 +140,14 @@ def _machine_line(m: dict[str, Any]) -> str:
         load += f", {end[0]:.1f} at end" if end else ""
     elif len(end) >= 2:
         load = f" · load {end[0]:.1f}/{end[1]:.1f}"
-    cold, wake = m.get("cold_call"), m.get("wake")
+    cold, wake, handoff = m.get("cold_call"), m.get("wake"), m.get("handoff")
     return (
         f"{m.get('cpu_model', '?')} · {m.get('cores', '?')} cores · Linux {m.get('kernel', '?')}"
         f" · Python {m.get('python', '?')} · torch {m.get('torch', '?')}"
         + load
         + ("" if not cold else "\n" + ColdCall(**cold).line())
         + ("" if not wake else "\n" + Wake(**wake).line())
+        + ("" if not handoff else "\n" + Handoff(**handoff).line())
         + _idle_line(m.get("cpuidle"))
         + _tcp_line(m.get("tcp"))
     )

@@ -32,6 +32,7 @@ receiver process to two different cores; a single-core process skips it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import socket
@@ -40,6 +41,7 @@ import struct
 import subprocess
 import sys
 import time
+from collections.abc import Iterator, Sequence
 
 from relayd_bench._coldcall import COLD_PAUSE_S
 
@@ -132,25 +134,35 @@ def probe(
     if cores is None:
         return None
     try:
-        mine, theirs = socket.socketpair()
-        with mine:
-            with theirs:
-                child = subprocess.Popen(
-                    [sys.executable, "-c", _RECEIVER, str(theirs.fileno()), str(cores[1])],
-                    pass_fds=(theirs.fileno(),),
-                    stderr=subprocess.DEVNULL,  # a receiver that fails is told by its silence
-                )
-            try:
-                return _measure(mine, cores[0], samples, pause, short)
-            finally:
-                mine.close()  # the receiver reads end-of-file and exits
-                try:
-                    child.wait(PROBE_TIMEOUT_S)
-                except subprocess.TimeoutExpired:
-                    child.kill()
-                    child.wait()
+        with helper(_RECEIVER, [str(cores[1])]) as sock:
+            return _measure(sock, cores[0], samples, pause, short)
     except OSError:  # socket.timeout included
         return None
+
+
+@contextlib.contextmanager
+def helper(script: str, args: Sequence[str], fds: Sequence[int] = ()) -> Iterator[socket.socket]:
+    """A probe's other process: Python running ``script`` with its end of a
+    socket pair (the descriptor's number, then ``args``, in its argv) and
+    ``fds``; this end is yielded. Closing it ends the helper, which is waited
+    for (killed past :data:`PROBE_TIMEOUT_S`)."""
+    mine, theirs = socket.socketpair()
+    with mine:
+        with theirs:
+            child = subprocess.Popen(
+                [sys.executable, "-c", script, str(theirs.fileno()), *args],
+                pass_fds=(theirs.fileno(), *fds),
+                stderr=subprocess.DEVNULL,  # a helper that fails is told by its silence
+            )
+        try:
+            yield mine
+        finally:
+            mine.close()  # the helper reads end-of-file and exits
+            try:
+                child.wait(PROBE_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
 
 
 def _measure(sock: socket.socket, core: int, samples: int, pause: float, short: float) -> Wake:

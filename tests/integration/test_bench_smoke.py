@@ -108,6 +108,14 @@ def test_quick_baselines_produce_every_cell(tmp_path: Path) -> None:
         assert f"the send that wakes it: {wake['send_busy_us']:.1f} µs" in stdout
     else:
         assert wake is None
+    # and the hand-off probe, the same way
+    handoff = doc["machine"].get("handoff")
+    if len(os.sched_getaffinity(0)) >= 2:
+        assert handoff is not None and handoff["nbytes"] == 256 << 10
+        assert handoff["just_read_us"] > 0 and handoff["read_before_us"] > 0
+        assert f"another core read last: {handoff['just_read_us']:.1f} µs" in stdout
+    else:
+        assert handoff is None
 
 
 def test_rounds_run_every_cell_each_round_and_summarize_the_ratios(tmp_path: Path) -> None:
