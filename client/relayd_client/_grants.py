@@ -160,6 +160,8 @@ class LeaseTable:
         (while it is the only one, a second is cut first fit, if any fits)."""
         with self.lock:
             found = self._reuse(nslots, pool, 0 if newest else 1) or self._first_fit(nslots, pool)
+            if found is None and not newest:  # nothing else fits: the newest after all
+                found = self._reuse(nslots, pool, 0)
             if found is None and self.recent:
                 self.unpark()  # runs of other sizes, kept aside: coalesced, they may fit
                 found = self._first_fit(nslots, pool)

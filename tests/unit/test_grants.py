@@ -63,12 +63,15 @@ def test_not_newest_leaves_the_run_freed_last_for_a_later_cut() -> None:
 
 
 def test_not_newest_falls_back_to_the_run_kept_aside_when_nothing_else_fits() -> None:
-    t = _table(4)
-    le = t.cut(4)
-    assert le is not None
+    t = _table(6)
+    le, other = t.cut(4), t.cut(2)
+    assert le is not None and other is not None
+    t.free(other.id)
     t.free(le.id)
     again = t.cut(4, newest=False)  # the only run there is: taken back after all
     assert again is not None and again.slot == le.slot
+    # ...without giving back the runs of other sizes kept aside
+    assert [(local, count) for _, local, count in t.recent] == [(other.local, 2)]
 
 
 def test_stop_and_wait_not_newest_alternates_two_runs() -> None:
