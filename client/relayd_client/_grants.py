@@ -54,8 +54,7 @@ if TYPE_CHECKING:
 # beyond this many, the oldest goes back to its grant's allocator.
 LIFO_DEPTH = 64
 # An arena lease of at most this many bytes is cut from the newest run but one
-# of its size kept aside, where there are two (see Grants.cut); a larger one
-# from the newest.
+# of its size kept aside (see Grants._cut); a larger one from the newest.
 BEHIND_NEWEST_MAX = 512 << 10
 # Sealed leases whose headers a writer watches for its reader's mark, newest
 # last; an older one comes back with the daemon's Freed. A stop-and-wait writer
@@ -157,7 +156,8 @@ class LeaseTable:
         """A lease of ``nslots`` of ``pool``: the newest freed run of that size
         kept aside, else first fit in the first grant with room; None if none
         has room. ``newest=False``: the newest such run is left for a later cut
-        (while it is the only one, a second is cut first fit, if any fits)."""
+        (while it is the only one, a second is cut first fit; if none fits, the
+        newest is taken after all)."""
         with self.lock:
             found = self._reuse(nslots, pool, 0 if newest else 1) or self._first_fit(nslots, pool)
             if found is None and not newest:  # nothing else fits: the newest after all
@@ -398,7 +398,7 @@ class Grants:
         run freed before it has gone on to the shared cache. In stop-and-wait
         between two processes, a put into the newest but one took 58-61 us at
         256 KiB (its copy 14-17) and 73-76 at 512 KiB, against 69-70 (24-26)
-        and 82-88 into the newest; the reader's get was no slower. At 1 MiB
+        and 82-88 into the newest; the reader's get was 0-4 us slower. At 1 MiB
         the put gained little and the get lost 5-25 us; at 4 MiB the copy took
         213-266 us against 148-175 (two runs outgrow the cache). A GPU pool's
         runs are no host memory: the newest.
