@@ -26,7 +26,7 @@ import socket
 import statistics
 import time
 
-from relayd_bench._wake import PROBE_TIMEOUT_S, helper
+from relayd_bench._wake import helper, two_cores
 
 # The copy timed: a hidden-state chunk's size, below BEHIND_NEWEST_MAX.
 NBYTES = 256 << 10
@@ -36,10 +36,10 @@ SAMPLES = 200
 # shared memory each time it is sent k, then answering. Standard library only.
 _READER = """
 import ctypes, mmap, os, socket, sys
-os.sched_setaffinity(0, {int(sys.argv[3])})
+os.sched_setaffinity(0, {int(sys.argv[2])})
 n = int(sys.argv[4])
 s = socket.socket(fileno=int(sys.argv[1]))
-shared = mmap.mmap(int(sys.argv[2]), 2 * n)
+shared = mmap.mmap(int(sys.argv[3]), 2 * n)
 base = ctypes.addressof(ctypes.c_char.from_buffer(shared))
 out = bytearray(n)
 dst = ctypes.addressof(ctypes.c_char.from_buffer(out))
@@ -73,40 +73,33 @@ class Handoff:
 def probe(samples: int = SAMPLES, nbytes: int = NBYTES) -> Handoff | None:
     """Time both copies; None where this process may run on one core only, or
     may not pin itself, or the reader did not answer: the run goes on without."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
+    cores = two_cores()
+    if cores is None:
         return None
     try:
         fd = os.memfd_create("relayd-bench-handoff")
         try:
             os.ftruncate(fd, 2 * nbytes)
-            with mmap.mmap(fd, 2 * nbytes) as shared:
-                args = [str(fd), str(cpus[1]), str(nbytes)]
-                with helper(_READER, args, (fd,)) as sock:
-                    return _measure(sock, shared, cpus[0], samples, nbytes)
+            with (
+                mmap.mmap(fd, 2 * nbytes) as shared,
+                helper(_READER, cores, [str(fd), str(nbytes)], (fd,)) as sock,
+            ):
+                return _measure(sock, shared, samples, nbytes)
         finally:
             os.close(fd)
     except (OSError, BufferError):  # socket.timeout included
         return None
 
 
-def _measure(
-    sock: socket.socket, shared: mmap.mmap, core: int, samples: int, nbytes: int
-) -> Handoff:
-    """The probe's samples, this process pinned to ``core`` meanwhile."""
-    restore = os.sched_getaffinity(0)
-    sock.settimeout(PROBE_TIMEOUT_S)
-    os.sched_setaffinity(0, {core})
+def _measure(sock: socket.socket, shared: mmap.mmap, samples: int, nbytes: int) -> Handoff:
+    """The probe's samples, on the reader's socket."""
     source = bytearray(os.urandom(nbytes))
     src = ctypes.addressof(ctypes.c_char.from_buffer(source))
     base = ctypes.addressof(ctypes.c_char.from_buffer(shared))
-    try:
-        _copies(sock, src, base, 5, nbytes, alternate=True)  # faulted in, reader up
-        just_read = _copies(sock, src, base, samples, nbytes, alternate=False)
-        read_before = _copies(sock, src, base, samples, nbytes, alternate=True)
-        return Handoff(nbytes, just_read, read_before)
-    finally:
-        os.sched_setaffinity(0, restore)
+    _copies(sock, src, base, 5, nbytes, alternate=True)  # faulted in, reader up
+    just_read = _copies(sock, src, base, samples, nbytes, alternate=False)
+    read_before = _copies(sock, src, base, samples, nbytes, alternate=True)
+    return Handoff(nbytes, just_read, read_before)
 
 
 def _copies(

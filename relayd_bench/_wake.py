@@ -97,7 +97,8 @@ class Wake:
         )
 
 
-def _cores() -> tuple[int, int] | None:
+def two_cores() -> tuple[int, int] | None:
+    """Two cores this process may run on (its own, then its helper's); None: one only."""
     cpus = sorted(os.sched_getaffinity(0))
     return (cpus[0], cpus[1]) if len(cpus) >= 2 else None
 
@@ -130,32 +131,42 @@ def probe(
     ``pause`` s idle;
     None where this process may run on one core only, or may not pin itself, or
     the receiver did not answer: the run goes on without the line."""
-    cores = _cores()
+    cores = two_cores()
     if cores is None:
         return None
     try:
-        with helper(_RECEIVER, [str(cores[1])]) as sock:
-            return _measure(sock, cores[0], samples, pause, short)
+        with helper(_RECEIVER, cores) as sock:
+            return _measure(sock, samples, pause, short)
     except OSError:  # socket.timeout included
         return None
 
 
 @contextlib.contextmanager
-def helper(script: str, args: Sequence[str], fds: Sequence[int] = ()) -> Iterator[socket.socket]:
+def helper(
+    script: str, cores: tuple[int, int], args: Sequence[str] = (), fds: Sequence[int] = ()
+) -> Iterator[socket.socket]:
     """A probe's other process: Python running ``script`` with its end of a
-    socket pair (the descriptor's number, then ``args``, in its argv) and
-    ``fds``; this end is yielded. Closing it ends the helper, which is waited
-    for (killed past :data:`PROBE_TIMEOUT_S`)."""
+    socket pair (in its argv: the descriptor's number, the core to pin itself
+    to, ``cores[1]``, then ``args``) and ``fds``; this end is yielded, with
+    :data:`PROBE_TIMEOUT_S` on its calls, and this process is pinned to
+    ``cores[0]`` meanwhile. Closing it ends the helper, which is waited for
+    (killed past :data:`PROBE_TIMEOUT_S`)."""
     mine, theirs = socket.socketpair()
     with mine:
         with theirs:
             child = subprocess.Popen(
-                [sys.executable, "-c", script, str(theirs.fileno()), *args],
+                [sys.executable, "-c", script, str(theirs.fileno()), str(cores[1]), *args],
                 pass_fds=(theirs.fileno(), *fds),
                 stderr=subprocess.DEVNULL,  # a helper that fails is told by its silence
             )
+        restore = os.sched_getaffinity(0)
         try:
-            yield mine
+            mine.settimeout(PROBE_TIMEOUT_S)
+            os.sched_setaffinity(0, {cores[0]})
+            try:
+                yield mine
+            finally:
+                os.sched_setaffinity(0, restore)
         finally:
             mine.close()  # the helper reads end-of-file and exits
             try:
@@ -165,16 +176,10 @@ def helper(script: str, args: Sequence[str], fds: Sequence[int] = ()) -> Iterato
                 child.wait()
 
 
-def _measure(sock: socket.socket, core: int, samples: int, pause: float, short: float) -> Wake:
-    """The probe's samples, this process pinned to ``core`` meanwhile."""
-    restore = os.sched_getaffinity(0)
-    sock.settimeout(PROBE_TIMEOUT_S)
-    os.sched_setaffinity(0, {core})
-    try:
-        _one_way_us(sock, 5, 0.0)  # the receiver is up and pinned once it answers
-        busy, send_busy = _one_way_us(sock, samples, 0.0)
-        shorter, send_shorter = _one_way_us(sock, samples, short)
-        idle, send_idle = _one_way_us(sock, samples, pause)
-        return Wake(pause, busy, idle, send_busy, send_idle, short, shorter, send_shorter)
-    finally:
-        os.sched_setaffinity(0, restore)
+def _measure(sock: socket.socket, samples: int, pause: float, short: float) -> Wake:
+    """The probe's samples, on the receiver's socket."""
+    _one_way_us(sock, 5, 0.0)  # the receiver is up and pinned once it answers
+    busy, send_busy = _one_way_us(sock, samples, 0.0)
+    shorter, send_shorter = _one_way_us(sock, samples, short)
+    idle, send_idle = _one_way_us(sock, samples, pause)
+    return Wake(pause, busy, idle, send_busy, send_idle, short, shorter, send_shorter)

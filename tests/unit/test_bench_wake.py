@@ -71,7 +71,7 @@ def test_a_process_that_may_not_pin_itself_skips_the_probe(
         raise PermissionError("not allowed here")
 
     monkeypatch.setattr(_wake.os, "sched_setaffinity", refused)
-    monkeypatch.setattr(_wake, "_cores", lambda: (0, 1))
+    monkeypatch.setattr(_wake, "two_cores", lambda: (0, 1))
     assert _wake.probe(samples=5, pause=0.0005) is None
 
 
