@@ -103,6 +103,14 @@ BASELINES: tuple[Entry, ...] = (
         shares_process=False,
     ),
     Entry(
+        "floor-relay",
+        "relayd_bench._relay_floor:FloorRelay",
+        "relayd-mooncake's four processes and hops, nothing on them but the bytes: "
+        "writer, forwarder, TCP, forwarder, reader",
+        cross_node=True,
+        shares_process=False,  # a forwarder pair per stream, as each pair of daemons serves one
+    ),
+    Entry(
         "mooncake-raw-late",
         "relayd_bench._mooncake:MooncakeRawLate",
         f"mooncake-raw, its DataRef handed over {LATE_HANDOFF_S * 1e3:g} ms after the write "

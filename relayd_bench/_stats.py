@@ -12,6 +12,7 @@ Conventions:
 - "x floor" is this method's median over the ``floor`` median at the same size;
 - a comparison (``COMPARISONS``) is one method's median over another's at the same
   size: relayd-mooncake over raw Mooncake moving the same bytes in the same run,
+  and over ``floor-relay``, its own path with nothing on it but the bytes,
   the async client over the same hand-off driven from an event loop;
 - the daemon CPU of a method whose reader has its own daemon (relayd-mooncake) is
   the sum of both daemons in the table ("d") and in ``cpu_ns_per_transfer.daemon``,
@@ -38,6 +39,7 @@ REFERENCE_METHOD = "floor"
 # or the same driving (an event loop on both sides)
 COMPARISONS: tuple[tuple[str, str], ...] = (
     ("relayd-mooncake", "mooncake-raw"),
+    ("relayd-mooncake", "floor-relay"),
     ("relayd-mooncake-view", "mooncake-raw"),
     ("relayd-mooncake-late", "mooncake-raw-late"),
     ("relayd-shm", "floor-async"),

@@ -173,17 +173,24 @@ def test_stream_workload_carries_every_stream_in_one_process_pair_or_one_each(
 @requires_mooncake
 def test_quick_relayd_mooncake_runs_on_two_daemons_beside_raw_mooncake(tmp_path: Path) -> None:
     """relayd-mooncake reads a copy, relayd-mooncake-view reads in place (as raw
-    Mooncake's reader uses its buffer); both are held against raw Mooncake."""
+    Mooncake's reader uses its buffer); both are held against raw Mooncake, and
+    relayd-mooncake against its path's floor too."""
     before = _bench_segments()
     relayd = ["relayd-mooncake", "relayd-mooncake-view"]
-    doc, stdout = _bench(tmp_path, ["mooncake-raw", *relayd], ["1M"])
+    doc, stdout = _bench(tmp_path, ["mooncake-raw", "floor-relay", *relayd], ["1M"])
 
     cells = {r["method"]: r for r in doc["results"]}
-    assert set(cells) == {"mooncake-raw", *relayd}
+    assert set(cells) == {"mooncake-raw", "floor-relay", *relayd}
     for r in cells.values():
         _assert_ok(r)
+    assert cells["floor-relay"]["extra"]["rt"] == "0.50"
     pairs = [(c["method"], c["baseline"]) for c in doc["comparisons"]]
-    assert pairs == [(m, "mooncake-raw") for m in relayd]
+    assert pairs == [
+        ("relayd-mooncake", "mooncake-raw"),
+        ("relayd-mooncake", "floor-relay"),
+        ("relayd-mooncake-view", "mooncake-raw"),
+    ]
+    assert "relayd-mooncake / floor-relay:" in stdout
     for cmp in doc["comparisons"]:
         assert [c["size"] for c in cmp["ratio_of_medians"]] == [1 << 20]
     for m in relayd:
