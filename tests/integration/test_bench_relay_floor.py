@@ -26,7 +26,7 @@ SHM = Path("/dev/shm")
 
 @pytest.fixture
 def ctx() -> Iterator[BenchContext]:
-    prefix = f"relayd-bench-test-relay-{os.getpid()}-"
+    prefix = f"relayd-test-relay-floor-{os.getpid()}-"  # not the bench smoke tests' prefix
     yield BenchContext(run_id="t", shm_prefix=prefix)
     assert not [p for p in SHM.iterdir() if p.name.startswith(prefix)]
 

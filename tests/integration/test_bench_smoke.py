@@ -26,8 +26,11 @@ SHM = Path("/dev/shm")
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _bench_segments() -> set[str]:
-    return {p.name for p in SHM.iterdir() if p.name.startswith("relayd-bench-")}
+def _leftovers(doc: Any) -> list[str]:
+    """What the run of ``doc`` left in /dev/shm: its methods' segments and its
+    daemons' arenas, all named after its run id (other runs may be going on)."""
+    mark = f"bench-{doc['run']['run_id']}-"
+    return [p.name for p in SHM.iterdir() if mark in p.name]
 
 
 def _bench(
@@ -68,7 +71,6 @@ def _assert_ok(r: dict[str, Any]) -> None:
 
 
 def test_quick_baselines_produce_every_cell(tmp_path: Path) -> None:
-    before = _bench_segments()
     doc, stdout = _bench(tmp_path, BASELINES, list(SIZES))
 
     cells = {(r["method"], r["size"]): r for r in doc["results"]}
@@ -91,7 +93,7 @@ def test_quick_baselines_produce_every_cell(tmp_path: Path) -> None:
     assert doc["run"]["leftover_segments"] == []
     # ...and nothing of this or any other bench run is left behind
     assert not any(n.startswith(doc["run"]["shm_prefix"]) for n in os.listdir(SHM))
-    assert _bench_segments() <= before
+    assert _leftovers(doc) == []
     assert "floor" in stdout  # the table went to stdout
     # the machine's cold-call probe, in the JSON and under the machine line
     cold = doc["machine"]["cold_call"]
@@ -147,7 +149,6 @@ def test_stream_workload_carries_every_stream_in_one_process_pair_or_one_each(
     process's lanes reported as one."""
     methods = ["floor", "relayd-shm", "relayd-sync"]
     more = ["--stream-methods", ",".join(methods), "--streams", "3", "--stream-rate", "100"]
-    before = _bench_segments()
     doc, stdout = _bench(
         tmp_path, ["stream"], ["4K"], [*more, "--stream-size", "64K", "--stream-pairs", str(pairs)]
     )
@@ -166,7 +167,7 @@ def test_stream_workload_carries_every_stream_in_one_process_pair_or_one_each(
     shape = "in one writer/reader process pair" if pairs == 1 else "in 3 process pairs"
     assert f"stream: 3 streams x 64KiB at 100/s each {shape}" in stdout
     assert doc["run"]["leftover_segments"] == [] and doc["run"]["warnings"] == []
-    assert _bench_segments() <= before
+    assert _leftovers(doc) == []
 
 
 @pytest.mark.multinode
@@ -175,7 +176,6 @@ def test_quick_relayd_mooncake_runs_on_two_daemons_beside_raw_mooncake(tmp_path:
     """relayd-mooncake reads a copy, relayd-mooncake-view reads in place (as raw
     Mooncake's reader uses its buffer); both are held against raw Mooncake, and
     relayd-mooncake against its path's floor too."""
-    before = _bench_segments()
     relayd = ["relayd-mooncake", "relayd-mooncake-view"]
     doc, stdout = _bench(tmp_path, ["mooncake-raw", "floor-relay", *relayd], ["1M"])
 
@@ -211,7 +211,7 @@ def test_quick_relayd_mooncake_runs_on_two_daemons_beside_raw_mooncake(tmp_path:
     pair = f"bench-{run['run_id']}-"
     assert not [n for n in os.listdir(SHM) if pair in n or n.startswith(run["shm_prefix"])]
     assert run["leftover_segments"] == [] and run["warnings"] == []
-    assert _bench_segments() <= before
+    assert _leftovers(doc) == []
 
 
 def test_quick_late_pair_reads_announced_pushes_beside_a_late_raw_read(tmp_path: Path) -> None:
@@ -374,7 +374,6 @@ def _netns_unavailable() -> str:
 @pytest.mark.multinode
 @pytest.mark.skipif(bool(_netns_unavailable()), reason=_netns_unavailable() or "-")
 def test_quick_netns_counts_round_trips_and_models_latency(tmp_path: Path) -> None:
-    before = _bench_segments()
     methods = ["mooncake-raw", "relayd-mooncake"]
     doc, stdout = _bench(tmp_path, methods, ["256K"], ["--netns", "--netns-rate", "10gbit"])
 
@@ -414,4 +413,4 @@ def test_quick_netns_counts_round_trips_and_models_latency(tmp_path: Path) -> No
     for d in (run["daemon"], run["reader_daemon"]):
         assert d["exit_code"] == 0 and d["leftover_segments"] == [], d
     assert run["leftover_segments"] == [] and run["warnings"] == []
-    assert _bench_segments() <= before
+    assert _leftovers(doc) == []
