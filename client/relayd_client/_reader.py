@@ -292,15 +292,13 @@ class Reader:
         if answer.done():
             return
         try:
-            local = self._announced(ref)
+            landed = self._landed_lease(ref)
         except RelayError:  # the daemon's answer says what is wrong
             return
-        if local is not None:
-            origin = local.origin
+        if landed is not None:
+            lease, a = landed
             answer.set_result(
-                pb.FetchResponse(
-                    lease=local.lease, node_id=origin.node_id, daemon_epoch=origin.daemon_epoch
-                )
+                pb.FetchResponse(lease=lease, node_id=a.node_id, daemon_epoch=a.daemon_epoch)
             )
 
     def landed_ref(self, ref: DataRef) -> pb.DataRef | None:
@@ -316,12 +314,21 @@ class Reader:
         """The local DataRef of ``ref``'s push as the daemon announced it, while its
         slot header still says so; None: fetch, and the daemon says what became of
         it (read, reclaimed, aborted) or pulls it."""
+        landed = self._landed_lease(ref)
+        if landed is None:
+            return None
+        lease, a = landed
+        return _remote.local_ref(ref.proto, lease, a.node_id, a.daemon_epoch)
+
+    def _landed_lease(self, ref: DataRef) -> tuple[pb.LeaseRef, pb.AttachResponse] | None:
+        """Where ``ref``'s announced push landed, and the attach whose arena holds
+        it, while the lease's slot header says so; None: not announced, or no
+        longer there."""
         conn = self._conn
         a = conn.require_open()
-        local = self.announced.take(ref.proto, a)
-        if local is None:
+        lease = self.announced.take(ref.proto, a.daemon_epoch)
+        if lease is None:
             return None
-        lease = local.lease
         with conn.lock:  # as in lease_region: this attach's arena, or none
             segments = conn.segments
             if not conn.attached(a) or lease.segment >= len(segments):
@@ -331,7 +338,7 @@ class Reader:
                 return None
             if seg.read_header(lease.slot) != (lease.generation, lease.length):
                 return None
-        return local
+        return lease, a
 
     def read_landed(self, local: pb.DataRef, tree: Any, copy: bool) -> Any:
         """:meth:`read_here` of an announced push's local DataRef (:meth:`landed_ref`)."""
@@ -383,8 +390,9 @@ class Reader:
         if seg.read_header(lease.slot)[0] != lease.generation:
             raise StaleRefError("the lease was reclaimed while it was being read; data discarded")
         if copy:
-            # Before the Release: the writer may cut from the run once it sees this.
-            seg.mark_read(lease.slot, read_mark(m.object_id, lease.lease_id))
+            if not landed:  # a landed lease's writer is this node's daemon: no mark for it
+                # Before the Release: the writer may cut from the run once it sees this.
+                seg.mark_read(lease.slot, read_mark(m.object_id, lease.lease_id))
             self._notices.release(m, ring=not landed)
         else:
             self.held.add(lease.lease_id)

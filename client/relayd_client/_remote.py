@@ -50,7 +50,7 @@ def _key(m: pb.DataRef) -> Key:
     return (m.origin.node_id, m.origin.daemon_epoch, m.lease.lease_id, m.lease.generation)
 
 
-def _local(m: pb.DataRef, lease: pb.LeaseRef, node_id: str, epoch: str) -> pb.DataRef:
+def local_ref(m: pb.DataRef, lease: pb.LeaseRef, node_id: str, epoch: str) -> pb.DataRef:
     """``m`` as lease ``lease`` of node ``node_id``'s daemon (epoch ``epoch``) holds it."""
     local = pb.DataRef()
     local.CopyFrom(m)
@@ -106,17 +106,18 @@ class Announced:
         if self._fetching.get(key) is fetch:  # a later fetch of the same push keeps its own
             del self._fetching[key]
 
-    def take(self, m: pb.DataRef, attach: pb.AttachResponse) -> pb.DataRef | None:
-        """The local DataRef of ``m``'s announced push; None: not announced (fetch)."""
+    def take(self, m: pb.DataRef, epoch: str) -> pb.LeaseRef | None:
+        """Where ``m``'s announced push landed, a lease of this node's daemon of
+        ``epoch``; None: not announced (fetch)."""
         got = self._by_key.pop(_key(m), None)
-        if got is None or got[1] != attach.daemon_epoch:
+        if got is None or got[1] != epoch:
             return None
         landed = got[0]
         if landed.request_id != m.request_id or landed.to_stage != m.to_stage:
             raise PermissionDeniedError(
                 "the DataRef does not match the lease its writer's daemon pushed here"
             )
-        return _local(m, landed.lease, attach.node_id, attach.daemon_epoch)
+        return landed.lease
 
     def forget(self, m: pb.DataRef) -> None:
         """``m`` was fetched: an announcement that came meanwhile names the same lease."""
@@ -142,4 +143,4 @@ async def fetch(
     """The local DataRef for ``ref`` once this node's daemon holds its bytes
     (``answer``: see :meth:`SessionChannel.fetch`)."""
     resp = await session.fetch(ref.to_bytes(), timeout, answer)
-    return _local(ref.proto, resp.lease, resp.node_id, resp.daemon_epoch)
+    return local_ref(ref.proto, resp.lease, resp.node_id, resp.daemon_epoch)

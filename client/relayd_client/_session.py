@@ -178,6 +178,10 @@ class SessionChannel:
         """The frame being collected; callers append notices, then call :meth:`mark`."""
         return self._pending
 
+    def on_loop(self) -> bool:
+        """Whether the caller runs on this session's loop (not a blocking client's caller)."""
+        return self._loop is not None and asyncio._get_running_loop() is self._loop
+
     def mark(self, *, flush: bool = False, linger: float = 0.0, holds: int = 0) -> None:
         """Send the pending frame: now, at the end of this turn, or within ``linger`` s.
 

@@ -19,6 +19,7 @@ import pytest
 from relayd_client._checks import ReadChecks
 from relayd_client._notices import Notices
 from relayd_client._session import SessionChannel
+from relayd_client.wire.errors import StaleRefError
 from relayd_client.wire.framing import PROMPT_NOTICE_BYTES
 from relayd_client.wire.proto import relay_pb2 as pb
 from relayd_client.wire.rings import CLAIM_BIT, IdRing
@@ -166,5 +167,30 @@ def test_a_large_release_after_its_claim_in_the_ring_keeps_the_claim_first(
         assert client.releases_sent() == [43]
         (claim,) = client.daemon_ring.take()
         assert claim == 43 | CLAIM_BIT
+
+    asyncio.run(read())
+
+
+def test_a_landed_leases_release_is_in_the_frame_at_once_and_goes_after_the_turn(
+    client: Client,
+) -> None:
+    """A lease landed from another node, read on the session's loop: not the ring
+    (no writer's frame takes it on that node). The Release is in the pending frame
+    before release() returns, so a close sends it, and the lease is read; arming
+    its linger waits for a later turn, after the get has returned."""
+
+    async def read() -> None:
+        client.channel._loop = asyncio.get_running_loop()  # as an open session's
+        m = _read(45, SMALL)
+        client.notices.release(m, ring=False)
+        assert [r.lease_id for r in client.channel.pending.release] == [45]
+        with pytest.raises(StaleRefError):
+            client.notices._checks.check_not_released(m, EPOCH)
+        assert client.frames == [] and client.daemon_ring.take() == []
+        for _ in range(3):  # the turn that marks it, the one that sends it
+            if client.frames:
+                break
+            await asyncio.sleep(0)
+        assert client.releases_sent() == [45]
 
     asyncio.run(read())

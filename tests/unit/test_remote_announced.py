@@ -7,7 +7,7 @@ from relayd_client import _remote
 from relayd_client.wire.errors import PermissionDeniedError
 from relayd_client.wire.proto import relay_pb2 as pb
 
-ATTACH = pb.AttachResponse(node_id="node-b", daemon_epoch="eb")
+EPOCH = "eb"  # the reader's daemon's
 LOCAL = pb.LeaseRef(pool="shm", segment=0, slot=8, nslots=2, offset=8192, length=300)
 
 
@@ -33,60 +33,65 @@ def _landed(lease_id: int, request_id: str = "r1", to_stage: str = "talker") -> 
 
 def test_a_get_takes_the_local_lease_once() -> None:
     announced = _remote.Announced()
-    announced.add(_landed(7), ATTACH.daemon_epoch)
-    local = announced.take(_ref(7), ATTACH)
-    assert local is not None
+    announced.add(_landed(7), EPOCH)
+    assert announced.take(_ref(7), EPOCH) == LOCAL
+    assert announced.take(_ref(7), EPOCH) is None  # a second get fetches
+    assert len(announced) == 0
+
+
+def test_the_local_dataref_names_the_lease_where_the_push_landed() -> None:
+    remote = _ref(7)
+    local = _remote.local_ref(remote, LOCAL, "node-b", EPOCH)
     assert local.lease == LOCAL
-    assert (local.origin.node_id, local.origin.daemon_epoch) == ("node-b", "eb")
+    assert (local.origin.node_id, local.origin.daemon_epoch) == ("node-b", EPOCH)
     assert local.transport == pb.TRANSPORT_SHM
     assert (local.request_id, local.to_stage) == ("r1", "talker")
-    assert announced.take(_ref(7), ATTACH) is None  # a second get fetches
-    assert len(announced) == 0
+    assert (remote.origin.node_id, remote.lease.slot) == ("node-a", 3)  # left as it was
 
 
 def test_another_lease_or_generation_is_not_announced() -> None:
     announced = _remote.Announced()
-    announced.add(_landed(7), ATTACH.daemon_epoch)
+    announced.add(_landed(7), EPOCH)
     other = _ref(7)
     other.lease.generation = 8
-    assert announced.take(other, ATTACH) is None
+    assert announced.take(other, EPOCH) is None
     other = _ref(7)
     other.origin.daemon_epoch = "a restarted writer's daemon"
-    assert announced.take(other, ATTACH) is None
-    assert announced.take(_ref(7), ATTACH) is not None
+    assert announced.take(other, EPOCH) is None
+    assert announced.take(_ref(7), EPOCH) is not None
 
 
 def test_an_announcement_from_another_daemon_epoch_is_not_read() -> None:
     """Leases are numbered afresh after a restart: an old one could match a new header."""
     announced = _remote.Announced()
     announced.add(_landed(7), "the daemon before its restart")
-    assert announced.take(_ref(7), ATTACH) is None
+    assert announced.take(_ref(7), EPOCH) is None
     assert len(announced) == 0
 
 
 @pytest.mark.parametrize(("request_id", "to_stage"), [("r2", "talker"), ("r1", "vocoder")])
 def test_a_dataref_that_does_not_match_its_push_is_refused(request_id: str, to_stage: str) -> None:
     announced = _remote.Announced()
-    announced.add(_landed(7), ATTACH.daemon_epoch)
+    announced.add(_landed(7), EPOCH)
     with pytest.raises(PermissionDeniedError, match="does not match"):
-        announced.take(_ref(7, request_id, to_stage), ATTACH)
+        announced.take(_ref(7, request_id, to_stage), EPOCH)
 
 
 def test_memory_is_bounded_oldest_first() -> None:
     announced = _remote.Announced()
     for n in range(1, _remote.ANNOUNCED_MAX + 6):
-        announced.add(_landed(n), ATTACH.daemon_epoch)
+        announced.add(_landed(n), EPOCH)
     assert len(announced) == _remote.ANNOUNCED_MAX
-    assert all(announced.take(_ref(n), ATTACH) is None for n in range(1, 6))
-    assert announced.take(_ref(_remote.ANNOUNCED_MAX + 5), ATTACH) is not None
+    assert all(announced.take(_ref(n), EPOCH) is None for n in range(1, 6))
+    assert announced.take(_ref(_remote.ANNOUNCED_MAX + 5), EPOCH) is not None
 
 
 def test_forget_drop_request_and_clear() -> None:
     announced = _remote.Announced()
     for n, rid in ((1, "r1"), (2, "r2"), (3, "r2"), (4, "r3")):
-        announced.add(_landed(n, rid), ATTACH.daemon_epoch)
+        announced.add(_landed(n, rid), EPOCH)
     announced.forget(_ref(1))
-    assert announced.take(_ref(1), ATTACH) is None
+    assert announced.take(_ref(1), EPOCH) is None
     announced.drop_request("r2")
     assert len(announced) == 1
     announced.clear()
@@ -95,18 +100,18 @@ def test_forget_drop_request_and_clear() -> None:
 
 def test_a_fetch_in_flight_is_told_once_when_its_push_is_announced() -> None:
     announced = _remote.Announced()
-    told: list[pb.DataRef | None] = []
+    told: list[pb.LeaseRef | None] = []
 
     def fetch() -> None:
-        told.append(announced.take(_ref(7), ATTACH))
+        told.append(announced.take(_ref(7), EPOCH))
 
     key = announced.when_added(_ref(7), fetch)
-    announced.add(_landed(8), ATTACH.daemon_epoch)  # another push: not this fetch's
+    announced.add(_landed(8), EPOCH)  # another push: not this fetch's
     assert told == []
-    announced.add(_landed(7), ATTACH.daemon_epoch)
-    assert len(told) == 1 and told[0] is not None and told[0].lease == LOCAL
+    announced.add(_landed(7), EPOCH)
+    assert len(told) == 1 and told[0] == LOCAL
     assert len(announced) == 1  # lease 8's, still there for its get; 7's was taken
-    announced.add(_landed(7), ATTACH.daemon_epoch)  # once told, no longer waiting
+    announced.add(_landed(7), EPOCH)  # once told, no longer waiting
     assert len(told) == 1
     announced.stop_waiting(key, fetch)
 
@@ -125,12 +130,12 @@ def test_a_fetch_that_ended_is_not_told_and_leaves_a_later_fetch_waiting() -> No
     key = announced.when_added(_ref(7), fetch_1)
     announced.when_added(_ref(7), fetch_2)  # a second get of the same DataRef
     announced.stop_waiting(key, fetch_1)  # the first one's end keeps the second's wait
-    announced.add(_landed(7), ATTACH.daemon_epoch)
+    announced.add(_landed(7), EPOCH)
     assert (first, second) == ([], [1])
     key = announced.when_added(_ref(9), fetch_1)
     announced.stop_waiting(key, fetch_1)
-    announced.add(_landed(9), ATTACH.daemon_epoch)
+    announced.add(_landed(9), EPOCH)
     announced.when_added(_ref(10), fetch_1)
     announced.clear()  # a re-attach: the session's fetches failed with it
-    announced.add(_landed(10), ATTACH.daemon_epoch)
+    announced.add(_landed(10), EPOCH)
     assert first == []
