@@ -99,6 +99,13 @@ class _Base:
         self.ctx = ctx
         self.extra: dict[str, str] = {}
 
+    def daemon_pids(self) -> tuple[int, int] | None:
+        """The writer's side's and the reader's side's processes that a pair method
+        runs in place of relayd's daemons (asked of the writer once it started):
+        the table counts their CPU and wake-ups as the daemons'. None: the
+        daemons the bench talks to, if any."""
+        return None
+
 
 class PairMethod(_Base, abc.ABC):
     """Writer and reader in two processes, blocking hooks."""

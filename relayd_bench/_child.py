@@ -89,12 +89,18 @@ def _usage() -> tuple[int, int]:
 class _Meter:
     """Per-size bookkeeping, all outside the timed region."""
 
-    def __init__(self, run: _Run, plan: SizePlan, *, daemon: bool) -> None:
+    def __init__(
+        self, run: _Run, plan: SizePlan, *, daemon: bool, own: tuple[int, int] | None = None
+    ) -> None:
         spec, step = run.spec, run.step
         self._step, self._plan = step, plan
         measure = daemon and spec.measure_daemon and run.lane == 0
         self._pid = spec.ctx.daemon_pid if measure else None
         self._reader_pid = spec.ctx.reader_daemon_pid if measure and step.reader_daemon else None
+        if measure and own is not None and spec.pace is None:
+            # A method's own stand-ins serve its pair alone: per transfer only
+            # where every transfer is this pair's (not a stream of many pairs).
+            self._pid, self._reader_pid = own
         self.samples: list[int] = []
         self.parts: list[Parts] = []
         self.start_ns = 0
@@ -221,7 +227,7 @@ def _writer(m: PairMethod, run: _Run, sock: socket.socket) -> None:
         wire.expect(sock, wire.READY)
         m.start_writer()
         sched = _Schedule(run.spec.pace, run.lane, run.begin.wait())
-        meter = _Meter(run, plan, daemon=True)
+        meter = _Meter(run, plan, daemon=True, own=m.daemon_pids())
         for i in range(plan.warmup + plan.iterations):
             meter.at(i)
             late = sched.wait(i)
@@ -300,7 +306,7 @@ async def _awriter(m: AsyncPairMethod, run: _Run, sock: socket.socket) -> None:
         await wire.aexpect(sock, wire.READY)
         await m.start_writer()
         sched = _Schedule(run.spec.pace, run.lane, await run.begin.await_())
-        meter = _Meter(run, plan, daemon=True)
+        meter = _Meter(run, plan, daemon=True, own=m.daemon_pids())
         for i in range(plan.warmup + plan.iterations):
             meter.at(i)
             late = await sched.await_(i)

@@ -23,6 +23,7 @@ from typing import Any
 
 SHM_DIR = "/dev/shm"
 WORD = struct.Struct("<QQ")  # slot, transfer: a Publish, a header, an announcement
+PID = struct.Struct("<Q")  # the reader's forwarder's pid, first on the connection
 ACCEPT_TIMEOUT_S = 10.0  # the reader's forwarder dials within this
 OUT, IN = "out", "in"
 IOV_MAX = 1024  # buffers one writev takes (Linux's UIO_MAXIOV)
@@ -165,6 +166,16 @@ async def _serve(
     await done
 
 
+def _recv_pid(tcp: socket.socket) -> int:
+    got = b""
+    while len(got) < PID.size:
+        more = tcp.recv(PID.size - len(got))
+        if not more:
+            raise ConnectionError("the reader's forwarder hung up before saying its pid")
+        got += more
+    return int(PID.unpack(got)[0])
+
+
 def main(argv: list[str] | None = None) -> int:
     role, fd, name, size, stride, nslots, read_min, host, port = (
         argv if argv is not None else sys.argv[1:]
@@ -177,8 +188,11 @@ def main(argv: list[str] | None = None) -> int:
         listener.settimeout(ACCEPT_TIMEOUT_S)
         tcp, _ = listener.accept()
         listener.close()
+        tcp.settimeout(ACCEPT_TIMEOUT_S)
+        print(_recv_pid(tcp), flush=True)  # the other side's stand-in, for its CPU
     else:
         tcp = socket.create_connection((host, int(port)), timeout=ACCEPT_TIMEOUT_S)
+        tcp.sendall(PID.pack(os.getpid()))
         print("connected", flush=True)
     tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     asyncio.run(_serve(role, unix, tcp, slots, int(read_min)))

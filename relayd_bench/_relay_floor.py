@@ -66,14 +66,19 @@ class _Forwarder:
             theirs.close()
         self.sock = ours
         self.sock.settimeout(WAIT_TIMEOUT_S)
-        self.line = self._first_line(cast(IO[str], self.proc.stdout))
+        self.line = self.next_line()
 
-    def _first_line(self, out: IO[str]) -> str:
+    def next_line(self) -> str:
+        """What the forwarder prints next (its port, its peer's pid, that it connected)."""
+        out = cast(IO[str], self.proc.stdout)
         ready, _, _ = select.select([out], [], [], START_TIMEOUT_S)
         line = out.readline().strip() if ready else ""
         if not line:
             self.close()
-            raise RuntimeError(f"floor-relay forwarder did not start within {START_TIMEOUT_S:g}s")
+            raise RuntimeError(
+                f"floor-relay forwarder said nothing within {START_TIMEOUT_S:g}s (it did not "
+                "start, or the other side's never dialled in)"
+            )
         return line
 
     def close(self) -> None:
@@ -122,6 +127,12 @@ class FloorRelay(PairMethod):
         host = self.ctx.hosts[0]
         self.fwd = _Forwarder(OUT, self.seg.name, size, host)
         return json.dumps({"host": host, "port": int(self.fwd.line)}).encode()
+
+    def start_writer(self) -> None:
+        self.peer_pid = int(self.fwd.next_line())  # the reader's forwarder has dialled in
+
+    def daemon_pids(self) -> tuple[int, int]:
+        return self.fwd.proc.pid, self.peer_pid
 
     def send(self, i: int) -> bytes:
         k = i % FLOOR_SLOTS

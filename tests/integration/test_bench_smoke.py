@@ -184,6 +184,9 @@ def test_quick_relayd_mooncake_runs_on_two_daemons_beside_raw_mooncake(tmp_path:
     for r in cells.values():
         _assert_ok(r)
     assert cells["floor-relay"]["extra"]["rt"] == "0.50"
+    # its stand-ins' CPU in the daemons' place, each side's
+    stand_ins = cells["floor-relay"]["daemon_cpu_ns_per_transfer"]
+    assert stand_ins["writer_side"] > 0 and stand_ins["reader_side"] > 0
     pairs = [(c["method"], c["baseline"]) for c in doc["comparisons"]]
     assert pairs == [
         ("relayd-mooncake", "mooncake-raw"),
