@@ -26,11 +26,11 @@ from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
 
 import torch
+from relayd_client.wire.paths import SHM_DIR
 
 from relayd_bench._api import AsyncPairMethod, BenchContext, LocalMethod, PairMethod
 
 PAGE = mmap.PAGESIZE
-SHM_DIR = "/dev/shm"
 FLOOR_SLOTS = 4  # rotate like a pool does, so the slot side is not artificially cache-hot
 _FLOOR_NOTE = struct.Struct("<QQQ40x")  # offset, length, transfer: a 64-byte descriptor
 _NAME_NOTE = 64

@@ -27,12 +27,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from relayd_client.wire import paths as wire_paths
 from relayd_client.wire.peercred import peer_credentials
 
 from relayd.launch import DaemonProcess, DaemonStartError, wait_serving
 from relayd_bench._netns import Netns
 
-SHM_DIR = Path("/dev/shm")
+SHM_DIR = Path(wire_paths.SHM_DIR)
 STOP_TIMEOUT_S = 15.0
 POLL_S = 0.05
 PEER_HOST = "127.0.0.1"

@@ -6,8 +6,8 @@ PORT``: ``FD`` is the Unix socket to the writer (``out``) or the reader (``in``)
 ``SEGMENT`` that side's /dev/shm segment of ``SLOTS`` slots ``STRIDE`` bytes apart.
 ``out`` listens on ``HOST`` and prints its port, then takes one connection; ``in``
 dials ``HOST:PORT`` and prints a line once connected. Either ends when its Unix
-socket or the TCP connection closes. Standard library only: a forwarder starts in
-a tenth of a second.
+socket or the TCP connection closes. It imports no torch (nor does this package's
+``__init__``): a forwarder starts in a fraction of a second.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import struct
 import sys
 from typing import Any
 
-SHM_DIR = "/dev/shm"
+from relayd_client.wire.paths import SHM_DIR
+
 WORD = struct.Struct("<QQ")  # slot, transfer: a Publish, a header, an announcement
 PID = struct.Struct("<Q")  # the reader's forwarder's pid, first on the connection
 ACCEPT_TIMEOUT_S = 10.0  # the reader's forwarder dials within this
@@ -166,14 +167,16 @@ async def _serve(
     await done
 
 
-def _recv_pid(tcp: socket.socket) -> int:
-    got = b""
-    while len(got) < PID.size:
-        more = tcp.recv(PID.size - len(got))
-        if not more:
-            raise ConnectionError("the reader's forwarder hung up before saying its pid")
-        got += more
-    return int(PID.unpack(got)[0])
+def recv_exactly(sock: socket.socket, nbytes: int, gone: str) -> bytes:
+    """The next ``nbytes`` from ``sock``; ConnectionError(``gone``) if it ends first."""
+    buf = bytearray(nbytes)
+    view, got = memoryview(buf), 0
+    while got < nbytes:
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionError(gone)
+        got += n
+    return bytes(buf)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -189,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         tcp, _ = listener.accept()
         listener.close()
         tcp.settimeout(ACCEPT_TIMEOUT_S)
-        print(_recv_pid(tcp), flush=True)  # the other side's stand-in, for its CPU
+        said = recv_exactly(tcp, PID.size, "the reader's forwarder hung up before its pid")
+        print(PID.unpack(said)[0], flush=True)  # the other side's stand-in, for its CPU
     else:
         tcp = socket.create_connection((host, int(port)), timeout=ACCEPT_TIMEOUT_S)
         tcp.sendall(PID.pack(os.getpid()))

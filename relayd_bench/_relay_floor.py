@@ -38,7 +38,7 @@ from relayd.peer_channel import ATTACHED_READ_MIN
 from relayd_bench import _rtt
 from relayd_bench._api import PairMethod
 from relayd_bench._baselines import FLOOR_SLOTS, PAGE, _round_up, _Segment
-from relayd_bench._forwarder import IN, OUT, WORD
+from relayd_bench._forwarder import IN, OUT, WORD, recv_exactly
 
 START_TIMEOUT_S = 10.0  # a forwarder's start: its port, its connection
 WAIT_TIMEOUT_S = 10.0  # a transfer's bytes, a forwarder's exit
@@ -92,18 +92,6 @@ class _Forwarder:
             self.proc.stdout.close()
 
 
-def _recv_word(sock: socket.socket) -> tuple[int, int]:
-    buf = bytearray(WORD.size)
-    view, got = memoryview(buf), 0
-    while got < WORD.size:
-        n = sock.recv_into(view[got:])
-        if n == 0:
-            raise ConnectionError("the floor-relay forwarder went away")
-        got += n
-    slot, transfer = WORD.unpack(buf)
-    return int(slot), int(transfer)
-
-
 class FloorRelay(PairMethod):
     """relayd-mooncake's four processes and hops with only the bytes on them."""
 
@@ -151,7 +139,8 @@ class FloorRelay(PairMethod):
 
     def recv(self, notify: memoryview) -> torch.Tensor:
         want = WORD.unpack_from(notify)
-        got = _recv_word(self.fwd.sock)
+        said = recv_exactly(self.fwd.sock, WORD.size, "the floor-relay forwarder went away")
+        got = WORD.unpack(said)
         if got != want:
             raise ValueError(f"announced slot/transfer {got}, the DataRef says {want}")
         out = torch.empty(self.size, dtype=torch.uint8)
