@@ -9,6 +9,7 @@ leave in one frame.
 from __future__ import annotations
 
 import asyncio
+import collections
 import threading
 import time
 from collections.abc import Callable
@@ -22,6 +23,8 @@ if TYPE_CHECKING:
     from ._connection import Connection
 
 REPORT_LINGER_S = 0.2
+# Puts and gets noted and not counted yet, at most (see Reports.observe).
+_SEEN_MAX = 4096
 
 
 def _call_later(delay: float, callback: Callable[[], None]) -> None:
@@ -42,6 +45,8 @@ class Reports:
         # (transport, to_stage) -> [count, bytes]
         self._counts: dict[tuple[pb.Transport, str], list[int]] = {}
         self._latency = latency.EdgeLatency()
+        # Puts and gets noted, not yet counted: (op, from, to, transport, ns).
+        self._seen: collections.deque[tuple[int, str, str, int, int]] = collections.deque()
         self._due = False
         self.later: Callable[[float, Callable[[], None]], None] = _call_later
 
@@ -55,12 +60,30 @@ class Reports:
             self._soon()
 
     def observe(self, op: int, m: RefFields, start_ns: int) -> None:
-        """Count one put or get (of ``m``) of ``start_ns`` ago in its edge's latency buckets."""
-        ns = time.perf_counter_ns() - start_ns
-        with self._lock:
-            self._latency.observe(op, m.origin.stage, m.to_stage, m.transport, ns)
-            if not self._due:  # one call less on every put and get
+        """Note one put or get (of ``m``) of ``start_ns`` ago, for its edge's latency
+        buckets; counted there when the report goes (:meth:`_count_seen`).
+
+        This runs right after a put's or get's copy, which evicted what counting
+        touches (the lock, the edge's dict and its list of buckets); a deque's
+        append takes no lock and touches one object.
+        """
+        seen = self._seen
+        seen.append(
+            (op, m.origin.stage, m.to_stage, m.transport, time.perf_counter_ns() - start_ns)
+        )
+        if not self._due or len(seen) >= _SEEN_MAX:
+            with self._lock:
                 self._soon()
+                if len(seen) >= _SEEN_MAX:  # no report went for a while: count them here
+                    self._count_seen()
+
+    def _count_seen(self) -> None:
+        """Move what :meth:`observe` noted into the buckets; under the lock. Taken
+        from the deque's left while any thread may append on its right: nothing
+        noted is lost or counted twice."""
+        seen, observe = self._seen, self._latency.observe
+        for _ in range(len(seen)):
+            observe(*seen.popleft())
 
     def _soon(self) -> None:
         # Under the lock.
@@ -75,6 +98,7 @@ class Reports:
             if session.closed:
                 return
             counts, self._counts = self._counts, {}
+            self._count_seen()
             drained = self._latency.drain()
             if not counts and not drained:
                 return
