@@ -34,8 +34,16 @@ from ._reader import Reader
 from ._refs import TensorRef
 from ._reports import Reports
 from ._routes import Routes
+from ._steady import PutLanes
 from ._streams import Streams
-from ._writer import MAX_SIGNAL_MESSAGE, Writer, check_names, check_trace_id, leased
+from ._writer import (
+    MAX_SIGNAL_MESSAGE,
+    OFFLOAD_BYTES,
+    Writer,
+    check_names,
+    check_trace_id,
+    leased,
+)
 from .wire import latency
 from .wire.dataref import KIND_DONE, KIND_ERROR, DataRef
 from .wire.errors import InvalidArgumentError, RelayError, RelayTimeoutError
@@ -99,6 +107,7 @@ class RelayClient:
         self._gpu_paths = GpuPaths(conn, self._checks, self._notices, self._aborts, self._reports)
         self._writer = Writer(conn, self._notices, self._aborts, self._reports, self._routes)
         self._reader = Reader(conn, self._checks, self._notices, self._aborts, self._gpu_paths)
+        self._put_lanes = PutLanes(conn, self._writer, self._routes, self._aborts)
         self._streams = Streams(self._aborts, self.discard)
         self._loop: asyncio.AbstractEventLoop | None = None  # the one it was opened on
 
@@ -247,6 +256,9 @@ class RelayClient:
         trace_id: str = "",
     ) -> DataRef:
         a = self._conn.usable() or await self._conn.ready(timeout)
+        laned = self._put_lanes.put(a, obj, to_stage, request_id, chunk_id, trace_id, OFFLOAD_BYTES)
+        if laned is not None:
+            return laned
         w = self._writer
         plan = w.plan(a, obj, to_stage, request_id, chunk_id, pickle)
         route = self._routes.cached(plan.route_key)
@@ -261,7 +273,9 @@ class RelayClient:
             if gpu_ref is not None:
                 return gpu_ref
         plan.transport, plan.trace_id = leased(route), trace_id
-        return w.publish_now(plan) or await w.publish(plan, timeout)
+        ref = w.publish_now(plan) or await w.publish(plan, timeout)
+        self._put_lanes.learn(plan)
+        return ref
 
     @contextlib.asynccontextmanager
     async def buffer(

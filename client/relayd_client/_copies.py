@@ -12,7 +12,7 @@ Reader side::
     tensors = unpack(region, specs, copy=True)  # validates the layout first
 
 Contiguous host tensors are copied by address with one ``memmove`` each
-(:func:`_memcpy` says why not ``copy_``); anything else (a view, a conjugate,
+(:func:`memcpy` says why not ``copy_``); anything else (a view, a conjugate,
 a CUDA tensor) goes through ``copy_`` into a typed view of the region.
 """
 
@@ -79,7 +79,7 @@ def _typed_view(region: torch.Tensor, spec: TensorSpec, dt: torch.dtype) -> torc
 Copy = tuple[int, int, int]
 
 
-def _memcpy(dst: int, src: int, nbytes: int) -> None:
+def memcpy(dst: int, src: int, nbytes: int) -> None:
     """One single-threaded memcpy that releases the GIL.
 
     torch's ``copy_`` splits copies over its intra-op thread pool; on a busy
@@ -177,12 +177,12 @@ def _pack(
         address = base + spec.offset
         if address % dt.itemsize:
             _check_aligned(address, spec, dt)  # raises: the reader's views need it
-        if _plain(src):
+        if plain(src):
             # Straight to the address, no autograd mode to enter: a typed view
             # costs three tensor ops (~10 us here) only to be asked for its
             # data_ptr.
             if plan is None:
-                _memcpy(address, src.data_ptr(), spec.nbytes)
+                memcpy(address, src.data_ptr(), spec.nbytes)
             else:
                 plan.append((address, src.data_ptr(), spec.nbytes))
         elif plan is not None:
@@ -195,7 +195,7 @@ def _pack(
     return True
 
 
-def _plain(src: torch.Tensor) -> bool:
+def plain(src: torch.Tensor) -> bool:
     """Its bytes are one contiguous run of host memory, as they read."""
     # is_cpu, not device.type: that builds a device object and its name, 1.5 us
     # here against 0.2, on every tensor of every put.
@@ -213,7 +213,7 @@ def pack_bytes(tensors: Sequence[torch.Tensor], specs: Sequence[TensorSpec], tot
     if not total:
         return b""
     if len(tensors) != len(specs) or not all(
-        _plain(tensors[spec.index]) for spec in specs if spec.nbytes
+        plain(tensors[spec.index]) for spec in specs if spec.nbytes
     ):
         buf = bytearray(total)
         pack_into(torch.frombuffer(buf, dtype=torch.uint8), tensors, specs)
@@ -233,7 +233,7 @@ def pack_bytes(tensors: Sequence[torch.Tensor], specs: Sequence[TensorSpec], tot
     base = ctypes.addressof((ctypes.c_char * total).from_buffer(buf))
     for spec in specs:
         if spec.nbytes:
-            _memcpy(base + spec.offset, tensors[spec.index].data_ptr(), spec.nbytes)
+            memcpy(base + spec.offset, tensors[spec.index].data_ptr(), spec.nbytes)
     return bytes(buf)
 
 
@@ -288,7 +288,7 @@ def copy_plan(base: int, specs: Sequence[TensorSpec], out: Sequence[torch.Tensor
 def run_copies(plan: Sequence[Copy]) -> None:
     """Do the copies of :func:`copy_plan` or :func:`pack_plan` (on any thread)."""
     for dst, src, nbytes in plan:
-        _memcpy(dst, src, nbytes)
+        memcpy(dst, src, nbytes)
 
 
 def unpack(

@@ -21,6 +21,7 @@ from ._aborts import AbortedRequests
 from ._checks import ReadChecks
 from ._notices import Notices
 from ._refs import TensorRef, substitute
+from ._steady import NO_LANE, ReadLanes
 from ._writer import OFFLOAD_BYTES
 from .wire.compact import RefFields
 from .wire.dataref import KIND_DATA, DataRef
@@ -65,6 +66,7 @@ class Reader:
         # cross-node: object id -> the local DataRef a zero-copy get fetched it into
         self._fetched: dict[str, pb.DataRef] = {}
         self.announced = _remote.Announced()  # cross-node pushes landed for this client
+        self.lanes = ReadLanes(conn, checks, notices, aborts, conn.stages)
 
     # -- checks before anything is read ------------------------------------------------
 
@@ -152,6 +154,10 @@ class Reader:
     # -- get --------------------------------------------------------------------------
 
     async def get(self, ref: DataRef, copy: bool) -> Any:
+        if copy:
+            got = self.lanes.read(ref)
+            if got is not NO_LANE:
+                return got
         m = ref.fields
         self.check_readable(m)
         if ref.transport is Transport.LOCAL_OBJECT:
@@ -208,6 +214,8 @@ class Reader:
         else:
             tensors = self.read_region(m, view, start, specs, copy)
         self.end_read(m, seg, copy, landed=landed)
+        if copy:
+            self.lanes.learn(m, tree, specs)
         return _flatten.rebuild(tree, tensors)
 
     def _unclaim(self, m: RefFields, session: SessionChannel, landed: bool) -> None:
@@ -266,6 +274,8 @@ class Reader:
         if on_gpu:
             tensors = await _cuda_staging.restore_on_device(tensors, specs, copy)
         self.end_read(m, seg, copy, landed=landed)
+        if host_copy:
+            self.lanes.learn(m, tree, specs)
         return _flatten.rebuild(tree, tensors)
 
     async def _fetch(self, ref: DataRef) -> pb.DataRef:

@@ -30,6 +30,7 @@ from ._client import RelayClient
 from ._connection import ClientState, check_timeout
 from ._reader import InlineOnGpu
 from ._refs import TensorRef
+from ._steady import NO_LANE
 from ._writer import PutPlan, check_trace_id, leased
 from .wire.dataref import DataRef
 from .wire.errors import (
@@ -305,6 +306,9 @@ class SyncRelayClient:
                 c._put(obj, to_stage, request_id, chunk_id, timeout, pickle, trace_id), timeout
             )
         try:
+            laned = c._put_lanes.put(a, obj, to_stage, request_id, chunk_id, trace_id)
+            if laned is not None:
+                return laned
             plan = c._writer.plan(a, obj, to_stage, request_id, chunk_id, pickle)
             route = c._routes.cached(plan.route_key)
             if route is None:
@@ -319,7 +323,9 @@ class SyncRelayClient:
                 if gpu_ref is not None:
                     return gpu_ref
             plan.transport, plan.trace_id = leased(route), trace_id
-            return self._publish(plan, timeout)
+            ref = self._publish(plan, timeout)
+            c._put_lanes.learn(plan)
+            return ref
         except LOST_MAPPING:
             self._raise_if_closed()
             raise
@@ -385,6 +391,14 @@ class SyncRelayClient:
         if c._conn.lost:
             return self._run(c._get(ref, copy))
         r = c._reader
+        try:
+            if copy:
+                got = r.lanes.read(ref)
+                if got is not NO_LANE:
+                    return got
+        except LOST_MAPPING:
+            self._raise_if_closed()
+            raise
         m = ref.fields
         r.check_readable(m)
         if ref.transport is Transport.LOCAL_OBJECT:

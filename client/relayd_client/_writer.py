@@ -72,7 +72,12 @@ def planned_here(plan: PutPlan, attach: pb.AttachResponse | None) -> bool:
     """Whether ``plan`` was made under ``attach``, the session attached now. One
     planned before a restart and leased after it (its route or grant spanned
     the re-attach) would name the old daemon's epoch, which readers refuse."""
-    return plan.attach is None or plan.attach is attach
+    return planned_under(plan.attach, attach)
+
+
+def planned_under(planned: pb.AttachResponse | None, attach: pb.AttachResponse | None) -> bool:
+    """:func:`planned_here` of a put planned under ``planned`` (None: not tied to one)."""
+    return planned is None or planned is attach
 
 
 def check_count(value: object, what: str) -> int:
@@ -350,7 +355,7 @@ class Writer:
         shape = self.shape(a, to_stage, codec, header, tensors)
         carries = chunk_id is not None and bool(tensors)
         plan = PutPlan(
-            obj, tensors, shape.specs, shape.total, to_stage, request_id, self._object_id(),
+            obj, tensors, shape.specs, shape.total, to_stage, request_id, self.object_id(),
             chunk, refs, shape.cuda_uuids,
             shape.route_keys[carries], shape.encoded_bytes, carries, template=shape.template,
             attach=a,
@@ -420,7 +425,7 @@ class Writer:
             for key in [key for key in self.chunks if key[1] == request_id]:
                 del self.chunks[key]
 
-    def _object_id(self) -> str:
+    def object_id(self) -> str:
         return self._object_ids.next()
 
     def new_msg(
@@ -433,7 +438,7 @@ class Writer:
     ) -> pb.DataRef:
         return pb.DataRef(
             version=VERSION,
-            object_id=self._object_id(),
+            object_id=self.object_id(),
             request_id=request_id,
             chunk_id=chunk_id,
             to_stage=to_stage,
@@ -617,13 +622,20 @@ class Writer:
 
     def lease_now(self, plan: PutPlan) -> tuple[Lease, int] | None:
         """:meth:`open_lease` without waiting: None when no grant held has room."""
+        return self.cut_now(plan.total, plan.request_id, plan.to_stage, plan.trace_id)
+
+    def cut_now(
+        self, total: int, request_id: str, to_stage: str, trace_id: str
+    ) -> tuple[Lease, int] | None:
+        """A lease of ``total`` bytes from a grant held, its Reserve queued, and
+        where its data starts in its segment; None when no grant held has room."""
         self._conn.require_open()
         with self._lock:
-            lease = self._grants.cut(plan.total)
+            lease = self._grants.cut(total)
             if lease is None:
                 return None
             seg = self._conn.arena(lease)[0]  # the daemon may have gone since require_open
-            self._notices.reserve(lease, plan.request_id, plan.to_stage, plan.trace_id)
+            self._notices.reserve(lease, request_id, to_stage, trace_id)
         return lease, seg.slot_offset(lease.slot)
 
     def cancel_lease(self, lease: Lease) -> None:
@@ -671,13 +683,29 @@ class Writer:
         return DataRef(msg), push
 
     def _seal_header(self, plan: PutPlan, lease: Lease, push: bool) -> None:
+        self.seal_lease(
+            lease, plan.total, plan.request_id, plan.object_id, plan.attach,
+            plan.transport, ref=plan.is_ref, push=push,
+        )  # fmt: skip
+
+    def seal_lease(
+        self,
+        lease: Lease,
+        total: int,
+        request_id: str,
+        object_id: str,
+        attach: pb.AttachResponse | None,
+        transport: pb.Transport = pb.TRANSPORT_SHM,
+        *,
+        ref: bool = False,
+        push: bool = False,
+    ) -> None:
         """Stamp the lease's generation in its slot header and publish it: readers
         may read it from here on. Raises, the lease cancelled, if its request was
-        aborted or its daemon went away meanwhile."""
-        transport = plan.transport
-        if plan.request_id in self._aborts:
+        aborted or its daemon went away since ``attach``, the one it was planned under."""
+        if request_id in self._aborts:
             self.cancel_lease(lease)
-            self._aborts.check(plan.request_id)
+            self._aborts.check(request_id)
         # With push, the daemon starts moving the bytes to the consumer's node
         # when the notice arrives; a reader on the socket fallback reads through
         # the daemon, which serves it once the notice is in: neither may linger.
@@ -687,14 +715,12 @@ class Writer:
             # The daemon went away during the copy: the lease died with it,
             # and the new one's arena and session are not this lease's.
             seg = conn.arena(lease)[0]
-            if not planned_here(plan, conn.attach):
+            if not planned_under(attach, conn.attach):
                 self.cancel_lease(lease)
                 raise restarted_error()
-            seg.write_header(lease.slot, lease.id, plan.total)
-            if self._notices.publish(
-                lease, plan.total, transport, ref=plan.is_ref, push=push, now=now
-            ):
-                self._grants.table.watch(lease, seg, read_mark(plan.object_id, lease.id))
+            seg.write_header(lease.slot, lease.id, total)
+            if self._notices.publish(lease, total, transport, ref=ref, push=push, now=now):
+                self._grants.table.watch(lease, seg, read_mark(object_id, lease.id))
 
     async def publish_socket(self, plan: PutPlan, timeout: float | None) -> DataRef:
         """Socket fallback: the daemon writes the packed region into a lease for us."""
