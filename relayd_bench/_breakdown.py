@@ -93,6 +93,11 @@ GET_STEPS: tuple[tuple[str, str], ...] = (
     ("header re-check + release notice", "reader:end_read"),
     ("rebuild payload", "_flatten:rebuild"),
 )
+# The totals, uninstrumented: as a stage sees them (a structure put and read
+# before takes its lanes, relayd_client._steady), and with the lanes off (the
+# general path, whose steps the rows below them time).
+PUT_TOTAL, PUT_GENERAL = "put: total (uninstrumented)", "put: general path (lanes off)"
+GET_TOTAL, GET_GENERAL = "get: total (uninstrumented)", "get: general path (lanes off)"
 # Steps nested in another step: shown, but not subtracted twice from "other".
 NESTED = {"_flatten:flat_tensors", "_flatten:flatten", "_codec:encode", "writer:shape"}
 # Not in "other"'s sum either: to_bytes runs after put returns.
@@ -188,10 +193,26 @@ def _payload(size: int) -> dict[str, torch.Tensor]:
     return {"t": torch.randint(0, 256, (size,), dtype=torch.uint8)}
 
 
+@contextlib.contextmanager
+def _lanes_off(writer: Any, reader: Any) -> Iterator[None]:
+    """Every put and get of the two (inner) client objects takes the general path."""
+    from relayd_client._steady import NO_LANE  # type: ignore[import-not-found, unused-ignore]
+
+    writer._put_lanes.put = lambda *a, **kw: None
+    reader._reader.lanes.read = lambda ref: NO_LANE
+    try:
+        yield
+    finally:
+        del writer._put_lanes.put, reader._reader.lanes.read
+
+
 class _Result:
     def __init__(self) -> None:
         self.put_us: float = 0.0
         self.get_us: float = 0.0
+        # The same transfers with the lanes off: what the steps below add up to.
+        self.general_put_us: float = 0.0
+        self.general_get_us: float = 0.0
         self.steps: dict[str, float | None] = {}
         self.daemon: dict[str, float | None] = {}  # its turns in the window (see _turns)
         self.window: _turns.Window | None = None  # the untimed pass's measured transfers
@@ -220,6 +241,11 @@ class _Result:
         self.get_us = statistics.median(self._gets) / 1000
         self.slots = len(self._slots) if last.proto.HasField("lease") else 0
         self.transport = str(last.transport.value)
+
+    def general(self, samples: list[tuple[int, int]]) -> None:
+        """The medians of (put ns, get ns) of transfers with the lanes off."""
+        self.general_put_us = statistics.median(p for p, _ in samples) / 1000
+        self.general_get_us = statistics.median(g for _, g in samples) / 1000
 
 
 def _measure_sync(sock: str, size: int, warmup: int, measured: int, pause: float) -> _Result:
@@ -255,10 +281,12 @@ def _measure_sync(sock: str, size: int, warmup: int, measured: int, pause: float
                 out.sample(put_ns, get_ns, ref)
         out.totals(ref)
         timers = _Timers()
-        with _instrumented(timers, w._client, r._client):
-            for i in range(measured):
-                put_ns, get_ns, _ = transfer(f"s{i}")
-                timers.commit(put_ns, get_ns)
+        with _lanes_off(w._client, r._client):
+            out.general([transfer(f"g{i}")[:2] for i in range(measured)])
+            with _instrumented(timers, w._client, r._client):
+                for i in range(measured):
+                    put_ns, get_ns, _ = transfer(f"s{i}")
+                    timers.commit(put_ns, get_ns)
         out.steps = timers.medians()
     return out
 
@@ -294,10 +322,12 @@ async def _measure_async(sock: str, size: int, warmup: int, measured: int, pause
                 out.sample(put_ns, get_ns, ref)
         out.totals(ref)
         timers = _Timers()
-        with _instrumented(timers, w, r):
-            for i in range(measured):
-                put_ns, get_ns, _ = await transfer(f"s{i}")
-                timers.commit(put_ns, get_ns)
+        with _lanes_off(w, r):
+            out.general([(await transfer(f"g{i}"))[:2] for i in range(measured)])
+            with _instrumented(timers, w, r):
+                for i in range(measured):
+                    put_ns, get_ns, _ = await transfer(f"s{i}")
+                    timers.commit(put_ns, get_ns)
         out.steps = timers.medians()
     return out
 
@@ -383,11 +413,13 @@ def render(
     def add(label: str, values: list[float | None], digits: int = 1) -> None:
         rows.append([label] + [_fmt(v, digits) for v in values])
 
-    add("put: total (uninstrumented)", [results[k].put_us for k in cols])
+    add(PUT_TOTAL, [results[k].put_us for k in cols])
+    add(PUT_GENERAL, [results[k].general_put_us for k in cols])
     for label, where in PUT_STEPS:
         add(f"  {label}", [results[k].steps.get(where) for k in cols])
     add("  other", [results[k].steps.get(OTHER_PUT) for k in cols])
-    add("get: total (uninstrumented)", [results[k].get_us for k in cols])
+    add(GET_TOTAL, [results[k].get_us for k in cols])
+    add(GET_GENERAL, [results[k].general_get_us for k in cols])
     for label, where in GET_STEPS:
         add(f"  {label}", [results[k].steps.get(where) for k in cols])
     add("  other", [results[k].steps.get(OTHER_GET) for k in cols])

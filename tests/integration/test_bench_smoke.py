@@ -310,7 +310,14 @@ def test_breakdown_prints_every_step_for_both_clients_warm_and_cold() -> None:
     # three tables: back to back, cold, and the daemon's lease table alone
     warm_text, cold_text, lease_text = proc.stdout.split("\n\n")
     from relayd_bench import _lease_steps, _turns
-    from relayd_bench._breakdown import GET_STEPS, PUT_STEPS
+    from relayd_bench._breakdown import (
+        GET_GENERAL,
+        GET_STEPS,
+        GET_TOTAL,
+        PUT_GENERAL,
+        PUT_STEPS,
+        PUT_TOTAL,
+    )
 
     for text in (warm_text, cold_text):
         lines = text.splitlines()
@@ -321,6 +328,9 @@ def test_breakdown_prints_every_step_for_both_clients_warm_and_cold() -> None:
             rows[label] = values
         for label, _ in PUT_STEPS + GET_STEPS:
             assert label in rows, label
+        # each total both through the lanes and down the general path, in every cell
+        for label in (PUT_TOTAL, PUT_GENERAL, GET_TOTAL, GET_GENERAL):
+            assert all(float(v) > 0 for v in rows[label]), label
         # the shm cells of the copy steps hold numbers for both clients
         assert all(float(v) > 0 for v in rows["copy in"][-2:])
         assert all(float(v) > 0 for v in rows["allocate + copy out"][-2:])
