@@ -10,6 +10,7 @@ was refused, and that the arena ends empty.
 from __future__ import annotations
 
 import asyncio
+import collections
 
 import pytest
 from relayd_client import DataRef, RelayClient, SyncRelayClient
@@ -46,13 +47,19 @@ def test_a_blocking_writer_stays_on_the_run_its_reader_just_read(
             SyncRelayClient("talker", d.socket) as r,
         ):
             assert w._client._conn.session.reserve_over_read
-            slots = set()
+            slots: collections.Counter[tuple[int, int]] = collections.Counter()  # puts per run
             for i in range(ROUNDS):
                 payload = make_payload(i, size)
                 ref = w.put(payload, to_stage="talker", request_id=f"r{i}", timeout=30)
-                slots.add(_slot(ref))
+                slots[_slot(ref)] += 1
                 assert digest(r.get(ref)) == digest(payload)
-            assert len(slots) <= 2, sorted(slots)
+            # Two runs in turn, or a third in the turn: when the pending frame
+            # leaves between a put's Reserve and its Publish (a linger timer fired
+            # during the copy, as on a loaded host), the Publish goes on its own
+            # and that run comes back with the daemon's Freed, not on the mark,
+            # after the writer cut another. A writer that waited for the Freed
+            # every time walked through 64 runs here.
+            assert len(slots) <= 4, sorted(slots.items())
         wait_until(lambda: drained(d), 10, "arena back to zero")
         _nobody_refused(d)
 
