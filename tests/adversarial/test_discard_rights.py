@@ -61,7 +61,9 @@ def test_another_stages_discard_is_refused_and_the_lease_stays_for_its_reader(
         writer, reader = Stage(d.socket, "thinker"), Stage(d.socket, "talker")
         ref, sent, transport = _ok(writer.ask("put", "-", 1, LEASED, "r1", "talker"))
         assert transport == "shm"
-        held = _used(d)
+        # The put's notices reach the daemon on the session socket, which the
+        # status call that reads the pool may overtake.
+        held = wait_until(lambda: _used(d), 10, "the daemon to count the put's lease")
         lease_id = DataRef.from_bytes(bytes.fromhex(ref)).proto.lease.lease_id
 
         got = run_as(users[SUPP], ["discard", d.socket, INTRUDER, ref, _claiming(ref, INTRUDER)])
