@@ -66,7 +66,7 @@ class Reader:
         # cross-node: object id -> the local DataRef a zero-copy get fetched it into
         self._fetched: dict[str, pb.DataRef] = {}
         self.announced = _remote.Announced()  # cross-node pushes landed for this client
-        self.lanes = ReadLanes(conn, checks, notices, aborts, conn.stages)
+        self.lanes = ReadLanes(conn, checks, aborts, conn.stages, self.end_read)
 
     # -- checks before anything is read ------------------------------------------------
 

@@ -30,28 +30,25 @@ always does.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
-
-import torch
 
 from . import _copies, _flatten, _local
 from ._writer import ALIGNMENT, OFFLOAD_BYTES, PutPlan, check_count
 from .wire.compact import RefView
 from .wire.compact import Shape as CompactShape
 from .wire.dataref import SHAPE_MEMO_BYTES, DataRef, compact_put
-from .wire.errors import StaleRefError
 from .wire.names import check_request_id
 from .wire.proto import relay_pb2 as pb
-from .wire.shm import read_mark
 
 if TYPE_CHECKING:
     from ._aborts import AbortedRequests
     from ._checks import ReadChecks
     from ._connection import Connection
-    from ._notices import Notices
     from ._packing import TensorSpec
     from ._routes import Routes
     from ._writer import Writer
+    from .wire.shm import MappedSegment
 
 # Lanes kept per client and side; a full table starts over.
 LANE_MEMORY = 64
@@ -133,26 +130,18 @@ class PutLanes:
         ``offload_at``: copies of this many bytes or more are not the calling
         thread's to make (the async client hands them to a worker); None: any.
         """
-        if type(obj) is not dict:
+        flat = _flatten.flat_tensors(obj)  # the general path's own test of the payload
+        if flat is None:
             return None
-        keys = tuple(obj)
+        keys, tensors = flat
         lane = self._lanes.get((to_stage, keys, chunk_id is not None))
         if lane is None or lane.attach is not attach:
             return None
-        for k in keys:
-            if type(k) is not str:  # equal to a str key, but another header
-                return None
         total = lane.total
         if offload_at is not None and total >= offload_at:
             return None
-        tensors = list(obj.values())
-        for t in tensors:
-            if type(t) is not torch.Tensor or not _copies.plain(t):
-                return None
-        if _meta(tensors) != lane.meta:
+        if not all(_copies.plain(t) for t in tensors) or _meta(tensors) != lane.meta:
             return None
-        if len(tensors) > 1 and len({id(t) for t in tensors}) != len(tensors):
-            return None  # one tensor under two keys: the general path's walk
         check_request_id(request_id)  # as the general path checks it, first
         chunk = -1 if chunk_id is None else check_count(chunk_id, "chunk_id")
         routes, conn = self._routes, self._conn
@@ -206,15 +195,17 @@ class ReadLanes:
         self,
         conn: Connection,
         checks: ReadChecks,
-        notices: Notices,
         aborts: AbortedRequests,
         stages: tuple[str, ...],
+        end_read: Callable[[RefView, MappedSegment, bool], None],
     ) -> None:
         self._conn = conn
         self._checks = checks
-        self._notices = notices
         self._aborts = aborts
         self._stages = stages
+        # The general path's end of a copy (Reader.end_read): the seqlock's
+        # second check, the read mark, the Release.
+        self._end_read = end_read
         self._lanes: dict[tuple[Any, int], _ReadLane] = {}
 
     def learn(self, m: Any, tree: Any, specs: list[TensorSpec]) -> None:
@@ -272,9 +263,5 @@ class ReadLanes:
         ):
             return NO_LANE
         tensors = _copies.unpack_from(view.data_ptr() + lease.offset, lane.specs)
-        if seg.read_header(slot)[0] != generation:
-            raise StaleRefError("the lease was reclaimed while it was being read; data discarded")
-        # Before the Release: the writer may cut from the run once it sees this.
-        seg.mark_read(slot, read_mark(m.object_id, lease.lease_id))
-        self._notices.release(m)
+        self._end_read(m, seg, True)
         return _flatten.rebuild(lane.tree, tensors)
