@@ -267,6 +267,7 @@ class RelayClient:
         # By reference or inline, on a GPU path, or into a lease.
         here = w.put_here(plan, route)
         if here is not None:
+            self._put_lanes.learn(plan, here)
             return here
         if self._gpu_paths.may_take(plan):
             gpu_ref = await self._gpu_paths.put(plan, timeout, route)
@@ -274,7 +275,7 @@ class RelayClient:
                 return gpu_ref
         plan.transport, plan.trace_id = leased(route), trace_id
         ref = w.publish_now(plan) or await w.publish(plan, timeout)
-        self._put_lanes.learn(plan)
+        self._put_lanes.learn(plan, ref)
         return ref
 
     @contextlib.asynccontextmanager

@@ -21,7 +21,7 @@ from ._aborts import AbortedRequests
 from ._checks import ReadChecks
 from ._notices import Notices
 from ._refs import TensorRef, substitute
-from ._steady import NO_LANE, ReadLanes
+from ._steady import INLINE_READ, NO_LANE, ReadLanes
 from ._writer import OFFLOAD_BYTES
 from .wire.compact import RefFields
 from .wire.dataref import KIND_DATA, DataRef
@@ -198,6 +198,7 @@ class Reader:
             specs, tensors = self._read_inline(m)
             if _cuda_facts.restores_on_gpu(specs):  # small CUDA leaves travel inline too
                 return InlineOnGpu(tree, specs, tensors)
+            self.lanes.learn(m, tree, specs)  # inline bytes are copied, view or not
             return _flatten.rebuild(tree, tensors)
         seg, view, start, specs = self.lease_region(m)
         if _cuda_facts.restores_on_gpu(specs):
@@ -360,7 +361,7 @@ class Reader:
     def _read_inline(self, m: RefFields) -> tuple[list[_packing.TensorSpec], list[Any]]:
         """An inline DataRef's tensors, once: the same rule as a lease's, kept by the
         reader because inline bytes never reach the daemon."""
-        key = self.checks.claim_inline(m, "this inline DataRef")
+        key = self.checks.claim_inline(m, INLINE_READ)
         try:
             data = m.inline_data
             # One allocation and a memcpy per tensor, straight from the bytes.

@@ -10,12 +10,14 @@ its warm cost, in proportion to the code and data it touches (``relayd bench
 or a get of a plain structure, what it derived is kept here as a *lane*,
 and the next one runs as one function over what the lane holds. Between two
 processes at 256 KiB (``relayd bench``, stop-and-wait) the blocking client's
-put went from 57-60 to 49-55 us and its get from 46-48 to 41-45 (measured).
+put went from 57-60 to 49-55 us and its get from 46-48 to 41-45; at 4 KiB,
+inline, a transfer from 97-120 to 89-93 (measured).
 
 What a lane covers: a ``dict`` of ``str`` keys to distinct, contiguous host
 tensors, in a compact DataRef, through a lease of this node's arena that
-the writer fills on the caller's thread and the reader copies out; no push
-to another node, no socket fallback, no view, no forwarded refs, no pickle.
+the writer fills on the caller's thread and the reader copies out, or
+inline in the DataRef; no push to another node, no socket fallback, no
+view, no forwarded refs, no pickle.
 
 The contract, which the tests hold them to: a lane runs the general path's
 checks on the same state (the attach, the route cache, aborted requests,
@@ -54,10 +56,13 @@ if TYPE_CHECKING:
 LANE_MEMORY = 64
 # What ReadLanes.read returns when the general path must read: a payload may be None.
 NO_LANE: Any = object()
+# What a second read of an inline DataRef is told it read again.
+INLINE_READ = "this inline DataRef"
 
 # The router's answers a put lane is learned under: a lease of this node's arena,
-# or this process for a stage it no longer serves (Writer.put_here then leases it).
-_LEASED_ROUTES = (pb.TRANSPORT_SHM, pb.TRANSPORT_LOCAL_OBJECT)
+# inline, or this process for a stage it no longer serves (Writer.put_here then
+# puts it inline or leases it, as it fits).
+_ROUTES_HERE = (pb.TRANSPORT_SHM, pb.TRANSPORT_INLINE, pb.TRANSPORT_LOCAL_OBJECT)
 
 # What a put lane compares each tensor by: what a Shape's key holds, and the type.
 _Meta = tuple[tuple[Any, ...], ...]
@@ -68,10 +73,13 @@ def _meta(tensors: list[Any]) -> _Meta:
 
 
 class _PutLane:
-    __slots__ = ("attach", "copies", "meta", "route", "route_key", "shape", "specs", "total")
+    __slots__ = (
+        "attach", "copies", "inline", "meta", "route", "route_key", "shape", "specs", "total",
+    )  # fmt: skip
 
-    def __init__(self, plan: PutPlan, shape: CompactShape, route: int) -> None:
+    def __init__(self, plan: PutPlan, shape: CompactShape, route: int, inline: bool) -> None:
         self.attach = plan.attach
+        self.inline = inline
         self.meta = _meta(plan.tensors)
         self.route_key = plan.route_key
         self.route = route
@@ -93,19 +101,20 @@ class PutLanes:
         self._aborts = aborts
         self._lanes: dict[tuple[str, tuple[str, ...], bool], _PutLane] = {}
 
-    def learn(self, plan: PutPlan) -> None:
+    def learn(self, plan: PutPlan, ref: DataRef) -> None:
         """Keep a lane for ``plan``'s structure, if it is one a lane covers:
-        the general path has just published it, compact, into a lease."""
+        the general path has just put it as ``ref``, compact, into a lease
+        or inline."""
         shape, route = plan.shape, self._routes.cached(plan.route_key)
+        transport = ref.fields.transport
         if (
             plan.built is not None  # a message: pushed, or not compact
             or shape is None
             or plan.refs
             or plan.is_ref
-            or plan.transport != pb.TRANSPORT_SHM
             or plan.attach is None
-            or route is None
-            or route not in _LEASED_ROUTES
+            or route not in _ROUTES_HERE
+            or transport not in (pb.TRANSPORT_SHM, pb.TRANSPORT_INLINE)
         ):
             return
         flat = _flatten.flat_tensors(plan.obj)
@@ -113,7 +122,10 @@ class PutLanes:
             return
         if len(self._lanes) >= LANE_MEMORY:
             self._lanes.clear()
-        self._lanes[plan.to_stage, flat[0], plan.chunk_id >= 0] = _PutLane(plan, shape, route)
+        inline = transport == pb.TRANSPORT_INLINE
+        self._lanes[plan.to_stage, flat[0], plan.chunk_id >= 0] = _PutLane(
+            plan, shape, route, inline
+        )
 
     def put(
         self,
@@ -144,18 +156,22 @@ class PutLanes:
             return None
         check_request_id(request_id)  # as the general path checks it, first
         chunk = -1 if chunk_id is None else check_count(chunk_id, "chunk_id")
-        routes, conn = self._routes, self._conn
+        routes, conn, w = self._routes, self._conn, self._writer
         route = routes.cached(lane.route_key)
+        if route != lane.route or (route == pb.TRANSPORT_LOCAL_OBJECT and _local.serves(to_stage)):
+            return None
+        if lane.inline:
+            # Into the DataRef, as Writer.put_here puts it: no lease, nothing
+            # for the daemon, and an abort is the reader's to see.
+            data = w.inline_bytes(tensors, lane.specs, total, to_stage)
+            return compact_put(lane.shape, chunk, request_id, w.object_id(), inline_data=data)
         if (
-            route != lane.route
-            or (route == pb.TRANSPORT_LOCAL_OBJECT and _local.serves(to_stage))
-            or to_stage in routes.remote_stages
+            to_stage in routes.remote_stages
             or request_id in self._aborts
             or conn.draining
             or conn.socket_fallback
         ):
             return None
-        w = self._writer
         cut = w.cut_now(total, request_id, to_stage, trace_id)
         if cut is None:
             return None  # no room in the grants held: the general path waits for it
@@ -206,23 +222,30 @@ class ReadLanes:
         # The general path's end of a copy (Reader.end_read): the seqlock's
         # second check, the read mark, the Release.
         self._end_read = end_read
+        # By (shape part, lease length), and inline ones by (shape part, bytes).
         self._lanes: dict[tuple[Any, int], _ReadLane] = {}
+        self._inline: dict[tuple[Any, int], _ReadLane] = {}
 
     def learn(self, m: Any, tree: Any, specs: list[TensorSpec]) -> None:
         """Keep a lane for ``m``'s shape part: the general path has just copied
-        ``m``'s lease out, its layout ``specs`` checked and ``tree`` its header's."""
+        ``m``'s lease or inline bytes out, its layout ``specs`` checked and
+        ``tree`` its header's."""
         if (
             type(m) is not RefView
-            or m.transport != pb.TRANSPORT_SHM
             or m.header_codec != pb.HEADER_CODEC_SAFE
             or len(m.shape.wire) > SHAPE_MEMO_BYTES  # not remembered: a new Shape each parse
-            or m.lease.length >= OFFLOAD_BYTES  # claimed before its copy
             or self._checks.headers.get(m.header) is not tree  # rebuilt fresh: never shared
         ):
             return
-        if len(self._lanes) >= LANE_MEMORY:
-            self._lanes.clear()
-        self._lanes[m.shape, m.lease.length] = _ReadLane(tree, specs)
+        if m.transport == pb.TRANSPORT_INLINE:
+            lanes, nbytes = self._inline, len(m.inline_data)
+        elif m.transport == pb.TRANSPORT_SHM and m.lease.length < OFFLOAD_BYTES:
+            lanes, nbytes = self._lanes, m.lease.length  # (a longer one is claimed first)
+        else:
+            return
+        if len(lanes) >= LANE_MEMORY:
+            lanes.clear()
+        lanes[m.shape, nbytes] = _ReadLane(tree, specs)
 
     def read(self, ref: DataRef) -> Any:
         """``get(ref)``'s payload, a copy, through its lane; :data:`NO_LANE`: take
@@ -230,6 +253,8 @@ class ReadLanes:
         m = ref.fields
         if type(m) is not RefView:
             return NO_LANE
+        if m.transport == pb.TRANSPORT_INLINE:
+            return self._read_inline(m)
         lease = m.lease
         lane = self._lanes.get((m.shape, lease.length))
         if lane is None or m.transport != pb.TRANSPORT_SHM:
@@ -264,4 +289,21 @@ class ReadLanes:
             return NO_LANE
         tensors = _copies.unpack_from(view.data_ptr() + lease.offset, lane.specs)
         self._end_read(m, seg, True)
+        return _flatten.rebuild(lane.tree, tensors)
+
+    def _read_inline(self, m: RefView) -> Any:
+        """:meth:`read` of an inline DataRef: marked read in this process, as
+        :meth:`Reader._read_inline <relayd_client._reader.Reader._read_inline>`
+        marks it (a second read raises there and here alike), then copied out."""
+        data = m.inline_data
+        lane = self._inline.get((m.shape, len(data)))
+        if lane is None or m.to_stage not in self._stages or m.request_id in self._aborts:
+            return NO_LANE
+        checks = self._checks
+        key = checks.claim_inline(m, INLINE_READ)
+        try:
+            tensors = _copies.unpack_bytes(data, lane.specs)
+        except BaseException:
+            checks.forget_inline(key)
+            raise
         return _flatten.rebuild(lane.tree, tensors)

@@ -315,6 +315,7 @@ class SyncRelayClient:
                 route = self._run(c._routes.ask(*plan.route_facts))
             here = c._writer.put_here(plan, route)
             if here is not None:
+                c._put_lanes.learn(plan, here)
                 return here
             if c._gpu_paths.may_take(plan):
                 # The copies are enqueued on the loop thread: after this thread's producer.
@@ -324,7 +325,7 @@ class SyncRelayClient:
                     return gpu_ref
             plan.transport, plan.trace_id = leased(route), trace_id
             ref = self._publish(plan, timeout)
-            c._put_lanes.learn(plan)
+            c._put_lanes.learn(plan, ref)
             return ref
         except LOST_MAPPING:
             self._raise_if_closed()

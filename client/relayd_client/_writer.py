@@ -515,8 +515,7 @@ class Writer:
             # process of this node follows: inline when it fits, else a lease.
             route = pb.TRANSPORT_INLINE if plan.fits_inline else pb.TRANSPORT_SHM
         if route == pb.TRANSPORT_INLINE:
-            data = _copies.pack_bytes(plan.tensors, plan.specs, plan.total)
-            self._reports.transfer(pb.TRANSPORT_INLINE, plan.total, to_stage)
+            data = self.inline_bytes(plan.tensors, plan.specs, plan.total, to_stage)
             shape = plan.compact
             if shape is not None:
                 return compact_put(
@@ -539,6 +538,14 @@ class Writer:
             pb.TRANSPORT_LOCAL_OBJECT, _packing.payload_nbytes(plan.specs), to_stage
         )
         return DataRef(msg)
+
+    def inline_bytes(
+        self, tensors: list[Any], specs: list[_packing.TensorSpec], total: int, to_stage: str
+    ) -> bytes:
+        """An inline put's payload, packed, and counted as sent to ``to_stage``."""
+        data = _copies.pack_bytes(tensors, specs, total)
+        self._reports.transfer(pb.TRANSPORT_INLINE, total, to_stage)
+        return data
 
     def check_publishable(self, request_id: str) -> None:
         """Before a put takes a lease: its request is not aborted, the daemon not draining."""

@@ -67,6 +67,36 @@ FORGERIES: dict[str, Callable[[RefView, RefView], DataRef]] = {
     "another object id": lambda v, _: _ids(v, object_id=v.object_id[:-4] + "beef"),
     "another request id": lambda v, _: _ids(v, request_id="not-" + v.request_id),
 }
+
+
+def _inline(v: RefView, data: bytes | None = None, **ids: str) -> DataRef:
+    request_id, object_id = ids.get("request_id", v.request_id), ids.get("object_id", v.object_id)
+    inline = v.inline_data if data is None else data
+    return compact_put(v.shape, v.chunk_id, request_id, object_id, inline_data=inline)
+
+
+# The same for an inline DataRef (a structure of INLINE_SIZE bytes): no lease, so
+# its ids and its bytes.
+INLINE_FORGERIES: dict[str, Callable[[RefView, RefView], DataRef]] = {
+    "the ref read before": lambda v, before: _inline(before),
+    "the ref read before, another object id": lambda v, before: _inline(
+        before, object_id=before.object_id[:-4] + "beef"
+    ),
+    "another request id": lambda v, _: _inline(v, request_id="not-" + v.request_id),
+    "bytes cut short": lambda v, _: _inline(v, v.inline_data[:-8]),
+    "a byte more": lambda v, _: _inline(v, v.inline_data + b"\0"),
+    "another's bytes": lambda v, before: _inline(v, before.inline_data),
+}
+INLINE_SIZE = 1 << 10
+# What the forgery and then the real DataRef read (see _inline_outcome).
+INLINE_OUTCOMES = {
+    "the ref read before": ("StaleRefError", "put 1"),
+    "the ref read before, another object id": ("put 0", "put 1"),
+    "another request id": ("put 1", "StaleRefError"),
+    "bytes cut short": ("CorruptRefError", "put 1"),
+    "a byte more": ("put 1", "StaleRefError"),
+    "another's bytes": ("put 0", "StaleRefError"),
+}
 # Reads the real lease's bytes and releases a lease id the daemon does not hold:
 # the real lease stays until its TTL, with lanes or without (a reader may hold
 # what it reads that long anyway).
@@ -91,9 +121,9 @@ def _outcome(call: Callable[[], Any]) -> str:
         return f"{type(exc).__name__}: {exc}"
 
 
-def _payload(seed: int) -> dict[str, torch.Tensor]:
+def _payload(seed: int, size: int = SIZE) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {"h": torch.randint(0, 256, (SIZE,), dtype=torch.uint8, generator=g)}
+    return {"h": torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g)}
 
 
 def _lanes(reader: Any, on: bool) -> list[bool]:
@@ -105,7 +135,11 @@ def _lanes(reader: Any, on: bool) -> list[bool]:
     read = lanes.read
 
     def spy(ref: DataRef) -> Any:
-        got = read(ref)
+        try:
+            got = read(ref)
+        except BaseException:  # the lane's own refusal (an inline DataRef read again)
+            took.append(True)
+            raise
         took.append(got is not NO_LANE)
         return got
 
@@ -113,16 +147,18 @@ def _lanes(reader: Any, on: bool) -> list[bool]:
     return took
 
 
-def _sync_run(daemon: Daemon, forgery: str, lanes: bool) -> Outcome:
-    forge = FORGERIES[forgery]
+Forge = Callable[[RefView, RefView], DataRef]
+
+
+def _sync_run(daemon: Daemon, forge: Forge, lanes: bool, size: int = SIZE) -> Outcome:
     with (
         SyncRelayClient("thinker", daemon.socket) as w,
         SyncRelayClient("talker", daemon.socket) as r,
     ):
         took = _lanes(r._client._reader, lanes)
-        before = w.put(_payload(0), to_stage="talker", request_id="before")
-        assert _digest(r.get(before.to_bytes())) == _digest(_payload(0))
-        ref = w.put(_payload(1), to_stage="talker", request_id="real")
+        before = w.put(_payload(0, size), to_stage="talker", request_id="before")
+        assert _digest(r.get(before.to_bytes())) == _digest(_payload(0, size))
+        ref = w.put(_payload(1, size), to_stage="talker", request_id="real")
         forged = forge(ref.fields, before.fields)
         outcome = Outcome(_outcome(lambda: r.get(forged.to_bytes())), "", False)
         outcome.real = _outcome(lambda: r.get(ref.to_bytes()))
@@ -130,18 +166,16 @@ def _sync_run(daemon: Daemon, forgery: str, lanes: bool) -> Outcome:
     return outcome
 
 
-def _async_run(daemon: Daemon, forgery: str, lanes: bool) -> Outcome:
-    forge = FORGERIES[forgery]
-
+def _async_run(daemon: Daemon, forge: Forge, lanes: bool, size: int = SIZE) -> Outcome:
     async def scenario() -> Outcome:
         async with (
             RelayClient("thinker", daemon.socket) as w,
             RelayClient("talker", daemon.socket) as r,
         ):
             took = _lanes(r._reader, lanes)
-            before = await w.put(_payload(0), to_stage="talker", request_id="before")
-            assert _digest(await r.get(before.to_bytes())) == _digest(_payload(0))
-            ref = await w.put(_payload(1), to_stage="talker", request_id="real")
+            before = await w.put(_payload(0, size), to_stage="talker", request_id="before")
+            assert _digest(await r.get(before.to_bytes())) == _digest(_payload(0, size))
+            ref = await w.put(_payload(1, size), to_stage="talker", request_id="real")
             forged = forge(ref.fields, before.fields)
             results = []
             for one in (forged, ref):
@@ -160,7 +194,7 @@ def test_a_forgery_ends_as_it_does_without_lanes(daemon: Daemon, client: str, fo
     run = _sync_run if client == "sync" else _async_run
     outcomes = []
     for lanes in (True, False):
-        outcomes.append(run(daemon, forgery, lanes=lanes))
+        outcomes.append(run(daemon, FORGERIES[forgery], lanes=lanes))
         if forgery not in LEFT_TO_TTL:
             wait_until(lambda: quiet(daemon), 10, f"arena back to zero: {daemon.pool()}")
     with_lanes, without = outcomes
@@ -170,3 +204,26 @@ def test_a_forgery_ends_as_it_does_without_lanes(daemon: Daemon, client: str, fo
     # or the forgery read them (it names the real lease) and the real one is spent.
     real = "read " + _digest(_payload(1))
     assert real in (with_lanes.forged, with_lanes.real)
+
+
+@pytest.mark.parametrize("client", ["sync", "async"])
+@pytest.mark.parametrize("forgery", list(INLINE_FORGERIES))
+def test_an_inline_forgery_ends_as_it_does_without_lanes(
+    daemon: Daemon, client: str, forgery: str
+) -> None:
+    run = _sync_run if client == "sync" else _async_run
+    forge = INLINE_FORGERIES[forgery]
+    with_lanes, without = (run(daemon, forge, lanes, INLINE_SIZE) for lanes in (True, False))
+    assert with_lanes.laned and not without.laned
+    assert (with_lanes.forged, with_lanes.real) == (without.forged, without.real)
+    # An inline DataRef's bytes are its own, read once per object id in a process.
+    forged, real = INLINE_OUTCOMES[forgery]
+    assert with_lanes.forged.startswith(_inline_outcome(forged))
+    assert with_lanes.real.startswith(_inline_outcome(real))
+
+
+def _inline_outcome(what: str) -> str:
+    """'put 0' or 'put 1': that put's bytes were read; else the error's type."""
+    if what.startswith("put "):
+        return "read " + _digest(_payload(int(what[4:]), INLINE_SIZE))
+    return what + ": "

@@ -1,6 +1,6 @@
 """Put and read lanes (relayd_client._steady) against a real daemon: a structure put
-and read before goes through its lanes; anything else, and any error, takes the
-general path and ends as it always did."""
+and read before, into a lease or inline, goes through its lanes; anything else,
+and any error, takes the general path and ends as it always did."""
 
 from __future__ import annotations
 
@@ -18,11 +18,13 @@ from relayd_client import (
     InvalidArgumentError,
     RelayClient,
     SyncRelayClient,
+    Transport,
 )
 from relayd_client._steady import NO_LANE
 
 from tests._daemon import Daemon, running_daemon, wait_until
 from tests._daemon import drained as _drained
+from tests._daemon import metric as _metric
 from tests._fixtures import separate_processes
 
 __all__ = ["separate_processes"]  # the autouse fixture: clients here use the arena
@@ -30,6 +32,7 @@ __all__ = ["separate_processes"]  # the autouse fixture: clients here use the ar
 pytestmark = pytest.mark.timeout(120)
 
 SIZE = 256 << 10
+SMALL = 1 << 10  # a payload this size goes inline, in the DataRef
 CALL_TIMEOUT = 30
 
 
@@ -94,7 +97,10 @@ def test_repeated_blocking_puts_and_gets_go_through_their_lanes(daemon: Daemon) 
     assert spies.laned == [False, True, True, True, True]
 
 
-def test_repeated_async_puts_and_gets_go_through_their_lanes(daemon: Daemon) -> None:
+@pytest.mark.parametrize(("size", "transport"), [(SIZE, Transport.SHM), (SMALL, Transport.INLINE)])
+def test_repeated_async_puts_and_gets_go_through_their_lanes(
+    daemon: Daemon, size: int, transport: Transport
+) -> None:
     async def main() -> tuple[int, list[bool]]:
         async with (
             RelayClient("thinker", daemon.socket) as w,
@@ -102,8 +108,9 @@ def test_repeated_async_puts_and_gets_go_through_their_lanes(daemon: Daemon) -> 
         ):
             spies = Spies(w, r)
             for i in range(5):
-                payload = {"h": _tensor(i)}
+                payload = {"h": _tensor(i, size)}
                 ref = await w.put(payload, to_stage="talker", request_id=f"q{i}")
+                assert ref.transport is transport
                 assert _digest(await r.get(ref.to_bytes())) == _digest(payload)
             return spies.planned, spies.laned
 
@@ -191,3 +198,42 @@ def test_a_lane_asks_the_router_again_once_its_answer_is_forgotten(daemon: Daemo
         assert _digest(r.get(ref.to_bytes())) == _digest(payload)
         r.get(w.put(payload, to_stage="talker", request_id="q"))
         assert spies.planned == 2  # learned again
+
+
+def test_repeated_small_puts_and_gets_go_through_their_inline_lanes(tmp_path: Path) -> None:
+    with running_daemon(str(tmp_path), metrics=True) as d:
+        w, r, spies = _sync_pair(d)
+        with w, r:
+            for i in range(5):
+                payload = {"h": _tensor(i, SMALL), "scale": _tensor(50 + i, 8, torch.float32)}
+                ref = w.put(payload, to_stage="talker", request_id="q")  # (a chunk is leased)
+                assert ref.transport is Transport.INLINE
+                assert _digest(r.get(ref.to_bytes())) == _digest(payload)
+        assert spies.planned == 1
+        assert spies.laned == [False, True, True, True, True]
+        # A put through its lane is counted as any inline put is.
+        wait_until(
+            lambda: _metric(d.scrape(), "relayd_transfers_total", transport="inline") == 5,
+            10,
+            "five inline transfers counted",
+        )
+        assert _drained(d)
+
+
+def test_an_inline_lane_gives_way_to_the_route_and_to_an_abort(daemon: Daemon) -> None:
+    w, r, spies = _sync_pair(daemon)
+    with w, r:
+        for i in range(2):
+            r.get(w.put({"h": _tensor(i, SMALL)}, to_stage="talker", request_id="q").to_bytes())
+        assert (spies.planned, spies.laned) == (1, [False, True])
+        w._client._routes.forget()  # what a new registry version does
+        payload = {"h": _tensor(9, SMALL)}
+        ref = w.put(payload, to_stage="talker", request_id="q")
+        assert spies.planned == 2  # asked the router again
+        # An inline DataRef of a request the reader aborted is refused, lane or not.
+        r.abort("q")
+        with pytest.raises(AbortedError):
+            r.get(ref.to_bytes())
+        assert spies.laned == [False, True, False]
+        r.get(w.put(payload, to_stage="talker", request_id="q2").to_bytes())
+        assert spies.laned == [False, True, False, True]  # the lane stays
