@@ -208,6 +208,10 @@ class _Inbound(asyncio.BufferedProtocol):
         self.places: list[memoryview] = []
         self.place_index = self.place_filled = 0
         self.lowat = 1  # the socket's SO_RCVLOWAT
+        # The connection's descriptor, duplicated, to set SO_RCVLOWAT on: the
+        # loop's stand-in (uvloop's PseudoSocket) builds a socket object per
+        # call, 2.0 us against 0.6 here, twice a push (measured).
+        self.sock: socket.socket | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass
@@ -221,7 +225,12 @@ class _Inbound(asyncio.BufferedProtocol):
             return
         lst.pending += 1
         self.counted = True
-        _keep_alive(self.transport.get_extra_info("socket"))
+        sock = self.transport.get_extra_info("socket")
+        _keep_alive(sock)
+        try:
+            self.sock = socket.socket(fileno=os.dup(sock.fileno()))
+        except (OSError, AttributeError):  # no descriptor to set: read as it comes
+            self.sock = None
         self.timer = asyncio.get_running_loop().call_later(
             HELLO_TIMEOUT_S, self.drop, f"no answer within {HELLO_TIMEOUT_S:g}s"
         )
@@ -357,12 +366,12 @@ class _Inbound(asyncio.BufferedProtocol):
     def wake_at(self, nbytes: int) -> None:
         """Be woken only once ``nbytes`` can be read (never more than remain to come:
         the peer may send nothing after them for a while)."""
-        if nbytes == self.lowat or self.transport is None:
+        sock = self.sock
+        if nbytes == self.lowat or sock is None or self.transport is None:
             return
-        sock = self.transport.get_extra_info("socket")
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, nbytes)
-        except (OSError, AttributeError):  # not a TCP socket: read as it comes
+        except OSError:  # not a TCP socket: read as it comes
             return
         self.lowat = nbytes
 
@@ -410,6 +419,9 @@ class _Inbound(asyncio.BufferedProtocol):
         self.listener.conns.discard(self)
         self._uncount()
         self.transport = None
+        sock, self.sock = self.sock, None
+        if sock is not None:
+            sock.close()
         self.buf = bytearray()  # the connection's memory goes with it
         self.start = self.end = 0
         places, self.batch, self.places = self.places, None, []

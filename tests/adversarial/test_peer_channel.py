@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import os
 import socket
 import struct
 import types
@@ -554,6 +555,32 @@ def test_a_newer_connection_of_the_same_peer_replaces_the_older() -> None:
         assert not old.send(_batch(6))  # a closed link says so; the sender falls back
 
     run(body)
+
+
+def _descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "auto"])
+def test_a_connections_descriptors_all_go_with_it(loop: str) -> None:
+    """The listener's end of a connection holds a second descriptor of its socket
+    (see ``_Inbound.sock``): closed with it, whoever ends the connection."""
+
+    async def body(h: Harness) -> None:
+        await h.honest_batch_arrives(1)  # the loop's own descriptors, made once
+        await h.until(lambda: not h.listener.conns, "the first connection to end")
+        before = _descriptors()
+        for tag in range(2, 6):
+            await h.honest_batch_arrives(tag)  # the peer closes
+            await h.until(lambda: not h.listener.conns, "the peer's close to be read")
+        link = await h.dial()
+        await h.until(lambda: len(h.listener.conns) == 1, "a connection to drop")
+        h.listener.drop_node(NODE, EPOCH)  # this end closes
+        await h.until(lambda: not link.alive, "the drop to reach the peer")
+        link.close()
+        await h.until(lambda: _descriptors() == before, f"{before} descriptors open again")
+
+    run(body, loop)
 
 
 @pytest.mark.parametrize("port", [-2, 65536])
