@@ -138,11 +138,10 @@ class Reader:
             if lease.segment >= len(segments):
                 raise CorruptRefError(f"DataRef names segment {lease.segment} of {len(segments)}")
             seg, view = segments[lease.segment], conn.views[lease.segment]
-            gen, length = seg.read_header(lease.slot) if lease.slot < seg.nslots else (0, 0)
-        if lease.slot + lease.nslots > seg.nslots or lease.length > lease.nslots * seg.slot_size:
-            raise CorruptRefError("DataRef lease lies outside the arena")
-        if lease.offset != seg.slot_offset(lease.slot):
-            raise CorruptRefError("DataRef lease offset does not match its slot")
+            wrong = seg.misplaced(lease.slot, lease.nslots, lease.offset, lease.length)
+            if wrong is not None:
+                raise CorruptRefError(f"DataRef lease {wrong}")
+            gen, length = seg.read_header(lease.slot)
         specs = self.checks.checked_specs(m, lease.length)
         if gen != lease.generation or length != lease.length:
             self._aborts.check(m.request_id)

@@ -272,20 +272,16 @@ class ReadLanes:
             or lease.lease_id in self._checks.released
         ):
             return NO_LANE
-        slot, generation, length = lease.slot, lease.generation, lease.length
+        slot, length = lease.slot, lease.length
         with conn.lock:  # the blocking client's teardown unmaps under it
             segments = conn.segments
             if not conn.attached(a) or lease.segment >= len(segments):
                 return NO_LANE
             seg, view = segments[lease.segment], conn.views[lease.segment]
-            if slot + lease.nslots > seg.nslots:
+            if seg.misplaced(slot, lease.nslots, lease.offset, length) is not None:
                 return NO_LANE
             header = seg.read_header(slot)
-        if (
-            length > lease.nslots * seg.slot_size
-            or lease.offset != seg.slot_offset(slot)
-            or header != (generation, length)
-        ):
+        if header != (lease.generation, length):
             return NO_LANE
         tensors = _copies.unpack_from(view.data_ptr() + lease.offset, lane.specs)
         self._end_read(m, seg, True)

@@ -172,6 +172,17 @@ class MappedSegment:
     def slot_offset(self, slot: int) -> int:
         return self.data_offset + slot * self.slot_size
 
+    def misplaced(self, slot: int, nslots: int, offset: int, length: int) -> str | None:
+        """What is wrong with a DataRef's lease of ``nslots`` slots from ``slot``, its
+        ``length`` bytes at ``offset``, in this segment; None: it lies where such a
+        lease would. Every read of a lease asks this one question (the general
+        path raises the answer, a read lane takes the general path on any)."""
+        if nslots < 1 or slot + nslots > self.nslots or length > nslots * self.slot_size:
+            return "lies outside the arena"
+        if offset != self.data_offset + slot * self.slot_size:
+            return "offset does not match its slot"
+        return None
+
     def close(self) -> None:
         try:
             self.mm.close()
