@@ -110,6 +110,7 @@ class PutLanes:
         if (
             plan.built is not None  # a message: pushed, or not compact
             or shape is None
+            or shape.header_codec != pb.HEADER_CODEC_SAFE  # pickle=True: never for a lane's puts
             or plan.refs
             or plan.is_ref
             or plan.attach is None

@@ -19,6 +19,7 @@ from relayd_client import (
     RelayClient,
     SyncRelayClient,
     Transport,
+    UnsafePayloadError,
 )
 from relayd_client._steady import NO_LANE
 
@@ -237,3 +238,40 @@ def test_an_inline_lane_gives_way_to_the_route_and_to_an_abort(daemon: Daemon) -
         assert spies.laned == [False, True, False]
         r.get(w.put(payload, to_stage="talker", request_id="q2").to_bytes())
         assert spies.laned == [False, True, False, True]  # the lane stays
+
+
+@pytest.mark.parametrize("size", [SIZE, SMALL])
+def test_a_pickled_put_neither_teaches_nor_takes_a_lane(daemon: Daemon, size: int) -> None:
+    """``pickle=True`` encodes the header with pickle, which a reader refuses unless
+    it opted in: a lane learned from such a put would send the next plain put's
+    header pickled too, and a pickled put through a plain lane would not be one."""
+    w, r, spies = _sync_pair(daemon)
+    with w, r, SyncRelayClient("talker", daemon.socket, allow_pickle=True) as rp:
+        pickled = w.put({"h": _tensor(0, size)}, to_stage="talker", request_id="q", pickle=True)
+        assert _digest(rp.get(pickled.to_bytes())) == _digest({"h": _tensor(0, size)})
+        for i in range(1, 4):  # plain puts: the first learns a lane, the rest take it
+            payload = {"h": _tensor(i, size)}
+            ref = w.put(payload, to_stage="talker", request_id="q")
+            assert _digest(r.get(ref.to_bytes())) == _digest(payload)
+        assert spies.planned == 2
+        pickled = w.put({"h": _tensor(9, size)}, to_stage="talker", request_id="q", pickle=True)
+        assert spies.planned == 3  # not through the lane
+        with pytest.raises(UnsafePayloadError):
+            r.get(pickled.to_bytes())  # a reader that did not opt in refuses it, as asked
+        assert _digest(rp.get(pickled.to_bytes())) == _digest({"h": _tensor(9, size)})
+
+
+def test_an_async_pickled_put_takes_no_lane(daemon: Daemon) -> None:
+    async def main() -> int:
+        async with (
+            RelayClient("thinker", daemon.socket) as w,
+            RelayClient("talker", daemon.socket, allow_pickle=True) as r,
+        ):
+            spies = Spies(w, r)
+            for pickle in (False, False, True):
+                payload = {"h": _tensor(int(pickle), SMALL)}
+                ref = await w.put(payload, to_stage="talker", request_id="q", pickle=pickle)
+                assert _digest(await r.get(ref.to_bytes())) == _digest(payload)
+            return spies.planned
+
+    assert asyncio.run(asyncio.wait_for(main(), CALL_TIMEOUT)) == 2  # the first, the pickled
