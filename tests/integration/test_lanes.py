@@ -275,3 +275,36 @@ def test_an_async_pickled_put_takes_no_lane(daemon: Daemon) -> None:
             return spies.planned
 
     assert asyncio.run(asyncio.wait_for(main(), CALL_TIMEOUT)) == 2  # the first, the pickled
+
+
+def _put_fields(ref: DataRef) -> dict[str, Any]:
+    """A put's DataRef as the reader sees it, but for what each put draws anew:
+    its object id, and its lease's place and ids."""
+    m = ref.fields
+    lease = m.lease
+    return {
+        "shape": m.shape.wire,
+        "transport": m.transport,
+        "push": m.push,
+        "chunk_id": m.chunk_id,
+        "request_id": m.request_id,
+        "inline_data": m.inline_data,
+        "lease": (lease.pool, lease.length, lease.nslots, lease.generation == lease.lease_id),
+    }
+
+
+@pytest.mark.parametrize(("size", "transport"), [(SIZE, Transport.SHM), (SMALL, Transport.INLINE)])
+def test_a_put_through_its_lane_makes_the_general_paths_dataref(
+    daemon: Daemon, size: int, transport: Transport
+) -> None:
+    w, r, spies = _sync_pair(daemon)
+    with w, r:
+        payload = {"h": _tensor(3, size), "scale": _tensor(4, 16, torch.float32)}
+        general = w.put(payload, to_stage="talker", request_id="q")
+        laned = w.put(payload, to_stage="talker", request_id="q")
+        assert spies.planned == 1
+        assert general.transport is laned.transport is transport
+        assert _put_fields(laned) == _put_fields(general)
+        assert laned.fields.object_id != general.fields.object_id
+        for ref in (general, laned):
+            assert _digest(r.get(ref.to_bytes())) == _digest(payload)
