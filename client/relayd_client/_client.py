@@ -256,12 +256,11 @@ class RelayClient:
         trace_id: str = "",
     ) -> DataRef:
         a = self._conn.usable() or await self._conn.ready(timeout)
-        if not pickle:  # a lane's header is the safe codec's
-            laned = self._put_lanes.put(
-                a, obj, to_stage, request_id, chunk_id, trace_id, OFFLOAD_BYTES
-            )
-            if laned is not None:
-                return laned
+        laned = self._put_lanes.put(
+            a, obj, to_stage, request_id, chunk_id, pickle, trace_id, OFFLOAD_BYTES
+        )
+        if laned is not None:
+            return laned
         w = self._writer
         plan = w.plan(a, obj, to_stage, request_id, chunk_id, pickle)
         route = self._routes.cached(plan.route_key)

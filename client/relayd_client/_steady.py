@@ -135,15 +135,17 @@ class PutLanes:
         to_stage: str,
         request_id: str,
         chunk_id: int | None,
+        pickle: bool,
         trace_id: str,
         offload_at: int | None = None,
     ) -> DataRef | None:
         """The put, through its lane; None: take the general path (nothing was done).
 
+        ``pickle``: the caller asked for a pickled header, which no lane sends.
         ``offload_at``: copies of this many bytes or more are not the calling
         thread's to make (the async client hands them to a worker); None: any.
         """
-        flat = _flatten.flat_tensors(obj)  # the general path's own test of the payload
+        flat = None if pickle else _flatten.flat_tensors(obj)  # the general path's own test
         if flat is None:
             return None
         keys, tensors = flat

@@ -306,10 +306,9 @@ class SyncRelayClient:
                 c._put(obj, to_stage, request_id, chunk_id, timeout, pickle, trace_id), timeout
             )
         try:
-            if not pickle:  # a lane's header is the safe codec's
-                laned = c._put_lanes.put(a, obj, to_stage, request_id, chunk_id, trace_id)
-                if laned is not None:
-                    return laned
+            laned = c._put_lanes.put(a, obj, to_stage, request_id, chunk_id, pickle, trace_id)
+            if laned is not None:
+                return laned
             plan = c._writer.plan(a, obj, to_stage, request_id, chunk_id, pickle)
             route = c._routes.cached(plan.route_key)
             if route is None:
