@@ -21,7 +21,7 @@ from ._aborts import AbortedRequests
 from ._checks import ReadChecks
 from ._notices import Notices
 from ._refs import TensorRef, substitute
-from ._steady import INLINE_READ, NO_LANE, ReadLanes
+from ._steady import NO_LANE, ReadLanes
 from ._writer import OFFLOAD_BYTES
 from .wire.compact import RefFields
 from .wire.dataref import KIND_DATA, DataRef
@@ -66,7 +66,7 @@ class Reader:
         # cross-node: object id -> the local DataRef a zero-copy get fetched it into
         self._fetched: dict[str, pb.DataRef] = {}
         self.announced = _remote.Announced()  # cross-node pushes landed for this client
-        self.lanes = ReadLanes(conn, checks, aborts, conn.stages, self.end_read)
+        self.lanes = ReadLanes(conn, checks, aborts, conn.stages, self.end_read, self._read_inline)
 
     # -- checks before anything is read ------------------------------------------------
 
@@ -360,7 +360,7 @@ class Reader:
     def _read_inline(self, m: RefFields) -> tuple[list[_packing.TensorSpec], list[Any]]:
         """An inline DataRef's tensors, once: the same rule as a lease's, kept by the
         reader because inline bytes never reach the daemon."""
-        key = self.checks.claim_inline(m, INLINE_READ)
+        key = self.checks.claim_inline(m, "this inline DataRef")
         try:
             data = m.inline_data
             # One allocation and a memcpy per tensor, straight from the bytes.

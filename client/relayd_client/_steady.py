@@ -56,8 +56,6 @@ if TYPE_CHECKING:
 LANE_MEMORY = 64
 # What ReadLanes.read returns when the general path must read: a payload may be None.
 NO_LANE: Any = object()
-# What a second read of an inline DataRef is told it read again.
-INLINE_READ = "this inline DataRef"
 
 # The router's answers a put lane is learned under: a lease of this node's arena,
 # inline, or this process for a stage it no longer serves (Writer.put_here then
@@ -217,6 +215,7 @@ class ReadLanes:
         aborts: AbortedRequests,
         stages: tuple[str, ...],
         end_read: Callable[[RefView, MappedSegment, bool], None],
+        read_inline: Callable[[RefView], tuple[list[TensorSpec], list[Any]]],
     ) -> None:
         self._conn = conn
         self._checks = checks
@@ -225,6 +224,8 @@ class ReadLanes:
         # The general path's end of a copy (Reader.end_read): the seqlock's
         # second check, the read mark, the Release.
         self._end_read = end_read
+        # Its copy of inline bytes (Reader._read_inline): read once per process.
+        self._read_inline_bytes = read_inline
         # By (shape part, lease length), and inline ones by (shape part, bytes).
         self._lanes: dict[tuple[Any, int], _ReadLane] = {}
         self._inline: dict[tuple[Any, int], _ReadLane] = {}
@@ -291,18 +292,9 @@ class ReadLanes:
         return _flatten.rebuild(lane.tree, tensors)
 
     def _read_inline(self, m: RefView) -> Any:
-        """:meth:`read` of an inline DataRef: marked read in this process, as
-        :meth:`Reader._read_inline <relayd_client._reader.Reader._read_inline>`
-        marks it (a second read raises there and here alike), then copied out."""
-        data = m.inline_data
-        lane = self._inline.get((m.shape, len(data)))
+        """:meth:`read` of an inline DataRef: the addressee and abort checked, then
+        read as the general path reads it (a second read raises there and here alike)."""
+        lane = self._inline.get((m.shape, len(m.inline_data)))
         if lane is None or m.to_stage not in self._stages or m.request_id in self._aborts:
             return NO_LANE
-        checks = self._checks
-        key = checks.claim_inline(m, INLINE_READ)
-        try:
-            tensors = _copies.unpack_bytes(data, lane.specs)
-        except BaseException:
-            checks.forget_inline(key)
-            raise
-        return _flatten.rebuild(lane.tree, tensors)
+        return _flatten.rebuild(lane.tree, self._read_inline_bytes(m)[1])
