@@ -13,7 +13,6 @@ methods (:meth:`Reader.read_here`).
 from __future__ import annotations
 
 import asyncio
-import functools
 from typing import TYPE_CHECKING, Any
 
 from . import _copies, _cuda_facts, _cuda_staging, _flatten, _local, _packing, _remote
@@ -280,25 +279,40 @@ class Reader:
 
     async def _fetch(self, ref: DataRef) -> pb.DataRef:
         """The local DataRef of a cross-node ``ref``, from this node's daemon; or
-        from its announcement of the same push, if that comes first."""
+        from its announcement of the same push, if that comes first. A pushed
+        DataRef for a stage the daemon announces to this session waits for the
+        announcement before asking (see :mod:`._remote`)."""
         conn = self._conn
         m = ref.proto
-        answer: asyncio.Future[pb.FetchResponse] = asyncio.get_running_loop().create_future()
-        early = functools.partial(self._answer_from_announcement, ref, answer)
-        key = self.announced.when_added(m, early)
+        loop = asyncio.get_running_loop()
+        answer: asyncio.Future[pb.FetchResponse] = loop.create_future()
+        heard: asyncio.Future[None] = loop.create_future()
+
+        def told() -> None:
+            self._answer_from_announcement(ref, answer)
+            if not heard.done():
+                heard.set_result(None)
+
+        key = self.announced.when_added(m, told)
         try:
+            if m.push and self.announced.announces(m.to_stage):
+                try:
+                    async with asyncio.timeout(min(_remote.ANNOUNCE_WAIT_S, conn.timeout)):
+                        await heard
+                except TimeoutError:
+                    self.announced.unheard(m.to_stage)
             local = await _remote.fetch(conn.session, ref, conn.timeout, answer)
         finally:
-            self.announced.stop_waiting(key, early)
+            self.announced.stop_waiting(key, told)
         self.announced.forget(m)
         return local
 
     def _answer_from_announcement(
         self, ref: DataRef, answer: asyncio.Future[pb.FetchResponse]
     ) -> None:
-        """Answer a fetch in flight from the announcement that just came, as the
-        daemon would (its own answer follows, once it reads the FetchCall):
-        the announced lease, while its slot header says so; else wait for it."""
+        """Answer a fetch from the announcement that just came, as the daemon
+        would (its own answer follows, if a FetchCall went): the announced
+        lease, while its slot header says so; else leave it to the daemon."""
         if answer.done():
             return
         try:

@@ -21,6 +21,19 @@ too. The announcement comes first and answers the fetch in flight
 stop-and-wait cross-node read on loopback that was most reads, and the get
 then skips the daemon's turn on the FetchCall (measured: 1 MiB reads 9-11%
 faster, 256 KiB 1-4%).
+
+Most gets of a pushed DataRef start before its push lands: the DataRef
+travels as the bytes do. Once the daemon has announced a push for a stage to
+this session, a get of a DataRef whose writer asked for a push to that stage
+waits for the announcement first, up to :data:`ANNOUNCE_WAIT_S`, and sends
+no FetchCall when it comes: neither the client nor the daemon writes, reads
+or answers one, and the reader is woken once, not twice (measured, 256 KiB
+stop-and-wait: the two daemons' CPU 520-638 -> 414-442 us a transfer, the
+reader's 377-461 -> 343-359, p99 1.22-1.75 -> 0.94-1.04 ms). When nothing
+comes in time (the daemon announces no more to this session, now that
+another one serves the stage; the push was declined; it is slow to land),
+the get fetches as before, and waits for no announcement of that stage
+again until the next one comes.
 """
 
 from __future__ import annotations
@@ -36,6 +49,11 @@ from .wire.proto import relay_pb2 as pb
 
 ANNOUNCED_MAX = 4096
 """Announcements remembered: past it the oldest goes, and a get of it fetches."""
+ANNOUNCE_WAIT_S = 0.002
+"""How long a get waits for its push's announcement before it fetches: past the
+landing of a push of up to a few MiB on a loopback or 10 Gbit/s link, and what a
+read of a push that does not come (declined, or not announced to this session)
+pays for the announcements it saves."""
 
 Key = tuple[str, str, int, int]  # (origin node, its epoch, lease id, generation)
 
@@ -75,6 +93,9 @@ class Announced:
         self._by_key: dict[Key, tuple[pb.LandedPush, str]] = {}
         # Fetches in flight, by the push they wait for: told when it is announced.
         self._fetching: dict[Key, Callable[[], None]] = {}
+        # The stages whose pushes the daemon announces to this session: learned
+        # from an announcement, forgotten when one was waited for in vain.
+        self._stages: set[str] = set()
 
     def __len__(self) -> int:
         return len(self._by_key)
@@ -87,11 +108,22 @@ class Announced:
             landed.generation,
         )
         self._by_key[key] = (landed, epoch)
+        self._stages.add(landed.to_stage)
         while len(self._by_key) > ANNOUNCED_MAX:
             self._by_key.pop(next(iter(self._by_key)), None)
         fetch = self._fetching.pop(key, None)
         if fetch is not None:
             fetch()
+
+    def announces(self, stage: str) -> bool:
+        """Whether the daemon announced a push for ``stage`` to this session, and no
+        get has waited for one in vain since: a get of a pushed DataRef for it
+        waits for the announcement before it fetches."""
+        return stage in self._stages
+
+    def unheard(self, stage: str) -> None:
+        """A get waited for an announcement for ``stage`` that did not come."""
+        self._stages.discard(stage)
 
     def when_added(self, m: pb.DataRef, fetch: Callable[[], None]) -> Key:
         """Call ``fetch`` when ``m``'s push is announced, while a fetch of it is in
@@ -132,6 +164,7 @@ class Announced:
     def clear(self) -> None:
         self._by_key.clear()
         self._fetching.clear()
+        self._stages.clear()
 
 
 async def fetch(
@@ -141,6 +174,9 @@ async def fetch(
     answer: asyncio.Future[pb.FetchResponse] | None = None,
 ) -> pb.DataRef:
     """The local DataRef for ``ref`` once this node's daemon holds its bytes
-    (``answer``: see :meth:`SessionChannel.fetch`)."""
-    resp = await session.fetch(ref.to_bytes(), timeout, answer)
+    (``answer``: see :meth:`SessionChannel.fetch`; answered already, it asks nothing)."""
+    if answer is not None and answer.done():
+        resp = answer.result()
+    else:
+        resp = await session.fetch(ref.to_bytes(), timeout, answer)
     return local_ref(ref.proto, resp.lease, resp.node_id, resp.daemon_epoch)

@@ -13,7 +13,7 @@ import pathlib
 from typing import Any
 
 import pytest
-from relayd_client import AbortedError, RelayClient, SyncRelayClient
+from relayd_client import AbortedError, RelayClient, SyncRelayClient, _remote
 
 from tests._daemon import async_wait_until, wait_until
 from tests._mooncake import requires_mooncake
@@ -199,3 +199,75 @@ def test_an_announced_push_aborted_before_its_get_is_not_read(nodes: tuple[Node,
     wait_until(lambda: _free_but_grant(a, b), DEADLINE, "both arenas back to the push grants")
     assert _count(b, a, "pushes_announced") == 2
     assert _count(b, a, "reads_announced") == 1  # the aborted one was reclaimed, not read
+
+
+def test_a_get_before_its_push_lands_waits_for_the_announcement_and_asks_nothing(
+    nodes: tuple[Node, Node], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once B has announced a push for the stage, a get that comes before the next
+    one's announcement waits for it instead of sending a FetchCall."""
+    a, b = nodes
+    # Longer than the test takes: the get must end by the announcement, not the wait.
+    monkeypatch.setattr(_remote, "ANNOUNCE_WAIT_S", 3600.0)
+    payloads = [make_payload(5, 1 << 20), make_payload(6, 1 << 20)]
+
+    async def scenario() -> None:
+        async with RelayClient("talker", b.daemon.socket) as r:
+            _ready_to_push(a, b)
+            session, announced = r._conn.session, r._reader.announced
+            async with RelayClient("thinker", a.daemon.socket) as w:
+                ref = await w.put(payloads[0], to_stage="talker", request_id="first")
+                await async_wait_until(lambda: _announced(r) == 1, DEADLINE, "the announcement")
+                assert digest(await r.get(ref.to_bytes())) == digest(payloads[0])
+                assert announced.announces("talker")
+                transport = session._transport
+                assert transport is not None
+                transport.pause_reading()  # the next announcement waits in the socket
+                ref = await w.put(payloads[1], to_stage="talker", request_id="second")
+                await asyncio.to_thread(
+                    wait_until,
+                    lambda: _count(b, a, "pushes_announced") == 2,
+                    DEADLINE,
+                    "B to announce the second push",
+                )
+                get = asyncio.ensure_future(r.get(ref.to_bytes()))
+                await async_wait_until(lambda: announced._fetching, DEADLINE, "the get to wait")
+                assert not session._calls  # no FetchCall went
+                transport.resume_reading()
+                assert digest(await get) == digest(payloads[1])
+                assert not session._calls
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
+    wait_until(lambda: _count(b, a, "reads_announced") == 2, DEADLINE, "the reads counted")
+    assert _no_fetch_counted(a, b)
+    wait_until(lambda: _free_but_grant(a, b), DEADLINE, "both arenas back to the push grants")
+
+
+def test_a_get_that_hears_nothing_fetches_and_waits_no_more_for_that_stage(
+    nodes: tuple[Node, Node],
+) -> None:
+    """After a second session serves the stage, B announces no more: the first get
+    waits its bound in vain and fetches; the next ones fetch at once."""
+    a, b = nodes
+    payloads = [make_payload(i, 1 << 20) for i in range(3)]
+
+    async def scenario() -> None:
+        async with RelayClient("talker", b.daemon.socket) as r:
+            _ready_to_push(a, b)
+            announced = r._reader.announced
+            async with RelayClient("thinker", a.daemon.socket) as w:
+                ref = await w.put(payloads[0], to_stage="talker", request_id="alone")
+                await async_wait_until(lambda: _announced(r) == 1, DEADLINE, "the announcement")
+                assert digest(await r.get(ref.to_bytes())) == digest(payloads[0])
+                assert announced.announces("talker")
+                async with RelayClient("talker", b.daemon.socket):
+                    for i in (1, 2):
+                        ref = await w.put(payloads[i], to_stage="talker", request_id=f"two{i}")
+                        assert digest(await r.get(ref.to_bytes())) == digest(payloads[i])
+                        assert not announced.announces("talker")
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
+    assert _count(b, a, "pushes_announced") == 1
+    fetched = sum(_count(b, a, f) for f in ("reads_landed", "reads_awaited", "reads_attached"))
+    assert fetched == 2
+    wait_until(lambda: _free_but_grant(a, b), DEADLINE, "both arenas back to the push grants")

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from relayd_client import _remote
+from relayd_client.wire.dataref import DataRef
 from relayd_client.wire.errors import PermissionDeniedError
 from relayd_client.wire.proto import relay_pb2 as pb
 
@@ -139,3 +142,31 @@ def test_a_fetch_that_ended_is_not_told_and_leaves_a_later_fetch_waiting() -> No
     announced.clear()  # a re-attach: the session's fetches failed with it
     announced.add(_landed(10), EPOCH)
     assert first == []
+
+
+def test_a_stage_is_waited_for_from_its_first_announcement_until_one_is_not_heard() -> None:
+    announced = _remote.Announced()
+    assert not announced.announces("talker")  # no announcement yet: fetch at once
+    announced.add(_landed(7), EPOCH)
+    assert announced.announces("talker") and not announced.announces("thinker")
+    announced.unheard("talker")  # a get waited in vain: the daemon stopped announcing
+    assert not announced.announces("talker")
+    announced.add(_landed(8), EPOCH)  # and started again
+    assert announced.announces("talker")
+    announced.clear()  # a re-attach: a new daemon says again what it announces
+    assert not announced.announces("talker")
+
+
+class _NoSession:
+    def fetch(self, *args: object) -> None:
+        raise AssertionError("a FetchCall was sent for a fetch answered already")
+
+
+def test_a_fetch_answered_by_its_announcement_asks_the_daemon_nothing() -> None:
+    async def main() -> pb.DataRef:
+        answer: asyncio.Future[pb.FetchResponse] = asyncio.get_running_loop().create_future()
+        answer.set_result(pb.FetchResponse(lease=LOCAL, node_id="node-b", daemon_epoch=EPOCH))
+        return await _remote.fetch(_NoSession(), DataRef(_ref(7)), 1.0, answer)  # type: ignore[arg-type]
+
+    local = asyncio.run(main())
+    assert local.lease == LOCAL and local.origin.node_id == "node-b"
