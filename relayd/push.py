@@ -279,7 +279,7 @@ class PushManager:
     def _decline(self, address: str, lease: Lease) -> None:
         self.counts[address].declined += 1
         self.parts.notifier.box(address).declined.add(
-            lease_id=lease.id, generation=lease.generation
+            lease_id=lease.id, generation=lease.generation, to_stage=lease.to_stage
         )
         self.parts.notifier.send(address)
 

@@ -36,7 +36,7 @@ from .peer_context import PeerParts
 from .peer_links import PeerState
 from .pools.arena import Run
 from .pools.crossnode import check_discard
-from .pools.events import Landed
+from .pools.events import Declined, Landed
 from .pools.records import Lease, LeaseState
 from .pools.sessions import Session, SessionState
 
@@ -128,8 +128,15 @@ class PushLanding:
     def on_declined(self, n: pb.PeerNotices) -> None:
         for d in n.declined:
             key = (n.node_id, n.daemon_epoch, int(d.lease_id), int(d.generation))
+            awaited = key in self._waiters
             self._remember(key)
             self._wake(key)
+            if not awaited and d.to_stage:
+                # Its one reader may be waiting for the landing's announcement
+                # (as _announce would have told it): it fetches now instead.
+                readers = self._readers(d.to_stage)
+                if len(readers) == 1:
+                    readers[0].tell(Declined(key, d.to_stage))
 
     def grant_to(self, req: pb.PushGrantRequest) -> pb.PushGrantResponse:
         none = pb.PushGrantResponse(daemon_epoch=self.parts.epoch)

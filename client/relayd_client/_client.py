@@ -574,6 +574,8 @@ class RelayClient:
             epoch = self._conn.attach.daemon_epoch
             for landed in frame.landed:
                 self._reader.announced.add(landed, epoch)
+        for declined in frame.declined:
+            self._reader.announced.declined(declined)
         for ev in frame.event:
             match ev.kind:
                 case pb.EVENT_KIND_BOUND:

@@ -31,9 +31,12 @@ or answers one, and the reader is woken once, not twice (measured, 256 KiB
 stop-and-wait: the two daemons' CPU 520-638 -> 414-442 us a transfer, the
 reader's 377-461 -> 343-359, p99 1.22-1.75 -> 0.94-1.04 ms). When nothing
 comes in time (the daemon announces no more to this session, now that
-another one serves the stage; the push was declined; it is slow to land),
+another one serves the stage; an older daemon declined the push; it is slow
+to land),
 the get fetches as before, and waits for no announcement of that stage
-again until the next one comes.
+again until the next one comes. A push its writer's daemon declined is told
+as its landing would have been (``SessionFrame.declined``): the get waiting
+for it fetches at once (the daemon pulls).
 """
 
 from __future__ import annotations
@@ -52,8 +55,8 @@ ANNOUNCED_MAX = 4096
 ANNOUNCE_WAIT_S = 0.002
 """How long a get waits for its push's announcement before it fetches: past the
 landing of a push of up to a few MiB on a loopback or 10 Gbit/s link, and what a
-read of a push that does not come (declined, or not announced to this session)
-pays for the announcements it saves."""
+read of a push that is not announced (another session serves the stage too, or
+an older daemon declined it) pays for the announcements it saves."""
 
 Key = tuple[str, str, int, int]  # (origin node, its epoch, lease id, generation)
 
@@ -66,6 +69,10 @@ def is_foreign(ref: DataRef | RefFields, node_id: str) -> bool:
 
 def _key(m: pb.DataRef) -> Key:
     return (m.origin.node_id, m.origin.daemon_epoch, m.lease.lease_id, m.lease.generation)
+
+
+def _landed_key(landed: pb.LandedPush) -> Key:
+    return (landed.origin_node_id, landed.origin_daemon_epoch, landed.lease_id, landed.generation)
 
 
 def local_ref(m: pb.DataRef, lease: pb.LeaseRef, node_id: str, epoch: str) -> pb.DataRef:
@@ -101,16 +108,19 @@ class Announced:
         return len(self._by_key)
 
     def add(self, landed: pb.LandedPush, epoch: str) -> None:
-        key = (
-            landed.origin_node_id,
-            landed.origin_daemon_epoch,
-            landed.lease_id,
-            landed.generation,
-        )
+        key = _landed_key(landed)
         self._by_key[key] = (landed, epoch)
         self._stages.add(landed.to_stage)
         while len(self._by_key) > ANNOUNCED_MAX:
             self._by_key.pop(next(iter(self._by_key)), None)
+        self._tell(key)
+
+    def declined(self, landed: pb.LandedPush) -> None:
+        """The push ``landed`` names will not land here: a get waiting for its
+        announcement fetches now (the daemon pulls it)."""
+        self._tell(_landed_key(landed))
+
+    def _tell(self, key: Key) -> None:
         fetch = self._fetching.pop(key, None)
         if fetch is not None:
             fetch()

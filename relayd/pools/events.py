@@ -77,5 +77,16 @@ class Landed:
     to_stage: str
 
 
-SessionEvent = Freed | Aborted | SessionError | Draining | Reclaim | RegistryChanged | Landed
+@dataclasses.dataclass(frozen=True, slots=True)
+class Declined:
+    """A push from another node for a stage this session alone serves will not
+    land here: its get fetches now rather than wait for its announcement."""
+
+    origin: tuple[str, str, int, int]  # (node, epoch, writer's lease id, generation)
+    to_stage: str
+
+
+SessionEvent = (
+    Freed | Aborted | SessionError | Draining | Reclaim | RegistryChanged | Landed | Declined
+)
 Sink = Callable[[SessionEvent], None]

@@ -10,6 +10,7 @@ from relayd_client.wire.shm import SHM_POOL
 
 from ..pools.events import (
     Aborted,
+    Declined,
     Draining,
     Freed,
     Landed,
@@ -40,6 +41,15 @@ def session_frame(event: SessionEvent) -> pb.SessionFrame:
                 to_stage=to_stage,
             )
             return pb.SessionFrame(landed=[landed])
+        case Declined((node, epoch, origin_id, origin_gen), to_stage):
+            declined = pb.LandedPush(
+                origin_node_id=node,
+                origin_daemon_epoch=epoch,
+                lease_id=origin_id,
+                generation=origin_gen,
+                to_stage=to_stage,
+            )
+            return pb.SessionFrame(declined=[declined])
         case SessionError(code, message):
             ev = pb.Event(
                 kind=pb.EVENT_KIND_ERROR, code=cast(pb.ErrorCode, int(code)), message=message

@@ -271,3 +271,32 @@ def test_a_get_that_hears_nothing_fetches_and_waits_no_more_for_that_stage(
     fetched = sum(_count(b, a, f) for f in ("reads_landed", "reads_awaited", "reads_attached"))
     assert fetched == 2
     wait_until(lambda: _free_but_grant(a, b), DEADLINE, "both arenas back to the push grants")
+
+
+def test_a_get_waiting_for_a_push_its_writer_declined_fetches_at_once(
+    nodes: tuple[Node, Node], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A's daemon declines the push that cannot fit its grant at B; B tells the
+    reader, whose get stops waiting for the announcement and B pulls the bytes."""
+    a, b = nodes
+    monkeypatch.setattr(_remote, "ANNOUNCE_WAIT_S", 3600.0)  # only the decline ends the wait
+
+    async def scenario() -> None:
+        async with RelayClient("talker", b.daemon.socket) as r:
+            _ready_to_push(a, b)
+            small = make_payload(7, 1 << 20)
+            big = make_payload(8, _count(a, b, "push_grant_bytes") + (1 << 20))  # cannot fit
+            async with RelayClient("thinker", a.daemon.socket) as w:
+                ref = await w.put(small, to_stage="talker", request_id="fits")
+                await async_wait_until(lambda: _announced(r) == 1, DEADLINE, "the announcement")
+                assert digest(await r.get(ref.to_bytes())) == digest(small)
+                ref = await w.put(big, to_stage="talker", request_id="too-big")
+                assert ref.proto.push
+                got = await asyncio.wait_for(r.get(ref.to_bytes()), DEADLINE)
+                assert digest(got) == digest(big)
+                assert r._reader.announced.announces("talker")  # told, not unheard
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
+    assert _count(a, b, "pushes_declined") == 1
+    assert _count(b, a, "reads_pulled") == 1
+    wait_until(lambda: _free_but_grant(a, b), DEADLINE, "both arenas back to the push grants")

@@ -694,6 +694,43 @@ def test_a_push_that_fails_falls_back_to_the_pull(tmp_path: pathlib.Path) -> Non
     run(main())
 
 
+def test_a_declined_push_is_told_to_its_one_reader_as_its_landing_would_be(
+    tmp_path: pathlib.Path,
+) -> None:
+    """Its get may be waiting for the landing's announcement: B tells the one
+    session serving the stage that nothing will land (a ``declined`` LandedPush
+    with no lease), so it fetches now. With two sessions on the stage, nobody."""
+
+    async def main() -> None:
+        async with pushing_nodes(tmp_path) as (a, b, reader):
+            writer = a.session(WRITER)
+            data = os.urandom(SLOT + 1)
+            a.transport.fail_next()
+            ref = await a.put(writer, data, push=True)
+            await until(lambda: [m for f in b.frames for m in f.declined], "B to tell it")
+            (told,) = [m for f in b.frames for m in f.declined]
+            assert (told.origin_node_id, told.origin_daemon_epoch) == (a.settings.node_id, a.epoch)
+            m = DataRef.from_bytes(ref).proto
+            assert (told.lease_id, told.generation) == (m.lease.lease_id, m.lease.generation)
+            assert told.to_stage == READER and not told.HasField("lease")
+            assert not [m for f in b.frames for m in f.landed]
+            local = await b.peers.fetch(reader, ref, BOUND)  # pulled at once
+            assert _sha(b.read(local)) == _sha(data)
+            b.release(reader, local)
+
+            b.session(READER)  # a second session serving the stage
+            b.frames.clear()
+            a.transport.fail_next()
+            ref = await a.put(writer, data, push=True, request_id="r2")
+            await until(lambda: a.peers.push.counts[b.address].declined == 2, "the decline")
+            local = await b.peers.fetch(reader, ref, BOUND)
+            b.release(reader, local)
+            assert not [m for f in b.frames for m in f.declined]
+            await until(lambda: not a.leases.leases and not b.leases.leases, "leases freed")
+
+    run(main())
+
+
 def test_a_lost_peer_fails_the_awaited_push_and_its_grant_is_quarantined(
     tmp_path: pathlib.Path,
 ) -> None:

@@ -170,3 +170,16 @@ def test_a_fetch_answered_by_its_announcement_asks_the_daemon_nothing() -> None:
 
     local = asyncio.run(main())
     assert local.lease == LOCAL and local.origin.node_id == "node-b"
+
+
+def test_a_declined_push_tells_the_fetch_waiting_for_it_and_nothing_else() -> None:
+    announced = _remote.Announced()
+    told: list[pb.LeaseRef | None] = []
+    declined = _landed(7)
+    declined.ClearField("lease")
+    announced.when_added(_ref(7), lambda: told.append(announced.take(_ref(7), EPOCH)))
+    announced.declined(_landed(8))  # another push: not this fetch's
+    assert told == []
+    announced.declined(declined)
+    assert told == [None]  # told, with nothing to read: it fetches
+    assert len(announced) == 0 and not announced.announces("talker")

@@ -973,7 +973,7 @@ class KeyedResult(_message.Message):
     def __init__(self, call_id: _Optional[int] = ..., code: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ..., data_ref: _Optional[bytes] = ...) -> None: ...
 
 class SessionFrame(_message.Message):
-    __slots__ = ("bind", "reserve", "publish", "claim", "release", "cancel", "return_grant", "report", "fetch", "latency", "freed", "aborted", "event", "fetched", "landed", "keyed_put", "keyed_take", "discard", "keyed_result", "probe", "probe_answer")
+    __slots__ = ("bind", "reserve", "publish", "claim", "release", "cancel", "return_grant", "report", "fetch", "latency", "freed", "aborted", "event", "fetched", "landed", "declined", "keyed_put", "keyed_take", "discard", "keyed_result", "probe", "probe_answer")
     BIND_FIELD_NUMBER: _ClassVar[int]
     RESERVE_FIELD_NUMBER: _ClassVar[int]
     PUBLISH_FIELD_NUMBER: _ClassVar[int]
@@ -989,6 +989,7 @@ class SessionFrame(_message.Message):
     EVENT_FIELD_NUMBER: _ClassVar[int]
     FETCHED_FIELD_NUMBER: _ClassVar[int]
     LANDED_FIELD_NUMBER: _ClassVar[int]
+    DECLINED_FIELD_NUMBER: _ClassVar[int]
     KEYED_PUT_FIELD_NUMBER: _ClassVar[int]
     KEYED_TAKE_FIELD_NUMBER: _ClassVar[int]
     DISCARD_FIELD_NUMBER: _ClassVar[int]
@@ -1010,13 +1011,14 @@ class SessionFrame(_message.Message):
     event: _containers.RepeatedCompositeFieldContainer[Event]
     fetched: _containers.RepeatedCompositeFieldContainer[FetchResult]
     landed: _containers.RepeatedCompositeFieldContainer[LandedPush]
+    declined: _containers.RepeatedCompositeFieldContainer[LandedPush]
     keyed_put: _containers.RepeatedCompositeFieldContainer[KeyedPut]
     keyed_take: _containers.RepeatedCompositeFieldContainer[KeyedTake]
     discard: _containers.RepeatedCompositeFieldContainer[DiscardCall]
     keyed_result: _containers.RepeatedCompositeFieldContainer[KeyedResult]
     probe: bool
     probe_answer: bool
-    def __init__(self, bind: _Optional[_Union[Bind, _Mapping]] = ..., reserve: _Optional[_Iterable[_Union[Reserve, _Mapping]]] = ..., publish: _Optional[_Iterable[_Union[Publish, _Mapping]]] = ..., claim: _Optional[_Iterable[_Union[Claim, _Mapping]]] = ..., release: _Optional[_Iterable[_Union[Release, _Mapping]]] = ..., cancel: _Optional[_Iterable[_Union[Cancel, _Mapping]]] = ..., return_grant: _Optional[_Iterable[_Union[ReturnGrant, _Mapping]]] = ..., report: _Optional[_Iterable[_Union[TransferReport, _Mapping]]] = ..., fetch: _Optional[_Iterable[_Union[FetchCall, _Mapping]]] = ..., latency: _Optional[_Iterable[_Union[EdgeLatencyReport, _Mapping]]] = ..., freed: _Optional[_Union[Freed, _Mapping]] = ..., aborted: _Optional[_Iterable[_Union[Aborted, _Mapping]]] = ..., event: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., fetched: _Optional[_Iterable[_Union[FetchResult, _Mapping]]] = ..., landed: _Optional[_Iterable[_Union[LandedPush, _Mapping]]] = ..., keyed_put: _Optional[_Iterable[_Union[KeyedPut, _Mapping]]] = ..., keyed_take: _Optional[_Iterable[_Union[KeyedTake, _Mapping]]] = ..., discard: _Optional[_Iterable[_Union[DiscardCall, _Mapping]]] = ..., keyed_result: _Optional[_Iterable[_Union[KeyedResult, _Mapping]]] = ..., probe: _Optional[bool] = ..., probe_answer: _Optional[bool] = ...) -> None: ...
+    def __init__(self, bind: _Optional[_Union[Bind, _Mapping]] = ..., reserve: _Optional[_Iterable[_Union[Reserve, _Mapping]]] = ..., publish: _Optional[_Iterable[_Union[Publish, _Mapping]]] = ..., claim: _Optional[_Iterable[_Union[Claim, _Mapping]]] = ..., release: _Optional[_Iterable[_Union[Release, _Mapping]]] = ..., cancel: _Optional[_Iterable[_Union[Cancel, _Mapping]]] = ..., return_grant: _Optional[_Iterable[_Union[ReturnGrant, _Mapping]]] = ..., report: _Optional[_Iterable[_Union[TransferReport, _Mapping]]] = ..., fetch: _Optional[_Iterable[_Union[FetchCall, _Mapping]]] = ..., latency: _Optional[_Iterable[_Union[EdgeLatencyReport, _Mapping]]] = ..., freed: _Optional[_Union[Freed, _Mapping]] = ..., aborted: _Optional[_Iterable[_Union[Aborted, _Mapping]]] = ..., event: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., fetched: _Optional[_Iterable[_Union[FetchResult, _Mapping]]] = ..., landed: _Optional[_Iterable[_Union[LandedPush, _Mapping]]] = ..., declined: _Optional[_Iterable[_Union[LandedPush, _Mapping]]] = ..., keyed_put: _Optional[_Iterable[_Union[KeyedPut, _Mapping]]] = ..., keyed_take: _Optional[_Iterable[_Union[KeyedTake, _Mapping]]] = ..., discard: _Optional[_Iterable[_Union[DiscardCall, _Mapping]]] = ..., keyed_result: _Optional[_Iterable[_Union[KeyedResult, _Mapping]]] = ..., probe: _Optional[bool] = ..., probe_answer: _Optional[bool] = ...) -> None: ...
 
 class ArenaSegment(_message.Message):
     __slots__ = ("index", "base", "size", "data_offset", "nslots")
@@ -1195,12 +1197,14 @@ class PushLanded(_message.Message):
     def __init__(self, lease_id: _Optional[int] = ..., generation: _Optional[int] = ..., grant_id: _Optional[int] = ..., slot: _Optional[int] = ..., nslots: _Optional[int] = ..., length: _Optional[int] = ..., request_id: _Optional[str] = ..., from_stage: _Optional[str] = ..., to_stage: _Optional[str] = ..., attached: _Optional[int] = ...) -> None: ...
 
 class PushDeclined(_message.Message):
-    __slots__ = ("lease_id", "generation")
+    __slots__ = ("lease_id", "generation", "to_stage")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    TO_STAGE_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     generation: int
-    def __init__(self, lease_id: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+    to_stage: str
+    def __init__(self, lease_id: _Optional[int] = ..., generation: _Optional[int] = ..., to_stage: _Optional[str] = ...) -> None: ...
 
 class PushFreed(_message.Message):
     __slots__ = ("grant_id", "slot", "nslots")
