@@ -295,7 +295,7 @@ class Reader:
 
         key = self.announced.when_added(m, told)
         try:
-            if m.push and self.announced.announces(m.to_stage):
+            if self.announced.expects(m):
                 try:
                     async with asyncio.timeout(min(_remote.ANNOUNCE_WAIT_S, conn.timeout)):
                         await heard

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import Any
 
 from ._session import SessionChannel
 from .wire.compact import RefFields
@@ -103,6 +104,8 @@ class Announced:
         # The stages whose pushes the daemon announces to this session: learned
         # from an announcement, forgotten when one was waited for in vain.
         self._stages: set[str] = set()
+        # Pushes declined before their get came (a get of one fetches at once).
+        self._declined: dict[Key, None] = {}
 
     def __len__(self) -> int:
         return len(self._by_key)
@@ -111,19 +114,28 @@ class Announced:
         key = _landed_key(landed)
         self._by_key[key] = (landed, epoch)
         self._stages.add(landed.to_stage)
-        while len(self._by_key) > ANNOUNCED_MAX:
-            self._by_key.pop(next(iter(self._by_key)), None)
+        _bound(self._by_key)
         self._tell(key)
 
     def declined(self, landed: pb.LandedPush) -> None:
         """The push ``landed`` names will not land here: a get waiting for its
-        announcement fetches now (the daemon pulls it)."""
-        self._tell(_landed_key(landed))
+        announcement fetches now (the daemon pulls it), and so does one that
+        comes later."""
+        key = _landed_key(landed)
+        self._declined[key] = None
+        _bound(self._declined)
+        self._tell(key)
 
     def _tell(self, key: Key) -> None:
         fetch = self._fetching.pop(key, None)
         if fetch is not None:
             fetch()
+
+    def expects(self, m: pb.DataRef) -> bool:
+        """Whether a get of ``m`` waits for its push's announcement before it
+        fetches: its writer asked for a push, to a stage the daemon announces
+        pushes for to this session, and it was not declined."""
+        return m.push and m.to_stage in self._stages and _key(m) not in self._declined
 
     def announces(self, stage: str) -> bool:
         """Whether the daemon announced a push for ``stage`` to this session, and no
@@ -163,7 +175,9 @@ class Announced:
 
     def forget(self, m: pb.DataRef) -> None:
         """``m`` was fetched: an announcement that came meanwhile names the same lease."""
-        self._by_key.pop(_key(m), None)
+        key = _key(m)
+        self._by_key.pop(key, None)
+        self._declined.pop(key, None)
 
     def drop_request(self, request_id: str) -> None:
         """``request_id`` was aborted: its landed leases are freed, forget them."""
@@ -175,6 +189,13 @@ class Announced:
         self._by_key.clear()
         self._fetching.clear()
         self._stages.clear()
+        self._declined.clear()
+
+
+def _bound(remembered: dict[Key, Any]) -> None:
+    """Forget the oldest of ``remembered`` past :data:`ANNOUNCED_MAX`."""
+    while len(remembered) > ANNOUNCED_MAX:
+        remembered.pop(next(iter(remembered)), None)
 
 
 async def fetch(

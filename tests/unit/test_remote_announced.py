@@ -183,3 +183,23 @@ def test_a_declined_push_tells_the_fetch_waiting_for_it_and_nothing_else() -> No
     announced.declined(declined)
     assert told == [None]  # told, with nothing to read: it fetches
     assert len(announced) == 0 and not announced.announces("talker")
+
+
+def test_a_get_of_a_push_declined_before_it_came_does_not_wait() -> None:
+    announced = _remote.Announced()
+    announced.add(_landed(7), EPOCH)  # the daemon announces talker's pushes here
+    pushed = [_ref(n) for n in (8, 9)]
+    for m in pushed:
+        m.push = True
+    assert announced.expects(pushed[0]) and announced.expects(pushed[1])
+    unpushed = _ref(10)
+    assert not announced.expects(unpushed)  # its writer asked for no push: fetch
+    declined = _landed(8)
+    declined.ClearField("lease")
+    announced.declined(declined)  # nobody waits for it yet
+    assert not announced.expects(pushed[0]) and announced.expects(pushed[1])
+    announced.forget(pushed[0])  # read: forgotten
+    assert announced.expects(pushed[0])
+    announced.declined(declined)
+    announced.clear()
+    assert not announced.expects(pushed[0])  # nothing announced to the new session yet
