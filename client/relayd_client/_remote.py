@@ -32,11 +32,10 @@ stop-and-wait: the two daemons' CPU 520-638 -> 414-442 us a transfer, the
 reader's 377-461 -> 343-359, p99 1.22-1.75 -> 0.94-1.04 ms). When nothing
 comes in time (the daemon announces no more to this session, now that
 another one serves the stage; an older daemon declined the push; it is slow
-to land),
-the get fetches as before, and waits for no announcement of that stage
-again until the next one comes. A push its writer's daemon declined is told
-as its landing would have been (``SessionFrame.declined``): the get waiting
-for it fetches at once (the daemon pulls).
+to land), the get fetches as before, and waits for no announcement of that
+stage again until the next one comes. A push its writer's daemon declined is
+told as its landing would have been (``SessionFrame.declined``): a get of it,
+waiting or still to come, fetches at once (the daemon pulls).
 """
 
 from __future__ import annotations
@@ -88,7 +87,8 @@ def local_ref(m: pb.DataRef, lease: pb.LeaseRef, node_id: str, epoch: str) -> pb
 
 
 class Announced:
-    """The pushes this node's daemon said landed for this client, until a get takes one.
+    """The pushes this node's daemon said landed for this client, until a get takes
+    one; those it said were declined, and the stages it announces pushes for.
 
     Filled by the session's frame handler (the loop thread), taken by gets on
     any thread: single dict operations, atomic under the GIL. An entry is only
@@ -139,8 +139,7 @@ class Announced:
 
     def announces(self, stage: str) -> bool:
         """Whether the daemon announced a push for ``stage`` to this session, and no
-        get has waited for one in vain since: a get of a pushed DataRef for it
-        waits for the announcement before it fetches."""
+        get has waited for one in vain since."""
         return stage in self._stages
 
     def unheard(self, stage: str) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import cast
+from typing import Any, cast
 
 from relayd_client.wire.proto import relay_pb2 as pb
 from relayd_client.wire.shm import SHM_POOL
@@ -30,26 +30,11 @@ def session_frame(event: SessionEvent) -> pb.SessionFrame:
             return pb.SessionFrame(freed=pb.Freed(lease_ids=lease_ids))
         case Aborted(request_id):
             return pb.SessionFrame(aborted=[pb.Aborted(request_id=request_id)])
-        case Landed((node, epoch, origin_id, origin_gen), lease, request_id, to_stage):
-            landed = pb.LandedPush(
-                origin_node_id=node,
-                origin_daemon_epoch=epoch,
-                lease_id=origin_id,
-                generation=origin_gen,
-                lease=lease_ref(lease),
-                request_id=request_id,
-                to_stage=to_stage,
-            )
+        case Landed(origin, lease, request_id, to_stage):
+            landed = _push(origin, to_stage, lease=lease_ref(lease), request_id=request_id)
             return pb.SessionFrame(landed=[landed])
-        case Declined((node, epoch, origin_id, origin_gen), to_stage):
-            declined = pb.LandedPush(
-                origin_node_id=node,
-                origin_daemon_epoch=epoch,
-                lease_id=origin_id,
-                generation=origin_gen,
-                to_stage=to_stage,
-            )
-            return pb.SessionFrame(declined=[declined])
+        case Declined(origin, to_stage):
+            return pb.SessionFrame(declined=[_push(origin, to_stage)])
         case SessionError(code, message):
             ev = pb.Event(
                 kind=pb.EVENT_KIND_ERROR, code=cast(pb.ErrorCode, int(code)), message=message
@@ -65,6 +50,19 @@ def session_frame(event: SessionEvent) -> pb.SessionFrame:
         case RegistryChanged(version):
             ev = pb.Event(kind=pb.EVENT_KIND_REGISTRY, registry_version=version)
     return pb.SessionFrame(event=[ev])
+
+
+def _push(origin: tuple[str, str, int, int], to_stage: str, **fields: Any) -> pb.LandedPush:
+    """A ``LandedPush`` naming the push of the writer's lease ``origin``."""
+    node, epoch, lease_id, generation = origin
+    return pb.LandedPush(
+        origin_node_id=node,
+        origin_daemon_epoch=epoch,
+        lease_id=lease_id,
+        generation=generation,
+        to_stage=to_stage,
+        **fields,
+    )
 
 
 def lease_ref(lease: LocalLease) -> pb.LeaseRef:
