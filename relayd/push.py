@@ -243,7 +243,7 @@ class PushManager:
             # wherever it is, pulls.
             for p in self.parts.links.peers.values():
                 if p.up:
-                    self._decline(p.address, lease)
+                    self._decline(p.address, lease, meant=False)
             return
         out = self.out.get(peer.address)
         slots = lease.run.nslots
@@ -276,10 +276,17 @@ class PushManager:
                 found = p
         return found
 
-    def _decline(self, address: str, lease: Lease) -> None:
+    def _decline(self, address: str, lease: Lease, *, meant: bool = True) -> None:
+        """Tell the peer at ``address`` that ``lease`` will not be pushed there.
+
+        ``meant``: the push was for that peer, whose reader may be waiting for its
+        announcement, so the decline names the stage and that reader is told.
+        Not so when several nodes serve the stage: each would tell its reader of
+        every put, a wake-up per put for readers that never get its DataRef.
+        """
         self.counts[address].declined += 1
         self.parts.notifier.box(address).declined.add(
-            lease_id=lease.id, generation=lease.generation, to_stage=lease.to_stage
+            lease_id=lease.id, generation=lease.generation, to_stage=lease.to_stage if meant else ""
         )
         self.parts.notifier.send(address)
 

@@ -100,6 +100,9 @@ class PushLanding:
         self._attached: set[Key] = set()  # of those, the ones whose bytes came attached
         # Of those, the ones announced to their reader and not fetched: by peer address.
         self._announced: dict[Key, str] = {}
+        # The session each stage's last landing was announced to: the one whose
+        # gets wait for announcements, and so the one told of a decline.
+        self._announcing: dict[str, Session] = {}
         # True: landed here and read; a pull would read the DataRef a second time.
         self._declined: collections.OrderedDict[Key, bool] = collections.OrderedDict()
         self._waiters: dict[Key, list[asyncio.Future[None]]] = {}
@@ -132,10 +135,10 @@ class PushLanding:
             self._remember(key)
             self._wake(key)
             if not awaited and d.to_stage:
-                # Its one reader may be waiting for the landing's announcement
-                # (as _announce would have told it): it fetches now instead.
+                # Its one reader may be waiting for the landing's announcement, if
+                # it had one for this stage before: it fetches now instead.
                 readers = self._readers(d.to_stage)
-                if len(readers) == 1:
+                if len(readers) == 1 and self._announcing.get(d.to_stage) is readers[0]:
                     readers[0].tell(Declined(key, d.to_stage))
 
     def grant_to(self, req: pb.PushGrantRequest) -> pb.PushGrantResponse:
@@ -314,6 +317,7 @@ class PushLanding:
             return
         where = self.parts.leases.crossnode.where(lease, lease.nbytes)
         readers[0].tell(Landed(key, where, m.request_id, m.to_stage))
+        self._announcing[m.to_stage] = readers[0]
         self._announced[key] = peer.address
         self.counts[peer.address].announced += 1
 

@@ -119,9 +119,15 @@ class Node:
         return s
 
     async def put(
-        self, writer: Session, data: bytes, *, push: bool = False, request_id: str = "r1"
+        self,
+        writer: Session,
+        data: bytes,
+        *,
+        push: bool = False,
+        request_id: str = "r1",
+        to_stage: str = READER,
     ) -> bytes:
-        """What a client's put does, then the DataRef it hands on (for ``READER``)."""
+        """What a client's put does, then the DataRef it hands on."""
         grant = await self.leases.grant(writer, len(data), BOUND)
         nslots = -(-len(data) // SLOT)
         lease_id = max(self.leases.new_generation_base(grant), grant.last_lease) + 1
@@ -133,7 +139,7 @@ class Node:
             writer,
             pb.Reserve(
                 lease_id=lease_id, grant_id=grant.id, slot=grant.run.slot, nslots=nslots,
-                generation=lease_id, request_id=request_id, to_stage=READER, from_stage=WRITER,
+                generation=lease_id, request_id=request_id, to_stage=to_stage, from_stage=WRITER,
             ),
         )  # fmt: skip
         self.leases.on_publish(
@@ -142,7 +148,7 @@ class Node:
         )
         ref = pb.DataRef(
             version=1, request_id=request_id, chunk_id=-1, transport=pb.TRANSPORT_SHM,
-            to_stage=READER, header_codec=pb.HEADER_CODEC_SAFE, push=push,
+            to_stage=to_stage, header_codec=pb.HEADER_CODEC_SAFE, push=push,
             origin=pb.Origin(
                 node_id=self.settings.node_id, daemon_epoch=self.epoch, stage=WRITER,
                 peer_address=self.address, mooncake_session=self.transport.session_id,
@@ -694,39 +700,81 @@ def test_a_push_that_fails_falls_back_to_the_pull(tmp_path: pathlib.Path) -> Non
     run(main())
 
 
-def test_a_declined_push_is_told_to_its_one_reader_as_its_landing_would_be(
+def test_a_declined_push_is_told_to_the_reader_its_landings_were_announced_to(
     tmp_path: pathlib.Path,
 ) -> None:
-    """Its get may be waiting for the landing's announcement: B tells the one
-    session serving the stage that nothing will land (a ``declined`` LandedPush
-    with no lease), so it fetches now. With two sessions on the stage, nobody."""
+    """That reader's get may be waiting for the landing's announcement: B tells the
+    one session serving the stage, once B has announced a landing for the stage
+    to it, that nothing will land (a ``declined`` LandedPush with no lease), so it
+    fetches now. Before any announcement, or with two sessions on the stage, nobody."""
 
     async def main() -> None:
         async with pushing_nodes(tmp_path) as (a, b, reader):
             writer = a.session(WRITER)
             data = os.urandom(SLOT + 1)
-            a.transport.fail_next()
+
+            def told() -> list[pb.LandedPush]:
+                return [m for f in b.frames for m in f.declined]
+
+            async def failed_push(request_id: str) -> bytes:
+                """A push that fails, its decline heard on B before any fetch of it."""
+                a.transport.fail_next()
+                ref = await a.put(writer, data, push=True, request_id=request_id)
+                m = DataRef.from_bytes(ref).proto
+                key = (a.settings.node_id, a.epoch, m.lease.lease_id, m.lease.generation)
+                await until(lambda: key in b.peers.push.landing._declined, "B to hear it")
+                local = await b.peers.fetch(reader, ref, BOUND)  # pulled
+                assert _sha(b.read(local)) == _sha(data)
+                b.release(reader, local)
+                return ref
+
+            await failed_push("before")  # no announcement yet: its get does not wait
+            assert a.peers.push.counts[b.address].declined == 1 and not told()
+
             ref = await a.put(writer, data, push=True)
-            await until(lambda: [m for f in b.frames for m in f.declined], "B to tell it")
-            (told,) = [m for f in b.frames for m in f.declined]
-            assert (told.origin_node_id, told.origin_daemon_epoch) == (a.settings.node_id, a.epoch)
+            await until(lambda: b.peers.push.counts[a.address].announced == 1, "the landing")
+            b.release(reader, await b.peers.fetch(reader, ref, BOUND))  # announced, then read
+
+            b.frames.clear()
+            ref = await failed_push("after")
+            (declined,) = told()
+            assert (declined.origin_node_id, declined.origin_daemon_epoch) == (
+                a.settings.node_id,
+                a.epoch,
+            )
             m = DataRef.from_bytes(ref).proto
-            assert (told.lease_id, told.generation) == (m.lease.lease_id, m.lease.generation)
-            assert told.to_stage == READER and not told.HasField("lease")
-            assert not [m for f in b.frames for m in f.landed]
-            local = await b.peers.fetch(reader, ref, BOUND)  # pulled at once
-            assert _sha(b.read(local)) == _sha(data)
-            b.release(reader, local)
+            assert (declined.lease_id, declined.generation) == (
+                m.lease.lease_id,
+                m.lease.generation,
+            )
+            assert declined.to_stage == READER and not declined.HasField("lease")
 
             b.session(READER)  # a second session serving the stage
             b.frames.clear()
-            a.transport.fail_next()
-            ref = await a.put(writer, data, push=True, request_id="r2")
-            await until(lambda: a.peers.push.counts[b.address].declined == 2, "the decline")
-            local = await b.peers.fetch(reader, ref, BOUND)
-            b.release(reader, local)
-            assert not [m for f in b.frames for m in f.declined]
+            await failed_push("two")
+            assert a.peers.push.counts[b.address].declined == 3 and not told()
             await until(lambda: not a.leases.leases and not b.leases.leases, "leases freed")
+
+    run(main())
+
+
+def test_a_push_with_nowhere_to_go_is_declined_naming_no_stage(tmp_path: pathlib.Path) -> None:
+    """No one peer serves the stage: every peer hears the decline, and none names
+    the stage, so no node wakes its reader for a DataRef it will not get."""
+
+    async def main() -> None:
+        async with pushing_nodes(tmp_path) as (a, b, _):
+            heard: list[pb.PushDeclined] = []
+            on_declined = b.peers.push.landing.on_declined
+
+            def recorded(n: pb.PeerNotices) -> None:
+                heard.extend(n.declined)
+                on_declined(n)
+
+            b.peers.push.landing.on_declined = recorded  # type: ignore[method-assign]
+            await a.put(a.session(WRITER), os.urandom(SLOT), push=True, to_stage="elsewhere")
+            await until(lambda: heard, "B to hear the decline")
+            assert [d.to_stage for d in heard] == [""]
 
     run(main())
 
