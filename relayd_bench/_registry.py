@@ -195,6 +195,11 @@ RELAYD: tuple[Entry, ...] = (
         "relayd-mooncake, reader view() zero-copy (mooncake-raw reads in place too)",
     ),
     _cross_node(
+        "relayd-mooncake-sync",
+        "RelaydMooncakeSync",
+        "relayd-mooncake with the blocking client (SyncRelayClient) on both sides",
+    ),
+    _cross_node(
         "relayd-mooncake-late",
         "RelaydMooncakeLate",
         f"relayd-mooncake, its DataRef handed over {LATE_HANDOFF_S * 1e3:g} ms after the put "

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -177,6 +178,37 @@ class RelaydInline(RelaydShm):
     expect_transport = "inline"
 
 
+def _reads(sock: str | None) -> _rtt.ReadCounts | None:
+    """The reads the daemon at ``sock`` counted, by how each found its bytes."""
+    return None if sock is None else _rtt.read_counts(_daemon.status(sock))
+
+
+def _read_extras(before: _rtt.ReadCounts, after: _rtt.ReadCounts) -> dict[str, str]:
+    """How the reads between two counts found their bytes, and the round trips
+    they waited for (``extra``: see ``_rtt``)."""
+    d = after - before
+    extras = {"reads": f"{d.landed}/{d.awaited}/{d.pulled}/{d.attached}/{d.announced}"}
+    rt = _rtt.relayd_round_trips(d)
+    bound = _rtt.relayd_round_trips(d, landed_as_awaited=True)
+    if rt is not None and bound is not None:
+        extras[_rtt.EXTRA_RT] = _rtt.fmt_rt(rt)
+        extras[_rtt.EXTRA_RT_BOUND] = _rtt.fmt_rt(bound)
+    return extras
+
+
+async def _until_routed_across(client: RelayClient, to_stage: str) -> None:
+    """The writer's daemon learns which node serves the reader's stage at its next
+    heartbeat after the reader attached; a put before that is pulled, not pushed."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + ROUTE_WAIT_S
+    while loop.time() < deadline:
+        client._routes.forget()
+        key = (to_stage, True, (), False)  # a CPU payload too large for inline
+        if await client._routes.ask(key, 1 << 20, False, False) == pb.TRANSPORT_MOONCAKE:
+            return
+        await asyncio.sleep(0.05)  # polling the daemon's registry, bounded above
+
+
 class RelaydMooncake(RelaydShm):
     """Reader attached to another node's daemon: the writer's daemon pushes the bytes
     there over Mooncake TE as soon as they are published (or the reader's pulls them).
@@ -188,15 +220,9 @@ class RelaydMooncake(RelaydShm):
     def _reader_socket(self) -> str | None:
         return self.ctx.reader_socket
 
-    async def _reads(self) -> _rtt.ReadCounts | None:
-        sock = self.ctx.reader_socket
-        if sock is None:
-            return None
-        return _rtt.read_counts(await asyncio.to_thread(_daemon.status, sock))
-
     async def setup_writer(self, size: int, source: torch.Tensor) -> bytes:
         blob = await super().setup_writer(size, source)
-        self.reads_before = await self._reads()
+        self.reads_before = await asyncio.to_thread(_reads, self.ctx.reader_socket)
         self.sent = 0
         return blob
 
@@ -206,22 +232,15 @@ class RelaydMooncake(RelaydShm):
             return
         loop = asyncio.get_running_loop()
         deadline = loop.time() + COUNTED_WAIT_S
-        after = await self._reads()
+        after = await asyncio.to_thread(_reads, self.ctx.reader_socket)
         while after is not None and (after - before).total < self.sent and loop.time() < deadline:
             await asyncio.sleep(0.01)  # polling the daemon's counters, bounded above
-            after = await self._reads()
-        if after is None:
-            return
-        d = after - before
-        self.extra["reads"] = f"{d.landed}/{d.awaited}/{d.pulled}/{d.attached}/{d.announced}"
-        rt = _rtt.relayd_round_trips(d)
-        bound = _rtt.relayd_round_trips(d, landed_as_awaited=True)
-        if rt is not None and bound is not None:
-            self.extra[_rtt.EXTRA_RT] = _rtt.fmt_rt(rt)
-            self.extra[_rtt.EXTRA_RT_BOUND] = _rtt.fmt_rt(bound)
+            after = await asyncio.to_thread(_reads, self.ctx.reader_socket)
+        if after is not None:
+            self.extra.update(_read_extras(before, after))
 
     async def start_writer(self) -> None:
-        await self._until_routed_across()
+        await _until_routed_across(self.client, self._stages()[1])
 
     async def send(self, i: int) -> bytes:
         wire = await super().send(i)
@@ -229,19 +248,6 @@ class RelaydMooncake(RelaydShm):
         if i == 0:
             self.extra["push"] = "yes" if DataRef.from_bytes(wire).proto.push else "no"
         return wire
-
-    async def _until_routed_across(self) -> None:
-        """The writer's daemon learns which node serves the reader's stage at its next
-        heartbeat after the reader attached; a put before that is pulled, not pushed."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + ROUTE_WAIT_S
-        to_stage = self._stages()[1]
-        while loop.time() < deadline:
-            self.client._routes.forget()
-            key = (to_stage, True, (), False)  # a CPU payload too large for inline
-            if await self.client._routes.ask(key, 1 << 20, False, False) == pb.TRANSPORT_MOONCAKE:
-                return
-            await asyncio.sleep(0.05)  # polling the daemon's registry, bounded above
 
 
 class RelaydMooncakeView(RelaydMooncake):
@@ -302,6 +308,46 @@ class RelaydSync(PairMethod):
 
     def teardown_reader(self) -> None:
         self.stack.close()
+
+
+class RelaydMooncakeSync(RelaydSync):
+    """relayd-mooncake with the blocking client on both sides (the vLLM connector's)."""
+
+    def setup_writer(self, size: int, source: torch.Tensor) -> bytes:
+        blob = super().setup_writer(size, source)
+        self.reads_before = _reads(self.ctx.reader_socket)
+        self.sent = 0
+        return blob
+
+    def start_writer(self) -> None:
+        self.client._run(_until_routed_across(self.client._client, self._stages()[1]))
+
+    def send(self, i: int) -> bytes:
+        wire = super().send(i)
+        self.sent = i + 1
+        if i == 0:
+            self.extra["push"] = "yes" if DataRef.from_bytes(wire).proto.push else "no"
+        return wire
+
+    def finish_writer(self) -> None:
+        before = self.reads_before
+        if before is None:
+            return
+        deadline = time.monotonic() + COUNTED_WAIT_S
+        after = _reads(self.ctx.reader_socket)
+        while after is not None and (after - before).total < self.sent:
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.01)  # polling the daemon's counters, bounded above
+            after = _reads(self.ctx.reader_socket)
+        if after is not None:
+            self.extra.update(_read_extras(before, after))
+
+    def setup_reader(self, size: int, blob: bytes) -> None:
+        self.stack = contextlib.ExitStack()
+        self.client = self.stack.enter_context(
+            shared_sync_client(self._stages()[1], self.ctx.reader_socket)
+        )
 
 
 class RelaydLocal(AsyncLocalMethod):

@@ -41,6 +41,7 @@ COMPARISONS: tuple[tuple[str, str], ...] = (
     ("relayd-mooncake", "mooncake-raw"),
     ("relayd-mooncake", "floor-relay"),
     ("relayd-mooncake-view", "mooncake-raw"),
+    ("relayd-mooncake-sync", "mooncake-raw"),
     ("relayd-mooncake-late", "mooncake-raw-late"),
     ("relayd-shm", "floor-async"),
 )

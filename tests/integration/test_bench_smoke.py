@@ -174,9 +174,10 @@ def test_stream_workload_carries_every_stream_in_one_process_pair_or_one_each(
 @requires_mooncake
 def test_quick_relayd_mooncake_runs_on_two_daemons_beside_raw_mooncake(tmp_path: Path) -> None:
     """relayd-mooncake reads a copy, relayd-mooncake-view reads in place (as raw
-    Mooncake's reader uses its buffer); both are held against raw Mooncake, and
-    relayd-mooncake against its path's floor too."""
-    relayd = ["relayd-mooncake", "relayd-mooncake-view"]
+    Mooncake's reader uses its buffer), relayd-mooncake-sync through the blocking
+    client; all are held against raw Mooncake, and relayd-mooncake against its
+    path's floor too."""
+    relayd = ["relayd-mooncake", "relayd-mooncake-view", "relayd-mooncake-sync"]
     doc, stdout = _bench(tmp_path, ["mooncake-raw", "floor-relay", *relayd], ["1M"])
 
     cells = {r["method"]: r for r in doc["results"]}
@@ -192,6 +193,7 @@ def test_quick_relayd_mooncake_runs_on_two_daemons_beside_raw_mooncake(tmp_path:
         ("relayd-mooncake", "mooncake-raw"),
         ("relayd-mooncake", "floor-relay"),
         ("relayd-mooncake-view", "mooncake-raw"),
+        ("relayd-mooncake-sync", "mooncake-raw"),
     ]
     assert "relayd-mooncake / floor-relay:" in stdout
     for cmp in doc["comparisons"]:
@@ -201,6 +203,7 @@ def test_quick_relayd_mooncake_runs_on_two_daemons_beside_raw_mooncake(tmp_path:
         assert f"1MiB   {m} " in stdout or f"       {m} " in stdout  # the whole name
         sides = cells[m]["daemon_cpu_ns_per_transfer"]
         assert sides["writer_side"] is not None and sides["reader_side"] is not None
+        assert cells[m]["extra"]["push"] == "yes" and "reads" in cells[m]["extra"]
 
     run = doc["run"]
     writer, reader = run["daemon"], run["reader_daemon"]
