@@ -13,6 +13,7 @@ methods (:meth:`Reader.read_here`).
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import TYPE_CHECKING, Any
 
 from . import _copies, _cuda_facts, _cuda_staging, _flatten, _local, _packing, _remote
@@ -325,14 +326,41 @@ class Reader:
                 pb.FetchResponse(lease=lease, node_id=a.node_id, daemon_epoch=a.daemon_epoch)
             )
 
-    def landed_ref(self, ref: DataRef) -> pb.DataRef | None:
+    def landed_ref(self, ref: DataRef, *, wait: bool = False) -> pb.DataRef | None:
         """The local DataRef of a cross-node ``ref`` whose push the daemon announced
-        here, for :meth:`read_landed` on the calling thread; None: :meth:`get` it."""
+        here, for :meth:`read_landed` on the calling thread; None: :meth:`get` it.
+
+        ``wait``: a push whose announcement is expected (:meth:`Announced.expects`)
+        and not here yet is waited for on this thread, as :meth:`_fetch` waits for
+        it on the loop: the blocking client then reads it on its caller's thread,
+        not through the loop thread and back.
+        """
         if ref.transport is not Transport.SHM or ref.fields.refs or self._conn.socket_fallback:
             return None
         if not _remote.is_foreign(ref, self._conn.node_id):
             return None
-        return self._announced(ref)
+        local = self._announced(ref)
+        if local is not None or not wait or not self.announced.expects(ref.proto):
+            return local
+        return self._await_announced(ref)
+
+    def _await_announced(self, ref: DataRef) -> pb.DataRef | None:
+        """:meth:`_announced` once the daemon has said what became of ``ref``'s push,
+        waiting on this thread up to ``ANNOUNCE_WAIT_S``."""
+        m = ref.proto
+        heard = threading.Event()
+        told = heard.set  # one bound method: stop_waiting compares it
+        key = self.announced.when_added(m, told)
+        try:
+            local = self._announced(ref)  # announced before the wait was set up
+            if local is None:
+                if not heard.wait(min(_remote.ANNOUNCE_WAIT_S, self._conn.timeout)):
+                    self.announced.unheard(m.to_stage)
+                elif (local := self._announced(ref)) is None:
+                    self.announced.fetch_now(m)  # declined, or announced and gone since
+        finally:
+            self.announced.stop_waiting(key, told)
+        return local
 
     def _announced(self, ref: DataRef) -> pb.DataRef | None:
         """The local DataRef of ``ref``'s push as the daemon announced it, while its

@@ -104,7 +104,7 @@ class Announced:
         # The stages whose pushes the daemon announces to this session: learned
         # from an announcement, forgotten when one was waited for in vain.
         self._stages: set[str] = set()
-        # Pushes declined before their get came (a get of one fetches at once).
+        # Pushes a get of which fetches at once: declined, or announced and gone since.
         self._declined: dict[Key, None] = {}
 
     def __len__(self) -> int:
@@ -122,9 +122,17 @@ class Announced:
         announcement fetches now (the daemon pulls it), and so does one that
         comes later."""
         key = _landed_key(landed)
+        self._fetch_now(key)
+        self._tell(key)
+
+    def fetch_now(self, m: pb.DataRef) -> None:
+        """A get of ``m`` asks the daemon without waiting: what was announced of its
+        push is no longer there (the daemon says why)."""
+        self._fetch_now(_key(m))
+
+    def _fetch_now(self, key: Key) -> None:
         self._declined[key] = None
         _bound(self._declined)
-        self._tell(key)
 
     def _tell(self, key: Key) -> None:
         fetch = self._fetching.pop(key, None)

@@ -408,7 +408,7 @@ class SyncRelayClient:
             if r.here(ref):
                 got = r.read_here(m, r.checked_ref(m), copy)  # checked before any claim
             else:
-                local = r.landed_ref(ref)  # a cross-node push already here: no loop hop
+                local = r.landed_ref(ref, wait=True)  # a cross-node push: no loop hop
                 if local is None:
                     return self._run(c._get(ref, copy))
                 got = r.read_landed(local, r.checked_ref(m), copy)

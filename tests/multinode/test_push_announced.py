@@ -9,6 +9,7 @@ announcement, so what it checks is the read that follows, not the race.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import pathlib
 from typing import Any
 
@@ -304,4 +305,49 @@ def test_a_get_waiting_for_a_push_its_writer_declined_fetches_at_once(
     asyncio.run(asyncio.wait_for(scenario(), 60))
     assert _count(a, b, "pushes_declined") == 2
     assert _count(b, a, "reads_pulled") == 2
+    wait_until(lambda: _free_but_grant(a, b), DEADLINE, "both arenas back to the push grants")
+
+
+def test_the_blocking_client_waits_for_the_announcement_on_its_own_thread(
+    nodes: tuple[Node, Node], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A blocking get that comes before the announcement waits for it on the
+    caller's thread and reads there: no FetchCall, and nothing run on the loop."""
+    a, b = nodes
+    monkeypatch.setattr(_remote, "ANNOUNCE_WAIT_S", 3600.0)
+    payloads = [make_payload(10, 1 << 20), make_payload(11, 1 << 20)]
+
+    async def reading(session: Any, on: bool) -> None:
+        transport = session._transport
+        assert transport is not None
+        (transport.resume_reading if on else transport.pause_reading)()
+
+    with SyncRelayClient("talker", b.daemon.socket) as r:
+        _ready_to_push(a, b)
+        client = r._client
+        session, announced = client._conn.session, client._reader.announced
+        with SyncRelayClient("thinker", a.daemon.socket) as w:
+            ref = w.put(payloads[0], to_stage="talker", request_id="learn")
+            wait_until(lambda: _announced(client) == 1, DEADLINE, "the announcement")
+            assert digest(r.get(ref.to_bytes())) == digest(payloads[0])
+            r._run(reading(session, False))  # the next announcement waits in the socket
+            ref = w.put(payloads[1], to_stage="talker", request_id="waited")
+            wait_until(lambda: _count(b, a, "pushes_announced") == 2, DEADLINE, "B to announce")
+            on_loop: list[Any] = []
+            run = r._run
+
+            def spied(coro: Any, *args: Any) -> Any:
+                on_loop.append(coro)
+                return run(coro, *args)
+
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                monkeypatch.setattr(r, "_run", spied)
+                get = pool.submit(r.get, ref.to_bytes())
+                wait_until(lambda: announced._fetching, DEADLINE, "the get to wait")
+                assert not session._calls  # no FetchCall went
+                run(reading(session, True))
+                assert digest(get.result(DEADLINE)) == digest(payloads[1])
+            assert on_loop == [] and not session._calls
+    wait_until(lambda: _count(b, a, "reads_announced") == 2, DEADLINE, "the reads counted")
+    assert _no_fetch_counted(a, b)
     wait_until(lambda: _free_but_grant(a, b), DEADLINE, "both arenas back to the push grants")

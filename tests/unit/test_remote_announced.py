@@ -203,3 +203,13 @@ def test_a_get_of_a_push_declined_before_it_came_does_not_wait() -> None:
     announced.declined(declined)
     announced.clear()
     assert not announced.expects(pushed[0])  # nothing announced to the new session yet
+
+
+def test_a_get_whose_announcement_is_gone_fetches_without_waiting() -> None:
+    announced = _remote.Announced()
+    announced.add(_landed(7), EPOCH)
+    m = _ref(8)
+    m.push = True
+    assert announced.expects(m)
+    announced.fetch_now(m)  # announced, then freed before the get read it
+    assert not announced.expects(m) and announced.announces("talker")
