@@ -28,14 +28,16 @@ this session, a get of a DataRef whose writer asked for a push to that stage
 waits for the announcement first, up to :data:`ANNOUNCE_WAIT_S`, and sends
 no FetchCall when it comes: neither the client nor the daemon writes, reads
 or answers one, and the reader is woken once, not twice (measured, 256 KiB
-stop-and-wait: the two daemons' CPU 520-638 -> 414-442 us a transfer, the
-reader's 377-461 -> 343-359, p99 1.22-1.75 -> 0.94-1.04 ms). When nothing
-comes in time (the daemon announces no more to this session, now that
-another one serves the stage; an older daemon declined the push; it is slow
-to land), the get fetches as before, and waits for no announcement of that
-stage again until the next one comes. A push its writer's daemon declined is
-told as its landing would have been (``SessionFrame.declined``): a get of it,
-waiting or still to come, fetches at once (the daemon pulls).
+stop-and-wait, old and new alternating: the two daemons' CPU 539-621 -> 398-463
+us a transfer, the reader's 365-476 -> 324-374, the median 646-813 -> 580-695).
+When nothing comes in time (the daemon announces no more to this session, now
+that another one serves the stage; an older daemon declined the push; it is
+slow to land), the get fetches as before, and waits for no announcement of
+that stage again until the next one comes. A push its writer's daemon
+declined is told as its landing would have been (``SessionFrame.declined``):
+a get of it, waiting or still to come, fetches at once (the daemon pulls).
+The blocking client waits on its caller's thread and reads there
+(``Reader.landed_ref``).
 """
 
 from __future__ import annotations
