@@ -179,7 +179,7 @@ class MappedSegment:
         path raises the answer, a read lane takes the general path on any)."""
         if nslots < 1 or slot + nslots > self.nslots or length > nslots * self.slot_size:
             return "lies outside the arena"
-        if offset != self.data_offset + slot * self.slot_size:
+        if offset != self.slot_offset(slot):
             return "offset does not match its slot"
         return None
 
