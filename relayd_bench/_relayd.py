@@ -183,9 +183,17 @@ def _reads(sock: str | None) -> _rtt.ReadCounts | None:
     return None if sock is None else _rtt.read_counts(_daemon.status(sock))
 
 
-def _read_extras(before: _rtt.ReadCounts, after: _rtt.ReadCounts) -> dict[str, str]:
-    """How the reads between two counts found their bytes, and the round trips
-    they waited for (``extra``: see ``_rtt``)."""
+def _counted_reads(sock: str | None, before: _rtt.ReadCounts, sent: int) -> dict[str, str]:
+    """How the reads since ``before`` found their bytes, and the round trips they
+    waited for (``extra``: see ``_rtt``), once the daemon at ``sock`` has counted
+    ``sent`` of them or ``COUNTED_WAIT_S`` has passed; blocking."""
+    deadline = time.monotonic() + COUNTED_WAIT_S
+    after = _reads(sock)
+    while after is not None and (after - before).total < sent and time.monotonic() < deadline:
+        time.sleep(0.01)  # polling the daemon's counters, bounded above
+        after = _reads(sock)
+    if after is None:
+        return {}
     d = after - before
     extras = {"reads": f"{d.landed}/{d.awaited}/{d.pulled}/{d.attached}/{d.announced}"}
     rt = _rtt.relayd_round_trips(d)
@@ -194,6 +202,14 @@ def _read_extras(before: _rtt.ReadCounts, after: _rtt.ReadCounts) -> dict[str, s
         extras[_rtt.EXTRA_RT] = _rtt.fmt_rt(rt)
         extras[_rtt.EXTRA_RT_BOUND] = _rtt.fmt_rt(bound)
     return extras
+
+
+def _note_sent(method: Any, i: int, wire: bytes) -> None:
+    """A cross-node writer sent put ``i`` as ``wire``: counted for the read counts
+    its report waits for; the first says whether the put asked for a push."""
+    method.sent = i + 1
+    if i == 0:
+        method.extra["push"] = "yes" if DataRef.from_bytes(wire).proto.push else "no"
 
 
 async def _until_routed_across(client: RelayClient, to_stage: str) -> None:
@@ -227,26 +243,18 @@ class RelaydMooncake(RelaydShm):
         return blob
 
     async def finish_writer(self) -> None:
-        before = self.reads_before
-        if before is None:
-            return
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + COUNTED_WAIT_S
-        after = await asyncio.to_thread(_reads, self.ctx.reader_socket)
-        while after is not None and (after - before).total < self.sent and loop.time() < deadline:
-            await asyncio.sleep(0.01)  # polling the daemon's counters, bounded above
-            after = await asyncio.to_thread(_reads, self.ctx.reader_socket)
-        if after is not None:
-            self.extra.update(_read_extras(before, after))
+        if self.reads_before is not None:
+            sock, sent = self.ctx.reader_socket, self.sent
+            self.extra.update(
+                await asyncio.to_thread(_counted_reads, sock, self.reads_before, sent)
+            )
 
     async def start_writer(self) -> None:
         await _until_routed_across(self.client, self._stages()[1])
 
     async def send(self, i: int) -> bytes:
         wire = await super().send(i)
-        self.sent = i + 1
-        if i == 0:
-            self.extra["push"] = "yes" if DataRef.from_bytes(wire).proto.push else "no"
+        _note_sent(self, i, wire)
         return wire
 
 
@@ -324,24 +332,13 @@ class RelaydMooncakeSync(RelaydSync):
 
     def send(self, i: int) -> bytes:
         wire = super().send(i)
-        self.sent = i + 1
-        if i == 0:
-            self.extra["push"] = "yes" if DataRef.from_bytes(wire).proto.push else "no"
+        _note_sent(self, i, wire)
         return wire
 
     def finish_writer(self) -> None:
-        before = self.reads_before
-        if before is None:
-            return
-        deadline = time.monotonic() + COUNTED_WAIT_S
-        after = _reads(self.ctx.reader_socket)
-        while after is not None and (after - before).total < self.sent:
-            if time.monotonic() >= deadline:
-                break
-            time.sleep(0.01)  # polling the daemon's counters, bounded above
-            after = _reads(self.ctx.reader_socket)
-        if after is not None:
-            self.extra.update(_read_extras(before, after))
+        if self.reads_before is not None:
+            sock, sent = self.ctx.reader_socket, self.sent
+            self.extra.update(_counted_reads(sock, self.reads_before, sent))
 
     def setup_reader(self, size: int, blob: bytes) -> None:
         self.stack = contextlib.ExitStack()
