@@ -54,6 +54,27 @@ def _no_fetch_counted(a: Node, b: Node) -> bool:
     )
 
 
+async def _put_announcement_held(
+    session: Any, w: RelayClient, nodes: tuple[Node, Node], payload: Any, request_id: str
+) -> tuple[Any, Any]:
+    """Put ``payload`` for talker with the reader's session socket paused: B has
+    announced the push when this returns, and the announcement waits in the
+    socket until the caller resumes reading (the transport returned)."""
+    a, b = nodes
+    transport = session._transport
+    assert transport is not None
+    transport.pause_reading()
+    announced = _count(b, a, "pushes_announced")
+    ref = await w.put(payload, to_stage="talker", request_id=request_id)
+    await asyncio.to_thread(
+        wait_until,
+        lambda: _count(b, a, "pushes_announced") == announced + 1,
+        DEADLINE,
+        "B to announce the push",
+    )
+    return transport, ref
+
+
 def test_an_announced_push_is_read_with_no_fetch(nodes: tuple[Node, Node]) -> None:
     a, b = nodes
     payloads = [make_payload(i, n) for i, n in enumerate(SIZES)]
@@ -125,16 +146,7 @@ def test_an_announcement_that_crosses_the_fetch_answers_the_get(nodes: tuple[Nod
 
             reader._answer_from_announcement = watched  # type: ignore[method-assign]
             async with RelayClient("thinker", a.daemon.socket) as w:
-                transport = session._transport
-                assert transport is not None
-                transport.pause_reading()  # the announcement waits in the socket
-                ref = await w.put(payload, to_stage="talker", request_id="crossed")
-                await asyncio.to_thread(
-                    wait_until,
-                    lambda: _count(b, a, "pushes_announced") == 1,
-                    DEADLINE,
-                    "B to announce the push",
-                )
+                transport, ref = await _put_announcement_held(session, w, nodes, payload, "crossed")
                 get = asyncio.ensure_future(r.get(ref.to_bytes()))
                 await async_wait_until(lambda: bool(session._calls), DEADLINE, "the FetchCall")
                 transport.resume_reading()  # the announcement first, then the answer
@@ -221,15 +233,8 @@ def test_a_get_before_its_push_lands_waits_for_the_announcement_and_asks_nothing
                 await async_wait_until(lambda: _announced(r) == 1, DEADLINE, "the announcement")
                 assert digest(await r.get(ref.to_bytes())) == digest(payloads[0])
                 assert announced.announces("talker")
-                transport = session._transport
-                assert transport is not None
-                transport.pause_reading()  # the next announcement waits in the socket
-                ref = await w.put(payloads[1], to_stage="talker", request_id="second")
-                await asyncio.to_thread(
-                    wait_until,
-                    lambda: _count(b, a, "pushes_announced") == 2,
-                    DEADLINE,
-                    "B to announce the second push",
+                transport, ref = await _put_announcement_held(
+                    session, w, nodes, payloads[1], "second"
                 )
                 get = asyncio.ensure_future(r.get(ref.to_bytes()))
                 await async_wait_until(lambda: announced._fetching, DEADLINE, "the get to wait")
