@@ -26,8 +26,9 @@ The message flow (writer W on node A, reader R on node B)::
             beat while A holds leases B has not said it received (its
             receipts may have been lost with the link); B answers received
             for those it published
-    B -> R  LandedPush(key, local lease) on the session socket, when R's session
-            alone serves the stage and no fetch of it waits: R's get reads the
+    B -> R  LandedPush(key, local lease) on the session socket (a blocking
+            client's on its announcement socket), when R's session alone
+            serves the stage and no fetch of it waits: R's get reads the
             lease with no call (the slot header decides, as for any lease)
     R -> B  otherwise FetchCall(DataRef) on the session socket: the landed lease,
             at once; not landed yet: waits for the Landed (or Declined) notice

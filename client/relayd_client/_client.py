@@ -570,12 +570,9 @@ class RelayClient:
             self._grants.collect()  # an empty Freed: a waiting put's ids are in the ring
         for ab in frame.aborted:
             self._remember_aborted(ab.request_id)
-        if frame.landed and self._conn.attach is not None:
-            epoch = self._conn.attach.daemon_epoch
-            for landed in frame.landed:
-                self._reader.announced.add(landed, epoch)
-        for declined in frame.declined:
-            self._reader.announced.declined(declined)
+        if frame.landed or frame.declined:
+            a = self._conn.attach
+            self._reader.announced.hear(frame, None if a is None else a.daemon_epoch)
         for ev in frame.event:
             match ev.kind:
                 case pb.EVENT_KIND_BOUND:

@@ -157,6 +157,8 @@ class Connection:
         self.lost = False
         # True when this process cannot map the arena: bytes go over gRPC.
         self.socket_fallback = False
+        # Ask for the session's announcement socket (the blocking client: see _apart).
+        self.announcements = False
         self._reconnect_task: asyncio.Task[None] | None = None
         self._reconnect_now = asyncio.Event()  # a call came: try again at once
         self._reattach_waiters = 0  # calls waiting for the re-attach
@@ -291,6 +293,7 @@ class Connection:
                 shm_nonce=nonce,
                 trusted=self._trusted,
                 rings=bool(nonce),
+                announcements=self.announcements,
             )
         except grpc.RpcError as exc:
             await self._teardown()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 from . import _copies, _cuda_facts, _cuda_staging, _flatten, _local, _packing, _remote
@@ -38,6 +39,11 @@ from .wire.errors import (
 from .wire.proto import relay_pb2 as pb
 from .wire.shm import MappedSegment, read_mark
 from .wire.transport import Transport
+
+# A get waiting for an announcement while another thread reads the announcement
+# socket waits this long at a time before it tries to read it itself: the other
+# may stop listening before this one's announcement comes.
+LISTEN_TURN_S = 0.0002
 
 if TYPE_CHECKING:
     from ._connection import Connection
@@ -333,12 +339,15 @@ class Reader:
         ``wait``: a push whose announcement is expected (:meth:`Announced.expects`)
         and not here yet is waited for on this thread, as :meth:`_fetch` waits for
         it on the loop: the blocking client then reads it on its caller's thread,
-        not through the loop thread and back.
+        not through the loop thread and back; with the session's announcement
+        socket (:mod:`._apart`), it hears the announcement itself as well.
         """
         if ref.transport is not Transport.SHM or ref.fields.refs or self._conn.socket_fallback:
             return None
         if not _remote.is_foreign(ref, self._conn.node_id):
             return None
+        if wait:
+            self._listen(None, 0.0)  # what came before this get
         local = self._announced(ref)
         if local is not None or not wait or not self.announced.expects(ref.proto):
             return local
@@ -354,13 +363,44 @@ class Reader:
         try:
             local = self._announced(ref)  # announced before the wait was set up
             if local is None:
-                if not heard.wait(min(_remote.ANNOUNCE_WAIT_S, self._conn.timeout)):
-                    self.announced.unheard(m.to_stage)
+                if not self._listen(heard, min(_remote.ANNOUNCE_WAIT_S, self._conn.timeout)):
+                    # Nor on the session socket (a frame the announcement socket had
+                    # no room for goes there)?
+                    if (local := self._announced(ref)) is None:
+                        self.announced.unheard(m.to_stage)
                 elif (local := self._announced(ref)) is None:
                     self.announced.fetch_now(m)  # declined, or announced and gone since
         finally:
             self.announced.stop_waiting(key, told)
         return local
+
+    def _listen(self, heard: threading.Event | None, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for ``heard`` (None: nothing, only what came),
+        hearing the session's announcement socket meanwhile if it has one and no
+        other thread does (that one sets ``heard`` as it hears it); whether
+        ``heard`` was set."""
+        apart = self._conn.session.apart
+        if apart is None:
+            return heard is not None and heard.wait(timeout)
+        deadline = time.monotonic() + timeout
+        while True:
+            if heard is not None and heard.is_set():
+                return True
+            left = deadline - time.monotonic()
+            if apart.lock.acquire(blocking=False):
+                try:
+                    frames = apart.listen(left)
+                finally:
+                    apart.lock.release()
+                if frames is None:  # nothing more comes there: the loop thread hears the rest
+                    return heard is not None and heard.wait(max(left, 0.0))
+                a = self._conn.attach
+                for frame in frames:
+                    self.announced.hear(frame, None if a is None else a.daemon_epoch)
+            elif heard is not None and left > 0:
+                heard.wait(min(left, LISTEN_TURN_S))
+            if left <= 0 or heard is None:
+                return heard is not None and heard.is_set()
 
     def _announced(self, ref: DataRef) -> pb.DataRef | None:
         """The local DataRef of ``ref``'s push as the daemon announced it, while its

@@ -37,7 +37,8 @@ that stage again until the next one comes. A push its writer's daemon
 declined is told as its landing would have been (``SessionFrame.declined``):
 a get of it, waiting or still to come, fetches at once (the daemon pulls).
 The blocking client waits on its caller's thread and reads there
-(``Reader.landed_ref``).
+(``Reader.landed_ref``), and hears its announcements there too, on a socket
+of their own (:mod:`._apart`).
 """
 
 from __future__ import annotations
@@ -111,6 +112,16 @@ class Announced:
 
     def __len__(self) -> int:
         return len(self._by_key)
+
+    def hear(self, frame: pb.SessionFrame, epoch: str | None) -> None:
+        """``frame``'s announcements, heard on the session socket or the
+        announcement socket: its landed pushes, from the daemon of ``epoch``
+        (None: no daemon attached, so none), and its declined ones."""
+        if epoch is not None:
+            for landed in frame.landed:
+                self.add(landed, epoch)
+        for declined in frame.declined:
+            self.declined(declined)
 
     def add(self, landed: pb.LandedPush, epoch: str) -> None:
         key = _landed_key(landed)

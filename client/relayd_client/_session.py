@@ -38,6 +38,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
+from ._apart import AnnouncementSocket
 from ._bind import bind_session, map_rings
 from ._liveness import Liveness
 from .wire import peercred
@@ -96,6 +97,8 @@ class SessionChannel:
         # See connect(): the daemon's Freed to this session, this session's Releases.
         self.freed_ring: IdRing | None = None
         self.release_ring: IdRing | None = None
+        # See connect(): where the daemon tells this session's pushes, if apart.
+        self.apart: AnnouncementSocket | None = None
         # The daemon takes a Publish inside its lease's Reserve (its
         # AttachResponse.reserve_publishes): see Notices.publish.
         self.reserve_publishes = False
@@ -126,12 +129,15 @@ class SessionChannel:
         *,
         trusted: frozenset[int] | None = None,
         rings: bool = False,
+        announcements: bool = False,
     ) -> None:
         """Connect and bind; with ``trusted``, only to a daemon running as one of those uids.
 
         With ``rings``, ask for the daemon's Freed and Release rings
         (:mod:`relayd_client.wire.rings`); :attr:`freed_ring` and
         :attr:`release_ring` are then the rings, or None where the daemon sent none.
+        With ``announcements`` too, for its announcement socket (:mod:`._apart`):
+        :attr:`apart`, or None where the daemon sent none.
         """
         loop = self._loop = asyncio.get_running_loop()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -151,6 +157,7 @@ class SessionChannel:
                 shm_nonce=shm_nonce,
                 freed_ring=rings,
                 release_ring=rings,
+                announcements=rings and announcements,
             )
             try:
                 frame, fds = await asyncio.wait_for(bind_session(loop, sock, bind), timeout)
@@ -158,6 +165,8 @@ class SessionChannel:
                 raise DaemonUnavailableError("daemon did not confirm the session in time") from None
             except (ConnectionError, OSError) as exc:
                 raise DaemonUnavailableError(f"daemon closed the session: {exc}") from None
+            if rings and announcements and len(fds) == 3:
+                self.apart = AnnouncementSocket.adopt(fds.pop())
             self.freed_ring, self.release_ring = map_rings(fds)
             self._ended = loop.create_future()
             transport, _ = await loop.create_unix_connection(lambda: _Frames(self), sock=sock)
@@ -515,6 +524,9 @@ class SessionChannel:
         for ring in rings:
             if ring is not None:
                 ring.close()
+        apart, self.apart = self.apart, None
+        if apart is not None:
+            apart.close()
 
     async def _hang_up(self) -> None:
         """Half-close, then wait (bounded) until the daemon has read all and hung up.

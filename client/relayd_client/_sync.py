@@ -154,6 +154,8 @@ class SyncRelayClient:
         allow_pickle: bool = False,
     ) -> None:
         self._client = RelayClient(stage, socket, timeout=timeout, allow_pickle=allow_pickle)
+        # Its gets wait for pushes' announcements on their own threads: so they hear them.
+        self._client._conn.announcements = True
         self._loop: _LoopThread | None = None
         self._state_lock = threading.Lock()
 

@@ -79,10 +79,18 @@ def lease_ref(lease: LocalLease) -> pb.LeaseRef:
     )
 
 
-def frame_sink(send: Callable[[pb.SessionFrame], None]) -> Sink:
-    """A session's sink that sends each event as its frame."""
+def frame_sink(
+    send: Callable[[pb.SessionFrame], None],
+    apart: Callable[[pb.SessionFrame], bool] | None = None,
+) -> Sink:
+    """A session's sink that sends each event as its frame; a push's (Landed,
+    Declined) first to ``apart``, the session's announcement socket, and on the
+    session socket only if ``apart`` did not take it."""
 
     def sink(event: SessionEvent) -> None:
-        send(session_frame(event))
+        frame = session_frame(event)
+        if apart is not None and isinstance(event, Landed | Declined) and apart(frame):
+            return
+        send(frame)
 
     return sink

@@ -141,6 +141,8 @@ class SessionProtocol(asyncio.Protocol):
         self.roles = roles if roles is not None else Roles()
         self.groups: frozenset[int] = frozenset()
         self._stopped = False
+        # This end of the session's announcement socket (Bind.announcements).
+        self.apart: socket.socket | None = None
 
     def stop(self) -> None:
         """The daemon stops: end the connection now, or as soon as it is made (the
@@ -251,6 +253,7 @@ class SessionProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
+        self._close_apart()
         self._buf = bytearray()  # an unfinished frame must not outlive its connection
         if self._bind_timer is not None:
             self._bind_timer.cancel()
@@ -286,9 +289,32 @@ class SessionProtocol(asyncio.Protocol):
                 # on any hang-up).
                 self._refuse("unread", f"{unread} bytes of frames unread", tell=False)
 
-    def _send_with_rings(self, frame: pb.SessionFrame, session: Session, release: bool) -> None:
+    def send_apart(self, frame: pb.SessionFrame) -> bool:
+        """Tell ``frame`` (a push's) on the announcement socket; False: it did not
+        go (none, full, or its client closed it), so it goes on the session socket."""
+        apart = self.apart
+        if apart is None:
+            return False
+        try:
+            apart.send(frame.SerializeToString())
+        except BlockingIOError:  # unread for a while: its reader drains it at its next get
+            return False
+        except OSError:
+            self._close_apart()
+            return False
+        return True
+
+    def _close_apart(self) -> None:
+        if self.apart is not None:
+            self.apart.close()
+            self.apart = None
+
+    def _send_with_rings(
+        self, frame: pb.SessionFrame, session: Session, release: bool, apart: bool
+    ) -> None:
         """Send ``frame`` with new rings' descriptors (the Freed ring, and with
-        ``release`` the Release ring), and use the rings if they went.
+        ``release`` the Release ring) and, with ``apart``, the client's end of a
+        new announcement socket; use them if they went.
 
         Straight into the socket, by ``sendmsg``, which the transport cannot
         do: only while nothing the transport holds is unsent, so frames stay
@@ -301,27 +327,39 @@ class SessionProtocol(asyncio.Protocol):
         sent = 0
         if not transport.get_write_buffer_size():
             rings: list[tuple[IdRing, int]] = []
+            pair: tuple[socket.socket, socket.socket] | None = None
             try:
                 for name in ("relayd-freed", "relayd-release")[: 1 + release]:
                     rings.append(IdRing.create(name))
+                if apart:
+                    pair = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             except OSError as exc:
-                log.warning("cannot create a ring (%s); frames instead", exc)
-            if len(rings) == 1 + release:
+                log.warning("cannot create a ring or socket (%s); frames instead", exc)
+            if len(rings) == 1 + release and (pair is not None) == apart:
+                fds = [fd for _, fd in rings] + ([pair[1].fileno()] if pair is not None else [])
                 try:
                     sock = socket.socket(fileno=os.dup(transport.get_extra_info("socket").fileno()))
                     with sock:
-                        sent = sock.sendmsg([data], [_rights([fd for _, fd in rings])])
+                        sent = sock.sendmsg([data], [_rights(fds)])
                 except OSError:
                     sent = 0  # the socket buffer is full: the frame goes by the transport
             for _, fd in rings:
                 os.close(fd)
+            if pair is not None:
+                pair[1].close()  # the client's end: it has its own now, or none
             if sent:
                 self.manager.freed.attach_ring(session.id, rings[0][0])
                 if release:
                     self.manager.releases.attach(session.id, rings[1][0])
+                if pair is not None:
+                    pair[0].setblocking(False)
+                    pair[0].shutdown(socket.SHUT_RD)  # the client's writes fail: nothing piles up
+                    self.apart = pair[0]
             else:
                 for ring, _ in rings:
                     ring.close()
+                if pair is not None:
+                    pair[0].close()
         if sent < len(data):
             transport.write(data[sent:])
 
@@ -362,7 +400,7 @@ class SessionProtocol(asyncio.Protocol):
                 session = m.bind(
                     f.bind.session_id,
                     f.bind.session_token,
-                    frame_sink(self.send),
+                    frame_sink(self.send, self.send_apart),
                     pid=pid,
                     uid=uid,
                     gid=gid,
@@ -410,7 +448,7 @@ class SessionProtocol(asyncio.Protocol):
                 ]
             )
             if f.bind.freed_ring and path == Transport.SHM.value:
-                self._send_with_rings(bound, session, f.bind.release_ring)
+                self._send_with_rings(bound, session, f.bind.release_ring, f.bind.announcements)
             else:
                 self.send(bound)
         # Only the fields the frame carries: reading an absent repeated field

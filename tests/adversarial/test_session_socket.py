@@ -396,3 +396,28 @@ def _closed_after_draining(s: socket.socket, timeout: float) -> bool:
         except TimeoutError:
             return False
     return False
+
+
+def test_a_client_cannot_write_into_its_announcement_socket(daemon: Daemon) -> None:
+    """The daemon's end of a blocking client's announcement socket reads nothing:
+    the client's writes fail at once, so it can pin no daemon-side buffer, and
+    its session (and an async client's, which has no such socket) carries on."""
+    with (
+        SyncRelayClient("thinker", daemon.socket) as w,
+        SyncRelayClient("talker", daemon.socket) as r,
+    ):
+        apart = r._client._conn.session.apart
+        assert apart is not None and apart._sock is not None
+        assert apart._sock.type == socket.SOCK_SEQPACKET
+        with pytest.raises(BrokenPipeError):
+            apart._sock.send(b"\0" * 1024)
+        payload = make_payload(5, MiB)
+        ref = w.put(payload, to_stage="talker", request_id="after")
+        assert digest(r.get(ref.to_bytes())) == digest(payload)
+
+    async def scenario() -> None:
+        async with RelayClient("talker", daemon.socket) as c:
+            assert c._conn.session.apart is None  # its loop hears announcements itself
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+    wait_until(lambda: daemon.pool().get("used_bytes", 0) == 0, 10, "the arena back to zero")

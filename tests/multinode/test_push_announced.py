@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import pathlib
+import signal
+import time
 from typing import Any
 
 import pytest
@@ -108,21 +110,68 @@ def test_an_announced_push_is_read_with_no_fetch(nodes: tuple[Node, Node]) -> No
     wait_until(lambda: _free_but_grant(a, b), DEADLINE, "both arenas back to the push grants")
 
 
-def test_the_blocking_client_reads_an_announced_push_on_its_own_thread(
-    nodes: tuple[Node, Node],
+def _landings_on_the_loop(monkeypatch: pytest.MonkeyPatch, client: RelayClient) -> list[int]:
+    """Spy on the client's loop thread: the LandedPush frames it handles."""
+    session = client._conn.session
+    handle, landed = session._on_frame, []
+
+    def watched(frame: Any) -> None:
+        landed.append(len(frame.landed))
+        handle(frame)
+
+    monkeypatch.setattr(session, "_on_frame", watched)
+    return landed
+
+
+def test_the_blocking_client_hears_and_reads_an_announced_push_on_its_own_thread(
+    nodes: tuple[Node, Node], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Its announcements come on the session's announcement socket, which the
+    get reads itself: the loop thread handles none of them."""
     a, b = nodes
     with SyncRelayClient("talker", b.daemon.socket) as r:
+        assert r._client._conn.session.apart is not None
+        on_loop = _landings_on_the_loop(monkeypatch, r._client)
         _ready_to_push(a, b)
         with SyncRelayClient("thinker", a.daemon.socket) as w:
             for i, n in enumerate(SIZES):
                 payload = make_payload(i, n)
                 ref = w.put(payload, to_stage="talker", request_id=f"s{i}")
-                wait_until(lambda: _announced(r._client) == 1, DEADLINE, "the announcement")
+                wait_until(
+                    lambda n=i + 1: _count(b, a, "pushes_announced") == n,
+                    DEADLINE,
+                    "B to announce",
+                )
                 assert digest(r.get(ref.to_bytes())) == digest(payload)
+                assert _announced(r._client) == 0  # taken by the get
+        assert sum(on_loop) == 0
     wait_until(lambda: _count(b, a, "reads_announced") == len(SIZES), DEADLINE, "the reads counted")
     assert _no_fetch_counted(a, b)
     assert (_released(b, "frame"), _released(b, "ring")) == (len(SIZES), 0)
+    wait_until(lambda: _free_but_grant(a, b), DEADLINE, "both arenas back to the push grants")
+
+
+def test_an_announcement_socket_the_client_closed_leaves_announcements_to_the_loop(
+    nodes: tuple[Node, Node], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """B finds the socket closed and tells on the session socket instead: the
+    loop thread hears it, and the get reads the push with no fetch all the same."""
+    a, b = nodes
+    with SyncRelayClient("talker", b.daemon.socket) as r:
+        apart = r._client._conn.session.apart
+        assert apart is not None
+        apart.close()
+        on_loop = _landings_on_the_loop(monkeypatch, r._client)
+        _ready_to_push(a, b)
+        with SyncRelayClient("thinker", a.daemon.socket) as w:
+            for i in range(2):
+                payload = make_payload(i, 1 << 20)
+                ref = w.put(payload, to_stage="talker", request_id=f"c{i}")
+                wait_until(lambda: _announced(r._client) == 1, DEADLINE, "the loop to hear it")
+                assert digest(r.get(ref.to_bytes())) == digest(payload)
+        assert sum(on_loop) == 2
+    wait_until(lambda: _count(b, a, "reads_announced") == 2, DEADLINE, "the reads counted")
+    assert _no_fetch_counted(a, b)
     wait_until(lambda: _free_but_grant(a, b), DEADLINE, "both arenas back to the push grants")
 
 
@@ -313,46 +362,88 @@ def test_a_get_waiting_for_a_push_its_writer_declined_fetches_at_once(
     wait_until(lambda: _free_but_grant(a, b), DEADLINE, "both arenas back to the push grants")
 
 
+def _learn_announced(
+    nodes: tuple[Node, Node], w: SyncRelayClient, r: SyncRelayClient, payload: Any
+) -> None:
+    """One push read once B announced it: ``r`` then waits for the stage's next ones."""
+    a, b = nodes
+    ref = w.put(payload, to_stage="talker", request_id="learn")
+    wait_until(lambda: _count(b, a, "pushes_announced") == 1, DEADLINE, "B to announce")
+    assert digest(r.get(ref.to_bytes())) == digest(payload)
+    assert r._client._reader.announced.announces("talker")
+
+
 def test_the_blocking_client_waits_for_the_announcement_on_its_own_thread(
     nodes: tuple[Node, Node], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A blocking get that comes before the announcement waits for it on the
-    caller's thread and reads there: no FetchCall, and nothing run on the loop."""
+    """A blocking get that comes before its push lands (A's daemon stopped until
+    the get waits) hears the announcement on the caller's thread and reads there:
+    no FetchCall, nothing run on the loop, no LandedPush handled there."""
     a, b = nodes
     monkeypatch.setattr(_remote, "ANNOUNCE_WAIT_S", 3600.0)
     payloads = [make_payload(10, 1 << 20), make_payload(11, 1 << 20)]
-
-    async def reading(session: Any, on: bool) -> None:
-        transport = session._transport
-        assert transport is not None
-        (transport.resume_reading if on else transport.pause_reading)()
-
     with SyncRelayClient("talker", b.daemon.socket) as r:
         _ready_to_push(a, b)
         client = r._client
         session, announced = client._conn.session, client._reader.announced
+        on_loop = _landings_on_the_loop(monkeypatch, client)
         with SyncRelayClient("thinker", a.daemon.socket) as w:
-            ref = w.put(payloads[0], to_stage="talker", request_id="learn")
-            wait_until(lambda: _announced(client) == 1, DEADLINE, "the announcement")
-            assert digest(r.get(ref.to_bytes())) == digest(payloads[0])
-            r._run(reading(session, False))  # the next announcement waits in the socket
-            ref = w.put(payloads[1], to_stage="talker", request_id="waited")
-            wait_until(lambda: _count(b, a, "pushes_announced") == 2, DEADLINE, "B to announce")
-            on_loop: list[Any] = []
+            _learn_announced(nodes, w, r, payloads[0])
+            ran: list[Any] = []
             run = r._run
 
             def spied(coro: Any, *args: Any) -> Any:
-                on_loop.append(coro)
+                ran.append(coro)
                 return run(coro, *args)
 
-            with concurrent.futures.ThreadPoolExecutor(1) as pool:
-                monkeypatch.setattr(r, "_run", spied)
-                get = pool.submit(r.get, ref.to_bytes())
-                wait_until(lambda: announced._fetching, DEADLINE, "the get to wait")
-                assert not session._calls  # no FetchCall went
-                run(reading(session, True))
-                assert digest(get.result(DEADLINE)) == digest(payloads[1])
-            assert on_loop == [] and not session._calls
+            monkeypatch.setattr(r, "_run", spied)
+            a.daemon.proc.send_signal(signal.SIGSTOP)  # the Publish waits in A's socket
+            try:
+                ref = w.put(payloads[1], to_stage="talker", request_id="waited")
+                with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                    get = pool.submit(r.get, ref.to_bytes())
+                    wait_until(lambda: announced._fetching, DEADLINE, "the get to wait")
+                    assert not get.done() and not session._calls  # no FetchCall went
+                    a.daemon.proc.send_signal(signal.SIGCONT)
+                    assert digest(get.result(DEADLINE)) == digest(payloads[1])
+            finally:
+                a.daemon.proc.send_signal(signal.SIGCONT)
+            assert ran == [] and not session._calls
+        assert sum(on_loop) == 0
     wait_until(lambda: _count(b, a, "reads_announced") == 2, DEADLINE, "the reads counted")
     assert _no_fetch_counted(a, b)
     wait_until(lambda: _free_but_grant(a, b), DEADLINE, "both arenas back to the push grants")
+
+
+def test_a_get_waiting_while_another_thread_listens_is_told_by_it(
+    nodes: tuple[Node, Node], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One thread at a time reads the announcement socket; a get that finds it
+    taken waits on its own event, which the listening thread sets, and reads."""
+    a, b = nodes
+    monkeypatch.setattr(_remote, "ANNOUNCE_WAIT_S", 3600.0)
+    payloads = [make_payload(12, 1 << 20), make_payload(13, 1 << 20)]
+    with SyncRelayClient("talker", b.daemon.socket) as r:
+        _ready_to_push(a, b)
+        client = r._client
+        apart, announced = client._conn.session.apart, client._reader.announced
+        assert apart is not None
+        with SyncRelayClient("thinker", a.daemon.socket) as w:
+            _learn_announced(nodes, w, r, payloads[0])
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                with apart.lock:  # this thread listens; the get cannot
+                    ref = w.put(payloads[1], to_stage="talker", request_id="told")
+                    get = pool.submit(r.get, ref.to_bytes())
+                    wait_until(lambda: announced._fetching, DEADLINE, "the get to wait")
+                    deadline = time.monotonic() + DEADLINE
+                    while not get.done():  # as the get's own listening would
+                        assert time.monotonic() < deadline, "no announcement heard"
+                        frames = apart.listen(0.05)
+                        assert frames is not None
+                        for frame in frames:
+                            announced.hear(frame, client._conn.daemon_epoch)
+                        if frames:
+                            break
+                assert digest(get.result(DEADLINE)) == digest(payloads[1])
+    wait_until(lambda: _count(b, a, "reads_announced") == 2, DEADLINE, "the reads counted")
+    assert _no_fetch_counted(a, b)

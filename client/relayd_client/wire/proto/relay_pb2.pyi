@@ -745,20 +745,22 @@ class DrainResponse(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., grace_seconds: _Optional[float] = ...) -> None: ...
 
 class Bind(_message.Message):
-    __slots__ = ("session_id", "session_token", "shm_nonce", "operator", "freed_ring", "release_ring")
+    __slots__ = ("session_id", "session_token", "shm_nonce", "operator", "freed_ring", "release_ring", "announcements")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
     SHM_NONCE_FIELD_NUMBER: _ClassVar[int]
     OPERATOR_FIELD_NUMBER: _ClassVar[int]
     FREED_RING_FIELD_NUMBER: _ClassVar[int]
     RELEASE_RING_FIELD_NUMBER: _ClassVar[int]
+    ANNOUNCEMENTS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     session_token: bytes
     shm_nonce: bytes
     operator: bool
     freed_ring: bool
     release_ring: bool
-    def __init__(self, session_id: _Optional[str] = ..., session_token: _Optional[bytes] = ..., shm_nonce: _Optional[bytes] = ..., operator: _Optional[bool] = ..., freed_ring: _Optional[bool] = ..., release_ring: _Optional[bool] = ...) -> None: ...
+    announcements: bool
+    def __init__(self, session_id: _Optional[str] = ..., session_token: _Optional[bytes] = ..., shm_nonce: _Optional[bytes] = ..., operator: _Optional[bool] = ..., freed_ring: _Optional[bool] = ..., release_ring: _Optional[bool] = ..., announcements: _Optional[bool] = ...) -> None: ...
 
 class Reserve(_message.Message):
     __slots__ = ("lease_id", "grant_id", "slot", "nslots", "generation", "request_id", "to_stage", "from_stage", "trace_id", "publish")
