@@ -73,6 +73,7 @@ class AnnouncementSocket:
             log.warning("relayd sent an announcement descriptor that is no packet socket")
             sock.close()
             return None
+        sock.set_inheritable(False)  # recvmsg gave it no close-on-exec: an exec must not keep it
         return cls(sock)
 
     def listen(self, timeout: float) -> list[pb.SessionFrame] | None:

@@ -132,7 +132,10 @@ def test_a_descriptor_that_is_no_packet_socket_is_refused_and_closed() -> None:
     with pytest.raises(OSError):
         os.fstat(fd)
     ours, theirs = _pair()
-    apart = AnnouncementSocket.adopt(ours.detach())
+    ours.set_inheritable(True)  # as recvmsg hands it over (no MSG_CMSG_CLOEXEC)
+    fd = ours.detach()
+    apart = AnnouncementSocket.adopt(fd)
     assert apart is not None
+    assert not os.get_inheritable(fd)
     apart.close()
     theirs.close()
