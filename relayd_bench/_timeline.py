@@ -69,6 +69,15 @@ CLIENT_PROBES = (
         "answered from it",
     ),
     Probe("relayd_client._reader", "Reader.read_region", "copying out", "copied out"),
+    # The blocking client's own put and get, and its wait for an announcement on
+    # the caller's thread (which reads the announcement socket meanwhile).
+    Probe("relayd_client._sync", "SyncRelayClient.put", ANCHOR, "put returns"),
+    Probe("relayd_client._sync", "SyncRelayClient.get", "get starts", "get returns"),
+    Probe(
+        "relayd_client._reader", "Reader._await_announced", "waits for the landing", "done waiting"
+    ),
+    Probe("relayd_client._session", "SessionChannel._send_from_thread", "session frame written"),
+    Probe("relayd_client._remote", "Announced.add", "announcement heard"),
     Probe("relayd_client._reader", "Reader.end_read", "header re-check", "release noted"),
 )
 DAEMON_PROBES = (

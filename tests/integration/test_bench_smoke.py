@@ -247,20 +247,29 @@ def test_timeline_follows_a_cross_node_transfer_through_its_four_processes(
 ) -> None:
     """``--timeline``: the probes leave the transfers intact, and each of the four
     processes stamps its steps, the reader's get ending after the push started and
-    after the steps inside it. (Lingering notices, the reader's Release or a
-    daemon's word about earlier transfers, may come later still.) The raw
-    baseline runs first beside it, as in ``--methods mooncake-raw,relayd-mooncake``,
-    and gets no table: it stamps no relayd step."""
-    methods = ["mooncake-raw", "relayd-mooncake"]
+    after the steps inside it, for the async client and the blocking one. (Lingering
+    notices, the reader's Release or a daemon's word about earlier transfers, may
+    come later still.) The raw baseline runs first beside them, as in ``--methods
+    mooncake-raw,relayd-mooncake``, and gets no table: it stamps no relayd step."""
+    methods = ["mooncake-raw", "relayd-mooncake", "relayd-mooncake-sync"]
     doc, stdout = _bench(tmp_path, methods, ["256K"], ["--timeline"])
     cells = {r["method"]: r for r in doc["results"]}
     for r in cells.values():
         _assert_ok(r)
-    cell = cells["relayd-mooncake"]
-    assert stdout.count("timeline, ") == 1
-    title, header, *lines = stdout[stdout.index("timeline, relayd-mooncake, 256KiB") :].splitlines()
+    assert stdout.count("timeline, ") == 2
+    within = {
+        "relayd-mooncake": ("get starts", "fetch call", "fetch answered", "copying out"),
+        "relayd-mooncake-sync": ("get starts", "done waiting", "copying out", "copied out"),
+    }
+    for method, steps in within.items():
+        _check_timeline(stdout, method, cells[method]["iterations"], steps)
+
+
+def _check_timeline(stdout: str, method: str, iterations: int, within: tuple[str, ...]) -> None:
+    at_table = stdout[stdout.index(f"timeline, {method}, 256KiB") :]
+    title, header, *lines = at_table.split("\n\n")[0].splitlines()
     # Every measured transfer but the last, which only ends the one before it.
-    assert f"over {cell['iterations'] - 1} transfers" in title
+    assert f"over {iterations - 1} transfers" in title
     assert header.split() == ["process", "step", "at", "hop", "seen", "in"]
     rows = {line[:41].strip(): line[41:].split() for line in lines if line.strip()}
     sides = {key.split("  ")[0] for key in rows}
@@ -268,20 +277,19 @@ def test_timeline_follows_a_cross_node_transfer_through_its_four_processes(
     assert rows["writer           put starts"][:1] == ["0.0"]
     for key in ("writer           put returns", "writer's daemon  push starts",
                 "reader           get returns"):  # fmt: skip
-        assert rows[key][-1] == "100%", (key, rows[key])
+        assert rows[key][-1] == "100%", (method, key, rows[key])
     at = {key: float(v[0]) for key, v in rows.items()}
     get_returns = at["reader           get returns"]
     assert get_returns > at["writer's daemon  push starts"] > at["writer           put starts"]
     # Of the steps seen in every transfer: a median over only the reads that
     # fetched (a push not yet announced) is of the slower reads, and may pass
     # the median of all the gets' ends.
-    within = ("get starts", "fetch call", "fetch answered", "copying out", "copied out")
     inside = [
         at[key]
         for key in at
         if key.startswith("reader ") and key.endswith(within) and rows[key][-1] == "100%"
     ]
-    assert inside and get_returns > max(inside), rows
+    assert inside and get_returns > max(inside), (method, rows)
 
 
 def test_quick_relayd_sync_beside_the_async_client(tmp_path: Path) -> None:
