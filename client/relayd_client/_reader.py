@@ -295,11 +295,12 @@ class Reader:
         answer: asyncio.Future[pb.FetchResponse] = loop.create_future()
         heard: asyncio.Future[None] = loop.create_future()
 
-        def told() -> None:
+        def heard_of() -> None:
             self._answer_from_announcement(ref, answer)
             if not heard.done():
                 heard.set_result(None)
 
+        told = _remote.on_loop(loop, heard_of)
         key = self.announced.when_added(m, told)
         try:
             if self.announced.expects(m):

@@ -44,6 +44,7 @@ of their own (:mod:`._apart`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -210,6 +211,21 @@ class Announced:
         self._fetching.clear()
         self._stages.clear()
         self._declined.clear()
+
+
+def on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[[], None]) -> Callable[[], None]:
+    """``fn``, to be called from any thread, run on ``loop``: at once when called
+    there, else handed to it (a blocking get's thread hears announcements on the
+    announcement socket, and a fetch's callback sets the loop's futures)."""
+
+    def call() -> None:
+        if asyncio._get_running_loop() is loop:
+            fn()
+            return
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+            loop.call_soon_threadsafe(fn)
+
+    return call
 
 
 def _bound(remembered: dict[Key, Any]) -> None:

@@ -213,3 +213,31 @@ def test_a_get_whose_announcement_is_gone_fetches_without_waiting() -> None:
     assert announced.expects(m)
     announced.fetch_now(m)  # announced, then freed before the get read it
     assert not announced.expects(m) and announced.announces("talker")
+
+
+def test_a_fetch_told_from_another_thread_is_answered_on_its_loop() -> None:
+    """A blocking get's thread hears announcements on the announcement socket; a
+    fetch in flight on the loop it tells has its futures set there, not on the
+    telling thread (``_remote.on_loop``), and the loop wakes for it."""
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        ran_on: list[object] = []
+        done = loop.create_future()
+
+        def fn() -> None:
+            ran_on.append(asyncio._get_running_loop())
+            if not done.done():
+                done.set_result(None)
+
+        told = _remote.on_loop(loop, fn)
+        await asyncio.to_thread(told)  # the loop waits here, asleep, until it is told
+        await asyncio.wait_for(done, 5)
+        assert ran_on == [loop]
+        told()  # on the loop itself: at once
+        assert ran_on == [loop, loop]
+
+    asyncio.run(scenario())
+    closed = asyncio.new_event_loop()
+    closed.close()
+    _remote.on_loop(closed, lambda: None)()  # nobody waits there: nothing to tell
