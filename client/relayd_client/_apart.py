@@ -23,11 +23,13 @@ lease's slot header.
 
 One thread reads at a time (:attr:`lock`); another that waits meanwhile waits
 on its event, which the reading thread sets as it hears the frame. Closing
-takes the lock, so no read meets a closed (or reused) descriptor.
+wakes the reading thread, then takes the lock, so no read meets a closed (or
+reused) descriptor and a close waits for no poll.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -110,6 +112,12 @@ class AnnouncementSocket:
                 log.warning("relayd sent a malformed announcement; ignored")
 
     def close(self) -> None:
+        """Close it, at once: a thread listening wakes (shut down, the socket reads
+        as ended) and lets go of the lock, rather than poll to the end of its wait."""
+        sock = self._sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
         with self.lock:
             sock, self._sock = self._sock or self._ended, None
             self._ended = None

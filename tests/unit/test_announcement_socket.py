@@ -8,8 +8,10 @@ or vanished daemon end for "nothing more comes here".
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import socket
+import threading
 import time
 from typing import Any, cast
 
@@ -139,3 +141,24 @@ def test_a_descriptor_that_is_no_packet_socket_is_refused_and_closed() -> None:
     assert not os.get_inheritable(fd)
     apart.close()
     theirs.close()
+
+
+def test_a_close_wakes_a_thread_listening_rather_than_wait_out_its_poll() -> None:
+    ours, theirs = _pair()
+    apart = AnnouncementSocket(ours)
+    got: list[object] = []
+    polling = threading.Event()
+
+    def listen() -> None:
+        with apart.lock:
+            polling.set()
+            got.append(apart.listen(3600.0))
+
+    with theirs, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        listening = pool.submit(listen)
+        assert polling.wait(10)
+        started = time.monotonic()
+        apart.close()  # once the listener let go: it woke at the shutdown
+        listening.result(10)
+        assert time.monotonic() - started < 60
+    assert got == [[]] and ours.fileno() == -1
