@@ -21,10 +21,15 @@ looks in what the loop heard too (:class:`~relayd_client._remote.Announced`).
 What either one hears is a hint, as every announcement is: the read checks the
 lease's slot header.
 
-One thread reads at a time (:attr:`lock`); another that waits meanwhile waits
-on its event, which the reading thread sets as it hears the frame. Closing
-wakes the reading thread, then takes the lock, so no read meets a closed (or
-reused) descriptor and a close waits for no poll.
+One waiting get reads at a time (:attr:`lock`), and hears every frame that
+comes meanwhile: each other get waiting (a :class:`Waiter`) sleeps until the
+reader hears its announcement and wakes it, or, once the reader leaves, is
+handed the reading (:meth:`AnnouncementSocket.wait`). No waiting thread polls
+by the clock: with sixteen blocking gets waiting at once (the 16-stream
+workload, one thread a stream), waking each every 200 us to look took the
+p99 from 2.7-3.6 to 8.2-8.8 ms; with these wake-ups, 1.8-3.5 (measured).
+Closing wakes the reading thread, then takes the lock, so no read meets a
+closed (or reused) descriptor and a close waits for no poll.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ import os
 import select
 import socket
 import threading
+import time
+from collections.abc import Callable
 
 from google.protobuf.message import DecodeError
 
@@ -50,6 +57,28 @@ MAX_MESSAGE = 64 << 10
 assert MAX_MESSAGE <= MAX_FRAME
 
 
+Hear = Callable[[list[pb.SessionFrame]], None]
+
+
+class Waiter:
+    """A get waiting for its push's announcement: :meth:`tell` is what hearing it
+    (or its decline) calls, on whichever thread heard it."""
+
+    __slots__ = ("_wake", "heard")
+
+    def __init__(self) -> None:
+        self.heard = False
+        self._wake = threading.Event()  # told, or handed the reading
+
+    def tell(self) -> None:
+        self.heard = True
+        self._wake.set()
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s to be told, by the loop thread (no announcement socket)."""
+        return self._wake.wait(timeout) and self.heard
+
+
 class AnnouncementSocket:
     """This client's end of its session's announcement socket."""
 
@@ -59,7 +88,56 @@ class AnnouncementSocket:
         self._ended: socket.socket | None = None  # ours, once the daemon's end is gone
         self._poll = select.poll()
         self._poll.register(sock, select.POLLIN)
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # held by the one thread reading
+        self._waiters: dict[Waiter, None] = {}  # in the order they came
+        self._waiters_lock = threading.Lock()
+
+    def wait(self, waiter: Waiter, timeout: float, hear: Hear) -> bool:
+        """Wait up to ``timeout`` s until ``waiter`` is told, reading the socket
+        (what it reads goes to ``hear``) whenever no other thread does; whether it
+        was told. Once the socket has ended, the loop thread hears what is left,
+        on the session socket, and tells it."""
+        deadline = time.monotonic() + timeout
+        wake = waiter._wake
+        with self._waiters_lock:
+            self._waiters[waiter] = None
+        try:
+            while not waiter.heard:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                wake.clear()
+                if waiter.heard:
+                    break
+                if not self.lock.acquire(blocking=False):
+                    wake.wait(left)  # told, or handed the reading
+                    continue
+                try:
+                    frames = self.listen(left)
+                finally:
+                    self.lock.release()
+                if frames is None:
+                    return wake.wait(max(0.0, deadline - time.monotonic())) and waiter.heard
+                hear(frames)
+            return True
+        finally:
+            with self._waiters_lock:
+                del self._waiters[waiter]
+                after = next((w for w in self._waiters if not w.heard), None)
+            if after is not None:
+                after._wake.set()  # its turn to read, unless another thread reads already
+
+    def drain(self, hear: Hear) -> None:
+        """Hear what was told here so far, without waiting (nothing, if another
+        thread is reading: it hears it)."""
+        if not self.lock.acquire(blocking=False):
+            return
+        try:
+            frames = self.listen(0.0)
+        finally:
+            self.lock.release()
+        if frames:
+            hear(frames)
 
     @classmethod
     def adopt(cls, fd: int) -> AnnouncementSocket | None:

@@ -13,11 +13,9 @@ methods (:meth:`Reader.read_here`).
 from __future__ import annotations
 
 import asyncio
-import threading
-import time
 from typing import TYPE_CHECKING, Any
 
-from . import _copies, _cuda_facts, _cuda_staging, _flatten, _local, _packing, _remote
+from . import _apart, _copies, _cuda_facts, _cuda_staging, _flatten, _local, _packing, _remote
 from ._aborts import AbortedRequests
 from ._checks import ReadChecks
 from ._notices import Notices
@@ -39,11 +37,6 @@ from .wire.errors import (
 from .wire.proto import relay_pb2 as pb
 from .wire.shm import MappedSegment, read_mark
 from .wire.transport import Transport
-
-# A get waiting for an announcement while another thread reads the announcement
-# socket waits this long at a time before it tries to read it itself: the other
-# may stop listening before this one's announcement comes.
-LISTEN_TURN_S = 0.0002
 
 if TYPE_CHECKING:
     from ._connection import Connection
@@ -347,8 +340,9 @@ class Reader:
             return None
         if not _remote.is_foreign(ref, self._conn.node_id):
             return None
-        if wait:
-            self._listen(None, 0.0)  # what came before this get
+        apart = self._conn.session.apart
+        if wait and apart is not None:
+            apart.drain(self._hear)  # what came before this get
         local = self._announced(ref)
         if local is not None or not wait or not self.announced.expects(ref.proto):
             return local
@@ -356,15 +350,22 @@ class Reader:
 
     def _await_announced(self, ref: DataRef) -> pb.DataRef | None:
         """:meth:`_announced` once the daemon has said what became of ``ref``'s push,
-        waiting on this thread up to ``ANNOUNCE_WAIT_S``."""
+        waiting on this thread up to ``ANNOUNCE_WAIT_S``, and reading the session's
+        announcement socket meanwhile if it has one (:mod:`._apart`)."""
         m = ref.proto
-        heard = threading.Event()
-        told = heard.set  # one bound method: stop_waiting compares it
+        waiter = _apart.Waiter()
+        told = waiter.tell  # one bound method: stop_waiting compares it
         key = self.announced.when_added(m, told)
         try:
             local = self._announced(ref)  # announced before the wait was set up
             if local is None:
-                if not self._listen(heard, min(_remote.ANNOUNCE_WAIT_S, self._conn.timeout)):
+                timeout = min(_remote.ANNOUNCE_WAIT_S, self._conn.timeout)
+                apart = self._conn.session.apart
+                if apart is None:
+                    waited = waiter.wait(timeout)
+                else:
+                    waited = apart.wait(waiter, timeout, self._hear)
+                if not waited:
                     # Nor on the session socket (a frame the announcement socket had
                     # no room for goes there)?
                     if (local := self._announced(ref)) is None:
@@ -375,33 +376,11 @@ class Reader:
             self.announced.stop_waiting(key, told)
         return local
 
-    def _listen(self, heard: threading.Event | None, timeout: float) -> bool:
-        """Wait up to ``timeout`` s for ``heard`` (None: nothing, only what came),
-        hearing the session's announcement socket meanwhile if it has one and no
-        other thread does (that one sets ``heard`` as it hears it); whether
-        ``heard`` was set."""
-        apart = self._conn.session.apart
-        if apart is None:
-            return heard is not None and heard.wait(timeout)
-        deadline = time.monotonic() + timeout
-        while True:
-            if heard is not None and heard.is_set():
-                return True
-            left = deadline - time.monotonic()
-            if apart.lock.acquire(blocking=False):
-                try:
-                    frames = apart.listen(left)
-                finally:
-                    apart.lock.release()
-                if frames is None:  # nothing more comes there: the loop thread hears the rest
-                    return heard is not None and heard.wait(max(left, 0.0))
-                a = self._conn.attach
-                for frame in frames:
-                    self.announced.hear(frame, None if a is None else a.daemon_epoch)
-            elif heard is not None and left > 0:
-                heard.wait(min(left, LISTEN_TURN_S))
-            if left <= 0 or heard is None:
-                return heard is not None and heard.is_set()
+    def _hear(self, frames: list[pb.SessionFrame]) -> None:
+        """Frames read on the announcement socket, heard as the loop hears them."""
+        a = self._conn.attach
+        for frame in frames:
+            self.announced.hear(frame, None if a is None else a.daemon_epoch)
 
     def _announced(self, ref: DataRef) -> pb.DataRef | None:
         """The local DataRef of ``ref``'s push as the daemon announced it, while its

@@ -16,12 +16,13 @@ import time
 from typing import Any, cast
 
 import pytest
-from relayd_client._apart import AnnouncementSocket
+from relayd_client._apart import AnnouncementSocket, Waiter
 from relayd_client.wire.proto import relay_pb2 as pb
 
 from relayd.pools.events import Aborted, Declined, Freed, Landed, LocalLease
 from relayd.rpc.frames import frame_sink
 from relayd.rpc.session import SessionProtocol
+from tests._daemon import wait_until
 
 ORIGIN = ("node-a", "epoch-a", 7 << 32 | 1, 7 << 32 | 1)
 LANDED = Landed(ORIGIN, LocalLease(3 << 32 | 1, 0, 4, 4, 4096, 300_000), "req", "talker")
@@ -162,3 +163,81 @@ def test_a_close_wakes_a_thread_listening_rather_than_wait_out_its_poll() -> Non
         listening.result(10)
         assert time.monotonic() - started < 60
     assert got == [[]] and ours.fileno() == -1
+
+
+def _landed(lease_id: int) -> bytes:
+    return pb.SessionFrame(landed=[pb.LandedPush(lease_id=lease_id)]).SerializeToString()
+
+
+class _Gets:
+    """Waiters on one announcement socket, each told when its lease id is heard."""
+
+    def __init__(self, apart: AnnouncementSocket, *lease_ids: int) -> None:
+        self.apart = apart
+        self.waiters = {n: Waiter() for n in lease_ids}
+        self.heard_on: dict[int, threading.Thread] = {}
+        self.pool = concurrent.futures.ThreadPoolExecutor(len(lease_ids))
+
+    def hear(self, frames: list[pb.SessionFrame]) -> None:
+        for frame in frames:
+            n = frame.landed[0].lease_id
+            self.heard_on[n] = threading.current_thread()
+            self.waiters[n].tell()
+
+    def start(self, n: int, timeout: float = 30.0) -> concurrent.futures.Future[bool]:
+        return self.pool.submit(self.apart.wait, self.waiters[n], timeout, self.hear)
+
+    def waiting(self, n: int) -> None:
+        wait_until(lambda: len(self.apart._waiters) == n, 10, f"{n} gets waiting")
+
+
+def test_one_get_reads_and_wakes_each_other_get_whose_frame_it_hears() -> None:
+    ours, theirs = _pair()
+    apart = AnnouncementSocket(ours)
+    gets = _Gets(apart, 1, 2)
+    with theirs, gets.pool:
+        first = gets.start(1)
+        wait_until(apart.lock.locked, 10, "the first get to read")
+        second = gets.start(2)
+        gets.waiting(2)
+        theirs.send(_landed(2))
+        assert second.result(10) is True  # told by the first get's thread
+        assert not first.done()
+        theirs.send(_landed(1))
+        assert first.result(10) is True
+    assert gets.heard_on[1] is gets.heard_on[2]
+    assert apart._waiters == {}
+    apart.close()
+
+
+def test_a_get_that_leaves_hands_the_reading_to_one_still_waiting() -> None:
+    ours, theirs = _pair()
+    apart = AnnouncementSocket(ours)
+    gets = _Gets(apart, 1, 2)
+    with theirs, gets.pool:
+        first = gets.start(1)
+        wait_until(apart.lock.locked, 10, "the first get to read")
+        second = gets.start(2)
+        gets.waiting(2)
+        theirs.send(_landed(1))
+        assert first.result(10) is True
+        gets.waiting(1)
+        wait_until(apart.lock.locked, 10, "the second get to read in its turn")
+        theirs.send(_landed(2))
+        assert second.result(10) is True
+    assert gets.heard_on[2] is not gets.heard_on[1]  # read on its own thread
+    apart.close()
+
+
+def test_a_get_not_told_in_time_says_so_and_the_socket_ended_leaves_it_to_the_loop() -> None:
+    ours, theirs = _pair()
+    apart = AnnouncementSocket(ours)
+    gets = _Gets(apart, 1, 2)
+    with gets.pool:
+        assert gets.start(1, 0.01).result(10) is False
+        theirs.close()  # the session ends: nothing more comes on the socket
+        late = gets.start(2, 30.0)
+        wait_until(lambda: apart._sock is None, 10, "the get to find the socket ended")
+        gets.waiters[2].tell()  # as the loop thread tells it, from the session socket
+        assert late.result(10) is True
+    apart.close()
