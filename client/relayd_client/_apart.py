@@ -3,16 +3,16 @@
 A ``LandedPush`` (or a decline) on the session socket is read by the client's
 loop thread. A blocking client's get that waits for one then waits twice: for
 the loop thread to wake and handle the frame, and for its own thread to wake
-when the loop thread sets its event; after a 256 KiB push on two busy cores,
-the daemon's write to the caller's return from that wait took ~185 us, ~80 of
-them from the event set to the caller running (measured). So a blocking client
-asks for these frames apart (``Bind.announcements``): the daemon passes one
-end of a ``SOCK_SEQPACKET`` pair with the BOUND event, writes each such
-frame there as one message, and the waiting caller reads them itself. That
-took the daemon's announcement to the caller's return from the wait from
-~210 to ~130 us; in three alternating pairs of stop-and-wait runs at 256 KiB
-the blocking reader's CPU per transfer went from 307-359 to 247-268 us and
-the median from 601-741 to 578-605 us (measured).
+when the loop thread sets its event. After a 256 KiB push on two busy cores,
+the daemon's announcing to the caller's return from that wait took ~210 us,
+~80 of them from the event set to the caller running (measured). So a
+blocking client asks for these frames apart (``Bind.announcements``): the
+daemon passes one end of a ``SOCK_SEQPACKET`` pair with the BOUND event,
+writes each such frame there as one message, and the waiting caller reads
+them itself. The same span then took ~130 us; in three alternating pairs of
+stop-and-wait runs at 256 KiB the blocking reader's CPU per transfer went
+from 307-359 to 247-268 us and the median from 601-741 to 578-605 us
+(measured).
 
 The daemon never waits for this socket. A frame that finds it full (unread
 for a few hundred announcements) or closed goes on the session socket, where
