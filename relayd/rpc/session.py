@@ -331,11 +331,14 @@ class SessionProtocol(asyncio.Protocol):
             try:
                 for name in ("relayd-freed", "relayd-release")[: 1 + release]:
                     rings.append(IdRing.create(name))
-                if apart:
-                    pair = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             except OSError as exc:
-                log.warning("cannot create a ring or socket (%s); frames instead", exc)
-            if len(rings) == 1 + release and (pair is not None) == apart:
+                log.warning("cannot create a ring (%s); frames instead", exc)
+            if apart and len(rings) == 1 + release:
+                try:
+                    pair = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                except OSError as exc:  # the client hears its pushes on the session socket
+                    log.warning("cannot create an announcement socket (%s)", exc)
+            if len(rings) == 1 + release:
                 fds = [fd for _, fd in rings] + ([pair[1].fileno()] if pair is not None else [])
                 try:
                     sock = socket.socket(fileno=os.dup(transport.get_extra_info("socket").fileno()))

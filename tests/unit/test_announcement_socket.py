@@ -8,11 +8,13 @@ or vanished daemon end for "nothing more comes here".
 
 from __future__ import annotations
 
+import array
 import concurrent.futures
 import os
 import socket
 import threading
 import time
+import types
 from typing import Any, cast
 
 import pytest
@@ -241,3 +243,72 @@ def test_a_get_not_told_in_time_says_so_and_the_socket_ended_leaves_it_to_the_lo
         gets.waiters[2].tell()  # as the loop thread tells it, from the session socket
         assert late.result(10) is True
     apart.close()
+
+
+class _Transport:
+    """What ``_send_with_rings`` asks of a transport: its socket, nothing unsent."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.written = b""
+
+    def is_closing(self) -> bool:
+        return False
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def get_extra_info(self, name: str) -> socket.socket:
+        return self.sock
+
+    def write(self, data: bytes) -> None:
+        self.written += data
+
+
+@pytest.mark.parametrize("pair_fails", [False, True])
+def test_bound_comes_with_the_rings_and_the_announcement_socket_or_the_rings_alone(
+    pair_fails: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The client's end follows the rings' descriptors; a daemon that cannot make
+    the pair still sends the rings, and tells pushes on the session socket."""
+    daemon_end, client_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    rings: list[object] = []
+    manager = types.SimpleNamespace(
+        freed=types.SimpleNamespace(attach_ring=lambda sid, ring: rings.append(ring)),
+        releases=types.SimpleNamespace(attach=lambda sid, ring: rings.append(ring)),
+    )
+    proto = SessionProtocol(cast(Any, manager), cast(Any, None), cast(Any, None))
+    proto.transport = cast(Any, _Transport(daemon_end))
+    if pair_fails:
+
+        def no_pair(*args: object) -> tuple[socket.socket, socket.socket]:
+            raise OSError(24, "Too many open files")
+
+        monkeypatch.setattr(socket, "socketpair", no_pair)
+    frame = pb.SessionFrame(event=[pb.Event(kind=pb.EVENT_KIND_BOUND)])
+    client_end.settimeout(10)  # what did not go by sendmsg is not read here: fail, not hang
+    with daemon_end, client_end:
+        proto._send_with_rings(frame, cast(Any, types.SimpleNamespace(id="s")), True, True)
+        data, ancillary, _, _ = client_end.recvmsg(4096, socket.CMSG_SPACE(16))
+        fds = array.array("i")
+        for _level, _kind, item in ancillary:
+            fds.frombytes(item[: len(item) - len(item) % fds.itemsize])
+        try:
+            assert len(rings) == 2 and data
+            if pair_fails:
+                assert len(fds) == 2 and proto.apart is None
+                return
+            assert len(fds) == 3 and proto.apart is not None
+            theirs = socket.socket(fileno=os.dup(fds[2]))
+            with theirs:
+                assert theirs.type == socket.SOCK_SEQPACKET
+                assert proto.send_apart(pb.SessionFrame(declined=[pb.LandedPush(lease_id=9)]))
+                assert theirs.recv(4096)
+                with pytest.raises(BrokenPipeError):  # the daemon's end reads nothing
+                    theirs.send(b"x")
+        finally:
+            for fd in fds:
+                os.close(fd)
+            for ring in rings:
+                ring.close()  # type: ignore[attr-defined]
+            proto._close_apart()
