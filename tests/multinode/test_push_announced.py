@@ -369,16 +369,21 @@ def _learn_announced(
     a, b = nodes
     ref = w.put(payload, to_stage="talker", request_id="learn")
     wait_until(lambda: _count(b, a, "pushes_announced") == 1, DEADLINE, "B to announce")
+    if r._client._conn.session.apart is None:  # heard by the loop thread, on its own time
+        wait_until(lambda: _announced(r._client) == 1, DEADLINE, "the loop to hear it")
     assert digest(r.get(ref.to_bytes())) == digest(payload)
     assert r._client._reader.announced.announces("talker")
 
 
+@pytest.mark.parametrize("apart", [True, False], ids=["apart", "no-socket"])
 def test_the_blocking_client_waits_for_the_announcement_on_its_own_thread(
-    nodes: tuple[Node, Node], monkeypatch: pytest.MonkeyPatch
+    nodes: tuple[Node, Node], monkeypatch: pytest.MonkeyPatch, apart: bool
 ) -> None:
     """A blocking get that comes before its push lands (A's daemon stopped until
     the get waits) hears the announcement on the caller's thread and reads there:
-    no FetchCall, nothing run on the loop, no LandedPush handled there."""
+    no FetchCall, nothing run on the loop, no LandedPush handled there. Without
+    an announcement socket (a daemon that sent none) the loop thread hears it
+    and tells the waiting get, which reads on its own thread all the same."""
     a, b = nodes
     monkeypatch.setattr(_remote, "ANNOUNCE_WAIT_S", 3600.0)
     payloads = [make_payload(10, 1 << 20), make_payload(11, 1 << 20)]
@@ -386,6 +391,10 @@ def test_the_blocking_client_waits_for_the_announcement_on_its_own_thread(
         _ready_to_push(a, b)
         client = r._client
         session, announced = client._conn.session, client._reader.announced
+        if not apart:
+            assert session.apart is not None
+            session.apart.close()  # B's writes there fail: it tells on the session socket
+            session.apart = None
         on_loop = _landings_on_the_loop(monkeypatch, client)
         with SyncRelayClient("thinker", a.daemon.socket) as w:
             _learn_announced(nodes, w, r, payloads[0])
@@ -409,7 +418,7 @@ def test_the_blocking_client_waits_for_the_announcement_on_its_own_thread(
             finally:
                 a.daemon.proc.send_signal(signal.SIGCONT)
             assert ran == [] and not session._calls
-        assert sum(on_loop) == 0
+        assert sum(on_loop) == (0 if apart else 2)
     wait_until(lambda: _count(b, a, "reads_announced") == 2, DEADLINE, "the reads counted")
     assert _no_fetch_counted(a, b)
     wait_until(lambda: _free_but_grant(a, b), DEADLINE, "both arenas back to the push grants")
