@@ -571,8 +571,7 @@ class RelayClient:
         for ab in frame.aborted:
             self._remember_aborted(ab.request_id)
         if frame.landed or frame.declined:
-            a = self._conn.attach
-            self._reader.announced.hear(frame, None if a is None else a.daemon_epoch)
+            self._reader.hear((frame,))
         for ev in frame.event:
             match ev.kind:
                 case pb.EVENT_KIND_BOUND:

@@ -13,6 +13,7 @@ methods (:meth:`Reader.read_here`).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from . import _apart, _copies, _cuda_facts, _cuda_staging, _flatten, _local, _packing, _remote
@@ -342,7 +343,7 @@ class Reader:
             return None
         apart = self._conn.session.apart
         if wait and apart is not None:
-            apart.drain(self._hear)  # what came before this get
+            apart.drain(self.hear)  # what came before this get
         local = self._announced(ref)
         if local is not None or not wait or not self.announced.expects(ref.proto):
             return local
@@ -362,22 +363,23 @@ class Reader:
                 timeout = min(_remote.ANNOUNCE_WAIT_S, self._conn.timeout)
                 apart = self._conn.session.apart
                 if apart is None:
-                    waited = waiter.wait(timeout)
+                    told_in_time = waiter.wait(timeout)
                 else:
-                    waited = apart.wait(waiter, timeout, self._hear)
-                if not waited:
-                    # Nor on the session socket (a frame the announcement socket had
-                    # no room for goes there)?
-                    if (local := self._announced(ref)) is None:
-                        self.announced.unheard(m.to_stage)
-                elif (local := self._announced(ref)) is None:
+                    told_in_time = apart.wait(waiter, timeout, self.hear)
+                # Told or not, look: a frame the announcement socket had no room
+                # for went on the session socket, and the loop heard it.
+                local = self._announced(ref)
+                if local is None and told_in_time:
                     self.announced.fetch_now(m)  # declined, or announced and gone since
+                elif local is None:
+                    self.announced.unheard(m.to_stage)
         finally:
             self.announced.stop_waiting(key, told)
         return local
 
-    def _hear(self, frames: list[pb.SessionFrame]) -> None:
-        """Frames read on the announcement socket, heard as the loop hears them."""
+    def hear(self, frames: Iterable[pb.SessionFrame]) -> None:
+        """The announcements in ``frames``, from the session socket (the loop
+        thread) or the announcement socket (a blocking get's thread)."""
         a = self._conn.attach
         for frame in frames:
             self.announced.hear(frame, None if a is None else a.daemon_epoch)
