@@ -192,16 +192,23 @@ class _Gets:
     def waiting(self, n: int) -> None:
         wait_until(lambda: len(self.apart._waiters) == n, 10, f"{n} gets waiting")
 
+    def one_reading_one_waiting(
+        self,
+    ) -> tuple[concurrent.futures.Future[bool], concurrent.futures.Future[bool]]:
+        """Get 1 reading the socket, then get 2 waiting while it does."""
+        first = self.start(1)
+        wait_until(self.apart.lock.locked, 10, "the first get to read")
+        second = self.start(2)
+        self.waiting(2)
+        return first, second
+
 
 def test_one_get_reads_and_wakes_each_other_get_whose_frame_it_hears() -> None:
     ours, theirs = _pair()
     apart = AnnouncementSocket(ours)
     gets = _Gets(apart, 1, 2)
     with theirs, gets.pool:
-        first = gets.start(1)
-        wait_until(apart.lock.locked, 10, "the first get to read")
-        second = gets.start(2)
-        gets.waiting(2)
+        first, second = gets.one_reading_one_waiting()
         theirs.send(_landed(2))
         assert second.result(10) is True  # told by the first get's thread
         assert not first.done()
@@ -217,10 +224,7 @@ def test_a_get_that_leaves_hands_the_reading_to_one_still_waiting() -> None:
     apart = AnnouncementSocket(ours)
     gets = _Gets(apart, 1, 2)
     with theirs, gets.pool:
-        first = gets.start(1)
-        wait_until(apart.lock.locked, 10, "the first get to read")
-        second = gets.start(2)
-        gets.waiting(2)
+        first, second = gets.one_reading_one_waiting()
         theirs.send(_landed(1))
         assert first.result(10) is True
         gets.waiting(1)
