@@ -105,8 +105,15 @@ class Grant:
         return self.next_seq > MAX_LEASE_SEQ
 
 
+class HoldsBack(Protocol):
+    """Where a lingering notice counts the bytes it holds back (the session's
+    pending frame, :meth:`~relayd_client._session.SessionChannel.taken_back`)."""
+
+    def taken_back(self, frame: pb.SessionFrame, nbytes: int) -> None: ...
+
+
 class Lease:
-    __slots__ = ("grant", "id", "local", "nslots", "reserve")
+    __slots__ = ("grant", "held", "id", "local", "nslots", "reserve")
 
     def __init__(self, grant: Grant, local: int, nslots: int, lease_id: int) -> None:
         self.grant = grant
@@ -116,6 +123,9 @@ class Lease:
         # The lease's Reserve notice and the pending frame it waits in, for the
         # Publish to ride in it (relayd_client._notices); None once it cannot.
         self.reserve: tuple[pb.SessionFrame, pb.Reserve] | None = None
+        # Where its lingering Publish counts its bytes as held back, the frame
+        # it waits in and how many (relayd_client._notices); None once sent.
+        self.held: tuple[HoldsBack, pb.SessionFrame, int] | None = None
 
     @property
     def slot(self) -> int:
@@ -255,6 +265,9 @@ class LeaseTable:
                     watched.append(entry)
                     continue
                 self.free(lease.id)
+                held, lease.held = lease.held, None
+                if held is not None:  # its Publish lingers on, but holds nothing back now
+                    held[0].taken_back(held[1], held[2])
                 lease.grant.unconfirmed += 1
                 self.unconfirmed[lease.id] = lease.grant
                 taken += 1

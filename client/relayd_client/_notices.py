@@ -141,8 +141,11 @@ class Notices:
             # a claim or release that overtakes the Publish is held until it
             # lands, and if this process dies first the daemon publishes
             # what the header says was sealed.
+            lingers = carrier is not None and session.reserve_over_read
+            if lingers:
+                lease.held = (session, session.pending, nbytes)
             session.mark(linger=NOTICE_LINGER_S, holds=nbytes)
-            return carrier is not None and session.reserve_over_read
+            return lingers
 
     def claim(self, m: RefFields, flush: bool = True, *, ring: bool = False) -> None:
         """The daemon learns that this session reads ``m``'s lease (and frees it at

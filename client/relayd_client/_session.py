@@ -232,6 +232,19 @@ class SessionChannel:
             or loop.time() - self._sent_at >= linger
         )
 
+    def taken_back(self, frame: pb.SessionFrame, nbytes: int) -> None:
+        """A writer took back, on its reader's read mark, the ``nbytes`` a
+        lingering notice in ``frame`` counted as held: they are no longer held
+        back, so they no longer count toward ``NOTICE_LINGER_MAX_BYTES`` (if the
+        frame still waits). That cap bounds what readers that do not mark hold
+        back; counting marked leases too, a stop-and-wait writer's frame went
+        every 16 transfers at 4 MiB and every 4 at 16 MiB, each a daemon
+        wake-up of ~400 us cache-cold, where the linger alone sends it every
+        25 ms."""
+        with self.lock:
+            if frame is self._pending:
+                self._lingered_bytes = max(self._lingered_bytes - nbytes, 0)
+
     def _mark_from_thread(self, flush: bool, linger: float, holds: int) -> None:
         """:meth:`mark` for a caller off the loop (it holds :attr:`lock`).
 

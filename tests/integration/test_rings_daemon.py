@@ -13,7 +13,11 @@ from typing import Any
 
 import pytest
 from relayd_client import DataRef, RelayClient, SyncRelayClient
-from relayd_client.wire.framing import FRAME_LENGTH, PROMPT_NOTICE_BYTES
+from relayd_client.wire.framing import (
+    FRAME_LENGTH,
+    NOTICE_LINGER_MAX_BYTES,
+    PROMPT_NOTICE_BYTES,
+)
 from relayd_client.wire.proto import relay_pb2 as pb
 from relayd_client.wire.rings import RING_SLOTS
 
@@ -241,6 +245,38 @@ def test_a_large_leases_run_is_reused_on_its_readers_mark_with_no_notice_sent(
             slots = [_slot(_relayed(w, r, i, PROMPT_NOTICE_BYTES, f"p{i}")) for i in range(4)]
             assert slots == slots[:1] * 4
             assert _released(d, "frame") == 0
+        wait_until(lambda: drained(d), 10, "arena back to zero")
+
+
+def test_runs_taken_back_on_their_readers_marks_hold_no_lingering_frame(
+    tmp_path: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A writer's lingering notices go at once when they hold NOTICE_LINGER_MAX_BYTES
+    of its arena back, but not the bytes it took back itself on its readers'
+    marks: a stop-and-wait writer of 4 MiB puts sends nothing for more than
+    that (each frame is a wake-up of the daemon). The lingers of notices and of
+    latency reports are made a minute."""
+    import relayd_client._notices
+    import relayd_client._reports
+
+    monkeypatch.setattr(relayd_client._notices, "NOTICE_LINGER_S", 60.0)
+    monkeypatch.setattr(relayd_client._reports, "REPORT_LINGER_S", 60.0)
+    n = NOTICE_LINGER_MAX_BYTES // PROMPT_NOTICE_BYTES + 4
+    with running_daemon(str(tmp_path), pool="64MiB", metrics=True) as d:
+        with (
+            SyncRelayClient("thinker", d.socket) as w,
+            SyncRelayClient("talker", d.socket) as r,
+        ):
+            session = w._client._conn.session
+            first = _slot(_relayed(w, r, 0, PROMPT_NOTICE_BYTES, "h0"))  # went: nothing lingered
+            frame = session.pending
+            slots = {_slot(_relayed(w, r, i, PROMPT_NOTICE_BYTES, f"h{i}")) for i in range(1, n)}
+            assert slots == {first}  # each put into the run its reader had just marked
+            assert session.pending is frame  # still the first frame: nothing went
+            assert [x.publish.lease_id for x in frame.reserve] == [
+                x.lease_id for x in frame.reserve
+            ]
+            assert len(frame.reserve) == n - 1
         wait_until(lambda: drained(d), 10, "arena back to zero")
 
 

@@ -169,3 +169,31 @@ def test_a_re_attach_forgets_what_it_watched(seg: MappedSegment) -> None:
 def test_a_writer_that_is_not_watching_pays_nothing() -> None:
     g = Grants(LeaseTable(), FakeSource(), Closed())
     assert g.table.reclaim_read() == 0 and not g.table.watched
+
+
+class _Holder:
+    """Where a lingering Publish counts its lease's bytes (the session channel)."""
+
+    def __init__(self) -> None:
+        self.taken: list[tuple[object, int]] = []
+
+    def taken_back(self, frame: object, nbytes: int) -> None:
+        self.taken.append((frame, nbytes))
+
+
+def test_a_run_taken_back_on_its_mark_no_longer_counts_as_held_by_its_lingering_publish(
+    seg: MappedSegment,
+) -> None:
+    """Its Publish still lingers, but holds nothing back: the writer reuses the run."""
+    g = _writer(FakeSource())
+    holder, frame = _Holder(), object()
+    lease = _put(g, seg)
+    lease.held = (holder, frame, 4 * SLOT)
+    unread = _put(g, seg)
+    unread.held = (holder, frame, 4 * SLOT)
+    assert g.table.reclaim_read() == 0 and holder.taken == []  # nobody read them yet
+    seg.mark_read(lease.slot, _mark(lease))
+    assert g.table.reclaim_read() == 1
+    assert holder.taken == [(frame, 4 * SLOT)]  # the one read; the unread one holds on
+    assert lease.held is None and unread.held is not None
+    assert g.table.reclaim_read() == 0 and len(holder.taken) == 1  # told once

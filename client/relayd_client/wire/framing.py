@@ -35,8 +35,9 @@ NOTICE_LINGER_S = 0.025
 #: not on the Freed this cap delays, so the cap no longer decides how many runs
 #: the writer cycles through (waiting for the Freed, a 1 MiB writer used 18,
 #: cache-cold); it bounds what a writer whose readers do not mark (views, older
-#: clients) holds back. In three alternating pairs of stop-and-wait runs at
-#: 1 MiB, 16 MiB (a wake-up per 16 transfers) cost the daemon 21-41 us a
+#: clients) holds back, and a run taken back on its mark no longer counts
+#: (``SessionChannel.taken_back``). In three alternating pairs of stop-and-wait
+#: runs at 1 MiB, 16 MiB (a wake-up per 16 transfers) cost the daemon 21-41 us a
 #: transfer and 64 MiB (one per 40-60) 18-27 us, with latency and the 16-stream
 #: workload's p50 and p99 the same within the host's noise. A writer holds the
 #: grants to cover it: one short of space asks for a grant, and that sends its
