@@ -92,6 +92,7 @@ class SessionChannel:
         self._dirty = False
         self._scheduled = False  # a flush at the end of this loop turn
         self._lingering: asyncio.TimerHandle | None = None  # a later flush
+        self._linger_s = 0.0  # what it was armed for
         self._sent_at = -math.inf  # loop time of the last frame out
         self._lingered = self._lingered_bytes = 0
         # See connect(): the daemon's Freed to this session, this session's Releases.
@@ -216,7 +217,7 @@ class SessionChannel:
             if self._linger_ends(loop, linger, holds):
                 self._soon()
             elif self._lingering is None:
-                self._lingering = loop.call_later(linger, self.flush)
+                self._arm_linger(loop, linger)
         else:
             self._soon()
 
@@ -309,7 +310,25 @@ class SessionChannel:
         with self.lock:
             self._arming = False
             if self._dirty and not self._scheduled and self._lingering is None:
-                self._lingering = asyncio.get_running_loop().call_later(linger, self.flush)
+                self._arm_linger(asyncio.get_running_loop(), linger)
+
+    def _arm_linger(self, loop: asyncio.AbstractEventLoop, linger: float) -> None:
+        self._linger_s = linger
+        self._lingering = loop.call_later(linger, self._linger_due)
+
+    def _linger_due(self) -> None:
+        """The linger timer. If a caller thread sent the frame meanwhile
+        (:meth:`_send_from_thread`, which cannot cancel the loop's timer), what
+        came since lingers from that send: this timer sent it within a few ms
+        of it, a frame of its own and one more wake-up of the daemon."""
+        with self.lock:
+            self._lingering = None
+            loop = asyncio.get_running_loop()
+            left = self._sent_at + self._linger_s - loop.time()
+            if left > 0.0 and self._dirty and not self._scheduled:
+                self._lingering = loop.call_later(left, self._linger_due)
+                return
+        self.flush()
 
     def _soon(self) -> None:
         self._scheduled = True

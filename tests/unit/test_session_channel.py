@@ -172,6 +172,72 @@ def test_lingering_releases_go_at_once_when_they_hold_enough_bytes(caller: str) 
     run(scenario)
 
 
+@pytest.mark.parametrize("caller", ["loop", "thread"])
+def test_bytes_a_writer_took_back_no_longer_hold_a_lingering_frame(caller: str) -> None:
+    """A writer takes a run back on its reader's read mark while the lease's
+    Publish still lingers: those bytes are held back from nobody, so they do
+    not count toward the cap; bytes counted in a frame that went already are
+    not taken off the next one's."""
+    holds = NOTICE_LINGER_MAX_BYTES // 2
+
+    async def mark(channel: SessionChannel) -> None:
+        if caller == "loop":
+            channel.mark(linger=LONG, holds=holds)
+        else:
+            await asyncio.to_thread(channel.mark, linger=LONG, holds=holds)
+
+    async def scenario(channel: SessionChannel, daemon: Daemon) -> None:
+        busy(channel, daemon)
+        for lease_id in (1, 2, 3):
+            channel.pending.publish.append(pb.Publish(lease_id=lease_id, nbytes=holds))
+            frame = channel.pending
+            await mark(channel)
+            channel.taken_back(frame, holds)  # its reader marked it; the writer reuses it
+        await turns()
+        assert daemon.ready() == []  # three times half the cap, all taken back
+        sent = channel.pending
+        channel.mark(flush=True)
+        assert [p.lease_id for p in (await daemon.next()).publish] == [1, 2, 3]
+        channel.pending.publish.append(pb.Publish(lease_id=4, nbytes=holds))
+        await mark(channel)
+        channel.taken_back(sent, holds)  # counted in the frame that went: nothing to take off
+        channel.pending.publish.append(pb.Publish(lease_id=5, nbytes=holds))
+        await mark(channel)
+        assert [p.lease_id for p in (await daemon.next()).publish] == [4, 5]
+
+    run(scenario)
+
+
+def test_a_linger_timer_that_outlived_a_frame_sent_from_a_thread_lingers_from_that_send() -> None:
+    """A blocking caller's thread writes a due frame itself and cannot cancel the
+    loop's timer: when that timer comes, what came since waits out its own linger
+    instead of going at once as a frame of its own (one more daemon wake-up)."""
+
+    async def scenario(channel: SessionChannel, daemon: Daemon) -> None:
+        busy(channel, daemon)
+        release(channel, 1)
+        await asyncio.to_thread(channel.mark, linger=LONG, holds=1)
+        await async_wait_until(lambda: channel._lingering is not None, 5, "timer armed")
+        timer = channel._lingering
+        await asyncio.to_thread(channel.mark, flush=True)  # a sooner notice, from the thread
+        assert [r.lease_id for r in (await daemon.next()).release] == [1]
+        assert channel._lingering is timer  # still armed
+        release(channel, 2)
+        await asyncio.to_thread(channel.mark, linger=LONG, holds=1)
+        assert timer is not None
+        timer.cancel()
+        channel._linger_due()  # the timer comes
+        await turns()
+        assert daemon.ready() == []
+        again = channel._lingering
+        assert again is not None and again is not timer
+        assert again.when() >= channel._sent_at + LONG - 1.0  # a linger from the send
+        channel.mark(flush=True)
+        assert [r.lease_id for r in (await daemon.next()).release] == [2]
+
+    run(scenario)
+
+
 def test_lingering_releases_go_at_once_when_there_are_enough_of_them() -> None:
     async def scenario(channel: SessionChannel, daemon: Daemon) -> None:
         busy(channel, daemon)
