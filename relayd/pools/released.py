@@ -14,14 +14,18 @@ Releases there, and the daemon takes them:
 - when the session closes, before what it leaves is reclaimed: a Release it
   wrote before it died is a Release, not a death;
 - on a timer while any lease is out, so a lease read last in a burst does not
-  stay in the books: :data:`~relayd_client.wire.framing.NOTICE_LINGER_S` after
-  the last read while rings hold Releases, backing off to :data:`IDLE_TICK_S`
-  while they stay empty (a lease nobody reads yet must not keep the daemon
-  waking 40 times a second until its TTL). A turn on a session frame reads
-  every ring and puts the timer off (:meth:`ReleaseRings.schedule`), so while
-  frames come more often than the timer would, it never wakes the daemon (in
-  a stop-and-wait run at 16 MiB that took its wake-ups from 1.3 to 1.07 a
-  transfer, and its CPU 2-5% down).
+  stay in the books: twice the writers' linger
+  (:data:`~relayd_client.wire.framing.NOTICE_LINGER_S`) after the last read
+  while rings hold Releases, backing off to :data:`IDLE_TICK_S` while they stay
+  empty (a lease nobody reads yet must not keep the daemon waking 40 times a
+  second until its TTL). A turn on a session frame reads every ring and puts
+  the timer off (:meth:`ReleaseRings.schedule`), so while frames come more
+  often than the timer would, it never wakes the daemon (in a stop-and-wait
+  run at 16 MiB that took its wake-ups from 1.3 to 1.07 a transfer, and its
+  CPU 2-5% down). Not once the linger: a busy writer's frames come a linger
+  and its next put apart, so a timer of one linger, put off by each, still
+  came just before every frame (at 16 MiB, stop-and-wait, twice the linger
+  took the daemon's wake-ups from 0.18-0.26 a transfer to 0.11-0.18).
 
 - before a frame of the same session is judged for its Claims and Releases:
   the session wrote the ring first, and a claim must not trade places with
@@ -73,8 +77,8 @@ class ReleaseRings:
         self._claim = claim  # the same for a Claim notice
         self._outstanding = outstanding  # whether any lease is out (the timer runs only then)
         self._after = after  # what follows a timed read: sending the Freed it caused
-        self._linger = linger
-        self._interval = linger  # the timer's next wait: doubles while rings stay empty
+        self._flowing = 2 * linger  # the timer's wait while Releases flow (see the module)
+        self._interval = self._flowing  # its next wait: doubles while rings stay empty
         self._rings: dict[str, IdRing] = {}
         self._timer: asyncio.TimerHandle | None = None
         # Releases taken, by the way they came (metrics read them).
@@ -102,7 +106,7 @@ class ReleaseRings:
         if ring is None or session is None or not ring.ready():
             return 0
         ids = ring.take()
-        self._interval = self._linger  # Releases flow: the timer keeps up again
+        self._interval = self._flowing  # Releases flow: the timer keeps up again
         for word in ids:
             try:
                 if word & CLAIM_BIT:

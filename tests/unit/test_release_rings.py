@@ -139,12 +139,12 @@ def test_a_bug_on_one_ring_never_reaches_the_caller(world: World) -> None:
 def test_the_timer_backs_off_while_the_rings_stay_empty_and_keeps_up_when_they_fill(
     world: World, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(released, "IDLE_TICK_S", 4 * LINGER)
+    monkeypatch.setattr(released, "IDLE_TICK_S", 8 * LINGER)
     rings = world.rings
 
     async def scenario() -> list[float]:
         intervals = []
-        for _ in range(4):  # empty ticks: LINGER, 2x, 4x, then capped at 4x
+        for _ in range(4):  # empty ticks: twice the linger, 4x, 8x, then capped at 8x
             rings._tick()
             intervals.append(rings._interval)
         assert world.client["a"].push(3)
@@ -154,7 +154,7 @@ def test_the_timer_backs_off_while_the_rings_stay_empty_and_keeps_up_when_they_f
         return intervals
 
     got = asyncio.run(scenario())
-    assert got == [2 * LINGER, 4 * LINGER, 4 * LINGER, 4 * LINGER, LINGER]
+    assert got == [4 * LINGER, 8 * LINGER, 8 * LINGER, 8 * LINGER, 2 * LINGER]
     assert [lid for _, lid, _ in world.judge.seen] == [3]
 
 
@@ -176,6 +176,26 @@ def test_a_turn_that_read_every_ring_puts_off_a_timer_about_to_fire(world: World
         rings.schedule(restart=True)
         assert due.cancelled()
         assert rings._timer is not None and rings._timer.when() >= floor
+        rings.close()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("left", [0.2, 0.9, 1.1, 1.9], ids=lambda f: f"due-in-{f}-lingers")
+def test_after_a_frames_turn_the_timer_waits_longer_than_a_writers_linger(
+    world: World, left: float
+) -> None:
+    """A busy writer's frames come a linger and a put apart: a timer due within
+    one linger of a frame's turn comes before the next frame, a daemon wake-up
+    of its own each time, with nothing in the rings that frame would not take."""
+    rings = world.rings
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        rings._timer = loop.call_later(left * LINGER, rings._tick)  # armed before this frame
+        rings.schedule(restart=True)  # the frame's turn read every ring
+        assert rings._timer is not None
+        assert rings._timer.when() - loop.time() > LINGER
         rings.close()
 
     asyncio.run(scenario())
