@@ -335,7 +335,7 @@ class SessionProtocol(asyncio.Protocol):
                 log.warning("cannot create a ring (%s); frames instead", exc)
             if apart and len(rings) == 1 + release:
                 try:
-                    pair = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                    pair = _announcement_pair()
                 except OSError as exc:  # the client hears its pushes on the session socket
                     log.warning("cannot create an announcement socket (%s)", exc)
             if len(rings) == 1 + release:
@@ -355,8 +355,6 @@ class SessionProtocol(asyncio.Protocol):
                 if release:
                     self.manager.releases.attach(session.id, rings[1][0])
                 if pair is not None:
-                    pair[0].setblocking(False)
-                    pair[0].shutdown(socket.SHUT_RD)  # the client's writes fail: nothing piles up
                     self.apart = pair[0]
             else:
                 for ring, _ in rings:
@@ -622,3 +620,22 @@ class SessionProtocol(asyncio.Protocol):
 def _rights(fds: list[int]) -> tuple[int, int, bytes]:
     """The ancillary item that passes ``fds`` over a Unix socket, in order."""
     return socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes()
+
+
+def _announcement_pair() -> tuple[socket.socket, socket.socket]:
+    """A session's announcement socket: (the daemon's end, the client's end).
+
+    The daemon's end is non-blocking and reads nothing (``SHUT_RD``), so the
+    client's writes fail at once and nothing piles up on the daemon's side;
+    set so before the client's end goes, since a client may write the moment
+    it has it.
+    """
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        ours.setblocking(False)
+        ours.shutdown(socket.SHUT_RD)
+    except OSError:
+        ours.close()
+        theirs.close()
+        raise
+    return ours, theirs

@@ -316,3 +316,45 @@ def test_bound_comes_with_the_rings_and_the_announcement_socket_or_the_rings_alo
             for ring in rings:
                 ring.close()  # type: ignore[attr-defined]
             proto._close_apart()
+
+
+def test_the_daemons_end_reads_nothing_before_the_clients_end_goes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A client may write into its end the moment it has it, before the daemon has
+    done anything after the send: the daemon's end must refuse that write already."""
+    tried: list[str] = []
+    real = socket.socket.sendmsg
+
+    def sendmsg(self: socket.socket, buffers: Any, ancdata: Any = (), *rest: Any) -> int:
+        fds = array.array("i")
+        for _level, _kind, item in ancdata:
+            fds.frombytes(item[: len(item) - len(item) % fds.itemsize])
+        with socket.socket(fileno=os.dup(fds[-1])) as theirs:  # the client's end
+            try:
+                theirs.send(b"x")
+                tried.append("taken")
+            except BrokenPipeError:
+                tried.append("refused")
+        return real(self, buffers, ancdata, *rest)
+
+    monkeypatch.setattr(socket.socket, "sendmsg", sendmsg)
+    daemon_end, client_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    rings: list[Any] = []
+    manager = types.SimpleNamespace(
+        freed=types.SimpleNamespace(attach_ring=lambda sid, ring: rings.append(ring)),
+        releases=types.SimpleNamespace(attach=lambda sid, ring: rings.append(ring)),
+    )
+    proto = SessionProtocol(cast(Any, manager), cast(Any, None), cast(Any, None))
+    proto.transport = cast(Any, _Transport(daemon_end))
+    frame = pb.SessionFrame(event=[pb.Event(kind=pb.EVENT_KIND_BOUND)])
+    with daemon_end, client_end:
+        proto._send_with_rings(frame, cast(Any, types.SimpleNamespace(id="s")), True, True)
+        _, ancillary, _, _ = client_end.recvmsg(4096, socket.CMSG_SPACE(16))
+    for _level, _kind, item in ancillary:
+        for fd in array.array("i", item[: len(item) - len(item) % 4]):
+            os.close(fd)
+    for ring in rings:
+        ring.close()
+    proto._close_apart()
+    assert tried == ["refused"]
