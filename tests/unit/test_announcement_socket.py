@@ -269,6 +269,36 @@ class _Transport:
         self.written += data
 
 
+def _descriptors(ancillary: Any) -> array.array[int]:
+    """The descriptors an ``SCM_RIGHTS`` item of ``ancillary`` passes, in order."""
+    fds = array.array("i")
+    for _level, _kind, item in ancillary:
+        fds.frombytes(item[: len(item) - len(item) % fds.itemsize])
+    return fds
+
+
+def _bind(daemon_end: socket.socket) -> tuple[SessionProtocol, list[Any]]:
+    """A session protocol on ``daemon_end`` whose manager keeps the rings it
+    attaches (in the list returned), as the daemon's does."""
+    rings: list[Any] = []
+    manager = types.SimpleNamespace(
+        freed=types.SimpleNamespace(attach_ring=lambda sid, ring: rings.append(ring)),
+        releases=types.SimpleNamespace(attach=lambda sid, ring: rings.append(ring)),
+    )
+    proto = SessionProtocol(cast(Any, manager), cast(Any, None), cast(Any, None))
+    proto.transport = cast(Any, _Transport(daemon_end))
+    return proto, rings
+
+
+def _send_bound(proto: SessionProtocol, client_end: socket.socket) -> tuple[bytes, Any]:
+    """Send BOUND with the rings and an announcement socket; what ``client_end`` got."""
+    frame = pb.SessionFrame(event=[pb.Event(kind=pb.EVENT_KIND_BOUND)])
+    client_end.settimeout(10)  # what did not go by sendmsg is not read here: fail, not hang
+    proto._send_with_rings(frame, cast(Any, types.SimpleNamespace(id="s")), True, True)
+    data, ancillary, _, _ = client_end.recvmsg(4096, socket.CMSG_SPACE(16))
+    return data, ancillary
+
+
 @pytest.mark.parametrize("pair_fails", [False, True])
 def test_bound_comes_with_the_rings_and_the_announcement_socket_or_the_rings_alone(
     pair_fails: bool, monkeypatch: pytest.MonkeyPatch
@@ -276,27 +306,16 @@ def test_bound_comes_with_the_rings_and_the_announcement_socket_or_the_rings_alo
     """The client's end follows the rings' descriptors; a daemon that cannot make
     the pair still sends the rings, and tells pushes on the session socket."""
     daemon_end, client_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    rings: list[object] = []
-    manager = types.SimpleNamespace(
-        freed=types.SimpleNamespace(attach_ring=lambda sid, ring: rings.append(ring)),
-        releases=types.SimpleNamespace(attach=lambda sid, ring: rings.append(ring)),
-    )
-    proto = SessionProtocol(cast(Any, manager), cast(Any, None), cast(Any, None))
-    proto.transport = cast(Any, _Transport(daemon_end))
+    proto, rings = _bind(daemon_end)
     if pair_fails:
 
         def no_pair(*args: object) -> tuple[socket.socket, socket.socket]:
             raise OSError(24, "Too many open files")
 
         monkeypatch.setattr(socket, "socketpair", no_pair)
-    frame = pb.SessionFrame(event=[pb.Event(kind=pb.EVENT_KIND_BOUND)])
-    client_end.settimeout(10)  # what did not go by sendmsg is not read here: fail, not hang
     with daemon_end, client_end:
-        proto._send_with_rings(frame, cast(Any, types.SimpleNamespace(id="s")), True, True)
-        data, ancillary, _, _ = client_end.recvmsg(4096, socket.CMSG_SPACE(16))
-        fds = array.array("i")
-        for _level, _kind, item in ancillary:
-            fds.frombytes(item[: len(item) - len(item) % fds.itemsize])
+        data, ancillary = _send_bound(proto, client_end)
+        fds = _descriptors(ancillary)
         try:
             assert len(rings) == 2 and data
             if pair_fails:
@@ -314,7 +333,7 @@ def test_bound_comes_with_the_rings_and_the_announcement_socket_or_the_rings_alo
             for fd in fds:
                 os.close(fd)
             for ring in rings:
-                ring.close()  # type: ignore[attr-defined]
+                ring.close()
             proto._close_apart()
 
 
@@ -327,10 +346,8 @@ def test_the_daemons_end_reads_nothing_before_the_clients_end_goes(
     real = socket.socket.sendmsg
 
     def sendmsg(self: socket.socket, buffers: Any, ancdata: Any = (), *rest: Any) -> int:
-        fds = array.array("i")
-        for _level, _kind, item in ancdata:
-            fds.frombytes(item[: len(item) - len(item) % fds.itemsize])
-        with socket.socket(fileno=os.dup(fds[-1])) as theirs:  # the client's end
+        client_end = _descriptors(ancdata)[-1]  # about to go to the client
+        with socket.socket(fileno=os.dup(client_end)) as theirs:
             try:
                 theirs.send(b"x")
                 tried.append("taken")
@@ -340,20 +357,11 @@ def test_the_daemons_end_reads_nothing_before_the_clients_end_goes(
 
     monkeypatch.setattr(socket.socket, "sendmsg", sendmsg)
     daemon_end, client_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    rings: list[Any] = []
-    manager = types.SimpleNamespace(
-        freed=types.SimpleNamespace(attach_ring=lambda sid, ring: rings.append(ring)),
-        releases=types.SimpleNamespace(attach=lambda sid, ring: rings.append(ring)),
-    )
-    proto = SessionProtocol(cast(Any, manager), cast(Any, None), cast(Any, None))
-    proto.transport = cast(Any, _Transport(daemon_end))
-    frame = pb.SessionFrame(event=[pb.Event(kind=pb.EVENT_KIND_BOUND)])
+    proto, rings = _bind(daemon_end)
     with daemon_end, client_end:
-        proto._send_with_rings(frame, cast(Any, types.SimpleNamespace(id="s")), True, True)
-        _, ancillary, _, _ = client_end.recvmsg(4096, socket.CMSG_SPACE(16))
-    for _level, _kind, item in ancillary:
-        for fd in array.array("i", item[: len(item) - len(item) % 4]):
-            os.close(fd)
+        _, ancillary = _send_bound(proto, client_end)
+    for fd in _descriptors(ancillary):
+        os.close(fd)
     for ring in rings:
         ring.close()
     proto._close_apart()
