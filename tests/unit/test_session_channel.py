@@ -114,6 +114,16 @@ def busy(channel: SessionChannel, daemon: Daemon) -> None:
     assert len(daemon.ready()) == 1
 
 
+async def half_the_cap(caller: str, channel: SessionChannel) -> None:
+    """Mark the pending notice lingering, holding half of NOTICE_LINGER_MAX_BYTES:
+    from the event loop (``caller`` "loop") or from a blocking client's thread."""
+    holds = NOTICE_LINGER_MAX_BYTES // 2
+    if caller == "loop":
+        channel.mark(linger=LONG, holds=holds)
+    else:
+        await asyncio.to_thread(channel.mark, linger=LONG, holds=holds)
+
+
 def test_a_release_lingers_past_the_turn_then_goes_out() -> None:
     async def scenario(channel: SessionChannel, daemon: Daemon) -> None:
         busy(channel, daemon)
@@ -151,21 +161,14 @@ def test_lingering_releases_go_at_once_when_they_hold_enough_bytes(caller: str) 
     daemon, a lease of ``PROMPT_NOTICE_BYTES`` or more is not marked lingering at
     all: see test_prompt_notices.)"""
 
-    async def mark(channel: SessionChannel) -> None:
-        holds = NOTICE_LINGER_MAX_BYTES // 2
-        if caller == "loop":
-            channel.mark(linger=LONG, holds=holds)
-        else:
-            await asyncio.to_thread(channel.mark, linger=LONG, holds=holds)
-
     async def scenario(channel: SessionChannel, daemon: Daemon) -> None:
         busy(channel, daemon)
         release(channel, 1)
-        await mark(channel)
+        await half_the_cap(caller, channel)
         await turns()
         assert daemon.ready() == []
         release(channel, 2)
-        await mark(channel)
+        await half_the_cap(caller, channel)
         frame = await daemon.next()
         assert [r.lease_id for r in frame.release] == [1, 2]
 
@@ -180,18 +183,12 @@ def test_bytes_a_writer_took_back_no_longer_hold_a_lingering_frame(caller: str) 
     not taken off the next one's."""
     holds = NOTICE_LINGER_MAX_BYTES // 2
 
-    async def mark(channel: SessionChannel) -> None:
-        if caller == "loop":
-            channel.mark(linger=LONG, holds=holds)
-        else:
-            await asyncio.to_thread(channel.mark, linger=LONG, holds=holds)
-
     async def scenario(channel: SessionChannel, daemon: Daemon) -> None:
         busy(channel, daemon)
         for lease_id in (1, 2, 3):
             channel.pending.publish.append(pb.Publish(lease_id=lease_id, nbytes=holds))
             frame = channel.pending
-            await mark(channel)
+            await half_the_cap(caller, channel)
             channel.taken_back(frame, holds)  # its reader marked it; the writer reuses it
         await turns()
         assert daemon.ready() == []  # three times half the cap, all taken back
@@ -199,10 +196,10 @@ def test_bytes_a_writer_took_back_no_longer_hold_a_lingering_frame(caller: str) 
         channel.mark(flush=True)
         assert [p.lease_id for p in (await daemon.next()).publish] == [1, 2, 3]
         channel.pending.publish.append(pb.Publish(lease_id=4, nbytes=holds))
-        await mark(channel)
+        await half_the_cap(caller, channel)
         channel.taken_back(sent, holds)  # counted in the frame that went: nothing to take off
         channel.pending.publish.append(pb.Publish(lease_id=5, nbytes=holds))
-        await mark(channel)
+        await half_the_cap(caller, channel)
         assert [p.lease_id for p in (await daemon.next()).publish] == [4, 5]
 
     run(scenario)
