@@ -75,7 +75,8 @@ class Waiter:
         self._wake.set()
 
     def wait(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` s to be told, by the loop thread (no announcement socket)."""
+        """Wait up to ``timeout`` s to be told, by the loop thread (no announcement
+        socket, or one that has ended)."""
         return self._wake.wait(timeout) and self.heard
 
 
@@ -117,7 +118,7 @@ class AnnouncementSocket:
                 finally:
                     self.lock.release()
                 if frames is None:
-                    return wake.wait(max(0.0, deadline - time.monotonic())) and waiter.heard
+                    return waiter.wait(max(0.0, deadline - time.monotonic()))
                 hear(frames)
             return True
         finally:
