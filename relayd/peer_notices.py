@@ -277,7 +277,10 @@ class PeerNotifier:
         for link in self._channels.values():
             link.close()
         self._channels.clear()
-        for task in self._dialling.values():
+        # Awaited with the rest below: a dial cancelled mid-connect closes its
+        # connection as it ends, before this returns.
+        dialling = list(self._dialling.values())
+        for task in dialling:
             task.cancel()
         for ob in self._boxes.values():
             if ob.timer is not None:
@@ -287,7 +290,7 @@ class PeerNotifier:
         self._boxes.clear()
         for task in list(self._tasks):
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *dialling, return_exceptions=True)
 
     # -- internals ---------------------------------------------------------------------
 
