@@ -8,6 +8,7 @@ import os
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -63,6 +64,17 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def hanging_port() -> Iterator[int]:
+    """A loopback TCP port whose dials hang, unanswered: its listener's one-place
+    accept queue is already full, so the kernel drops their SYNs."""
+    with socket.socket() as listener, socket.socket() as filler:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        filler.connect(listener.getsockname())
+        yield int(listener.getsockname()[1])
 
 
 def wait_until(

@@ -5,11 +5,10 @@ garbage collector happens to find it in, as an unclosed-transport warning."""
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import pytest
 
-from tests._daemon import async_wait_until
+from tests._daemon import async_wait_until, hanging_port
 from tests._grpc_relay import Relay
 
 pytestmark = pytest.mark.timeout(60)
@@ -19,13 +18,8 @@ WAIT_S = 10.0
 
 def test_close_ends_a_connection_accepted_while_its_upstream_is_still_dialled() -> None:
     async def main() -> None:
-        # An upstream whose one-place accept queue is full: a dial to it hangs.
-        with socket.socket() as upstream, socket.socket() as filler:
-            upstream.bind(("127.0.0.1", 0))
-            upstream.listen(0)
-            filler.connect(upstream.getsockname())
-            host, port = upstream.getsockname()
-            relay = Relay(f"{host}:{port}")
+        with hanging_port() as port:
+            relay = Relay(f"127.0.0.1:{port}")  # its dial upstream hangs
             address, _, relay_port = (await relay.start()).rpartition(":")
             reader, writer = await asyncio.open_connection(address, int(relay_port))
             try:

@@ -32,7 +32,7 @@ from relayd.keys import KeyIndex
 from relayd.pools.sessions import Session
 from relayd.rpc.keyed import KeyedCalls
 from relayd.transports.loopback import Loopback
-from tests.unit.test_peer_manager import READER, SLOT, WRITER, Node, run, until
+from tests.unit.test_peer_manager import READER, SLOT, WRITER, Node, peer_token, run, until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -63,9 +63,7 @@ async def keyed_nodes(
     """The writer's node A and the reader's node B (``kw``: for both), handshaken both
     ways; B takes A's keyed puts into B's index (the keyed calls of B, yielded), and
     takes them back, as a daemon does."""
-    token = tmp_path / "token"
-    token.write_bytes(os.urandom(32).hex().encode())
-    token.chmod(0o600)
+    token = peer_token(tmp_path)
     loopback = Loopback()
     a = Node("a", loopback, token, **kw)
     b = Node("b", loopback, token, peers=(a.address,), **kw)

@@ -5,36 +5,28 @@ cancelled connect closes its socket as its task ends, not when it is told to).""
 from __future__ import annotations
 
 import asyncio
-import os
 import pathlib
-import socket
 import types
 
 import pytest
 
 from relayd.transports.loopback import Loopback
-from tests.unit.test_peer_manager import Node, run
+from tests._daemon import hanging_port
+from tests.unit.test_peer_manager import Node, peer_token, run
 
 pytestmark = pytest.mark.timeout(60)
 
 
 def test_close_ends_a_dial_still_connecting(tmp_path: pathlib.Path) -> None:
-    token = tmp_path / "token"
-    token.write_bytes(os.urandom(32).hex().encode())
-    token.chmod(0o600)
+    token = peer_token(tmp_path)
 
     async def main() -> None:
         node = Node("a", Loopback(), token)
-        # A listener whose one-place accept queue is full: a dial to it hangs.
-        with socket.socket() as listener, socket.socket() as filler:
-            listener.bind(("127.0.0.1", 0))
-            listener.listen(0)
-            filler.connect(listener.getsockname())
-            port = listener.getsockname()[1]
+        with hanging_port() as port:
             try:
                 await node.peers.start()
                 notifier = node.peers.notifier
-                peer = types.SimpleNamespace(
+                peer = types.SimpleNamespace(  # a dial to it hangs
                     address=f"127.0.0.1:{port}", notice_port=port, epoch="e", up=True
                 )
                 notifier.ensure_channel(peer)  # type: ignore[arg-type]

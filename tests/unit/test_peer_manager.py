@@ -182,6 +182,14 @@ def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def peer_token(tmp_path: pathlib.Path) -> pathlib.Path:
+    """A peer token file, as the daemons read it: random, owner-only."""
+    token = tmp_path / "token"
+    token.write_bytes(os.urandom(32).hex().encode())
+    token.chmod(0o600)
+    return token
+
+
 async def until(predicate: Callable[[], Any], what: str, timeout: float = BOUND) -> None:
     """Poll ``predicate`` on the loop until truthy; fail naming ``what`` after ``timeout``."""
     await async_wait_until(predicate, timeout, what)
@@ -192,9 +200,7 @@ async def two_nodes(
     tmp_path: pathlib.Path, b_notice_port: int = 0, **kw: Any
 ) -> AsyncIterator[tuple[Node, Node]]:
     """Node A (writer) and B (reader, which dials A), handshaken both ways."""
-    token = tmp_path / "token"
-    token.write_bytes(os.urandom(32).hex().encode())
-    token.chmod(0o600)
+    token = peer_token(tmp_path)
     loopback = Loopback()
     a = Node("a", loopback, token, **kw)
     b = Node("b", loopback, token, peers=(a.address,), peer_notice_port=b_notice_port, **kw)

@@ -5,7 +5,6 @@ stand-in for DNS."""
 
 from __future__ import annotations
 
-import os
 import pathlib
 
 import pytest
@@ -13,7 +12,7 @@ import pytest
 from relayd import peer_links
 from relayd.transports.loopback import Loopback
 from tests._daemon import free_port
-from tests.unit.test_peer_manager import Node, _up, run, until
+from tests.unit.test_peer_manager import Node, _up, peer_token, run, until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -25,9 +24,7 @@ def test_an_address_the_name_no_longer_resolves_to_is_dropped_once_down(
 ) -> None:
     """A pod was replaced: its old address, down and gone from the name, leaves the
     peer table (and stops being dialled); a live peer the name still names stays."""
-    token = tmp_path / "token"
-    token.write_bytes(os.urandom(32).hex().encode())
-    token.chmod(0o600)
+    token = peer_token(tmp_path)
     loopback = Loopback()
     gone = f"127.0.0.1:{free_port()}"  # nothing listens there: a pod that went
     names: dict[str, list[str]] = {}

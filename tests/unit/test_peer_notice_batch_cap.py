@@ -8,7 +8,6 @@ handler gets."""
 
 from __future__ import annotations
 
-import os
 import pathlib
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -19,7 +18,7 @@ from relayd_client.wire.proto import relay_pb2 as pb
 from relayd.peer_channel import MAX_FRAME, NO_CHANNEL
 from relayd.peer_notices import _KINDS, MAX_BATCH, MAX_MESSAGE_BYTES, split
 from relayd.transports.loopback import Loopback
-from tests.unit.test_peer_manager import READER, Node, _up, run, until
+from tests.unit.test_peer_manager import READER, Node, _up, peer_token, run, until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -53,9 +52,7 @@ async def nodes(
     tmp_path: pathlib.Path, a_notice_port: int
 ) -> AsyncIterator[tuple[Node, Node, Recorder]]:
     """A (recording what it is told) and B, which dials A, handshaken both ways."""
-    token = tmp_path / "token"
-    token.write_bytes(os.urandom(32).hex().encode())
-    token.chmod(0o600)
+    token = peer_token(tmp_path)
     loopback = Loopback()
     a = Node("a", loopback, token, peer_notice_port=a_notice_port)
     b = Node("b", loopback, token, peers=(a.address,))

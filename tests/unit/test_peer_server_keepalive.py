@@ -11,7 +11,6 @@ silent, as a vanished host does (:class:`tests._grpc_relay.Relay`).
 from __future__ import annotations
 
 import asyncio
-import os
 import pathlib
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -27,7 +26,7 @@ from relayd.rpc.peer_service import PeerService
 from relayd.transports.loopback import Loopback
 from tests._daemon import async_wait_until
 from tests._grpc_relay import ACK, GOAWAY, PING, Relay
-from tests.unit.test_peer_manager import PEER_TIMEOUT, Node
+from tests.unit.test_peer_manager import PEER_TIMEOUT, Node, peer_token
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -60,9 +59,7 @@ async def served(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> AsyncIterator[tuple[Node, Streams, Relay]]:
     """A daemon's Peer service, its Notify calls counted, and a relay to it."""
-    token = tmp_path / "token"
-    token.write_bytes(os.urandom(32).hex().encode())
-    token.chmod(0o600)
+    token = peer_token(tmp_path)
     streams = Streams(monkeypatch)  # before the server takes its handlers
     node = Node("a", Loopback(), token)
     relay = Relay(node.address)

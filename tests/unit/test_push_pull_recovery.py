@@ -26,6 +26,7 @@ from tests.unit.test_peer_manager import (
     Node,
     _sha,
     _up,
+    peer_token,
     pushing_nodes,
     run,
     until,
@@ -224,9 +225,7 @@ def test_a_pull_that_waited_while_its_writer_restarted_reads_nothing_of_the_new_
     first put lies where the old one's did, with the same lease id and
     generation. The pull must fail with StaleEpochError, not hand the reader the
     new daemon's bytes nor free its lease."""
-    token = tmp_path / "token"
-    token.write_bytes(os.urandom(32).hex().encode())
-    token.chmod(0o600)
+    token = peer_token(tmp_path)
     loopback = Loopback()
 
     async def main() -> None:

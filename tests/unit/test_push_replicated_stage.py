@@ -18,6 +18,7 @@ from tests.unit.test_peer_manager import (
     Node,
     _sha,
     _up,
+    peer_token,
     run,
     until,
 )
@@ -26,9 +27,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def test_a_put_whose_stage_two_nodes_serve_is_read_on_either(tmp_path: pathlib.Path) -> None:
-    token = tmp_path / "token"
-    token.write_bytes(os.urandom(32).hex().encode())
-    token.chmod(0o600)
+    token = peer_token(tmp_path)
     loopback = Loopback()
 
     async def main() -> None:
