@@ -354,7 +354,10 @@ class _Inbound(asyncio.BufferedProtocol):
             n = min(len(place) - self.place_filled, self.end - self.start)
             if n == 0:
                 return False
-            place[self.place_filled : self.place_filled + n] = self.buf[self.start : self.start + n]
+            start, filled = self.start, self.place_filled
+            # Through a view: a slice of the buffer itself would copy the bytes once more.
+            with memoryview(self.buf) as unread:
+                place[filled : filled + n] = unread[start : start + n]
             self.place_filled += n
             self.start += n
         return True
