@@ -4,17 +4,19 @@ cancelled connect closes its socket as its task ends, not when it is told to).""
 
 from __future__ import annotations
 
-import asyncio
+import inspect
 import pathlib
 import types
 
 import pytest
 
 from relayd.transports.loopback import Loopback
-from tests._daemon import hanging_port
+from tests._daemon import async_wait_until, hanging_port
 from tests.unit.test_peer_manager import Node, peer_token, run
 
 pytestmark = pytest.mark.timeout(60)
+
+WAIT_S = 10.0
 
 
 def test_close_ends_a_dial_still_connecting(tmp_path: pathlib.Path) -> None:
@@ -31,7 +33,11 @@ def test_close_ends_a_dial_still_connecting(tmp_path: pathlib.Path) -> None:
                 )
                 notifier.ensure_channel(peer)  # type: ignore[arg-type]
                 [dial] = notifier._dialling.values()
-                await asyncio.sleep(0)  # one turn: the connect is under way
+                await async_wait_until(
+                    lambda: inspect.getcoroutinestate(dial.get_coro()) == inspect.CORO_SUSPENDED,
+                    WAIT_S,
+                    "the dial to be connecting",
+                )
                 assert not dial.done()
                 await notifier.close()
                 assert dial.cancelled()
