@@ -124,7 +124,8 @@ class Lease:
         # Publish to ride in it (relayd_client._notices); None once it cannot.
         self.reserve: tuple[pb.SessionFrame, pb.Reserve] | None = None
         # Where its lingering Publish counts its bytes as held back, the frame
-        # it waits in and how many (relayd_client._notices); None once sent.
+        # it waits in and how many (relayd_client._notices); None once taken
+        # back. Left set when that frame goes: taken_back then finds it gone.
         self.held: tuple[HoldsBack, pb.SessionFrame, int] | None = None
 
     @property
