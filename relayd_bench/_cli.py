@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import re
 import signal
 import sys
@@ -167,7 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--profile",
         metavar="DIR",
         help="with --gpu: after the measured transfers, profile a few more on each side "
-        "(cProfile) and write <method>-put.txt and <method>-get.txt to DIR",
+        "(cProfile) and write <method>-put.txt and <method>-get.txt to DIR; otherwise: run "
+        "the daemons the bench starts under cProfile and write DIR/<daemon>.txt, their "
+        "functions per transfer (and DIR/<daemon>.prof, for pstats)",
     )
     p.add_argument(
         "--timeline",
@@ -218,8 +221,18 @@ def _options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Optio
             _netns.check_available()
         except _netns.NetnsUnavailable as exc:
             parser.error(f"--netns: {exc}")
-    if args.timeline and (args.socket or args.reader_socket):
-        parser.error("--timeline starts its own daemons: not with --socket/--reader-socket")
+    for flag, on in (("--timeline", args.timeline), ("--profile", args.profile)):
+        if on and (args.socket or args.reader_socket):
+            parser.error(f"{flag} starts its own daemons: not with --socket/--reader-socket")
+    if args.profile and (args.timeline or args.breakdown):
+        parser.error(
+            "--profile: not with --timeline or --breakdown (each runs the daemons its way)"
+        )
+    if args.profile:
+        try:
+            os.makedirs(args.profile, exist_ok=True)
+        except OSError as exc:
+            parser.error(f"--profile: {exc}")
     rate = None if args.netns_rate.lower() == "none" else args.netns_rate
     if rate is not None and not _RATE_RE.match(rate):
         parser.error(f"--netns-rate: not a tc rate: {rate!r} (examples: 10gbit, 800mbit)")
@@ -244,6 +257,7 @@ def _options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Optio
         netns_rate=rate,
         rounds=args.rounds,
         timeline=args.timeline,
+        profile_dir=os.path.abspath(args.profile) if args.profile else None,
     )
 
 
@@ -319,6 +333,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.write(network + "\n")
     if bench.timeline:
         sys.stdout.write("\n" + bench.timeline)
+    if bench.profiles:
+        sys.stdout.write("daemon profiles: " + " ".join(map(str, bench.profiles)) + "\n")
+    elif opts.profile_dir:
+        sys.stdout.write("daemon profiles: none (the bench started no daemon, or one was killed)\n")
     if args.json:
         run = {
             "argv": list(argv) if argv is not None else sys.argv[1:],

@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from relayd_bench import _coldcall, _daemon, _handoff, _netns, _timeline, _wake
+from relayd_bench import _coldcall, _daemon, _daemon_profile, _handoff, _netns, _timeline, _wake
 from relayd_bench._api import BenchContext, JobSpec, Pace, SizePlan, Step, WriterReport
 from relayd_bench._harness import JobOutcome, run_jobs
 from relayd_bench._progress import Progress
@@ -94,6 +94,7 @@ class Options:
     netns_rate: str | None = None
     rounds: int = 1
     timeline: bool = False  # probes in the cross-node methods' four processes (_timeline)
+    profile_dir: str | None = None  # the daemons the bench starts, under cProfile (_daemon_profile)
 
 
 class Bench:
@@ -122,6 +123,7 @@ class Bench:
         self.link_bytes: tuple[int, int] | None = None  # what each veth end sent, at close
         self.timeline_dir = self.tmpdir / "timeline"
         self.timeline = ""  # --timeline: the tables, once the methods ran
+        self.profiles: list[Path] = []  # --profile: the daemons' reports, once they stopped
 
     def run(self) -> None:
         """Raises ``_netns.NetnsUnavailable`` if ``netns`` is asked for and cannot be set up."""
@@ -154,6 +156,13 @@ class Bench:
             for _, d in named:
                 d.record_transfers()  # for the JSON: what moved over which transport
             _daemon.stop_all([d for _, d in named])
+            if self.opts.profile_dir:
+                moved = {
+                    Path(d.socket).stem: sum((d.transfers or {}).values())
+                    for _, d in named
+                    if d.started
+                }
+                self.profiles = _daemon_profile.write_reports(Path(self.opts.profile_dir), moved)
             for name, d in named:
                 if d.leftover_segments:
                     n = len(d.leftover_segments)
@@ -256,7 +265,12 @@ class Bench:
                 self._start_pair()
             else:
                 self.progress.line("starting relayd serve for the relayd methods")
-                self.daemon = _daemon.start(self.tmpdir, o.shm_pool_size, o.daemon_timeout_s)
+                self.daemon = _daemon.start(
+                    self.tmpdir,
+                    o.shm_pool_size,
+                    o.daemon_timeout_s,
+                    prefix=self._prefix(probes=False),
+                )
         except _daemon.DaemonError as exc:
             self.daemon_error = f"daemon unavailable: {exc}"
         if o.reader_socket and self.reader_daemon is None and self.reader_daemon_error is None:
@@ -280,7 +294,6 @@ class Bench:
         o = self.opts
         where = "one in each network namespace" if self.netns else "on loopback"
         self.progress.line(f"starting two relayd serve, Mooncake peers {where}")
-        prefix = _timeline.daemon_prefix(self.timeline_dir) if o.timeline else []
         try:
             self.daemon, self.reader_daemon = _daemon.start_pair(
                 self.tmpdir,
@@ -288,12 +301,24 @@ class Bench:
                 o.daemon_timeout_s,
                 f"bench-{self.run_id}",
                 self.netns,
-                prefix,
+                self._prefix(),
             )
         except _daemon.DaemonError as exc:
             self.reader_daemon_error = f"peer daemons unavailable: {exc}"
             self._warn(self.reader_daemon_error)
-            self.daemon = _daemon.start(self.tmpdir, o.shm_pool_size, o.daemon_timeout_s)
+            self.daemon = _daemon.start(
+                self.tmpdir, o.shm_pool_size, o.daemon_timeout_s, prefix=self._prefix(probes=False)
+            )
+
+    def _prefix(self, *, probes: bool = True) -> list[str]:
+        """What the daemons the bench starts run through: the timeline's probes
+        (``probes``: a pair's, for the cross-node methods they follow) or the
+        profiler (the options allow one of the two), else nothing."""
+        if self.opts.timeline and probes:
+            return _timeline.daemon_prefix(self.timeline_dir)
+        if self.opts.profile_dir:
+            return _daemon_profile.prefix(Path(self.opts.profile_dir))
+        return []
 
     def _run_methods(self, entries: list[Entry]) -> list[Result]:
         """Each (method, size) in fresh processes, or with reuse one job per kind of process."""

@@ -292,6 +292,35 @@ def _check_timeline(stdout: str, method: str, iterations: int, within: tuple[str
     assert inside and get_returns > max(inside), (method, rows)
 
 
+@requires_mooncake
+def test_profile_reports_each_daemons_python_per_transfer(tmp_path: Path) -> None:
+    """``--profile DIR``: both daemons run under cProfile while they serve, stop
+    cleanly, and each report counts its own transfers; each push is published on
+    the writer's side and handled on the reader's once a transfer."""
+    out = tmp_path / "profiles"
+    doc, stdout = _bench(tmp_path, ["relayd-mooncake"], ["256K"], ["--profile", str(out)])
+    [cell] = doc["results"]
+    _assert_ok(cell)
+    run = doc["run"]
+    reports = {}
+    for role, key in (("writer", "daemon"), ("reader", "reader_daemon")):
+        assert run[key]["exit_code"] == 0 and run[key]["leftover_segments"] == []
+        moved = sum(run[key]["transfers_by_transport"].values())
+        assert moved == cell["warmup"] + cell["iterations"]
+        text = (out / f"relayd-{role}.txt").read_text()
+        assert text.startswith(f"daemon relayd-{role}: {moved} transfers;")
+        assert (out / f"relayd-{role}.prof").stat().st_size > 0
+        assert "importlib" not in text  # profiled while it serves: no start-up
+        reports[role] = text
+    assert f"daemon profiles: {out}/relayd-writer.txt {out}/relayd-reader.txt" in stdout
+
+    def calls(text: str, function: str) -> float:
+        return next(float(line.split()[0]) for line in text.splitlines() if function in line)
+
+    assert calls(reports["writer"], "(on_publish)") == 1.0
+    assert calls(reports["reader"], "(on_notices)") == 1.0
+
+
 def test_quick_relayd_sync_beside_the_async_client(tmp_path: Path) -> None:
     methods = ["floor", "relayd-shm", "relayd-sync"]
     # Four times --quick's transfers: the 1 MiB run outlasts several of the
