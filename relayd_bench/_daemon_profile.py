@@ -37,9 +37,9 @@ TOP = 30
 # teardown or the loop itself.
 MIN_CALLS_PER_TRANSFER = 0.5
 PROFILE_SUFFIX = ".prof"
+REPORT_SUFFIX = ".txt"
 # A function's row: calls, own µs and µs with what it calls, each per transfer; where.
 _Row = tuple[float, float, float, str]
-REPORT_SUFFIX = ".txt"
 
 
 def prefix(out_dir: Path) -> list[str]:
@@ -60,6 +60,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     its profile at exit."""
     out_dir, args = wrapper_args("relayd_bench._daemon_profile", argv)
     path = profile_path(out_dir, args)
+    # An earlier run's profile must not pass for this one's if this daemon is killed.
+    path.unlink(missing_ok=True)
     from relayd import server
     from relayd.cli import main as relayd_main
 

@@ -18,6 +18,8 @@ from typing import Any
 
 import pytest
 
+from relayd_bench import _daemon_profile
+from tests._daemon import Daemon
 from tests._mooncake import NO_MOONCAKE, requires_mooncake
 
 BASELINES = ["floor", "floor-view", "shm-per-transfer", "pickle-uds", "memcpy"]
@@ -319,6 +321,26 @@ def test_profile_reports_each_daemons_python_per_transfer(tmp_path: Path) -> Non
 
     assert calls(reports["writer"], "(on_publish)") == 1.0
     assert calls(reports["reader"], "(on_notices)") == 1.0
+
+
+def test_the_profile_wrapper_drops_an_earlier_profile_then_writes_its_own(
+    tmp_path: Path,
+) -> None:
+    """A daemon killed before it writes its profile must leave no earlier run's in
+    its place (the report would pass it off as this run's): gone once it serves."""
+    out = tmp_path / "profiles"
+    out.mkdir()
+    stale = out / "relayd.prof"
+    stale.write_bytes(b"an earlier run's")
+    d = Daemon(str(tmp_path))
+    d.args = [sys.executable, "-m", "relayd_bench._daemon_profile", str(out), *d.args]
+    d.start()
+    try:
+        assert not stale.exists()
+    finally:
+        assert d.stop() == 0
+    report = _daemon_profile.report(stale, 0, "daemon relayd")  # this run's, and readable
+    assert report.startswith("daemon relayd: 0 transfers;")
 
 
 def test_quick_relayd_sync_beside_the_async_client(tmp_path: Path) -> None:
