@@ -110,9 +110,23 @@ def test_shm_needs_pool_plus_margin(tmp_path: pathlib.Path) -> None:
     assert check_shm_space(settings, free_bytes=80 * MiB - 1) is not None
 
 
-def test_shm_measures_the_given_directory(tmp_path: pathlib.Path) -> None:
-    st = os.statvfs(tmp_path)
-    assert preflight.shm_free_bytes(str(tmp_path)) == st.f_bavail * st.f_frsize
+def test_shm_measures_the_given_directory(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Through a stand-in statvfs: the directory's real free space moves while
+    # other processes write there, between any two measurements of it.
+    asked: list[str] = []
+    real = os.statvfs(tmp_path)
+    fake = os.statvfs_result((*real[:4], 12345, *real[5:]))  # f_bavail
+
+    def statvfs(path: str) -> os.statvfs_result:
+        asked.append(str(path))
+        return fake
+
+    monkeypatch.setattr(preflight.os, "statvfs", statvfs)
+    assert preflight.shm_free_bytes(str(tmp_path)) == 12345 * real.f_frsize
+    assert asked == [str(tmp_path)]
+    monkeypatch.undo()
     small = make_settings(tmp_path, shm_pool_size=128 << 10)
     assert check_shm_space(small, shm_dir=str(tmp_path)) is None
 
