@@ -49,7 +49,6 @@ import asyncio
 import contextlib
 import itertools
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -58,7 +57,7 @@ from typing import Any
 
 import torch
 
-from relayd_bench import _daemon, _lease_steps, _turns
+from relayd_bench import _daemon, _lease_steps, _timeline, _turns
 from relayd_bench._coldcall import COLD_PAUSE_S, median_us
 from relayd_bench._table import fmt_size
 
@@ -355,7 +354,7 @@ def run(sizes: tuple[int, ...], scale: float, socket: str | None, pool: str) -> 
             tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="relayd-bd-")))
             # Through the turn timers: the daemon's side of the table (see _turns).
             turns_file = tmp / "turns.jsonl"
-            wrapper = [sys.executable, "-m", "relayd_bench._turns", str(turns_file)]
+            wrapper = _timeline.wrapper_prefix("relayd_bench._turns", turns_file)
             daemon = _daemon.start(tmp, pool, 30.0, prefix=wrapper)
             stack.callback(daemon.stop)
             socket = daemon.socket

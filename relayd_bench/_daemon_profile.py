@@ -25,12 +25,13 @@ from __future__ import annotations
 import cProfile
 import io
 import pstats
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from relayd_bench._timeline import wrapper_args
+from relayd_bench._timeline import wrapper_args, wrapper_prefix
 
+# As ``python -m`` runs it (its __name__ is "__main__" there).
+MODULE = "relayd_bench._daemon_profile"
 # Rows per table.
 TOP = 30
 # A function counts once it is called this often per transfer; less is setup,
@@ -44,7 +45,12 @@ _Row = tuple[float, float, float, str]
 
 def prefix(out_dir: Path) -> list[str]:
     """What starts a daemon under the profiler (``_daemon.start``'s ``prefix``)."""
-    return [sys.executable, "-m", "relayd_bench._daemon_profile", str(out_dir)]
+    return wrapper_prefix(MODULE, out_dir)
+
+
+def _name(socket: str) -> str:
+    """What a daemon's profile and report are named after: its socket's name."""
+    return Path(socket).stem
 
 
 def profile_path(out_dir: Path, args: Sequence[str]) -> Path:
@@ -52,13 +58,13 @@ def profile_path(out_dir: Path, args: Sequence[str]) -> Path:
     args = list(args)
     if "--socket" not in args or args.index("--socket") + 1 >= len(args):
         raise SystemExit("relayd_bench._daemon_profile: the daemon's --socket names its profile")
-    return out_dir / (Path(args[args.index("--socket") + 1]).stem + PROFILE_SUFFIX)
+    return out_dir / (_name(args[args.index("--socket") + 1]) + PROFILE_SUFFIX)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``DIR python -m relayd ARGS...``: run relayd, profiled while it serves; write
     its profile at exit."""
-    out_dir, args = wrapper_args("relayd_bench._daemon_profile", argv)
+    out_dir, args = wrapper_args(MODULE, argv)
     path = profile_path(out_dir, args)
     # An earlier run's profile must not pass for this one's if this daemon is killed.
     path.unlink(missing_ok=True)
@@ -126,10 +132,11 @@ def report(profile: Path, transfers: int, title: str, top: int = TOP) -> str:
 
 
 def write_reports(out_dir: Path, transfers: dict[str, int]) -> list[Path]:
-    """``DIR/<name>.txt`` for each daemon profile ``DIR/<name>.prof`` named in
-    ``transfers`` (what that daemon moved); the reports written."""
+    """``DIR/<name>.txt`` for each daemon profile ``DIR/<name>.prof``, of the daemons
+    ``transfers`` gives by socket with what each moved; the reports written."""
     written = []
-    for name, moved in transfers.items():
+    for socket, moved in transfers.items():
+        name = _name(socket)
         profile = out_dir / (name + PROFILE_SUFFIX)
         if not profile.exists():  # killed before it could write it
             continue

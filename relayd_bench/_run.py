@@ -157,11 +157,7 @@ class Bench:
                 d.record_transfers()  # for the JSON: what moved over which transport
             _daemon.stop_all([d for _, d in named])
             if self.opts.profile_dir:
-                moved = {
-                    Path(d.socket).stem: sum((d.transfers or {}).values())
-                    for _, d in named
-                    if d.started
-                }
+                moved = {d.socket: sum((d.transfers or {}).values()) for _, d in named if d.started}
                 self.profiles = _daemon_profile.write_reports(Path(self.opts.profile_dir), moved)
             for name, d in named:
                 if d.leftover_segments:

@@ -153,7 +153,13 @@ def install(
 
 def daemon_prefix(out_dir: Path) -> list[str]:
     """What starts a daemon through the probes (``_daemon.start_pair``'s ``prefix``)."""
-    return [sys.executable, "-m", "relayd_bench._timeline", str(out_dir)]
+    return wrapper_prefix("relayd_bench._timeline", out_dir)
+
+
+def wrapper_prefix(module: str, out: Path) -> list[str]:
+    """What starts a daemon through the wrapper ``module`` writing to ``out``
+    (``_daemon.start``'s ``prefix``); the wrapper reads it with :func:`wrapper_args`."""
+    return [sys.executable, "-m", module, str(out)]
 
 
 def wrapper_args(module: str, argv: Sequence[str] | None) -> tuple[Path, list[str]]:

@@ -63,7 +63,8 @@ def test_a_daemon_that_moved_nothing_is_reported_per_call(tmp_path: Path) -> Non
 
 def test_reports_are_written_beside_the_profiles_that_exist(tmp_path: Path) -> None:
     _profile(tmp_path / "relayd-writer.prof", 4)
-    written = _daemon_profile.write_reports(tmp_path, {"relayd-writer": 4, "relayd-reader": 4})
+    sockets = {"/run/x/relayd-writer.sock": 4, "/run/x/relayd-reader.sock": 4}
+    written = _daemon_profile.write_reports(tmp_path, sockets)
     assert written == [tmp_path / "relayd-writer.txt"]  # the reader's was never written
     assert written[0].read_text().startswith("daemon relayd-writer: 4 transfers;")
 
